@@ -1,0 +1,1 @@
+"""batchgen: offline batch LLM pipeline with its own prefill-optimized engine."""

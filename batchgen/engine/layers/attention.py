@@ -1,0 +1,74 @@
+"""Paged attention: the per-step metadata, the backend interface, and the layer that calls it."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import nn
+
+
+@dataclass
+class AttentionMetadata:
+    """Describes one packed step: B sequences, T new tokens in total.
+
+    Sequence i owns new tokens ``cu_seqlens_q[i]:cu_seqlens_q[i+1]`` and attends to
+    ``context_lens[i]`` keys: its cached prefix followed by its new tokens, so
+    ``context_lens[i] - query_len[i]`` tokens are read from the paged cache.
+    """
+
+    cu_seqlens_q: torch.Tensor  # int32 (B+1,)
+    cu_seqlens_k: torch.Tensor  # int32 (B+1,), prefix sums of context_lens
+    context_lens: torch.Tensor  # int32 (B,)
+    max_seqlen_q: int
+    max_seqlen_k: int
+    slot_mapping: torch.Tensor  # int64 (T,): flat cache slot (block * block_size + offset)
+    block_tables: torch.Tensor  # int32 (B, max_blocks), padded with -1
+    query_lens: list[int]  # host copies, to avoid device syncs in the torch backend
+    context_lens_list: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+    @property
+    def has_cached_prefix(self) -> bool:
+        return any(c != q for c, q in zip(self.context_lens_list, self.query_lens))
+
+    @property
+    def decode_only(self) -> bool:
+        return self.max_seqlen_q == 1
+
+
+class AttentionBackend(Protocol):
+    """Stores new K/V into the paged cache and computes causal attention for a packed step.
+
+    Shapes: q (T, Hq, D); k, v (T, Hkv, D); caches (num_blocks, block_size, Hkv, D).
+    Hq must be a multiple of Hkv (GQA). Returns (T, Hq, D).
+    """
+
+    name: str
+
+    def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None: ...
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor: ...
+
+
+class Attention(nn.Module):
+    """Attention over the paged cache; the cache tensors are bound by the model runner."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, backend: AttentionBackend):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = head_dim ** -0.5
+        self.backend = backend
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        assert self.k_cache is not None and self.v_cache is not None, "KV cache not bound"
+        self.backend.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        return self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale)

@@ -1,0 +1,73 @@
+"""Attention backend in plain torch: the CPU path and the reference for the Triton kernels."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from batchgen.engine.layers.attention import AttentionMetadata
+
+
+class TorchAttentionBackend:
+    """Packed varlen attention with SDPA; never builds a padded batch for prefill."""
+
+    name = "torch"
+
+    def store_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
+        num_kv_heads, head_dim = k.shape[1], k.shape[2]
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+        if meta.decode_only:
+            return self._decode(q, k_cache, v_cache, meta, scale)
+        out = torch.empty_like(q)
+        start = 0
+        for i, (q_len, ctx_len) in enumerate(zip(meta.query_lens, meta.context_lens_list)):
+            end = start + q_len
+            if ctx_len == q_len:  # no cached prefix: attend to the fresh k/v directly
+                ks, vs = k[start:end], v[start:end]
+            else:
+                ks, vs = gather_context(k_cache, meta.block_tables[i], ctx_len), \
+                    gather_context(v_cache, meta.block_tables[i], ctx_len)
+            out[start:end] = causal_attention(q[start:end], ks, vs, scale)
+            start = end
+        return out
+
+    def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+        """One query per sequence: gather each context into a padded batch, mask the padding."""
+        batch, max_ctx = meta.num_seqs, meta.max_seqlen_k
+        block_size = k_cache.shape[1]
+        positions = torch.arange(max_ctx, device=q.device)
+        blocks = meta.block_tables[:, : (max_ctx + block_size - 1) // block_size].long().clamp(min=0)
+        slots = blocks.repeat_interleave(block_size, dim=1)[:, :max_ctx] * block_size \
+            + positions % block_size
+        ks = k_cache.flatten(0, 1)[slots]  # (B, max_ctx, Hkv, D)
+        vs = v_cache.flatten(0, 1)[slots]
+        valid = positions[None, :] < meta.context_lens[:, None].to(positions.dtype)
+        mask = valid[:, None, None, :]  # (B, 1, 1, max_ctx)
+        out = F.scaled_dot_product_attention(
+            q.view(batch, 1, -1, q.shape[-1]).transpose(1, 2), ks.transpose(1, 2).to(q.dtype),
+            vs.transpose(1, 2).to(q.dtype), attn_mask=mask, scale=scale,
+            enable_gqa=q.shape[1] != ks.shape[2])
+        return out.transpose(1, 2).reshape(q.shape)
+
+
+def gather_context(cache: torch.Tensor, block_table: torch.Tensor, ctx_len: int) -> torch.Tensor:
+    """The first ctx_len cached tokens of one sequence, as (ctx_len, Hkv, D)."""
+    block_size = cache.shape[1]
+    num_blocks = (ctx_len + block_size - 1) // block_size
+    return cache[block_table[:num_blocks].long()].flatten(0, 1)[:ctx_len]
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of q (Lq, Hq, D) against k/v (Lk, Hkv, D), queries aligned to the end."""
+    q_len, k_len = q.shape[0], k.shape[0]
+    qt, kt, vt = q.transpose(0, 1), k.transpose(0, 1).to(q.dtype), v.transpose(0, 1).to(q.dtype)
+    gqa = q.shape[1] != k.shape[1]
+    if q_len == k_len:
+        out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=gqa)
+    else:
+        offset = k_len - q_len
+        mask = torch.ones(q_len, k_len, dtype=torch.bool, device=q.device).tril(diagonal=offset)
+        out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    return out.transpose(0, 1)

@@ -1,0 +1,22 @@
+"""What the engine returns for each request."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestOutput:
+    """The finished result of one request.
+
+    ``finish_reason`` is "stop" (EOS, a stop id or a stop string), "length" (max_tokens or the model's
+    context) or "error" (the request alone failed; ``error`` says why).
+    """
+
+    request_id: int
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    logprobs: list[float] | None = None
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    error: str | None = None

@@ -1,0 +1,1 @@
+"""Reading and writing Parquet/JSONL on fsspec URLs, and the output commit protocol."""

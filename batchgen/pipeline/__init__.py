@@ -1,0 +1,1 @@
+"""Job spec, prompt rendering, length bucketing and the job runner."""
