@@ -1,0 +1,79 @@
+"""Builds tiny random-weight Hugging Face model folders (config, safetensors, tokenizer) for tests."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Summarize the following article in three sentences.",
+    "Batch inference reads prompts, sorts them by length and writes outputs.",
+    "Numbers like 12345 and 2026 appear in documents, as do names such as Ada and Alan.",
+    "Prefill dominates when prompts are long and outputs are short.",
+] * 20
+
+ARCH_CONFIGS = {
+    "llama": dict(architectures=["LlamaForCausalLM"], model_type="llama",
+                  rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+    "llama-tied": dict(architectures=["LlamaForCausalLM"], model_type="llama", tie_word_embeddings=True),
+    "mistral": dict(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=None),
+    "qwen2": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2"),
+    "qwen3": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3"),
+}
+
+
+def build_tokenizer(out_dir: Path) -> int:
+    """Trains a small byte-level BPE tokenizer with ChatML specials; returns its vocabulary size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
+                                   bos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    fast.chat_template = CHATML
+    fast.save_pretrained(str(out_dir))
+    return tok.get_vocab_size()
+
+
+def build_tiny_model(out_dir: Path | str, arch: str = "llama", seed: int = 0, num_layers: int = 2,
+                     hidden: int = 64, heads: int = 4, kv_heads: int = 2, head_dim: int | None = None,
+                     init_std: float = 0.1, max_position_embeddings: int = 2048) -> Path:
+    """Writes config.json, model.safetensors, tokenizer files and generation_config.json to ``out_dir``."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    vocab = build_tokenizer(out_dir)
+    spec = dict(ARCH_CONFIGS[arch])
+    model_type = spec.pop("model_type")
+    im_end = SPECIAL_TOKENS.index("<|im_end|>")
+    config = AutoConfig.for_model(
+        model_type, vocab_size=vocab + 16, hidden_size=hidden, intermediate_size=2 * hidden,
+        num_hidden_layers=num_layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+        head_dim=head_dim or hidden // heads, max_position_embeddings=max_position_embeddings,
+        initializer_range=init_std, rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=im_end,
+        pad_token_id=0, **spec)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # random norms and biases so that every parameter matters
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+            elif name.endswith(".bias"):
+                p.normal_(0, init_std)
+    model.save_pretrained(str(out_dir))
+    (out_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [im_end]}))
+    return out_dir
