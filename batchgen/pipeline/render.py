@@ -1,0 +1,115 @@
+"""Prompt rendering: a sandboxed Jinja2 template per row, then token ids via the model's tokenizer."""
+from __future__ import annotations
+
+import math
+from typing import Any, Literal, Mapping, Protocol, Sequence
+
+from jinja2 import StrictUndefined, TemplateSyntaxError, UndefinedError, meta
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+TruncateMode = Literal["error", "left", "right"]
+
+_ENV = ImmutableSandboxedEnvironment(undefined=StrictUndefined, autoescape=False)
+
+
+class Tokenizer(Protocol):
+    def encode(self, text: str) -> list[int]: ...
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+
+class RenderError(Exception):
+    """A row that cannot become a prompt; ``code`` is a stable machine-readable reason."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+def check_template(template: str) -> None:
+    """Raises ``ValueError`` naming the line of a Jinja2 syntax error."""
+    try:
+        _ENV.parse(template)
+    except TemplateSyntaxError as e:
+        raise ValueError(f"template syntax error at line {e.lineno}: {e.message}") from None
+
+
+def required_columns(template: str) -> set[str]:
+    """Input columns the template reads (variables it uses but does not define itself)."""
+    names = meta.find_undeclared_variables(_ENV.parse(template))
+    return {n for n in names if n not in _ENV.globals}
+
+
+def _is_null(value: Any) -> bool:
+    # Parquet written from pandas stores missing floats as NaN rather than null.
+    return value is None or (isinstance(value, float) and math.isnan(value))
+
+
+class PromptRenderer:
+    """Turns input rows into prompt token ids; any per-row failure raises :class:`RenderError`."""
+
+    def __init__(self, template: str, system: str | None, chat: bool, tokenizer: Tokenizer) -> None:
+        check_template(template)
+        self.template = _ENV.from_string(template)
+        self.columns = required_columns(template)
+        self.system = system
+        self.chat = chat
+        self.tokenizer = tokenizer
+
+    def render_text(self, row: Mapping[str, Any]) -> str:
+        """The rendered user prompt, before any chat template."""
+        for col in sorted(self.columns):
+            if col in row and _is_null(row[col]):
+                raise RenderError("null_value", f"column '{col}' is null")
+        try:
+            text = self.template.render(dict(row))
+        except UndefinedError as e:
+            # Absent columns are left to Jinja so that `is defined` and `| default(...)` keep working.
+            missing = sorted(c for c in self.columns if c not in row)
+            if missing:
+                names = ", ".join(f"'{c}'" for c in missing)
+                what = f"column {names} is" if len(missing) == 1 else f"columns {names} are"
+                raise RenderError("missing_column", f"{what} missing") from None
+            raise RenderError("template_error", f"UndefinedError: {e}") from None
+        except Exception as e:  # noqa: BLE001 - any template failure is this row's error
+            raise RenderError("template_error", f"{type(e).__name__}: {e}") from None
+        if not text.strip():
+            raise RenderError("empty_prompt", "rendered prompt is empty")
+        return text
+
+    def messages(self, text: str) -> list[dict]:
+        msgs = [{"role": "system", "content": self.system}] if self.system else []
+        return msgs + [{"role": "user", "content": text}]
+
+    def render(self, row: Mapping[str, Any]) -> list[int]:
+        """Token ids of the row's prompt, chat-wrapped when ``chat`` is set."""
+        text = self.render_text(row)
+        try:
+            if self.chat:
+                ids = self.tokenizer.apply_chat_template(self.messages(text), add_generation_prompt=True)
+            else:
+                ids = self.tokenizer.encode(text)
+        except Exception as e:  # noqa: BLE001 - e.g. a character the tokenizer cannot handle
+            raise RenderError("tokenizer_error", f"{type(e).__name__}: {e}") from None
+        return list(ids)
+
+
+def truncate(ids: Sequence[int], max_prompt_tokens: int, mode: TruncateMode) -> list[int]:
+    """Fits a prompt into ``max_prompt_tokens``.
+
+    "left" keeps the last tokens (the end of a chat prompt, where the generation prompt sits); "right"
+    keeps the first ones, which for a chat prompt also cuts the assistant header.
+    """
+    n = len(ids)
+    if n <= max_prompt_tokens:
+        return list(ids)
+    if mode == "error":
+        raise RenderError("prompt_too_long", f"prompt has {n} tokens > max {max_prompt_tokens}")
+    if mode == "left":
+        return list(ids[n - max_prompt_tokens:])
+    if mode == "right":
+        return list(ids[:max_prompt_tokens])
+    raise ValueError(f"unknown truncate mode {mode!r}")
