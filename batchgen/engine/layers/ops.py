@@ -23,7 +23,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
                  cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Neox-style rotary on q (T, Hq, D) and k (T, Hkv, D); cache rows are [cos | sin] of width D."""
+    """Neox-style rotary on q (T, Hq, D) and k (T, Hkv, D); cache rows are [cos | sin], D/2 each."""
     cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)
     cos, sin = cos[:, None, :], sin[:, None, :]
 

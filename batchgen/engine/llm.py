@@ -1,0 +1,85 @@
+"""The public entry point: ``LLM(model).generate(prompts, params)`` and its streaming form."""
+from __future__ import annotations
+
+from typing import Any, Iterable, Iterator, Sequence as Seq
+
+from tqdm import tqdm
+
+from batchgen.engine.config import EngineConfig
+from batchgen.engine.llm_engine import LLMEngine
+from batchgen.engine.outputs import RequestOutput
+from batchgen.engine.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """Offline generation over a model folder, a GGUF file or a built-in name.
+
+    >>> llm = LLM("smollm2-135m-instruct", dtype="bfloat16", device="cpu")
+    >>> llm.generate(["Hello"], SamplingParams(max_tokens=8, temperature=0))[0].text
+    """
+
+    def __init__(self, model: str, dtype: str = "bfloat16", device: str = "auto",
+                 max_num_batched_tokens: int = 8192, max_num_seqs: int = 256,
+                 max_model_len: int | None = None, **engine_options: Any):
+        self.config = EngineConfig(model=model, dtype=dtype, device=device,
+                                   max_num_batched_tokens=max_num_batched_tokens,
+                                   max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                                   **engine_options)
+        self.engine = LLMEngine(self.config)
+        self.tokenizer = self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def _token_ids(self, prompt: Prompt) -> list[int]:
+        return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+
+    def generate(self, prompts: Seq[Prompt], params: SamplingParams | Seq[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Generates for every prompt; outputs come back in the prompts' order."""
+        params = params or SamplingParams()
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        elif len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        outputs: list[RequestOutput | None] = [None] * len(prompts)
+        bar = tqdm(total=len(prompts), disable=not use_tqdm, desc="generate")
+        for index, out in self.generate_stream((i, p, sp) for i, (p, sp) in enumerate(zip(prompts, params))):
+            outputs[index] = out
+            bar.update(1)
+        bar.close()
+        return outputs  # type: ignore[return-value]
+
+    def generate_stream(self, requests: Iterable[tuple[Any, Prompt, SamplingParams]],
+                        max_pending: int | None = None) -> Iterator[tuple[Any, RequestOutput]]:
+        """Yields ``(key, output)`` as each request finishes, pulling requests lazily.
+
+        At most ``max_pending`` requests (default: twice ``max_num_seqs``) are inside the engine at once, so
+        the caller's iterator is read only as fast as the engine can take work, and the engine is never idle
+        while requests remain.
+        """
+        limit = max_pending or 2 * self.config.max_num_seqs
+        source = iter(requests)
+        keys: dict[int, Any] = {}
+        exhausted = False
+        while True:
+            while not exhausted and self.engine.num_unfinished < limit:
+                item = next(source, None)
+                if item is None:
+                    exhausted = True
+                    break
+                key, prompt, params = item
+                added = self.engine.add_request(self._token_ids(prompt), params)
+                if isinstance(added, RequestOutput):
+                    yield key, added
+                else:
+                    keys[added.seq_id] = key
+            if not self.engine.has_unfinished():
+                if exhausted:
+                    return
+                continue
+            for out in self.engine.step():
+                yield keys.pop(out.request_id), out

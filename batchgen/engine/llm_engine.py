@@ -1,0 +1,117 @@
+"""The engine loop: admits requests, schedules steps, runs the model and finishes sequences."""
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+
+from batchgen.engine.block_manager import BlockManager
+from batchgen.engine.config import EngineConfig, ModelConfig
+from batchgen.engine.loader import load_model_source
+from batchgen.engine.model_runner import ModelRunner
+from batchgen.engine.outputs import RequestOutput
+from batchgen.engine.sampling_params import SamplingParams
+from batchgen.engine.scheduler import Scheduler
+from batchgen.engine.sequence import Sequence
+from batchgen.engine.stopping import finish_reason, output_text
+
+log = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    """Step-driven engine: ``add_request`` then ``step`` until ``has_unfinished`` is False."""
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        source = load_model_source(config.model, config.storage_options)
+        self.model_config = ModelConfig.from_hf(source.config)
+        self.tokenizer = source.tokenizer
+        self.max_model_len = self._max_model_len(self.model_config)
+        self.runner = ModelRunner(config, self.model_config, source, self.max_model_len)
+        if self.runner.kv_capacity_tokens < self.max_model_len:
+            log.warning("KV cache holds %d tokens; max_model_len lowered from %d",
+                        self.runner.kv_capacity_tokens, self.max_model_len)
+            self.max_model_len = self.runner.kv_capacity_tokens
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size,
+                                          config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs)
+        self.eos_ids = frozenset(self._eos_ids(source))
+        self._ids = itertools.count()
+        self._seed_rng = random.Random()
+        self.num_prompt_tokens_computed = 0
+
+    def _max_model_len(self, cfg: ModelConfig) -> int:
+        limit = cfg.max_position_embeddings
+        if cfg.sliding_window:
+            limit = min(limit, cfg.sliding_window)  # within the window, attention is plain causal
+        if self.config.max_model_len is not None:
+            if self.config.max_model_len > limit:
+                raise ValueError(f"max_model_len {self.config.max_model_len} exceeds the model's "
+                                 f"limit of {limit} tokens")
+            return self.config.max_model_len
+        return limit
+
+    def _eos_ids(self, source) -> list[int]:
+        eos = source.generation_config.get("eos_token_id", source.config.get("eos_token_id"))
+        ids = eos if isinstance(eos, list) else ([eos] if eos is not None else [])
+        return list(ids) + list(getattr(self.tokenizer, "eos_token_ids", None) or [])
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams) -> Sequence | RequestOutput:
+        """Queues a request; a prompt the engine cannot take comes back at once as an error output."""
+        seq_id = next(self._ids)
+        error = None
+        if not prompt_token_ids:
+            error = "empty prompt"
+        elif len(prompt_token_ids) > self.max_model_len:
+            error = (f"prompt has {len(prompt_token_ids)} tokens, more than max_model_len "
+                     f"{self.max_model_len}")
+        elif max(prompt_token_ids) >= self.model_config.vocab_size or min(prompt_token_ids) < 0:
+            error = f"prompt has token ids outside the vocabulary (0..{self.model_config.vocab_size - 1})"
+        if error:
+            return RequestOutput(seq_id, list(prompt_token_ids), finish_reason="error", error=error)
+        seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(62)
+        seq = Sequence(seq_id, list(prompt_token_ids), params, seed=seed)
+        self.scheduler.add(seq)
+        return seq
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @property
+    def num_unfinished(self) -> int:
+        return self.scheduler.num_unfinished
+
+    def step(self) -> list[RequestOutput]:
+        """Runs one scheduled step; returns the requests that finished in it."""
+        scheduled = self.scheduler.schedule()
+        if not scheduled:
+            return []
+        tokens, logprobs = self.runner.run(scheduled)
+        finished: list[RequestOutput] = []
+        row = 0
+        for s in scheduled:
+            seq = s.seq
+            if seq.num_completion_tokens == 0:
+                self.num_prompt_tokens_computed += s.num_new_tokens
+            seq.num_computed_tokens += s.num_new_tokens
+            if not s.sample:
+                continue
+            seq.token_ids.append(tokens[row])
+            if seq.params.logprobs:
+                seq.logprobs.append(logprobs[row])
+            row += 1
+            reason = finish_reason(seq, self.eos_ids, self.max_model_len, self.tokenizer)
+            if reason:
+                seq.finish_reason = reason
+                self.scheduler.finish(seq)
+                finished.append(self._output(seq))
+        if finished:
+            self.scheduler.drop_finished()
+        return finished
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        return RequestOutput(
+            request_id=seq.seq_id, prompt_token_ids=seq.token_ids[:seq.num_prompt_tokens],
+            token_ids=seq.completion_token_ids, text=output_text(seq, self.tokenizer),
+            finish_reason=seq.finish_reason, logprobs=list(seq.logprobs) if seq.params.logprobs else None,
+            num_cached_tokens=seq.num_cached_tokens)

@@ -1,0 +1,103 @@
+"""Runs one scheduled step: packs tokens, runs the model, samples the next tokens."""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from batchgen.engine.config import EngineConfig, ModelConfig
+from batchgen.engine.kv_cache import allocate_kv_cache, bytes_per_block, kv_budget_bytes
+from batchgen.engine.layers.attention import AttentionMetadata
+from batchgen.engine.layers.ops import default_backend, make_kernel_set
+from batchgen.engine.model_source import ModelSource
+from batchgen.engine.models.llama import LlamaForCausalLM
+from batchgen.engine.sampler import SamplingBatch, sample
+from batchgen.engine.scheduler import ScheduledSeq
+
+log = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    """Owns the model weights and the KV cache on one device."""
+
+    def __init__(self, engine: EngineConfig, model_cfg: ModelConfig, source: ModelSource, max_model_len: int):
+        self.engine, self.model_cfg = engine, model_cfg
+        self.device, self.dtype = engine.torch_device(), engine.torch_dtype
+        self.block_size = engine.block_size
+        backend = engine.attention_backend or default_backend(self.device)
+        self.kernels = make_kernel_set(backend)
+        with torch.device(self.device):
+            model = LlamaForCausalLM(model_cfg, self.kernels, max_positions=max_model_len)
+        model.load_weights(source.weights())
+        self.model = model.to(self.dtype).eval()
+        self.model.cos_sin = self.model.cos_sin.float()  # rotary tables stay in fp32
+        reserve = engine.max_num_batched_tokens * model_cfg.intermediate_size * 2 * 4 \
+            + engine.max_num_seqs * model_cfg.vocab_size * 4 * 4
+        budget = kv_budget_bytes(engine, self.device, reserve)
+        self.num_blocks = max(1, budget // bytes_per_block(model_cfg, self.block_size, self.dtype))
+        allocate_kv_cache(self.model, model_cfg, self.num_blocks, self.block_size, self.dtype, self.device)
+        log.info("model %s: %s on %s, attention backend %s", source.name, engine.dtype, self.device, backend)
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def prepare(self, scheduled: list[ScheduledSeq]):
+        """Packs the step into flat tensors: no padding between sequences."""
+        input_ids: list[int] = []
+        query_lens, context_lens, starts, logits_rows = [], [], [], []
+        for s in scheduled:
+            start = s.seq.num_computed_tokens
+            end = start + s.num_new_tokens
+            input_ids += s.seq.token_ids[start:end]
+            query_lens.append(s.num_new_tokens)
+            context_lens.append(end)
+            starts.append(start)
+            if s.sample:
+                logits_rows.append(len(input_ids) - 1)
+        max_blocks = max(len(s.seq.block_table) for s in scheduled)
+        tables = [s.seq.block_table + [-1] * (max_blocks - len(s.seq.block_table)) for s in scheduled]
+        dev = self.device
+        q_lens = torch.tensor(query_lens, dtype=torch.int64)
+        seq_index = torch.repeat_interleave(torch.arange(len(scheduled)), q_lens)
+        cu_q = torch.zeros(len(scheduled) + 1, dtype=torch.int64)
+        torch.cumsum(q_lens, 0, out=cu_q[1:])
+        positions = torch.arange(len(input_ids)) - cu_q[seq_index] + torch.tensor(starts)[seq_index]
+        block_tables = torch.tensor(tables, dtype=torch.int32)
+        slots = block_tables[seq_index, positions // self.block_size].long() * self.block_size \
+            + positions % self.block_size
+        ctx = torch.tensor(context_lens, dtype=torch.int32)
+        cu_k = torch.zeros(len(scheduled) + 1, dtype=torch.int32)
+        torch.cumsum(ctx, 0, out=cu_k[1:])
+        meta = AttentionMetadata(
+            cu_seqlens_q=cu_q.to(torch.int32).to(dev), cu_seqlens_k=cu_k.to(dev), context_lens=ctx.to(dev),
+            max_seqlen_q=max(query_lens), max_seqlen_k=max(context_lens), slot_mapping=slots.to(dev),
+            block_tables=block_tables.to(dev), query_lens=query_lens, context_lens_list=context_lens)
+        return (torch.tensor(input_ids, device=dev), positions.to(dev), meta,
+                torch.tensor(logits_rows, device=dev, dtype=torch.int64))
+
+    def sampling_batch(self, scheduled: list[ScheduledSeq]) -> SamplingBatch:
+        seqs = [s.seq for s in scheduled if s.sample]
+        params = [s.params for s in seqs]
+        dev = self.device
+        return SamplingBatch(
+            temperatures=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev),
+            top_ks=torch.tensor([p.top_k for p in params], dtype=torch.int64, device=dev),
+            top_ps=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev),
+            seeds=torch.tensor([s.seed for s in seqs], dtype=torch.int64, device=dev),
+            steps=torch.tensor([s.num_completion_tokens for s in seqs], dtype=torch.int64, device=dev),
+            want_logprobs=any(p.logprobs for p in params),
+            all_greedy=all(p.temperature == 0 for p in params),
+            any_top_k_or_p=any(p.top_k > 0 or p.top_p < 1 for p in params),
+        )
+
+    @torch.inference_mode()
+    def run(self, scheduled: list[ScheduledSeq]) -> tuple[list[int], list[float] | None]:
+        """One forward over the packed step; returns sampled tokens for the rows that sample."""
+        input_ids, positions, meta, logits_rows = self.prepare(scheduled)
+        if len(logits_rows) == 0:
+            self.model(input_ids, positions, meta, logits_rows)
+            return [], None
+        logits = self.model(input_ids, positions, meta, logits_rows)
+        tokens, logprobs = sample(logits, self.sampling_batch(scheduled))
+        return tokens.tolist(), (logprobs.tolist() if logprobs is not None else None)

@@ -1,0 +1,78 @@
+"""Batched sampling: greedy, temperature, top-k, top-p, with per-request seeds that do not depend on the batch."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_MASK32 = 0xFFFFFFFF
+_MUL = 0x45D9F3B  # < 2**31, so products of 32-bit values never overflow int64
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (xor-shift-multiply rounds) on int64 tensors holding uint32 values."""
+    x = ((x >> 16) ^ x) * _MUL & _MASK32
+    x = ((x >> 16) ^ x) * _MUL & _MASK32
+    return (x >> 16) ^ x
+
+
+def seeded_uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Uniform (0, 1) noise of shape (rows, vocab) that depends only on (seed, step, token id).
+
+    A counter-based generator instead of torch.Generator: a request's noise is the same whichever batch
+    it runs in, and the whole batch is drawn in one vectorized call.
+    """
+    row = _mix32(_mix32(seeds & _MASK32) ^ ((seeds >> 32) & _MASK32))
+    row = _mix32(row ^ (steps & _MASK32))
+    cols = _mix32(torch.arange(vocab_size, device=seeds.device, dtype=torch.int64) * 2654435761 & _MASK32)
+    bits = _mix32(row[:, None] ^ cols[None, :])
+    return (bits.to(torch.float64) + 0.5).div_(2.0 ** 32).to(torch.float32)
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling settings for one step, as tensors on the logits' device."""
+
+    temperatures: torch.Tensor  # float32 (R,); 0 = greedy
+    top_ks: torch.Tensor  # int64 (R,); 0 = off
+    top_ps: torch.Tensor  # float32 (R,)
+    seeds: torch.Tensor  # int64 (R,)
+    steps: torch.Tensor  # int64 (R,): index of the token being generated
+    want_logprobs: bool
+    all_greedy: bool
+    any_top_k_or_p: bool
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Returns (token ids (R,), raw log-probabilities of those tokens or None)."""
+    logits = logits.float()
+    greedy_tokens = logits.argmax(dim=-1)
+    if batch.all_greedy:
+        tokens = greedy_tokens
+    else:
+        temps = batch.temperatures.clamp(min=1e-5)[:, None]
+        scaled = logits / temps
+        if batch.any_top_k_or_p:
+            scaled = _apply_top_k_top_p(scaled, batch.top_ks, batch.top_ps)
+        probs = scaled.softmax(dim=-1)
+        noise = seeded_uniform(batch.seeds, batch.steps, logits.shape[-1])
+        # Exponential race: argmax(p / E) with E ~ Exp(1) draws a token with probability p.
+        sampled = probs.div_(-noise.log_()).argmax(dim=-1)
+        tokens = torch.where(batch.temperatures == 0, greedy_tokens, sampled)
+    logprobs = None
+    if batch.want_logprobs:
+        logprobs = logits.log_softmax(dim=-1).gather(1, tokens[:, None]).squeeze(1)
+    return tokens, logprobs
+
+
+def _apply_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
+    """Masks tokens outside each row's top-k and top-p nucleus with -inf."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    vocab = logits.shape[-1]
+    ranks = torch.arange(vocab, device=logits.device)[None, :]
+    k = torch.where(top_ks > 0, top_ks, vocab)[:, None]
+    sorted_logits = sorted_logits.masked_fill(ranks >= k, float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs  # keep a token while the mass before it is < top_p
+    sorted_logits = sorted_logits.masked_fill(mass_before >= top_ps[:, None], float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter_(1, order, sorted_logits)

@@ -1,0 +1,100 @@
+"""Continuous batching: picks each step's tokens under a token budget, preempting when the cache is full."""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from batchgen.engine.block_manager import BlockManager
+from batchgen.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledSeq:
+    """``num_new_tokens`` of ``seq`` are computed this step; ``sample`` when they reach its last token."""
+
+    seq: Sequence
+    num_new_tokens: int
+    sample: bool
+
+
+class Scheduler:
+    """Running sequences first (decodes and unfinished prompt chunks), then new prompts, in chunks.
+
+    Running sequences keep their order; when blocks run out the newest running sequence is preempted:
+    its blocks are freed and it is recomputed later (its cached prefix blocks may survive).
+    """
+
+    def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int, max_num_seqs: int):
+        self.block_manager = block_manager
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def schedule(self) -> list[ScheduledSeq]:
+        budget = self.max_num_batched_tokens
+        scheduled: list[ScheduledSeq] = []
+        preemptions_before = self.num_preemptions
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            if not self._make_room(seq, min(seq.num_tokens - seq.num_computed_tokens, budget)):
+                break
+            scheduled.append(self._schedule_chunk(seq, budget))
+            budget -= scheduled[-1].num_new_tokens
+            i += 1
+        preempted = self.num_preemptions != preemptions_before
+        while (not preempted and self.waiting and budget > 0
+               and len(self.running) < self.max_num_seqs
+               and self.block_manager.can_admit(self.waiting[0])):
+            seq = self.waiting.popleft()
+            self.block_manager.admit(seq)
+            if seq.num_preemptions == 0:
+                seq.num_cached_tokens = seq.num_computed_tokens
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            scheduled.append(self._schedule_chunk(seq, budget))
+            budget -= scheduled[-1].num_new_tokens
+        return scheduled
+
+    def _schedule_chunk(self, seq: Sequence, budget: int) -> ScheduledSeq:
+        n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+        end = seq.num_computed_tokens + n
+        self.block_manager.allocate(seq, end)
+        self.block_manager.mark_scheduled(seq, end)
+        return ScheduledSeq(seq, n, sample=end == seq.num_tokens)
+
+    def _make_room(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Preempt the newest running sequences until ``seq``'s next chunk fits; False if ``seq`` itself had to go."""
+        need = seq.num_computed_tokens + num_new_tokens
+        while self.block_manager.blocks_needed(seq, need) > self.block_manager.num_free_blocks:
+            victim = self.running.pop()
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free_seq(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def finish(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.FINISHED
+        self.block_manager.free_seq(seq)
+
+    def drop_finished(self) -> None:
+        self.running = [s for s in self.running if not s.is_finished]

@@ -1,0 +1,52 @@
+"""A request's state inside the engine: its tokens, KV blocks and progress."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum, auto
+
+from batchgen.engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+@dataclass
+class Sequence:
+    """Tokens are the prompt followed by generated tokens; ``num_computed_tokens`` have KV in the cache."""
+
+    seq_id: int
+    token_ids: list[int]
+    params: SamplingParams
+    seed: int
+    num_prompt_tokens: int = 0
+    status: SequenceStatus = SequenceStatus.WAITING
+    block_table: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_hashed_blocks: int = 0  # leading blocks registered in the prefix cache
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
+    num_preemptions: int = 0
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_text_len: int | None = None  # where the text is cut when a stop string matched
+
+    def __post_init__(self) -> None:
+        self.num_prompt_tokens = len(self.token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def completion_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return self.num_tokens - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
