@@ -1,0 +1,302 @@
+"""Job spec: YAML with ${ENV} interpolation and --set overrides, validated by pydantic, every error at once."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal, Mapping, Sequence, get_origin
+
+import yaml
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
+
+from batchgen.pipeline.render import check_template
+
+KeyPath = tuple[str | int, ...]
+
+
+class SpecError(Exception):
+    """An invalid job spec; ``errors`` holds one ``"key.path: message"`` line per problem."""
+
+    def __init__(self, errors: list[str]) -> None:
+        super().__init__("\n".join(errors))
+        self.errors = errors
+
+
+# A list of non-empty strings; a lone string is taken as a list of one.
+OneOrMany = Annotated[list[Annotated[str, Field(min_length=1)]],
+                      BeforeValidator(lambda v: [v] if isinstance(v, str) else v)]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelSpec(_Section):
+    """``path``: a built-in model name, a local folder or .gguf file, or an fsspec URL."""
+
+    path: str = Field(min_length=1)
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    max_model_len: int | None = Field(default=None, ge=1)
+
+
+class InputSpec(_Section):
+    """``path``: URLs or globs. Without ``id_column`` rows get stable ``"<file>:<row>"`` ids in column "id"."""
+
+    path: OneOrMany = Field(min_length=1)
+    format: Literal["auto", "parquet", "jsonl"] = "auto"
+    id_column: str | None = None
+
+
+class PromptSpec(_Section):
+    """A Jinja2 template over the row's columns; ``chat`` wraps it in the model's chat template."""
+
+    system: str | None = None
+    template: str = Field(min_length=1)
+    chat: bool = True
+
+    @field_validator("template")
+    @classmethod
+    def _parses(cls, v: str) -> str:
+        check_template(v)
+        return v
+
+
+class SamplingSpec(_Section):
+    """Mirrors the engine's SamplingParams; ``temperature=0`` is greedy."""
+
+    max_tokens: int = Field(default=128, ge=1)
+    temperature: float = Field(default=0.0, ge=0.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0)
+    seed: int | None = 0
+    stop: OneOrMany = []
+
+
+class BatchingSpec(_Section):
+    """Token budgets; ``sort_window`` rows are read ahead and sorted by prompt length unless ``sort`` is false."""
+
+    max_batch_tokens: int = Field(default=16384, ge=1)
+    sort_window: int = Field(default=4096, ge=1)
+    max_prompt_tokens: int = Field(default=4096, ge=1)
+    truncate: Literal["error", "left", "right"] = "error"
+    max_num_seqs: int = Field(default=256, ge=1)
+    sort: bool = True
+
+
+class OutputSpec(_Section):
+    """A folder URL; ``carry_columns`` are input columns copied to each output row."""
+
+    path: str = Field(min_length=1)
+    format: Literal["parquet", "jsonl"] = "parquet"
+    carry_columns: OneOrMany = []
+
+
+_SECRET_KEY = re.compile(r"^key$|secret|token|password|passwd|credential|private_key|api_key", re.IGNORECASE)
+_URL_PASSWORD = re.compile(r"(?P<head>[a-zA-Z][\w+.-]*://[^/:@\s]*:)[^/@\s]+(?=@)")
+
+
+def _redact(value: Any, key: str = "") -> Any:
+    if key and _SECRET_KEY.search(key) and value is not None:
+        return "***"  # whole value: e.g. gcsfs takes a service-account dict as `token`
+    if isinstance(value, dict):
+        return {k: _redact(v, str(k)) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_redact(v) for v in value]
+    return value
+
+
+def _redact_url(url: str) -> str:
+    return _URL_PASSWORD.sub(r"\g<head>***", url)
+
+
+class JobSpec(_Section):
+    """A validated job. Relative input/output paths stay relative to the working directory."""
+
+    name: str = Field(min_length=1)
+    model: ModelSpec
+    input: InputSpec
+    prompt: PromptSpec
+    sampling: SamplingSpec = Field(default_factory=SamplingSpec)
+    batching: BatchingSpec = Field(default_factory=BatchingSpec)
+    output: OutputSpec
+    storage_options: dict[str, Any] = {}
+    max_error_rate: float = Field(default=1.0, ge=0.0, le=1.0)  # above this fraction of error rows, exit 1
+
+    def resolved(self) -> dict:
+        """The spec as plain data, with credentials in storage_options and in URL passwords replaced by "***"."""
+        data = self.model_dump(mode="json")
+        data["storage_options"] = _redact(data["storage_options"])
+        data["model"]["path"] = _redact_url(data["model"]["path"])
+        data["input"]["path"] = [_redact_url(p) for p in data["input"]["path"]]
+        data["output"]["path"] = _redact_url(data["output"]["path"])
+        return data
+
+    def digest(self) -> str:
+        """sha256 of the canonical JSON of :meth:`resolved`: the redacted form, so the digest is safe to log
+        and two runs that differ only in credentials share it."""
+        canon = json.dumps(self.resolved(), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+        return hashlib.sha256(canon.encode()).hexdigest()
+
+
+def _fmt(path: KeyPath) -> str:
+    out = ""
+    for part in path:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "<spec>"
+
+
+def _known_path(keys: list[str]) -> bool:
+    """Whether ``keys`` names a JobSpec field, or anything below the free-form storage_options."""
+    model: type[BaseModel] = JobSpec
+    for i, key in enumerate(keys):
+        if key not in model.model_fields:
+            return False
+        field_type = model.model_fields[key].annotation
+        if get_origin(field_type) is dict or i == len(keys) - 1:
+            return True
+        if not (isinstance(field_type, type) and issubclass(field_type, BaseModel)):
+            return False
+        model = field_type
+    return True
+
+
+def _parse_value(text: str) -> Any:
+    """A YAML scalar or flow collection; anything else (``Be brief: one line``, bad YAML) stays a string."""
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+    if isinstance(value, (dict, list)) and not text.lstrip().startswith(("{", "[")):
+        return text
+    return value
+
+
+def apply_overrides(data: dict, overrides: Sequence[str], errors: list[str]) -> None:
+    """Applies ``a.b=value`` overrides in place; the value is read as a YAML scalar or flow collection."""
+    for item in overrides:
+        dotted, sep, raw = item.partition("=")
+        keys = dotted.strip().split(".")
+        if not sep or not all(keys):
+            errors.append(f"--set {item}: expected KEY.PATH=VALUE")
+            continue
+        if not _known_path(keys):
+            errors.append(f"--set {dotted}: unknown key")
+            continue
+        node = data
+        for i, key in enumerate(keys[:-1]):
+            child = node.setdefault(key, {})
+            if child is None:
+                child = node[key] = {}
+            if not isinstance(child, dict):
+                errors.append(f"--set {dotted}: {'.'.join(keys[: i + 1])} is not a mapping")
+                break
+            node = child
+        else:
+            node[keys[-1]] = _parse_value(raw)
+
+
+_REF = re.compile(r"(\$?)\$\{([^}]*)\}")
+_NAME = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)(?::-(.*))?$", re.DOTALL)
+
+
+def _interpolate_str(s: str, env: Mapping[str, str], path: KeyPath, errors: dict[KeyPath, str]) -> str:
+    def sub(m: re.Match) -> str:
+        if m.group(1):
+            return m.group(0)[1:]
+        ref = _NAME.match(m.group(2))
+        if not ref:
+            errors[path] = f"invalid variable reference {m.group(0)}"
+            return m.group(0)
+        name, default = ref.groups()
+        value = env.get(name)
+        if value is None or (value == "" and default is not None):
+            if default is None:
+                errors[path] = f"environment variable {name} is not set"
+                return m.group(0)
+            return default
+        return value
+
+    return _REF.sub(sub, s)
+
+
+def interpolate(value: Any, env: Mapping[str, str], errors: dict[KeyPath, str], path: KeyPath = ()) -> Any:
+    """Replaces ``${VAR}`` / ``${VAR:-default}`` (default also when empty) in every string value.
+
+    ``$${...}`` stands for a literal ``${...}``; any other ``$`` is left alone.
+    """
+    if isinstance(value, dict):
+        return {k: interpolate(v, env, errors, path + (str(k),)) for k, v in value.items()}
+    if isinstance(value, list):
+        return [interpolate(v, env, errors, path + (i,)) for i, v in enumerate(value)]
+    if isinstance(value, str):
+        return _interpolate_str(value, env, path, errors)
+    return value
+
+
+def _describe(err: dict) -> str:
+    kind = err["type"]
+    if kind == "extra_forbidden":
+        return "unknown key"
+    if kind == "missing":
+        return "required key is missing"
+    if kind in ("model_type", "model_attributes_type", "dict_type"):
+        return "expected a mapping"
+    msg = err["msg"].removeprefix("Value error, ")
+    value = err.get("input")
+    if isinstance(value, (str, int, float, bool)) and kind != "value_error":
+        shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+        msg += f" (got {shown})"
+    return msg
+
+
+def spec_from_dict(data: Any, overrides: Sequence[str] = (), env: Mapping[str, str] | None = None) -> JobSpec:
+    """Validates raw spec data: overrides first, then ``${...}`` interpolation, then the schema."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise SpecError([f"<spec>: expected a mapping at the top level, got {type(data).__name__}"])
+    data = json.loads(json.dumps(data, default=str))  # a private, plain copy (YAML dates become strings)
+    errors: list[str] = []
+    apply_overrides(data, overrides, errors)
+    env_errors: dict[KeyPath, str] = {}
+    data = interpolate(data, os.environ if env is None else env, env_errors)
+    errors += [f"{_fmt(p)}: {m}" for p, m in env_errors.items()]
+    spec = None
+    try:
+        spec = JobSpec.model_validate(data)
+    except ValidationError as e:
+        for err in e.errors():
+            loc = tuple(err["loc"])
+            # A field whose ${VAR} failed already has its error; its raw text would only add noise.
+            if not any(loc[: len(p)] == p for p in env_errors):
+                errors.append(f"{_fmt(loc)}: {_describe(err)}")
+    if errors or spec is None:
+        raise SpecError(errors)
+    return spec
+
+
+def load_spec(path: str, overrides: Sequence[str] = (), env: Mapping[str, str] | None = None) -> JobSpec:
+    """Reads a YAML job spec (``yaml.safe_load``); ``name`` defaults to the file's stem.
+
+    Raises :class:`SpecError` listing every problem, one per line with its key path.
+    """
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as e:
+        raise SpecError([f"{path}: cannot read spec: {e.strerror or e}"]) from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else path
+        problem = getattr(e, "problem", None) or str(e).replace("\n", " ")
+        raise SpecError([f"{where}: invalid YAML: {problem}"]) from None
+    if isinstance(data, dict) and "name" not in data:
+        data["name"] = Path(path).stem
+    return spec_from_dict(data, overrides, env)
+
+
+__all__ = ["JobSpec", "SpecError", "load_spec", "spec_from_dict"]

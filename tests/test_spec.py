@@ -1,0 +1,226 @@
+"""Job spec loading: validation, ${ENV} interpolation, --set overrides, redaction and the digest."""
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from batchgen.pipeline.render import required_columns
+from batchgen.pipeline.spec import JobSpec, SpecError, load_spec, spec_from_dict
+
+JOBS = Path(__file__).resolve().parent.parent / "jobs"
+
+MINIMAL = textwrap.dedent("""\
+    model:
+      path: smollm2-135m-instruct
+    input:
+      path: data/in.jsonl
+    prompt:
+      template: |
+        Summarize: {{ text }}
+    output:
+      path: out/x/
+""")
+
+
+def write(tmp_path: Path, text: str, name: str = "job.yaml") -> str:
+    p = tmp_path / name
+    p.write_text(text)
+    return str(p)
+
+
+def errors_of(fn, *args, **kwargs) -> list[str]:
+    with pytest.raises(SpecError) as info:
+        fn(*args, **kwargs)
+    assert str(info.value) == "\n".join(info.value.errors)
+    return info.value.errors
+
+
+def test_minimal_spec_defaults(tmp_path):
+    spec = load_spec(write(tmp_path, MINIMAL, "my-job.yaml"), env={})
+    assert spec.name == "my-job"
+    assert spec.input.path == ["data/in.jsonl"]  # relative paths are kept as written
+    assert spec.output.path == "out/x/"
+    assert spec.prompt.template == "Summarize: {{ text }}\n"
+    assert spec.model.dtype == "bfloat16" and spec.model.device == "auto" and spec.model.max_model_len is None
+    assert spec.sampling.max_tokens == 128 and spec.sampling.temperature == 0.0 and spec.sampling.seed == 0
+    b = spec.batching
+    assert (b.max_batch_tokens, b.sort_window, b.max_prompt_tokens, b.truncate, b.max_num_seqs, b.sort) == (
+        16384, 4096, 4096, "error", 256, True)
+    assert spec.output.format == "parquet" and spec.output.carry_columns == []
+    assert spec.storage_options == {} and spec.max_error_rate == 1.0
+
+
+def test_every_error_reported_with_its_path(tmp_path):
+    text = textwrap.dedent("""\
+        name: bad
+        model: {path: m, dtype: fp8, flavour: x}
+        input: {path: [in.jsonl, 3], format: csv}
+        prompt: {template: "{{ text }", chat: maybe}
+        sampling: {max_tokens: 0, top_p: 1.5, stop: [""]}
+        batching: {sort_windw: 10, truncate: middle}
+        output: {path: out/, format: xml}
+        max_error_rate: 2
+        extra_top: 1
+    """)
+    errs = errors_of(load_spec, write(tmp_path, text), overrides=["sampling.nope=1", "batching.max_num_seqs=-1"],
+                     env={})
+    expected_prefixes = [
+        "--set sampling.nope: unknown key",
+        "model.dtype: ", "model.flavour: unknown key",
+        "input.path[1]: ", "input.format: ",
+        "prompt.template: template syntax error at line 1", "prompt.chat: ",
+        "sampling.max_tokens: ", "sampling.top_p: ", "sampling.stop[0]: String should have at least 1 character",
+        "batching.sort_windw: unknown key", "batching.truncate: ", "batching.max_num_seqs: ",
+        "output.format: ", "max_error_rate: ", "extra_top: unknown key",
+    ]
+    for prefix in expected_prefixes:
+        assert any(e.startswith(prefix) for e in errs), (prefix, errs)
+    assert len(errs) == len(expected_prefixes), errs
+    assert "(got 'fp8')" in next(e for e in errs if e.startswith("model.dtype"))
+
+
+def test_missing_required_keys_and_wrong_shapes():
+    errs = errors_of(spec_from_dict, {"name": "x", "model": "just-a-string", "prompt": {}}, env={})
+    assert "model: expected a mapping" in errs
+    assert "input: required key is missing" in errs
+    assert "output: required key is missing" in errs
+    assert "prompt.template: required key is missing" in errs
+    assert errors_of(spec_from_dict, ["a", "list"]) == [
+        "<spec>: expected a mapping at the top level, got list"]
+
+
+def test_unreadable_and_malformed_files(tmp_path):
+    assert "cannot read spec" in errors_of(load_spec, str(tmp_path / "nope.yaml"))[0]
+    assert "invalid YAML" in errors_of(load_spec, write(tmp_path, "model: [unclosed\n"))[0]
+    # safe_load only: python tags are refused, not executed
+    assert "invalid YAML" in errors_of(load_spec, write(tmp_path, "name: !!python/object/apply:os.getcwd []\n"))[0]
+
+
+def test_env_interpolation(tmp_path):
+    text = MINIMAL.replace("data/in.jsonl", "${DATA_DIR}/in.jsonl").replace(
+        "out/x/", "${OUT:-out/default}/${NAME_SUFFIX:-}").replace(
+        "Summarize:", "Cost in $$ and $${LITERAL}:") + "sampling: {max_tokens: '${MAXTOK:-8}'}\n"
+    spec = load_spec(write(tmp_path, text), env={"DATA_DIR": "s3://bucket/data", "OUT": ""})
+    assert spec.input.path == ["s3://bucket/data/in.jsonl"]
+    assert spec.output.path == "out/default/"  # ':-' also replaces an empty value, like the shell
+    assert spec.prompt.template.startswith("Cost in $$ and ${LITERAL}:")
+    assert spec.sampling.max_tokens == 8
+
+
+def test_unset_env_var_is_an_error_naming_the_key(tmp_path):
+    text = MINIMAL.replace("data/in.jsonl", "[a.jsonl, '${MISSING}/b.jsonl']") + \
+        "storage_options: {client_kwargs: {endpoint_url: '${ENDPOINT}'}, bad: '${not valid}'}\n"
+    errs = errors_of(load_spec, write(tmp_path, text), env={})
+    assert errs == [
+        "input.path[1]: environment variable MISSING is not set",
+        "storage_options.client_kwargs.endpoint_url: environment variable ENDPOINT is not set",
+        "storage_options.bad: invalid variable reference ${not valid}",
+    ]
+
+
+def test_os_environ_is_the_default_env(tmp_path, monkeypatch):
+    monkeypatch.setenv("BATCHGEN_TEST_MODEL", "/models/tiny")
+    spec = load_spec(write(tmp_path, MINIMAL.replace("smollm2-135m-instruct", "${BATCHGEN_TEST_MODEL}")))
+    assert spec.model.path == "/models/tiny"
+
+
+def test_overrides(tmp_path):
+    spec = load_spec(write(tmp_path, MINIMAL), overrides=[
+        "sampling.max_tokens=8",
+        "output.carry_columns=[title, author]",
+        "batching.sort=false",
+        "prompt.system=Be brief: one line.",  # not valid YAML: taken as the plain string
+        "input.path=[a.parquet, 'b/*.parquet']",
+        "storage_options.client_kwargs.endpoint_url=http://localhost:9000",
+        "model.max_model_len=2048",
+        "prompt.template={{ body }}",
+    ], env={})
+    assert spec.sampling.max_tokens == 8
+    assert spec.output.carry_columns == ["title", "author"]
+    assert spec.batching.sort is False
+    assert spec.prompt.system == "Be brief: one line."
+    assert spec.input.path == ["a.parquet", "b/*.parquet"]
+    assert spec.storage_options == {"client_kwargs": {"endpoint_url": "http://localhost:9000"}}
+    assert spec.model.max_model_len == 2048
+    assert spec.prompt.template == "{{ body }}"
+
+
+def test_override_errors(tmp_path):
+    path = write(tmp_path, MINIMAL)
+    errs = errors_of(load_spec, path, overrides=[
+        "batching.sort_windw=5", "sampling.max_tokens.deep=1", "nokey", "=3", "sampling.max_tokens=lots"], env={})
+    assert errs == [
+        "--set batching.sort_windw: unknown key",
+        "--set sampling.max_tokens.deep: unknown key",
+        "--set nokey: expected KEY.PATH=VALUE",
+        "--set =3: expected KEY.PATH=VALUE",
+        "sampling.max_tokens: Input should be a valid integer, unable to parse string as an integer (got 'lots')",
+    ]
+
+
+def test_override_then_interpolate_lets_set_replace_an_unset_reference(tmp_path):
+    path = write(tmp_path, MINIMAL.replace("out/x/", "${OUT_DIR}"))
+    assert load_spec(path, overrides=["output.path=elsewhere/"], env={}).output.path == "elsewhere/"
+
+
+SECRETS = {
+    "key": "AKIA123", "secret": "s3cr3t", "anon": False,
+    "client_kwargs": {"endpoint_url": "http://minio:9000", "aws_secret_access_key": "x", "aws_session_token": "t"},
+    "token": {"type": "service_account", "private_key": "pem"}, "password": "pw",
+}
+
+
+def spec_with(storage_options: dict, **over) -> JobSpec:
+    data = {"name": "j", "model": {"path": "m"}, "input": {"path": "https://user:pw@host/data.jsonl"},
+            "prompt": {"template": "{{ text }}"}, "output": {"path": "out/"}, "storage_options": storage_options}
+    data.update(over)
+    return spec_from_dict(data, env={})
+
+
+def test_resolved_redacts_credentials():
+    spec = spec_with(SECRETS)
+    res = spec.resolved()
+    assert res["storage_options"] == {
+        "key": "***", "secret": "***", "anon": False,
+        "client_kwargs": {"endpoint_url": "http://minio:9000", "aws_secret_access_key": "***",
+                          "aws_session_token": "***"},
+        "token": "***", "password": "***",
+    }
+    assert res["input"]["path"] == ["https://user:***@host/data.jsonl"]
+    assert spec.storage_options["key"] == "AKIA123"  # the spec itself keeps the real values
+    assert res["sampling"]["max_tokens"] == 128 and res["batching"]["sort"] is True
+    for secret in ("AKIA123", "s3cr3t", "pem", "pw@"):
+        assert secret not in str(res) and secret not in spec.digest()
+
+
+def test_digest_is_stable_and_ignores_only_secrets():
+    a = spec_with(SECRETS)
+    assert a.digest() == spec_with(dict(SECRETS)).digest()
+    assert len(a.digest()) == 64
+    assert a.digest() == spec_with({**SECRETS, "secret": "rotated"}).digest()
+    assert a.digest() != spec_with(SECRETS, name="other").digest()
+    assert a.digest() != spec_with({**SECRETS, "anon": True}).digest()
+
+
+@pytest.mark.parametrize("job", ["summarize.yaml", "extract.yaml"])
+def test_example_jobs_load_and_fit_their_data(job):
+    spec = load_spec(str(JOBS / job), env={})
+    assert spec.model.path == "smollm2-135m-instruct"
+    assert spec.input.path == ["jobs/data/articles.jsonl"]
+    assert spec.output.path == f"out/{spec.name}/"
+    assert spec.sampling.max_tokens <= 128
+    rows = [json.loads(line) for line in (JOBS / "data" / "articles.jsonl").read_text().splitlines()]
+    assert len({r["id"] for r in rows}) == len(rows) >= 10
+    needed = required_columns(spec.prompt.template) | set(spec.output.carry_columns) | {spec.input.id_column}
+    for r in rows:
+        assert needed <= r.keys()
+        assert 150 <= len(r["text"].split()) <= 600, r["id"]
+    assert load_spec(str(JOBS / job), env={"BATCHGEN_OUT": "/tmp/o"}).output.path == f"/tmp/o/{spec.name}/"
+
+
+def test_yaml_error_names_the_line(tmp_path):
+    err = errors_of(load_spec, write(tmp_path, MINIMAL + "sampling: {max_tokens: 1\n"))[0]
+    assert err.startswith(f"{tmp_path / 'job.yaml'}:11:") and "invalid YAML" in err
