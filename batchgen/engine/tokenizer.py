@@ -56,7 +56,7 @@ class Tokenizer:
     """Encodes, decodes and renders chat prompts; behaves like the equivalent HF fast tokenizer."""
 
     def __init__(self, tokenizer: _HFTokenizer, *, bos_token: str | None = None,
-                 eos_tokens: Sequence[str] = (), pad_token: str | None = None,
+                 eos_tokens: Sequence[str] = (), pad_token: str | None = None, unk_token: str | None = None,
                  chat_template: str | None = None, add_bos_token: bool | None = None,
                  add_eos_token: bool | None = None, clean_up_tokenization_spaces: bool = False,
                  extra_special_tokens: Sequence[str] = ()) -> None:
@@ -64,11 +64,13 @@ class Tokenizer:
         self.bos_token = bos_token
         self.eos_token = eos_tokens[0] if eos_tokens else None
         self.pad_token = pad_token
+        self.unk_token = unk_token
         self.chat_template = chat_template
         self.clean_up_tokenization_spaces = clean_up_tokenization_spaces
-        named = [t for t in (bos_token, *eos_tokens, pad_token, *extra_special_tokens) if t]
-        missing = [t for t in dict.fromkeys(named) if tokenizer.token_to_id(t) is None]
-        if missing:  # HF adds declared special tokens that tokenizer.json lacks
+        named = [t for t in (bos_token, *eos_tokens, unk_token, pad_token, *extra_special_tokens) if t]
+        added = {t.content for t in tokenizer.get_added_tokens_decoder().values()}
+        missing = [t for t in dict.fromkeys(named) if t not in added]
+        if missing:  # like HF: declared special tokens are always matched whole and skipped on decode
             tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in missing])
         self._eos_ids = [i for i in (tokenizer.token_to_id(t) for t in eos_tokens) if i is not None]
         # Like HF: explicit add_bos/add_eos flags (or no post-processor at all) replace the post-processor.
@@ -109,7 +111,8 @@ class Tokenizer:
         extra = [s for s in (_token_str(t) for t in extra) if s]
         return cls(tok, bos_token=_token_str(cfg.get("bos_token")),
                    eos_tokens=[t for t in [_token_str(cfg.get("eos_token"))] if t],
-                   pad_token=_token_str(cfg.get("pad_token")), chat_template=template,
+                   pad_token=_token_str(cfg.get("pad_token")), unk_token=_token_str(cfg.get("unk_token")),
+                   chat_template=template,
                    add_bos_token=cfg.get("add_bos_token"), add_eos_token=cfg.get("add_eos_token"),
                    clean_up_tokenization_spaces=bool(cfg.get("clean_up_tokenization_spaces", False)),
                    extra_special_tokens=extra)
@@ -117,7 +120,9 @@ class Tokenizer:
     @classmethod
     def from_gguf(cls, source: Any) -> "Tokenizer":
         """Rebuilds the tokenizer from GGUF metadata; ``source`` is a path, a GGUFReader or its fields."""
-        raise NotImplementedError("GGUF tokenizers are not supported yet")
+        from batchgen.engine.gguf_tokenizer import tokenizer_from_gguf
+
+        return tokenizer_from_gguf(source)
 
     # ---- properties ---------------------------------------------------------------------------------
     @property

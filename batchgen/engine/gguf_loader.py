@@ -1,0 +1,169 @@
+"""Loads a GGUF file as a ModelSource: HF-style config, lazily dequantized HF-named weights, tokenizer."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Iterator, Mapping
+
+import numpy as np
+import torch
+
+from batchgen.engine.gguf_tokenizer import field_value, gguf_fields
+from batchgen.engine.model_source import ModelSource
+from batchgen.engine.tokenizer import Tokenizer
+
+ARCHITECTURES = {
+    "llama": ("llama", "LlamaForCausalLM"),
+    "qwen2": ("qwen2", "Qwen2ForCausalLM"),
+    "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+}
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.bias": "self_attn.o_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+# Tensors llama.cpp needs but an HF model does not (precomputed rope frequency factors).
+_SKIPPED = {"rope_freqs.weight"}
+_BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
+
+
+def hf_tensor_name(gguf_name: str) -> str | None:
+    """The HF parameter name for a GGUF tensor name, or None for tensors HF models do not have."""
+    if gguf_name in _SKIPPED:
+        return None
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    m = _BLOCK.fullmatch(gguf_name)
+    if m and m.group(2) in _LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    raise ValueError(f"GGUF tensor {gguf_name!r} has no known Hugging Face equivalent")
+
+
+def _as_int(value: Any, key: str) -> int | None:
+    if isinstance(value, list):  # per-layer values: only uniform ones map to an HF config
+        if len(set(value)) != 1:
+            raise ValueError(f"GGUF metadata {key} varies per layer ({value}); not supported")
+        value = value[0]
+    return None if value is None else int(value)
+
+
+def gguf_config(fields: Mapping[str, Any], tensors: Mapping[str, Any]) -> dict:
+    """An HF ``config.json``-style dict from GGUF metadata (and tensor shapes)."""
+    arch = field_value(fields, "general.architecture")
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: {', '.join(ARCHITECTURES)}")
+    model_type, hf_class = ARCHITECTURES[arch]
+
+    def get(key: str, default: Any = None) -> Any:
+        return field_value(fields, f"{arch}.{key}", default)
+
+    hidden = _as_int(get("embedding_length"), "embedding_length")
+    heads = _as_int(get("attention.head_count"), "attention.head_count")
+    kv_heads = _as_int(get("attention.head_count_kv", heads), "attention.head_count_kv")
+    head_dim = _as_int(get("attention.key_length"), "attention.key_length") or hidden // heads
+    embed = tensors["token_embd.weight"]
+    config: dict[str, Any] = {
+        "architectures": [hf_class],
+        "model_type": model_type,
+        "hidden_size": hidden,
+        "intermediate_size": _as_int(get("feed_forward_length"), "feed_forward_length"),
+        "num_hidden_layers": _as_int(get("block_count"), "block_count"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(get("rope.freq_base", 10000.0)),
+        "max_position_embeddings": _as_int(get("context_length", 2048), "context_length"),
+        "vocab_size": int(embed.shape[-1]),  # GGUF shapes list the fastest-varying dimension first
+        "tie_word_embeddings": "output.weight" not in tensors,
+    }
+    rope_dims = get("rope.dimension_count")
+    if rope_dims is not None and int(rope_dims) != head_dim:
+        config["partial_rotary_factor"] = int(rope_dims) / head_dim
+    scaling = get("rope.scaling.type")
+    if scaling and scaling != "none":
+        config["rope_scaling"] = {"rope_type": scaling, "factor": float(get("rope.scaling.factor", 1.0))}
+        original = get("rope.scaling.original_context_length")
+        if original is not None:
+            config["rope_scaling"]["original_max_position_embeddings"] = int(original)
+    if model_type != "qwen2":  # Qwen2 always has q/k/v biases; the others say so in the config
+        config["attention_bias"] = "blk.0.attn_q.bias" in tensors
+    for key, meta in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
+                      ("pad_token_id", "padding_token_id")):
+        value = field_value(fields, f"tokenizer.ggml.{meta}")
+        if value is not None:
+            config[key] = int(value)
+    return config
+
+
+def _unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undoes llama.cpp's Q/K row interleaving (its rotary pairs adjacent dims, HF's pairs halves)."""
+    rows = w.shape[0]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def dequantize_tensor(tensor: Any) -> torch.Tensor:
+    """A GGUF reader tensor as float32 torch, in HF (row-major, slowest dimension first) shape."""
+    import gguf
+
+    qtype = tensor.tensor_type
+    if qtype in (gguf.GGMLQuantizationType.I8, gguf.GGMLQuantizationType.I16,
+                 gguf.GGMLQuantizationType.I32, gguf.GGMLQuantizationType.I64):
+        raise ValueError(f"GGUF tensor {tensor.name!r} has integer type {qtype.name}; expected float weights")
+    try:
+        array = gguf.quants.dequantize(tensor.data, qtype)
+    except NotImplementedError as exc:
+        raise ValueError(f"GGUF tensor {tensor.name!r} uses type {qtype.name}, which cannot be dequantized "
+                         f"({exc})") from None
+    shape = [int(d) for d in reversed(tensor.shape)]
+    return torch.from_numpy(np.array(array, dtype=np.float32).reshape(shape))
+
+
+def iter_gguf_weights(reader: Any, config: dict) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yields ``(hf_name, float32 tensor)``, dequantizing one tensor at a time."""
+    unpermute = config["model_type"] == "llama"
+    for tensor in reader.tensors:
+        name = hf_tensor_name(tensor.name)
+        if name is None:
+            continue
+        weight = dequantize_tensor(tensor)
+        if unpermute and name.endswith(("q_proj.weight", "q_proj.bias")):
+            weight = _unpermute(weight, config["num_attention_heads"])
+        elif unpermute and name.endswith(("k_proj.weight", "k_proj.bias")):
+            weight = _unpermute(weight, config["num_key_value_heads"])
+        yield name, weight
+
+
+def load_gguf(path: str) -> ModelSource:
+    """Reads a GGUF file's metadata now; weights are dequantized when iterated."""
+    import gguf
+
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"GGUF file {path!r} does not exist")
+    reader = gguf.GGUFReader(path)
+    fields = gguf_fields(reader)
+    config = gguf_config(fields, {t.name: t for t in reader.tensors})
+    tokenizer = Tokenizer.from_gguf(reader)
+    eos_ids = tokenizer.eos_token_ids or ([config["eos_token_id"]] if "eos_token_id" in config else [])
+    return ModelSource(config=config, weights=lambda: iter_gguf_weights(reader, config), tokenizer=tokenizer,
+                       generation_config={"eos_token_id": eos_ids} if eos_ids else {},
+                       name=str(field_value(fields, "general.name", Path(path).stem)))
