@@ -1,1 +1,19 @@
 """Reading and writing Parquet/JSONL on fsspec URLs, and the output commit protocol."""
+
+from batchgen.io.errors import InputError, OutputError
+from batchgen.io.paths import expand_inputs, redact, storage_options_for
+from batchgen.io.readers import InputRow, read_columns, read_rows
+from batchgen.io.writer import OutputWriter, read_output
+
+__all__ = [
+    "InputError",
+    "InputRow",
+    "OutputError",
+    "OutputWriter",
+    "expand_inputs",
+    "read_columns",
+    "read_output",
+    "read_rows",
+    "redact",
+    "storage_options_for",
+]

@@ -1,0 +1,128 @@
+"""Input path expansion, per-URL storage options (AWS env, retries) and credential redaction."""
+
+from __future__ import annotations
+
+import copy
+import os
+from typing import Any
+
+import fsspec
+from fsspec.core import split_protocol
+
+from batchgen.io.errors import InputError
+from batchgen.io.redaction import redact, remember_secrets_in
+from batchgen.io.retry import retry
+
+__all__ = ["expand_inputs", "redact", "storage_options_for", "filesystem", "DATA_SUFFIXES"]
+
+S3_PROTOCOLS = ("s3", "s3a")
+# botocore "standard" mode retries connection errors, 500/502/503/504 and throttling (SlowDown);
+# s3fs wraps each call in its own retry loop on top (5 attempts, not configurable per instance).
+DEFAULT_BOTO_RETRIES = {"max_attempts": 6, "mode": "standard"}
+_CREDENTIAL_OPTIONS = ("key", "secret", "token", "username", "password", "anon", "profile", "session")
+_GLOB_CHARS = "*?["
+DATA_SUFFIXES = (".parquet", ".pq", ".jsonl", ".json", ".ndjson")
+
+
+def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(base)
+    for k, v in override.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _merge(out[k], v)
+        else:
+            out[k] = copy.deepcopy(v)
+    return out
+
+
+def storage_options_for(url: str, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """fsspec options for url: the job's options, plus AWS environment settings and retries for S3.
+
+    Explicit options win over the environment; environment credentials are only used when the job
+    gives none of its own.
+    """
+    opts = copy.deepcopy(dict(storage_options or {}))
+    protocol, _ = split_protocol(url)
+    if protocol in S3_PROTOCOLS:
+        env = os.environ
+        base: dict[str, Any] = {}
+        endpoint = env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL")
+        if endpoint:
+            base["endpoint_url"] = endpoint
+        if not any(k in opts for k in _CREDENTIAL_OPTIONS):
+            if env.get("AWS_ACCESS_KEY_ID") and env.get("AWS_SECRET_ACCESS_KEY"):
+                base["key"] = env["AWS_ACCESS_KEY_ID"]
+                base["secret"] = env["AWS_SECRET_ACCESS_KEY"]
+                if env.get("AWS_SESSION_TOKEN"):
+                    base["token"] = env["AWS_SESSION_TOKEN"]
+        region = env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION")
+        if region:
+            base["client_kwargs"] = {"region_name": region}
+        opts = _merge(base, opts)
+        config = dict(opts.get("config_kwargs") or {})
+        config.setdefault("retries", dict(DEFAULT_BOTO_RETRIES))
+        opts["config_kwargs"] = config
+    remember_secrets_in(opts)
+    return opts
+
+
+def filesystem(url: str, storage_options: dict[str, Any] | None = None) -> tuple[fsspec.AbstractFileSystem, str]:
+    """(filesystem, path inside it) for url, with storage_options_for applied."""
+    return fsspec.core.url_to_fs(url, **storage_options_for(url, storage_options))
+
+
+def _hidden_below(root: str, path: str) -> bool:
+    """Whether a folder or file name of path below root starts with '_' or '.'."""
+    return any(seg.startswith(("_", ".")) for seg in path[len(root.rstrip("/")):].split("/"))
+
+
+def _full_url(original: str, fs: fsspec.AbstractFileSystem, path: str) -> str:
+    protocol, _ = split_protocol(original)
+    if protocol is None and "::" not in original:
+        return os.path.abspath(path)  # plain local path in, plain absolute path out
+    return fs.unstrip_protocol(path)
+
+
+def _is_data_file(path: str) -> bool:
+    name = path.lower()
+    for ext in (".gz", ".bz2", ".xz", ".zst", ".lzma"):
+        name = name.removesuffix(ext)
+    return name.endswith(DATA_SUFFIXES)
+
+
+def _expand_one(url: str, storage_options: dict[str, Any] | None) -> list[str]:
+    try:
+        fs, path = filesystem(url, storage_options)
+        if any(c in path for c in _GLOB_CHARS):
+            found = retry(lambda: fs.glob(path, detail=True), what=f"glob {url}")
+            fixed = path[: min(path.index(c) for c in _GLOB_CHARS if c in path)].rsplit("/", 1)[0]
+            paths = [p for p, info in found.items()
+                     if info.get("type") != "directory" and not _hidden_below(fixed, p)]
+        elif retry(lambda: fs.isdir(path), what=f"isdir {url}"):
+            # a folder stands for the data files under it, as written by OutputWriter or Spark
+            found = retry(lambda: fs.find(path), what=f"list {url}")
+            paths = [p for p in found if _is_data_file(p) and not _hidden_below(path, p)]
+        elif retry(lambda: fs.isfile(path), what=f"stat {url}"):
+            paths = [path]
+        else:
+            paths = []
+    except InputError:
+        raise
+    except Exception as exc:
+        raise InputError(redact(f"cannot list input {url}: {type(exc).__name__}: {exc}")) from exc
+    if not paths:
+        raise InputError(redact(f"input path matches no files: {url}"))
+    return [_full_url(url, fs, p) for p in paths]
+
+
+def expand_inputs(paths: str | list[str], storage_options: dict[str, Any] | None = None) -> list[str]:
+    """Expand URLs, globs and folders into a sorted, de-duplicated list of full file URLs.
+
+    Raises InputError naming any path or glob that matches nothing.
+    """
+    items = [paths] if isinstance(paths, str) else list(paths)
+    if not items:
+        raise InputError("no input paths given")
+    urls: set[str] = set()
+    for item in items:
+        urls.update(_expand_one(str(item), storage_options))
+    return sorted(urls)

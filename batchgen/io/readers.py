@@ -1,0 +1,220 @@
+"""Streaming readers for Parquet and JSONL inputs, one InputRow at a time, in bounded memory."""
+
+from __future__ import annotations
+
+import json
+import posixpath
+import random
+import time
+from contextlib import closing
+from dataclasses import dataclass
+from typing import Any, Callable, Generator, Iterator
+
+import pyarrow.parquet as pq
+from fsspec.utils import infer_compression
+
+from batchgen.io.errors import InputError
+from batchgen.io.paths import filesystem, redact
+from batchgen.io.retry import is_transient, retry
+
+__all__ = ["InputRow", "read_rows", "read_columns", "detect_format"]
+
+PARQUET_SUFFIXES = (".parquet", ".pq")
+JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
+_FORMAT_ALIASES = {"parquet": "parquet", "pq": "parquet", "jsonl": "jsonl", "json": "jsonl", "ndjson": "jsonl"}
+# Reopen attempts after a transient error in the middle of a file (s3fs has already retried each call).
+_STREAM_ATTEMPTS = 4
+_COLUMN_SAMPLE_OBJECTS = 100
+_COLUMN_SAMPLE_LINES = 1000
+
+
+@dataclass
+class InputRow:
+    """One input row; error is set (and values is {}) when the row could not be parsed."""
+
+    row_id: str
+    values: dict[str, Any]
+    source: str
+    index: int
+    error: str | None = None
+
+
+def detect_format(url: str, fmt: str = "auto") -> str:
+    """'parquet' or 'jsonl' for url: fmt when given, else from the extension (after .gz etc.)."""
+    if fmt != "auto":
+        try:
+            return _FORMAT_ALIASES[fmt.lower()]
+        except KeyError:
+            raise InputError(f"unknown input format {fmt!r}; use parquet or jsonl") from None
+    name = url.lower()
+    if infer_compression(name):
+        name = name.rsplit(".", 1)[0]
+    if name.endswith(PARQUET_SUFFIXES):
+        return "parquet"
+    if name.endswith(JSONL_SUFFIXES):
+        return "jsonl"
+    raise InputError(redact(f"cannot tell the format of {url} from its extension; set the input format"))
+
+
+def _row_names(files: list[str]) -> dict[str, str]:
+    """Stable per-file labels for default row ids: basenames, or paths relative to the common folder
+    when two files share a basename."""
+    bases = {f: posixpath.basename(f.rstrip("/")) for f in files}
+    if len(set(bases.values())) == len(files):
+        return bases
+    common = posixpath.commonpath([f.split("://", 1)[-1] for f in files]) if len(files) > 1 else ""
+    return {f: posixpath.relpath(f.split("://", 1)[-1], common) if common else f for f in files}
+
+
+def _backoff(attempt: int) -> None:
+    time.sleep(min(5.0, 0.2 * 2 ** attempt) * (0.5 + random.random() / 2))
+
+
+def _open(url: str, storage_options: dict | None, compression: str | None = None):
+    fs, path = filesystem(url, storage_options)
+    try:
+        return retry(lambda: fs.open(path, "rb", compression=compression), what=f"open {url}")
+    except FileNotFoundError:
+        raise InputError(redact(f"input file not found: {url}")) from None
+    except Exception as exc:
+        raise InputError(redact(f"cannot open input {url}: {type(exc).__name__}: {exc}")) from exc
+
+
+def _resumable(url: str, produce: Callable[[int], Iterator[Any]], what: str) -> Generator[Any, None, None]:
+    """Yield from produce(skip), reopening after transient errors and skipping what was yielded."""
+    done, attempt = 0, 0
+    while True:
+        try:
+            for item in produce(done):
+                done += 1
+                yield item
+            return
+        except InputError:
+            raise
+        except Exception as exc:
+            if attempt >= _STREAM_ATTEMPTS or not is_transient(exc):
+                raise InputError(redact(f"cannot read {what} {url}: {type(exc).__name__}: {exc}")) from exc
+            _backoff(attempt)
+            attempt += 1
+
+
+def _jsonl_lines(url: str, storage_options: dict | None) -> Generator[bytes, None, None]:
+    """Every raw line of a (possibly compressed) JSONL file, blank and malformed ones included."""
+    compression = infer_compression(url)
+
+    def produce(skip: int) -> Iterator[bytes]:
+        with _open(url, storage_options, compression) as f:
+            for lineno, raw in enumerate(f):
+                if lineno >= skip:
+                    yield raw
+
+    return _resumable(url, produce, "JSONL file")
+
+
+def _parse_line(raw: bytes, url: str, lineno: int) -> tuple[dict | None, str | None]:
+    """(object, None), (None, error) or (None, None) for a blank line."""
+    where = f"{redact(url)} line {lineno + 1}"
+    try:
+        text = raw.decode("utf-8-sig" if lineno == 0 else "utf-8")
+    except UnicodeDecodeError as exc:
+        return None, f"{where}: invalid UTF-8 at byte {exc.start}"
+    if not text.strip():
+        return None, None
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as exc:
+        return None, f"{where}: malformed JSON: {exc.msg} at column {exc.colno}"
+    if not isinstance(obj, dict):
+        return None, f"{where}: expected a JSON object, got {type(obj).__name__}"
+    return obj, None
+
+
+def _jsonl_records(url: str, storage_options: dict | None) -> Iterator[tuple[int, dict, str | None]]:
+    for lineno, raw in enumerate(_jsonl_lines(url, storage_options)):
+        obj, error = _parse_line(raw, url, lineno)
+        if obj is not None or error is not None:
+            yield lineno, obj or {}, error
+
+
+def _parquet_records(url: str, storage_options: dict | None, batch_rows: int
+                     ) -> Iterator[tuple[int, dict, str | None]]:
+    def produce(skip: int) -> Iterator[dict]:
+        with _open(url, storage_options) as f:
+            try:
+                pf = pq.ParquetFile(f)
+            except Exception as exc:
+                if is_transient(exc):
+                    raise
+                raise InputError(redact(f"corrupt or unreadable Parquet file {url}: {exc}")) from exc
+            first, start = 0, 0
+            while first < pf.num_row_groups and start + pf.metadata.row_group(first).num_rows <= skip:
+                start += pf.metadata.row_group(first).num_rows
+                first += 1
+            if first == pf.num_row_groups:
+                return
+            to_skip = skip - start
+            groups = list(range(first, pf.num_row_groups))
+            for batch in pf.iter_batches(batch_size=batch_rows, row_groups=groups, use_threads=False):
+                if to_skip >= batch.num_rows:
+                    to_skip -= batch.num_rows
+                    continue
+                if to_skip:
+                    batch, to_skip = batch.slice(to_skip), 0
+                yield from batch.to_pylist()
+
+    for index, values in enumerate(_resumable(url, produce, "Parquet file")):
+        yield index, values, None
+
+
+def read_rows(
+    files: list[str],
+    fmt: str = "auto",
+    storage_options: dict | None = None,
+    id_column: str | None = None,
+    batch_rows: int = 1024,
+) -> Iterator[InputRow]:
+    """Stream the rows of files in order.
+
+    Unparseable JSONL lines become error rows and the stream goes on; a missing or corrupt file
+    raises InputError. Without id_column, row ids are "<file label>:<row index>", where the label is
+    the basename (or the path relative to the files' common folder when basenames collide). A row
+    whose id_column is missing or null keeps its values, gets the default id and an error.
+    """
+    names = _row_names(list(files))
+    for url in files:
+        kind = detect_format(url, fmt)
+        records = (_parquet_records(url, storage_options, batch_rows) if kind == "parquet"
+                   else _jsonl_records(url, storage_options))
+        for index, values, error in records:
+            row_id = f"{names[url]}:{index}"
+            if error is None and id_column is not None:
+                value = values.get(id_column)
+                if value is None:
+                    where = f"line {index + 1}" if kind == "jsonl" else f"row {index}"
+                    error = f"{redact(url)} {where}: id column {id_column!r} is missing or null"
+                else:
+                    row_id = str(value)
+            yield InputRow(row_id=row_id, values=values, source=url, index=index, error=error)
+
+
+def read_columns(files: list[str], fmt: str = "auto", storage_options: dict | None = None) -> set[str]:
+    """Column names available across files: Parquet schemas, keys of the first JSONL objects."""
+    columns: set[str] = set()
+    for url in files:
+        if detect_format(url, fmt) == "parquet":
+            with _open(url, storage_options) as f:
+                try:
+                    columns.update(pq.read_schema(f).names)
+                except Exception as exc:
+                    raise InputError(redact(f"corrupt or unreadable Parquet file {url}: {exc}")) from exc
+            continue
+        seen = 0
+        with closing(_jsonl_lines(url, storage_options)) as lines:
+            for lineno, raw in enumerate(lines):
+                obj, _ = _parse_line(raw, url, lineno)
+                if obj is not None:
+                    columns.update(obj)
+                    seen += 1
+                if seen >= _COLUMN_SAMPLE_OBJECTS or lineno + 1 >= _COLUMN_SAMPLE_LINES:
+                    break
+    return columns

@@ -1,0 +1,237 @@
+"""OutputWriter: atomic part files, a per-part manifest for resume, and a _SUCCESS commit marker."""
+
+from __future__ import annotations
+
+import logging
+import os
+import posixpath
+import uuid
+from typing import Any, Callable, TypeVar
+
+import fsspec
+import pyarrow as pa
+from fsspec.implementations.local import LocalFileSystem
+
+from batchgen.io.errors import OutputError
+from batchgen.io.manifest import (
+    FORMATS, MANIFEST_DIR, PART_RE, STATS, SUCCESS, TEMP_MARK, ManifestEntry, entry_name, list_names,
+    load_entries, part_name, to_json_bytes,
+)
+from batchgen.io.parts import deserialize_rows, serialize_rows
+from batchgen.io.paths import filesystem
+from batchgen.io.redaction import redact
+from batchgen.io.retry import retry
+
+__all__ = ["OutputWriter", "read_output"]
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class OutputWriter:
+    """Writes part files into an output folder so that a crashed job can resume where it stopped.
+
+    Each part is serialized in memory and stored with one PUT (or temp file + rename on local
+    disks), then recorded by its own manifest entry: a part is committed iff that entry exists.
+    Row ids come from row[id_key] unless write_part is given row_ids.
+    """
+
+    def __init__(
+        self,
+        path: str,
+        fmt: str = "parquet",
+        storage_options: dict[str, Any] | None = None,
+        overwrite: bool = False,
+        schema: pa.Schema | None = None,
+        id_key: str = "row_id",
+    ) -> None:
+        if fmt not in FORMATS:
+            raise OutputError(f"unknown output format {fmt!r}; use one of {', '.join(FORMATS)}")
+        self.path = path.rstrip("/")
+        self.fmt = fmt
+        self.schema = schema
+        self.id_key = id_key
+        self._types: dict[str, pa.DataType] = {}
+        self.fs, self.root = self._guard(lambda: filesystem(path, storage_options), "open output")
+        self.root = self.root.rstrip("/")
+        self._local = isinstance(self.fs, LocalFileSystem)
+        self._check_writable()
+        if overwrite:
+            self._delete_previous()
+        entries, bad = self._guard(lambda: load_entries(self.fs, self.root), "read the manifest of")
+        self._entries: dict[int, ManifestEntry] = entries
+        self._drop_entries(bad)
+        self._check_resume_format()
+        if not overwrite:
+            self.cleanup_uncommitted()
+        self._next = max(self._entries, default=-1) + 1
+
+    # -- storage helpers ------------------------------------------------------------------
+
+    def _guard(self, fn: Callable[[], T], action: str) -> T:
+        try:
+            return fn()
+        except OutputError:
+            raise
+        except Exception as exc:
+            raise OutputError(redact(f"cannot {action} {self.path}: {type(exc).__name__}: {exc}")) from exc
+
+    def _full(self, name: str) -> str:
+        return f"{self.root}/{name}"
+
+    def _put(self, name: str, data: bytes) -> None:
+        """Store name whole or not at all."""
+        target = self._full(name)
+        if self._local:
+            folder = posixpath.dirname(target)
+            os.makedirs(folder, exist_ok=True)
+            tmp = f"{folder}/.{posixpath.basename(target)}{TEMP_MARK}{uuid.uuid4().hex}"
+            try:
+                with open(tmp, "wb") as f:
+                    f.write(data)
+                os.replace(tmp, target)
+            finally:
+                if os.path.exists(tmp):
+                    os.remove(tmp)
+        else:
+            retry(lambda: self.fs.pipe_file(target, data), what=f"write {redact(target)}")
+
+    def _delete(self, names: list[str]) -> None:
+        if names:
+            paths = [self._full(n) for n in names]
+            retry(lambda: self.fs.rm(paths), what=f"delete in {redact(self.path)}")
+
+    def _check_writable(self) -> None:
+        probe = f".probe{TEMP_MARK}{uuid.uuid4().hex}"
+
+        def probe_once() -> None:
+            if self._local:
+                os.makedirs(self.root, exist_ok=True)
+            self._put(probe, b"")
+            self._delete([probe])
+
+        try:
+            probe_once()
+        except Exception as exc:
+            raise OutputError(redact(f"output path {self.path} is not writable: {type(exc).__name__}: {exc}")) from exc
+
+    def _delete_previous(self) -> None:
+        def delete() -> None:
+            names = list_names(self.fs, self.root)
+            # un-complete, then un-commit, then remove the data
+            self._delete([n for n in (SUCCESS,) if n in names])
+            if MANIFEST_DIR in names:
+                retry(lambda: self.fs.rm(self._full(MANIFEST_DIR), recursive=True), what="delete manifest")
+            self._delete([n for n in names if PART_RE.match(n) or n == STATS or TEMP_MARK in n])
+
+        self._guard(delete, "clear previous output in")
+
+    def _drop_entries(self, paths: list[str]) -> None:
+        if paths:
+            self._guard(lambda: retry(lambda: self.fs.rm(paths), what="delete bad manifest entries"),
+                        "delete bad manifest entries in")
+
+    def _check_resume_format(self) -> None:
+        other = sorted({e.part.rsplit(".", 1)[-1] for e in self._entries.values()} - {self.fmt})
+        if other:
+            raise OutputError(redact(f"{self.path} holds committed {other[0]} parts from an earlier run; "
+                                     f"resume with that format or overwrite"))
+
+    # -- public API -----------------------------------------------------------------------
+
+    def is_complete(self) -> bool:
+        """True when _SUCCESS exists: the job that wrote this folder finished."""
+        self.fs.invalidate_cache(self.root)
+        return self._guard(lambda: retry(lambda: self.fs.exists(self._full(SUCCESS))), "check")
+
+    def committed_row_ids(self) -> set[str]:
+        """Row ids covered by committed parts."""
+        return {rid for e in self._entries.values() for rid in e.row_ids}
+
+    def committed_stats(self) -> list[dict[str, Any]]:
+        """The stats dicts of committed parts, in part order."""
+        return [self._entries[n].stats for n in sorted(self._entries)]
+
+    def committed_parts(self) -> list[str]:
+        """URLs of committed parts, in order."""
+        return [f"{self.path}/{self._entries[n].part}" for n in sorted(self._entries)]
+
+    def cleanup_uncommitted(self) -> None:
+        """Delete part and temp files that no manifest entry covers (left by a crashed run)."""
+        committed = {e.part for e in self._entries.values()}
+
+        def cleanup() -> None:
+            names = list_names(self.fs, self.root)
+            orphans = [n for n in names if (PART_RE.match(n) and n not in committed) or TEMP_MARK in n]
+            if MANIFEST_DIR in names:
+                orphans += [f"{MANIFEST_DIR}/{n}" for n in list_names(self.fs, self._full(MANIFEST_DIR))
+                            if TEMP_MARK in n]
+            # an entry whose part file has gone no longer covers its rows
+            missing = [n for n, e in self._entries.items() if e.part not in names]
+            for n in missing:
+                log.warning("part %s listed in the manifest is missing; its rows will be redone",
+                            self._entries[n].part)
+            self._drop_entries([self._full(f"{MANIFEST_DIR}/{entry_name(n)}") for n in missing])
+            for n in missing:
+                del self._entries[n]
+            if orphans:
+                log.info("deleting %d uncommitted file(s) in %s", len(orphans), redact(self.path))
+            self._delete(orphans)
+
+        self._guard(cleanup, "clean up")
+
+    def write_part(
+        self,
+        rows: list[dict[str, Any]],
+        stats: dict[str, Any] | None = None,
+        row_ids: list[str] | None = None,
+        schema: pa.Schema | None = None,
+    ) -> str:
+        """Write and commit the next part; returns its URL. Nothing is visible if this raises."""
+        number = self._next
+        name = part_name(number, self.fmt)
+        if row_ids is None:
+            try:
+                row_ids = [str(r[self.id_key]) for r in rows]
+            except KeyError:
+                raise OutputError(f"rows for {name} lack the id key {self.id_key!r}") from None
+        elif len(row_ids) != len(rows):
+            raise OutputError(f"{name}: {len(row_ids)} row ids for {len(rows)} rows")
+        schema = schema or self.schema
+        if not rows and schema is None and self.fmt == "parquet":
+            raise OutputError(f"{name}: an empty Parquet part needs a schema")
+        try:
+            data = serialize_rows(rows, self.fmt, schema, self._types)
+        except Exception as exc:
+            raise OutputError(redact(f"cannot serialize {name}: {type(exc).__name__}: {exc}")) from exc
+        entry = ManifestEntry(number=number, part=name, row_ids=[str(r) for r in row_ids], stats=dict(stats or {}))
+        self._guard(lambda: self._put(name, data), f"write {name} in")
+        self._guard(lambda: self._put(f"{MANIFEST_DIR}/{entry_name(number)}", entry.to_bytes()),
+                    f"commit {name} in")
+        self._entries[number] = entry
+        self._next = number + 1
+        return f"{self.path}/{name}"
+
+    def write_stats(self, stats: dict[str, Any]) -> None:
+        """Write stats.json (credentials redacted)."""
+        self._guard(lambda: self._put(STATS, to_json_bytes(stats)), "write stats.json in")
+
+    def commit(self, stats: dict[str, Any]) -> None:
+        """Mark the job finished: write _SUCCESS, holding the job's stats, last."""
+        self._guard(lambda: self._put(SUCCESS, to_json_bytes(stats)), "write _SUCCESS in")
+
+
+def read_output(path: str, storage_options: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """All rows of the committed parts under path, in part order."""
+    try:
+        fs, root = filesystem(path, storage_options)
+        root = root.rstrip("/")
+        entries, _ = load_entries(fs, root)
+        rows: list[dict[str, Any]] = []
+        for n in sorted(entries):
+            part = entries[n].part
+            data = retry(lambda: fs.cat_file(f"{root}/{part}"), what=f"read {part}")
+            rows.extend(deserialize_rows(data, part.rsplit(".", 1)[-1]))
+        return rows
+    except Exception as exc:
+        raise OutputError(redact(f"cannot read output {path}: {type(exc).__name__}: {exc}")) from exc
