@@ -1,0 +1,42 @@
+"""The Triton attention backend and the Triton kernel set for the GPU path."""
+from __future__ import annotations
+
+import torch
+
+from batchgen.engine.kernels.activation import silu_and_mul
+from batchgen.engine.kernels.decode_attention import decode_attention
+from batchgen.engine.kernels.kv_store import store_kv
+from batchgen.engine.kernels.norm import rms_norm
+from batchgen.engine.kernels.prefill_attention import prefill_attention
+from batchgen.engine.kernels.rotary import apply_rotary
+from batchgen.engine.layers.attention import AttentionMetadata
+from batchgen.engine.layers.ops import KernelSet
+
+
+class TritonAttentionBackend:
+    """Paged decode kernel for decode-only steps; the varlen prefill kernel for everything else."""
+
+    name = "triton"
+
+    def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        store_kv(k, v, k_cache, v_cache, slot_mapping)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        if meta.decode_only:
+            return decode_attention(q, k_cache, v_cache, meta.context_lens, meta.block_tables,
+                                    meta.max_seqlen_k, scale)
+        if not meta.has_cached_prefix:
+            return prefill_attention(q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_q,
+                                     meta.max_seqlen_q, scale)
+        # New keys come from k/v directly; only the prefix before them is read from the cache.
+        return prefill_attention(q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_q, meta.max_seqlen_q,
+                                 scale, k_cache=k_cache, v_cache=v_cache,
+                                 context_lens=meta.context_lens, block_tables=meta.block_tables)
+
+
+def triton_kernel_set() -> KernelSet:
+    """Triton attention, RMSNorm, rotary and SiLU-and-mul, with the torch ops' signatures."""
+    return KernelSet(attention=TritonAttentionBackend(), rms_norm=rms_norm,
+                     apply_rotary=apply_rotary, silu_and_mul=silu_and_mul)

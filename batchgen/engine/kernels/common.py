@@ -1,0 +1,62 @@
+"""Pieces shared by the attention kernels: matmul wrapper, online-softmax step, paged K/V loads."""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# The interpreter multiplies bf16 operands as their raw uint16 bits, so dots are upcast there.
+try:
+    INTERPRET: bool = bool(triton.knobs.runtime.interpret)
+except AttributeError:  # triton < 3.4 has no knobs
+    INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+LOG2E: float = 1.4426950408889634
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """fp32 inputs get exact fp32 products (torch's default), not tf32."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+@triton.jit
+def mma(a, b, PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """a @ b accumulated in fp32."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b, input_precision=PREC, out_dtype=tl.float32)
+
+
+@triton.jit
+def softmax_step(acc, m_i, l_i, q, k_t, v, mask, qk_scale,
+                 USE_MASK: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """Folds one key tile into the running (acc, max, sum); scores are in log2 units.
+
+    q (M, D), k_t (D, N), v (N, D), mask (M, N) or broadcastable; acc (M, D) fp32.
+    """
+    qk = mma(q, k_t, PREC, UPCAST) * qk_scale
+    if USE_MASK:
+        qk = tl.where(mask, qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, PREC, UPCAST)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def load_paged_kv(KCache, VCache, block_table_row, offs_n, valid_n, kv_head, offs_d, mask_d,
+                  stride_cb, stride_cs, stride_ch, BLOCK_SIZE: tl.constexpr, dtype: tl.constexpr):
+    """Keys (as D x N) and values (N x D) at token positions offs_n of one sequence's paged cache."""
+    blk = tl.load(block_table_row + offs_n // BLOCK_SIZE, mask=valid_n, other=0).to(tl.int64)
+    base = blk * stride_cb + (offs_n % BLOCK_SIZE).to(tl.int64) * stride_cs + kv_head * stride_ch
+    k_t = tl.load(KCache + base[None, :] + offs_d[:, None],
+                  mask=valid_n[None, :] & mask_d[:, None], other=0.0)
+    v = tl.load(VCache + base[:, None] + offs_d[None, :],
+                mask=valid_n[:, None] & mask_d[None, :], other=0.0)
+    return k_t.to(dtype), v.to(dtype)

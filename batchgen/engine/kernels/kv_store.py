@@ -1,0 +1,47 @@
+"""Scatter of packed new K/V into the paged cache through the slot mapping."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _store_kv_kernel(
+    K, V, KCache, VCache, slot_mapping,
+    stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_cs, stride_ch,
+    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    token = tl.program_id(0)
+    slot = tl.load(slot_mapping + token).to(tl.int64)
+    if slot < 0:  # padding tokens have no slot
+        return
+    offs = tl.arange(0, BLOCK)
+    mask = offs < NUM_KV_HEADS * HEAD_DIM
+    head = offs // HEAD_DIM
+    dim = offs % HEAD_DIM
+    src = token.to(tl.int64)
+    dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + head * stride_ch + dim
+    k = tl.load(K + src * stride_kt + head * stride_kh + dim, mask=mask)
+    v = tl.load(V + src * stride_vt + head * stride_vh + dim, mask=mask)
+    tl.store(KCache + dst, k.to(KCache.dtype.element_ty), mask=mask)
+    tl.store(VCache + dst, v.to(VCache.dtype.element_ty), mask=mask)
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Writes k/v (T, Hkv, D) into caches (num_blocks, block_size, Hkv, D); slots < 0 are skipped."""
+    num_tokens, num_kv_heads, head_dim = k.shape
+    if num_tokens == 0:
+        return
+    assert slot_mapping.numel() == num_tokens
+    assert k.stride(-1) == 1 and v.stride(-1) == 1
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
+    width = num_kv_heads * head_dim
+    _store_kv_kernel[(num_tokens,)](
+        k, v, k_cache, v_cache, slot_mapping,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), *k_cache.stride()[:3],
+        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK=triton.next_power_of_2(width),
+        BLOCK_SIZE=k_cache.shape[1], num_warps=4 if width <= 2048 else 8,
+    )

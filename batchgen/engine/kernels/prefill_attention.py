@@ -1,0 +1,154 @@
+"""Varlen causal flash attention for packed prefill, with an optional prefix read from the paged cache."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from batchgen.engine.kernels.common import INTERPRET, LOG2E, dot_precision, load_paged_kv, mma, softmax_step
+
+
+@triton.jit
+def _prefill_kernel(
+    Q, K, V, Out, KCache, VCache, cu_q, cu_k, ctx_lens, block_tables, qk_scale,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+    stride_cb, stride_cs, stride_ch, stride_bt,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_PREFIX: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+):
+    # Heads vary fastest so a GQA group's programs run together and share K/V in L2; the
+    # query blocks with the most keys to visit start first.
+    head = tl.program_id(0)
+    pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
+    seq = tl.program_id(2)
+    q_start = tl.load(cu_q + seq)
+    q_len = tl.load(cu_q + seq + 1) - q_start
+    m_start = pid_m * BLOCK_M
+    if m_start >= q_len:
+        return
+    k_start = tl.load(cu_k + seq)
+    kc_len = tl.load(cu_k + seq + 1) - k_start
+    kv_head = head // GROUP
+
+    offs_m = m_start + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+    mask_m = offs_m < q_len
+    q_rows = (q_start + offs_m).to(tl.int64)
+    q = tl.load(Q + q_rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+                mask=mask_m[:, None] & mask_d[None, :], other=0.0)
+
+    # Finite start value: a row whose first tile is fully masked must not produce inf - inf.
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    if HAS_PREFIX:
+        # The cached prefix precedes every new token, so it needs no causal mask.
+        prefix_len = tl.load(ctx_lens + seq) - kc_len
+        table_row = block_tables + seq.to(tl.int64) * stride_bt
+        for n0 in range(0, prefix_len, BLOCK_N):
+            pos = n0 + offs_n
+            valid = pos < prefix_len
+            k_t, v = load_paged_kv(KCache, VCache, table_row, pos, valid, kv_head, offs_d, mask_d,
+                                   stride_cb, stride_cs, stride_ch, BLOCK_SIZE, Q.dtype.element_ty)
+            acc, m_i, l_i = softmax_step(acc, m_i, l_i, q, k_t, v, valid[None, :], qk_scale,
+                                         True, PREC, UPCAST)
+
+    # Query row j sees contiguous key t when t <= diag + j (queries sit at the end of the keys).
+    diag = kc_len - q_len
+    if CAUSAL:
+        end = tl.minimum(kc_len, diag + m_start + BLOCK_M)
+        full_end = tl.maximum(tl.minimum(kc_len, diag + m_start + 1), 0) // BLOCK_N * BLOCK_N
+    else:
+        end = kc_len
+        full_end = kc_len // BLOCK_N * BLOCK_N
+    k_base = K + k_start.to(tl.int64) * stride_kt + kv_head * stride_kh
+    v_base = V + k_start.to(tl.int64) * stride_vt + kv_head * stride_vh
+    # Tiles every row of this query block sees in full: no mask.
+    for n0 in range(0, full_end, BLOCK_N):
+        pos = (n0 + offs_n).to(tl.int64)
+        k_t = tl.load(k_base + pos[None, :] * stride_kt + offs_d[:, None], mask=mask_d[:, None], other=0.0)
+        v = tl.load(v_base + pos[:, None] * stride_vt + offs_d[None, :], mask=mask_d[None, :], other=0.0)
+        acc, m_i, l_i = softmax_step(acc, m_i, l_i, q, k_t, v, mask_m[:, None], qk_scale,
+                                     False, PREC, UPCAST)
+    # Tiles on the diagonal or at the ragged end.
+    for n0 in range(full_end, end, BLOCK_N):
+        pos = n0 + offs_n
+        valid = pos < kc_len
+        k_t = tl.load(k_base + pos[None, :].to(tl.int64) * stride_kt + offs_d[:, None],
+                      mask=valid[None, :] & mask_d[:, None], other=0.0)
+        v = tl.load(v_base + pos[:, None].to(tl.int64) * stride_vt + offs_d[None, :],
+                    mask=valid[:, None] & mask_d[None, :], other=0.0)
+        mask = valid[None, :]
+        if CAUSAL:
+            mask = mask & (pos[None, :] <= diag + offs_m[:, None])
+        acc, m_i, l_i = softmax_step(acc, m_i, l_i, q, k_t, v, mask, qk_scale, True, PREC, UPCAST)
+
+    l_i = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / l_i[:, None]
+    tl.store(Out + q_rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+             out.to(Out.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
+
+
+def _tiles(head_dim: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for a head dim."""
+    if head_dim <= 64:
+        return 128, 64, 4, 3
+    return 128, 64, 8, 2
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                      cu_seqlens_k: torch.Tensor, max_seqlen_q: int, scale: float, causal: bool = True,
+                      k_cache: torch.Tensor | None = None, v_cache: torch.Tensor | None = None,
+                      context_lens: torch.Tensor | None = None,
+                      block_tables: torch.Tensor | None = None,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of packed q (T, Hq, D) over packed k/v (Tk, Hkv, D), queries aligned to the end.
+
+    With a paged cache: sequence i first attends to its ``context_lens[i] - klen_i`` cached tokens
+    (read through ``block_tables[i]``), which sit before its contiguous keys.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    assert num_heads % num_kv_heads == 0, "Hq must be a multiple of Hkv"
+    assert q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1
+    batch = cu_seqlens_q.numel() - 1
+    if out is None:
+        out = torch.empty_like(q)
+    if num_tokens == 0 or batch == 0:
+        return out
+    has_prefix = k_cache is not None
+    if has_prefix:
+        assert v_cache is not None and context_lens is not None and block_tables is not None
+        assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
+        cache_strides = k_cache.stride()[:3]
+        block_size, table_stride = k_cache.shape[1], block_tables.stride(0)
+    else:
+        k_cache = v_cache = context_lens = block_tables = k  # placeholders, never read
+        cache_strides, block_size, table_stride = (0, 0, 0), 1, 0
+    block_m, block_n, num_warps, num_stages = _tiles(head_dim)
+    grid = (num_heads, triton.cdiv(max_seqlen_q, block_m), batch)
+    _prefill_kernel[grid](
+        q, k, v, out, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, context_lens, block_tables,
+        scale * LOG2E,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        out.stride(0), out.stride(1), *cache_strides, table_stride,
+        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_SIZE=block_size, CAUSAL=causal,
+        HAS_PREFIX=has_prefix, PREC=dot_precision(q.dtype), UPCAST=INTERPRET,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return out
+
+
+def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                           max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float | None = None,
+                           causal: bool = True) -> torch.Tensor:
+    """Contiguous varlen attention with flash-attn's calling convention (causal is bottom-right)."""
+    del max_seqlen_k  # key lengths come from cu_seqlens_k on the device
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+    return prefill_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale, causal=causal)

@@ -1,0 +1,55 @@
+"""Neox-style rotary embedding applied in place from a [cos | sin] cache (any frequency scaling baked in)."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rotate_heads(X, row, cos, sin, num_heads, stride_t, stride_h, offs_h, offs_r, mask_r,
+                  HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+    for h0 in range(0, num_heads, BLOCK_H):
+        heads = h0 + offs_h
+        mask = (heads < num_heads)[:, None] & mask_r[None, :]
+        ptr = X + row * stride_t + heads[:, None] * stride_h + offs_r[None, :]
+        x1 = tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(ptr + HALF, mask=mask, other=0.0).to(tl.float32)
+        tl.store(ptr, (x1 * cos - x2 * sin).to(X.dtype.element_ty), mask=mask)
+        tl.store(ptr + HALF, (x2 * cos + x1 * sin).to(X.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(
+    Q, K, positions, CosSin, num_q_heads, num_kv_heads,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_cache,
+    HALF: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    pos = tl.load(positions + token).to(tl.int64)
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_h = tl.arange(0, BLOCK_H)
+    mask_r = offs_r < HALF
+    cos = tl.load(CosSin + pos * stride_cache + offs_r, mask=mask_r, other=0.0).to(tl.float32)[None, :]
+    sin = tl.load(CosSin + pos * stride_cache + HALF + offs_r, mask=mask_r, other=0.0).to(tl.float32)[None, :]
+    _rotate_heads(Q, token, cos, sin, num_q_heads, stride_qt, stride_qh, offs_h, offs_r, mask_r, HALF, BLOCK_H)
+    _rotate_heads(K, token, cos, sin, num_kv_heads, stride_kt, stride_kh, offs_h, offs_r, mask_r, HALF, BLOCK_H)
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+                 cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotates q (T, Hq, D) and k (T, Hkv, D) in place at ``positions`` and returns them."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    assert cos_sin_cache.shape[-1] == head_dim and head_dim % 2 == 0
+    assert q.stride(-1) == 1 and k.stride(-1) == 1 and cos_sin_cache.stride(-1) == 1
+    if num_tokens == 0:
+        return q, k
+    half = head_dim // 2
+    block_h = min(triton.next_power_of_2(max(num_q_heads, num_kv_heads)), 16)
+    _rotary_kernel[(num_tokens,)](
+        q, k, positions, cos_sin_cache, num_q_heads, num_kv_heads,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0),
+        HALF=half, BLOCK_R=triton.next_power_of_2(half), BLOCK_H=block_h, num_warps=4,
+    )
+    return q, k
