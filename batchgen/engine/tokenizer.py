@@ -90,7 +90,11 @@ class Tokenizer:
     # ---- constructors -------------------------------------------------------------------------------
     @classmethod
     def from_hf_dir(cls, path: str | Path) -> "Tokenizer":
-        """Loads ``tokenizer.json`` plus ``tokenizer_config.json`` / ``chat_template.jinja`` from a folder."""
+        """Loads ``tokenizer.json`` plus ``tokenizer_config.json`` / ``chat_template.jinja`` from a folder.
+
+        As in transformers 5, BOS/EOS insertion comes from tokenizer.json's post-processor; the config's
+        ``add_bos_token`` / ``add_eos_token`` flags are ignored when tokenizer.json exists.
+        """
         path = Path(path)
         tok_file = path / "tokenizer.json"
         if not tok_file.is_file():
@@ -113,7 +117,6 @@ class Tokenizer:
                    eos_tokens=[t for t in [_token_str(cfg.get("eos_token"))] if t],
                    pad_token=_token_str(cfg.get("pad_token")), unk_token=_token_str(cfg.get("unk_token")),
                    chat_template=template,
-                   add_bos_token=cfg.get("add_bos_token"), add_eos_token=cfg.get("add_eos_token"),
                    clean_up_tokenization_spaces=bool(cfg.get("clean_up_tokenization_spaces", False)),
                    extra_special_tokens=extra)
 
