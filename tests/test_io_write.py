@@ -1,0 +1,183 @@
+"""OutputWriter: parts, manifest, atomicity, resume, overwrite and redaction on local disk and memory://."""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+
+import fsspec
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+import batchgen.io.writer as writer_mod
+from batchgen.io import OutputError, OutputWriter, read_output
+
+
+def rows(ids, output="out"):
+    return [{"row_id": i, "output": None if output is None else f"{output}-{i}", "prompt_tokens": len(i),
+             "finish_reason": None if output is None else "stop"} for i in ids]
+
+
+def listing(root) -> list[str]:
+    return sorted(os.path.relpath(os.path.join(d, f), root) for d, _, fs in os.walk(root) for f in fs)
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "jsonl"])
+def test_write_parts_and_read_back(tmp_path, fmt):
+    out = str(tmp_path / "out")
+    w = OutputWriter(out, fmt=fmt)
+    assert not w.is_complete() and w.committed_row_ids() == set()
+    url0 = w.write_part(rows(["a", "b"], output=None), stats={"rows": 2})  # all-null columns first
+    url1 = w.write_part(rows(["c"]), stats={"rows": 1})
+    assert (url0, url1) == (f"{out}/part-00000.{fmt}", f"{out}/part-00001.{fmt}")
+    w.write_stats({"rows": 3})
+    w.commit({"rows": 3})
+    assert w.is_complete()
+    assert listing(out) == ["_SUCCESS", "_manifest/part-00000.json", "_manifest/part-00001.json",
+                            f"part-00000.{fmt}", f"part-00001.{fmt}", "stats.json"]
+    assert read_output(out) == rows(["a", "b"], output=None) + rows(["c"])
+    assert json.load(open(f"{out}/_SUCCESS")) == {"rows": 3} == json.load(open(f"{out}/stats.json"))
+    entry = json.load(open(f"{out}/_manifest/part-00001.json"))
+    assert entry["row_ids"] == ["c"] and entry["stats"] == {"rows": 1} and entry["part"] == f"part-00001.{fmt}"
+    if fmt == "parquet":
+        schema = pq.read_schema(f"{out}/part-00000.parquet")
+        assert schema.field("output").type == pa.string() == schema.field("finish_reason").type
+        assert pq.read_schema(f"{out}/part-00001.parquet").equals(schema)
+
+
+def test_explicit_schema_and_row_ids(tmp_path):
+    schema = pa.schema([("id", pa.string()), ("score", pa.float32())])
+    w = OutputWriter(str(tmp_path), schema=schema, id_key="id")
+    w.write_part([{"id": "x", "score": None}])
+    w.write_part([{"id": "y", "score": 1.5}], row_ids=["custom"])
+    assert pq.read_schema(f"{tmp_path}/part-00000.parquet").field("score").type == pa.float32()
+    assert w.committed_row_ids() == {"x", "custom"}
+    with pytest.raises(OutputError, match="id key"):
+        OutputWriter(str(tmp_path / "o2")).write_part([{"output": "no id"}])
+
+
+class Boom:
+    def __str__(self):
+        raise RuntimeError("boom while serializing")
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "jsonl"])
+def test_failed_part_leaves_nothing_visible(tmp_path, fmt, monkeypatch):
+    out = str(tmp_path / "out")
+    w = OutputWriter(out, fmt=fmt)
+    w.write_part(rows(["a"]))
+    bad = rows(["b", "c"])
+    bad[1]["output"] = Boom() if fmt == "jsonl" else object()
+    with pytest.raises(OutputError, match="part-00001"):
+        w.write_part(bad)
+    # the bytes are complete but storing them dies half way: no part, no temp file, no entry
+    real_write = open
+
+    def failing_open(path, mode="r", *a, **k):
+        f = real_write(path, mode, *a, **k)
+        if "w" in mode and "part-0000" in str(path):
+            f.write(b"PAR1 truncated")
+            f.close()
+            raise OSError(28, "No space left on device")
+        return f
+
+    monkeypatch.setattr(writer_mod, "open", failing_open, raising=False)
+    with pytest.raises(OutputError, match="part-00001"):
+        w.write_part(rows(["d"]))
+    monkeypatch.undo()
+    assert listing(out) == ["_manifest/part-00000.json", f"part-00000.{fmt}"]
+    assert w.committed_row_ids() == {"a"}
+    assert w.write_part(rows(["e"])).endswith(f"part-00001.{fmt}")
+    assert [r["row_id"] for r in read_output(out)] == ["a", "e"]
+
+
+def test_resume_after_crash(tmp_path, monkeypatch):
+    out = str(tmp_path / "out")
+    w = OutputWriter(out)
+    w.write_part(rows(["a", "b"]), stats={"prompt_tokens": 2})
+    w.write_part(rows(["c"]), stats={"prompt_tokens": 1})
+    # crash between the part and its manifest entry: the part is an orphan
+    real_put = OutputWriter._put
+
+    def put_without_manifest(self, name, data):
+        if name.startswith("_manifest/"):
+            raise KeyboardInterrupt  # the process dies here
+        real_put(self, name, data)
+
+    monkeypatch.setattr(OutputWriter, "_put", put_without_manifest)
+    with pytest.raises(KeyboardInterrupt):
+        w.write_part(rows(["d"]))
+    monkeypatch.undo()
+    (tmp_path / "out" / ".part-00009.parquet.tmp-dead").write_bytes(b"half")
+    assert "part-00002.parquet" in listing(out)
+
+    w2 = OutputWriter(out)
+    assert w2.committed_row_ids() == {"a", "b", "c"}
+    assert w2.committed_stats() == [{"prompt_tokens": 2}, {"prompt_tokens": 1}]
+    assert listing(out) == ["_manifest/part-00000.json", "_manifest/part-00001.json",
+                            "part-00000.parquet", "part-00001.parquet"]
+    assert w2.write_part(rows(["d"])).endswith("part-00002.parquet")
+    assert [r["row_id"] for r in read_output(out)] == ["a", "b", "c", "d"]
+
+    # a manifest entry whose part vanished no longer counts
+    os.remove(f"{out}/part-00001.parquet")
+    w3 = OutputWriter(out)
+    assert w3.committed_row_ids() == {"a", "b", "d"}
+    assert not os.path.exists(f"{out}/_manifest/part-00001.json")
+    with pytest.raises(OutputError, match="parquet parts"):
+        OutputWriter(out, fmt="jsonl")
+
+
+def test_overwrite(tmp_path):
+    out = str(tmp_path / "out")
+    w = OutputWriter(out, fmt="jsonl")
+    for i in range(3):
+        w.write_part(rows([f"r{i}"]))
+    w.write_stats({"n": 3})
+    w.commit({"n": 3})
+    (tmp_path / "out" / "README.txt").write_text("keep me")
+    w2 = OutputWriter(out, overwrite=True)
+    assert not w2.is_complete() and w2.committed_row_ids() == set()
+    assert listing(out) == ["README.txt"]
+    assert w2.write_part(rows(["z"])).endswith("part-00000.parquet")
+    assert read_output(out) == rows(["z"])
+
+
+def test_unwritable_output(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(OutputError, match=f"{blocker}/out.*not writable"):
+        OutputWriter(f"{blocker}/out")
+    with pytest.raises(OutputError, match="unknown output format"):
+        OutputWriter(str(tmp_path), fmt="csv")
+
+
+def test_memory_fs_round_trip():
+    out = f"memory://out-{uuid.uuid4().hex}/job"
+    w = OutputWriter(out, fmt="jsonl")
+    w.write_part(rows(["a", "b"]), stats={"n": 2})
+    w.commit({"n": 2})
+    fs = fsspec.filesystem("memory")
+    assert sorted(p.rsplit("/", 1)[-1] for p in fs.find(out.split("://")[1])) == [
+        "_SUCCESS", "part-00000.json", "part-00000.jsonl"]
+    w2 = OutputWriter(out, fmt="jsonl")
+    assert w2.is_complete() and w2.committed_row_ids() == {"a", "b"}
+    assert read_output(out) == rows(["a", "b"])
+
+
+def test_credentials_redacted_in_metadata(tmp_path):
+    secret = "Sup3rS3cret-" + uuid.uuid4().hex
+    spec = {"storage_options": {"key": "AKIAIOSFODNN7EXAMPLE", "secret": secret}, "model": "m",
+            "prompt_tokens": 5, "url": f"s3://user:{secret}@bucket/x"}
+    out = str(tmp_path / "out")
+    w = OutputWriter(out)
+    w.write_part(rows(["a"]), stats=spec)
+    w.write_stats(spec)
+    w.commit(spec)
+    for name in ("_SUCCESS", "stats.json", "_manifest/part-00000.json"):
+        text = open(f"{out}/{name}").read()
+        assert secret not in text and "AKIAIOSFODNN7EXAMPLE" not in text, name
+        assert '"prompt_tokens": 5' in text
+    assert OutputWriter(out).committed_stats()[0]["storage_options"] == {"key": "***", "secret": "***"}
