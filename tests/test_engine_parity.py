@@ -1,0 +1,84 @@
+"""The engine against HF transformers on the same tiny random weights, for every architecture."""
+from __future__ import annotations
+
+import pytest
+
+from batchgen.engine import LLM, SamplingParams
+from batchgen.engine.kv_cache import bytes_per_block
+from tests.engine_helpers import TEXT, hf_greedy, hf_logprobs, mixed_prompts
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=True)
+
+
+def make_llm(path, **kw) -> LLM:
+    # A small token budget forces chunked prefill of the long prompts and mixed prefill/decode steps.
+    return LLM(str(path), dtype="float32", device="cpu", max_num_batched_tokens=kw.pop("budget", 48), **kw)
+
+
+def test_logprobs_and_greedy_match_hf(tiny_model_any):
+    llm = make_llm(tiny_model_any)
+    prompts = mixed_prompts(llm)
+    assert max(map(len, prompts)) > 48 * 3, "some prompt must need several prefill chunks"
+    outs = llm.generate(prompts, GREEDY)
+    for prompt, out in zip(prompts, outs):
+        assert out.prompt_token_ids == prompt
+        assert out.token_ids == hf_greedy(str(tiny_model_any), prompt, 12)
+        ref = hf_logprobs(str(tiny_model_any), prompt, out.token_ids)
+        assert max(abs(a - b) for a, b in zip(out.logprobs, ref)) <= 1e-3
+        assert out.finish_reason == "length"
+
+
+def test_sampled_logprobs_are_raw_and_match_hf(tiny_model):
+    llm = make_llm(tiny_model)
+    prompts = mixed_prompts(llm)
+    params = SamplingParams(max_tokens=8, temperature=0.8, top_k=20, top_p=0.9, seed=3,
+                            ignore_eos=True, logprobs=True)
+    for prompt, out in zip(prompts, llm.generate(prompts, params)):
+        ref = hf_logprobs(str(tiny_model), prompt, out.token_ids)
+        assert max(abs(a - b) for a, b in zip(out.logprobs, ref)) <= 1e-3
+
+
+def test_batched_equals_one_at_a_time(tiny_model_factory):
+    path = tiny_model_factory("qwen3")
+    llm = make_llm(path)
+    prompts = mixed_prompts(llm)
+    batched = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+    alone = [llm.generate([p], GREEDY)[0].token_ids for p in prompts]
+    assert batched == alone
+
+
+def test_tiny_kv_budget_preempts_and_gives_identical_output(tiny_model):
+    reference = make_llm(tiny_model)
+    # Equal-length prompts that fill the cache when admitted; decoding then needs blocks nobody has.
+    prompts = [reference.tokenizer.encode(f"{i} " + TEXT * 3)[:60] for i in range(6)]
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    expected = [o.token_ids for o in reference.generate(prompts, params)]
+    per_block = bytes_per_block(reference.engine.model_config, 16, reference.config.torch_dtype)
+    small = make_llm(tiny_model, budget=256, kv_cache_memory=per_block * 16, enable_prefix_caching=False)
+    got = [o.token_ids for o in small.generate(prompts, params)]
+    assert small.engine.scheduler.num_preemptions > 0
+    assert got == expected
+
+
+def test_prefix_cache_reuses_blocks_and_keeps_output(tiny_model):
+    cached = make_llm(tiny_model, budget=512)
+    plain = make_llm(tiny_model, budget=512, enable_prefix_caching=False)
+    shared = cached.tokenizer.encode("Instruction: " + "summarize carefully. " * 20)
+    prompts = [shared + cached.tokenizer.encode(f" doc {i} " + "fox " * i) for i in range(6)]
+    a = cached.generate(prompts, GREEDY)
+    b = plain.generate(prompts, GREEDY)
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    assert max(abs(x - y) for oa, ob in zip(a, b) for x, y in zip(oa.logprobs, ob.logprobs)) <= 1e-4
+    block_aligned = len(shared) // 16 * 16
+    assert all(o.num_cached_tokens >= block_aligned for o in a[1:])
+    assert all(o.num_cached_tokens == 0 for o in b)
+
+
+@pytest.mark.parametrize("budget", [16, 1000])
+def test_prefix_cache_with_chunked_prefill(tiny_model, budget):
+    llm = make_llm(tiny_model, budget=budget)
+    prompt = mixed_prompts(llm, repeats=(4,))[0]
+    first = llm.generate([prompt], GREEDY)[0]
+    second = llm.generate([prompt], GREEDY)[0]
+    assert second.num_cached_tokens == (len(prompt) - 1) // 16 * 16
+    assert first.token_ids == second.token_ids

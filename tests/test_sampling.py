@@ -1,0 +1,128 @@
+"""Sampling parameters: seeds, stop strings and ids, max_tokens, finish reasons, request errors, streaming."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from batchgen.engine import LLM, SamplingParams
+from batchgen.engine.sampler import SamplingBatch, sample, seeded_uniform
+from tests.engine_helpers import TEXT, mixed_prompts
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model) -> LLM:
+    return LLM(str(tiny_model), dtype="float32", device="cpu", max_num_batched_tokens=64)
+
+
+def test_seed_gives_same_tokens_alone_and_in_any_batch(llm):
+    prompts = mixed_prompts(llm)
+    params = SamplingParams(max_tokens=10, temperature=1.0, seed=1234, ignore_eos=True)
+    alone = llm.generate([prompts[2]], params)[0].token_ids
+    others = [SamplingParams(max_tokens=7, temperature=0.9, ignore_eos=True, seed=s) for s in (1, 2, 3, 4)]
+    batch = llm.generate(prompts, others[:2] + [params] + others[2:])
+    assert batch[2].token_ids == alone
+    assert llm.generate([prompts[2]], SamplingParams(max_tokens=10, temperature=1.0, seed=99,
+                                                     ignore_eos=True))[0].token_ids != alone
+
+
+def test_top_k_one_and_tiny_top_p_are_greedy(llm):
+    prompts = mixed_prompts(llm)
+    greedy = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0,
+                                                                         ignore_eos=True))]
+    for params in (SamplingParams(max_tokens=8, temperature=1.5, top_k=1, seed=5, ignore_eos=True),
+                   SamplingParams(max_tokens=8, temperature=1.5, top_p=1e-6, seed=5, ignore_eos=True)):
+        assert [o.token_ids for o in llm.generate(prompts, params)] == greedy
+
+
+def test_sampling_follows_the_distribution():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    rows = 20000
+    batch = SamplingBatch(temperatures=torch.ones(rows), top_ks=torch.zeros(rows, dtype=torch.int64),
+                          top_ps=torch.ones(rows), seeds=torch.arange(rows, dtype=torch.int64),
+                          steps=torch.zeros(rows, dtype=torch.int64), want_logprobs=False,
+                          all_greedy=False, any_top_k_or_p=False)
+    tokens, _ = sample(probs.log().expand(rows, 4), batch)
+    freq = torch.bincount(tokens, minlength=4).float() / rows
+    assert torch.allclose(freq, probs, atol=0.015)
+    noise = seeded_uniform(torch.tensor([7, 7]), torch.tensor([0, 1]), 1000)
+    assert 0 < noise.min() and noise.max() < 1 and not torch.equal(noise[0], noise[1])
+
+
+def test_max_tokens_and_length_finish(llm):
+    out = llm.generate([TEXT], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))[0]
+    assert len(out.token_ids) == 5 and out.finish_reason == "length"
+
+
+def test_stop_token_ids(llm):
+    base = llm.generate([TEXT], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))[0]
+    stop_id = base.token_ids[3]
+    first = base.token_ids.index(stop_id)
+    out = llm.generate([TEXT], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True,
+                                              stop_token_ids=[stop_id]))[0]
+    assert out.token_ids == base.token_ids[:first + 1] and out.finish_reason == "stop"
+
+
+def test_eos_stops_unless_ignored(llm):
+    base = llm.generate([TEXT], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))[0]
+    eos = base.token_ids[4]
+    saved = llm.engine.eos_ids
+    llm.engine.eos_ids = frozenset({eos})
+    try:
+        stopped = llm.generate([TEXT], SamplingParams(max_tokens=10, temperature=0))[0]
+        ignored = llm.generate([TEXT], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))[0]
+    finally:
+        llm.engine.eos_ids = saved
+    assert stopped.finish_reason == "stop" and stopped.token_ids[-1] == eos
+    assert len(stopped.token_ids) == base.token_ids.index(eos) + 1
+    assert ignored.token_ids == base.token_ids
+
+
+def test_stop_strings_are_left_out_of_the_text(llm):
+    base = llm.generate([TEXT], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))[0]
+    text = base.text
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    assert stop.strip(), f"need a printable stop string, got {stop!r} from {text!r}"
+    out = llm.generate([TEXT], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, stop=[stop]))[0]
+    assert out.finish_reason == "stop"
+    assert out.text == text[:text.index(stop)]
+    assert stop not in out.text
+    assert out.token_ids == base.token_ids[:len(out.token_ids)]
+
+
+def test_prompt_longer_than_max_model_len_fails_that_request_only(tiny_model):
+    llm = LLM(str(tiny_model), dtype="float32", device="cpu", max_model_len=64)
+    long_prompt = llm.tokenizer.encode(TEXT * 5)
+    assert len(long_prompt) > 64
+    outs = llm.generate([TEXT, long_prompt, TEXT], SamplingParams(max_tokens=4, temperature=0))
+    assert outs[1].finish_reason == "error" and "max_model_len" in outs[1].error
+    assert outs[0].finish_reason in ("stop", "length") and outs[0].token_ids == outs[2].token_ids
+
+
+def test_generation_stops_at_max_model_len(tiny_model):
+    llm = LLM(str(tiny_model), dtype="float32", device="cpu", max_model_len=40)
+    prompt = llm.tokenizer.encode(TEXT)[:30]
+    out = llm.generate([prompt], SamplingParams(max_tokens=100, temperature=0, ignore_eos=True))[0]
+    assert out.finish_reason == "length" and len(prompt) + len(out.token_ids) == 40
+
+
+def test_stream_yields_each_request_once_and_reads_lazily(llm):
+    pulled = []
+
+    def requests():
+        for i in range(12):
+            pulled.append(i)
+            yield i, TEXT[: 20 + 7 * i], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+
+    seen = []
+    for key, out in llm.generate_stream(requests(), max_pending=4):
+        seen.append(key)
+        assert len(pulled) - len(seen) <= 4  # never more than max_pending requests in flight
+        assert len(out.token_ids) == 3
+    assert sorted(seen) == list(range(12))
+
+
+def test_bad_sampling_params_raise():
+    with pytest.raises(ValueError):
+        SamplingParams(max_tokens=0)
+    with pytest.raises(ValueError):
+        SamplingParams(top_p=0)
