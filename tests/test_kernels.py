@@ -76,7 +76,8 @@ def check_paged(prefix_lens, query_lens, head_dim, group, dtype, num_kv_heads=1)
     batch = PagedBatch(prefix_lens, query_lens, num_kv_heads, head_dim, dtype)
     tokens = sum(query_lens)
     q = rand(tokens, num_kv_heads * group, head_dim, dtype=dtype)
-    k, v = rand(tokens, num_kv_heads, head_dim, dtype=dtype), rand(tokens, num_kv_heads, head_dim, dtype=dtype)
+    k = rand(tokens, num_kv_heads, head_dim, dtype=dtype)
+    v = rand(tokens, num_kv_heads, head_dim, dtype=dtype)
     scale = head_dim ** -0.5
     close(batch.run(TritonAttentionBackend(), q, k, v, scale),
           batch.run(TorchAttentionBackend(), q, k, v, scale), dtype)

@@ -30,8 +30,9 @@ def _rotary_kernel(
     offs_r = tl.arange(0, BLOCK_R)
     offs_h = tl.arange(0, BLOCK_H)
     mask_r = offs_r < HALF
-    cos = tl.load(CosSin + pos * stride_cache + offs_r, mask=mask_r, other=0.0).to(tl.float32)[None, :]
-    sin = tl.load(CosSin + pos * stride_cache + HALF + offs_r, mask=mask_r, other=0.0).to(tl.float32)[None, :]
+    row = CosSin + pos * stride_cache + offs_r
+    cos = tl.load(row, mask=mask_r, other=0.0).to(tl.float32)[None, :]
+    sin = tl.load(row + HALF, mask=mask_r, other=0.0).to(tl.float32)[None, :]
     _rotate_heads(Q, token, cos, sin, num_q_heads, stride_qt, stride_qh, offs_h, offs_r, mask_r, HALF, BLOCK_H)
     _rotate_heads(K, token, cos, sin, num_kv_heads, stride_kt, stride_kh, offs_h, offs_r, mask_r, HALF, BLOCK_H)
 
