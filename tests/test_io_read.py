@@ -79,7 +79,8 @@ def test_parquet_streams_record_batches(tmp_path, monkeypatch):
     rows = read_rows([path], batch_rows=16)
     first = next(rows)
     assert batches == [16]  # lazy: one record batch read for the first row
-    assert (first.row_id, first.index, first.values) == ("x.parquet:0", 0, {"id": "r0", "text": "text 0", "n": 0})
+    assert (first.row_id, first.index) == ("x.parquet:0", 0)
+    assert first.values == {"id": "r0", "text": "text 0", "n": 0}
     rest = list(rows)
     assert len(rest) == 229 and max(batches) <= 16 and sum(batches) == 230
     assert [r.values["n"] for r in rest] == list(range(1, 230))
@@ -119,7 +120,8 @@ def test_jsonl_compressed_and_bom(tmp_path):
 
 
 def test_id_column(tmp_path):
-    path = write_jsonl(tmp_path / "in.jsonl", [b'{"id": 7, "t": "a"}', b'{"t": "b"}', b'{"id": null, "t": "c"}'])
+    path = write_jsonl(tmp_path / "in.jsonl",
+                       [b'{"id": 7, "t": "a"}', b'{"t": "b"}', b'{"id": null, "t": "c"}'])
     rows = list(read_rows([path], id_column="id"))
     assert rows[0].row_id == "7" and rows[0].error is None
     for r, line in zip(rows[1:], (2, 3)):
@@ -185,8 +187,10 @@ def test_redact():
     assert out["prompt_tokens"] == 12 and out["eos_token"] == "</s>" and out["password"] is None
     assert out["items"] == [{"api_key": "***"}]
     assert opts["key"] == "AKIAIOSFODNN7EXAMPLE"  # a copy
-    text = redact("s3://me:pw@bucket/k?X-Amz-Signature=abc&x=1 {'secret': 'zz'} AWS_SECRET_ACCESS_KEY=q AKIAIOSFODNN7EXAMPLE")
-    assert text == "s3://***:***@bucket/k?X-Amz-Signature=***&x=1 {'secret': '***'} AWS_SECRET_ACCESS_KEY=*** ***"
+    text = redact("s3://me:pw@bucket/k?X-Amz-Signature=abc&x=1 {'secret': 'zz'} "
+                  "AWS_SECRET_ACCESS_KEY=q AKIAIOSFODNN7EXAMPLE")
+    assert text == ("s3://***:***@bucket/k?X-Amz-Signature=***&x=1 {'secret': '***'} "
+                    "AWS_SECRET_ACCESS_KEY=*** ***")
 
 
 def test_storage_options_for_merges_aws_env(monkeypatch):
@@ -200,7 +204,8 @@ def test_storage_options_for_merges_aws_env(monkeypatch):
     assert opts == {"endpoint_url": "http://127.0.0.1:1", "key": "envkey", "secret": "envsecret-value",
                     "token": "envtoken-value", "client_kwargs": {"region_name": "eu-west-1"},
                     "config_kwargs": {"retries": DEFAULT_BOTO_RETRIES}}
-    explicit = storage_options_for("s3://b/k", {"key": "k2", "secret": "s2", "endpoint_url": "http://127.0.0.1:2",
+    explicit = storage_options_for("s3://b/k", {"key": "k2", "secret": "s2",
+                                                "endpoint_url": "http://127.0.0.1:2",
                                                 "config_kwargs": {"retries": {"max_attempts": 2}}})
     assert explicit["endpoint_url"] == "http://127.0.0.1:2" and explicit["key"] == "k2"
     assert "token" not in explicit and explicit["config_kwargs"]["retries"] == {"max_attempts": 2}
@@ -208,3 +213,55 @@ def test_storage_options_for_merges_aws_env(monkeypatch):
     assert storage_options_for("/tmp/x", None) == {}
     # values seen as credentials are masked wherever they show up later
     assert redact("failed with envsecret-value inside") == "failed with *** inside"
+
+
+class FlakyFile:
+    """A file that dies with a connection reset after budget bytes, like a dropped S3 stream."""
+
+    def __init__(self, f, budget: int):
+        self._f, self._budget = f, budget
+
+    def _spend(self, data: bytes) -> bytes:
+        self._budget -= len(data)
+        if self._budget < 0:
+            raise ConnectionResetError("connection reset by peer")
+        return data
+
+    def read(self, n: int = -1) -> bytes:
+        return self._spend(self._f.read(n))
+
+    def readline(self) -> bytes:
+        return self._spend(self._f.readline())
+
+    def __iter__(self):
+        return iter(self.readline, b"")
+
+    def __getattr__(self, name):
+        return getattr(self._f, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._f.close()
+
+
+def test_stream_resumes_after_transient_error(tmp_path, monkeypatch):
+    import batchgen.io.readers as readers
+
+    jsonl = write_jsonl(tmp_path / "a.jsonl", [json.dumps({"i": i}).encode() for i in range(400)])
+    parquet = write_parquet(tmp_path / "b.parquet", 400, row_group_size=64)
+    real_open = readers._open
+    opened: list[str] = []
+
+    def flaky_open(url, storage_options, compression=None):
+        opened.append(url)
+        f = real_open(url, storage_options, compression)
+        return FlakyFile(f, budget=2000) if opened.count(url) == 1 else f
+
+    monkeypatch.setattr(readers, "_open", flaky_open)
+    monkeypatch.setattr(readers, "_backoff", lambda attempt: None)
+    got = list(read_rows([jsonl], batch_rows=32))
+    assert [r.values["i"] for r in got] == list(range(400)) and opened.count(jsonl) == 2
+    got = list(read_rows([parquet], batch_rows=32))
+    assert [r.values["n"] for r in got] == list(range(400)) and opened.count(parquet) >= 2

@@ -137,7 +137,7 @@ def test_reads_survive_faults(faulty_s3, kind):
 
 def test_large_part_through_proxy(faulty_s3):
     out, opts = faulty_s3.url("big"), faulty_s3.storage_options
-    big = [{"row_id": f"r{i}", "output": f"{i:08d}" * 200} for i in range(1000)]  # ~1.6 MB, uncompressible enough
+    big = [{"row_id": f"r{i}", "output": f"{i:08d}" * 200} for i in range(1000)]  # ~1.6 MB
     w = OutputWriter(out, fmt="jsonl", storage_options=opts)
     faulty_s3.proxy.inject("reset", 1, "PUT")
     w.write_part(big)

@@ -40,7 +40,7 @@ def test_write_parts_and_read_back(tmp_path, fmt):
     assert read_output(out) == rows(["a", "b"], output=None) + rows(["c"])
     assert json.load(open(f"{out}/_SUCCESS")) == {"rows": 3} == json.load(open(f"{out}/stats.json"))
     entry = json.load(open(f"{out}/_manifest/part-00001.json"))
-    assert entry["row_ids"] == ["c"] and entry["stats"] == {"rows": 1} and entry["part"] == f"part-00001.{fmt}"
+    assert entry == {"part": f"part-00001.{fmt}", "rows": 1, "row_ids": ["c"], "stats": {"rows": 1}}
     if fmt == "parquet":
         schema = pq.read_schema(f"{out}/part-00000.parquet")
         assert schema.field("output").type == pa.string() == schema.field("finish_reason").type
@@ -181,3 +181,12 @@ def test_credentials_redacted_in_metadata(tmp_path):
         assert secret not in text and "AKIAIOSFODNN7EXAMPLE" not in text, name
         assert '"prompt_tokens": 5' in text
     assert OutputWriter(out).committed_stats()[0]["storage_options"] == {"key": "***", "secret": "***"}
+
+
+def test_resumed_parts_keep_column_types(tmp_path):
+    out = str(tmp_path / "out")
+    OutputWriter(out).write_part([{"row_id": "a", "score": 3, "output": "x"}])
+    w = OutputWriter(out)
+    w.write_part([{"row_id": "b", "score": None, "output": None}])
+    first, second = (pq.read_schema(f"{out}/part-0000{i}.parquet") for i in (0, 1))
+    assert second.field("score").type == pa.int64() and first.equals(second)

@@ -48,7 +48,8 @@ class ManifestEntry:
 
     def to_bytes(self) -> bytes:
         # row ids are data, not credentials: only the stats go through redaction
-        doc = {"part": self.part, "rows": len(self.row_ids), "row_ids": self.row_ids, "stats": redact(self.stats)}
+        doc = {"part": self.part, "rows": len(self.row_ids), "row_ids": self.row_ids,
+               "stats": redact(self.stats)}
         return json.dumps(doc, ensure_ascii=False, default=str).encode("utf-8")
 
     @classmethod
@@ -57,7 +58,8 @@ class ManifestEntry:
         part, row_ids = doc["part"], doc["row_ids"]
         if not PART_RE.match(part) or not isinstance(row_ids, list):
             raise ValueError(f"bad manifest entry for {part!r}")
-        return cls(number=number, part=part, row_ids=[str(r) for r in row_ids], stats=dict(doc.get("stats") or {}))
+        stats = dict(doc.get("stats") or {})
+        return cls(number=number, part=part, row_ids=[str(r) for r in row_ids], stats=stats)
 
 
 def list_names(fs: fsspec.AbstractFileSystem, folder: str) -> list[str]:

@@ -65,7 +65,9 @@ def storage_options_for(url: str, storage_options: dict[str, Any] | None = None)
     return opts
 
 
-def filesystem(url: str, storage_options: dict[str, Any] | None = None) -> tuple[fsspec.AbstractFileSystem, str]:
+def filesystem(
+    url: str, storage_options: dict[str, Any] | None = None
+) -> tuple[fsspec.AbstractFileSystem, str]:
     """(filesystem, path inside it) for url, with storage_options_for applied."""
     return fsspec.core.url_to_fs(url, **storage_options_for(url, storage_options))
 

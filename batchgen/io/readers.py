@@ -21,7 +21,8 @@ __all__ = ["InputRow", "read_rows", "read_columns", "detect_format"]
 
 PARQUET_SUFFIXES = (".parquet", ".pq")
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
-_FORMAT_ALIASES = {"parquet": "parquet", "pq": "parquet", "jsonl": "jsonl", "json": "jsonl", "ndjson": "jsonl"}
+_FORMAT_ALIASES = {"parquet": "parquet", "pq": "parquet",
+                   "jsonl": "jsonl", "json": "jsonl", "ndjson": "jsonl"}
 # Reopen attempts after a transient error in the middle of a file (s3fs has already retried each call).
 _STREAM_ATTEMPTS = 4
 _COLUMN_SAMPLE_OBJECTS = 100
@@ -30,7 +31,8 @@ _COLUMN_SAMPLE_LINES = 1000
 
 @dataclass
 class InputRow:
-    """One input row; error is set (and values is {}) when the row could not be parsed."""
+    """One input row. error is set for a line that could not be parsed (values is {} then) and for
+    a row lacking its id column (values kept, row_id is the default "<file>:<index>")."""
 
     row_id: str
     values: dict[str, Any]
@@ -62,7 +64,10 @@ def _row_names(files: list[str]) -> dict[str, str]:
     bases = {f: posixpath.basename(f.rstrip("/")) for f in files}
     if len(set(bases.values())) == len(files):
         return bases
-    common = posixpath.commonpath([f.split("://", 1)[-1] for f in files]) if len(files) > 1 else ""
+    try:
+        common = posixpath.commonpath([f.split("://", 1)[-1] for f in files])
+    except ValueError:  # absolute and relative paths mixed: no common folder
+        return {f: f for f in files}
     return {f: posixpath.relpath(f.split("://", 1)[-1], common) if common else f for f in files}
 
 
@@ -154,7 +159,7 @@ def _parquet_records(url: str, storage_options: dict | None, batch_rows: int
                 return
             to_skip = skip - start
             groups = list(range(first, pf.num_row_groups))
-            for batch in pf.iter_batches(batch_size=batch_rows, row_groups=groups, use_threads=False):
+            for batch in pf.iter_batches(batch_size=batch_rows, row_groups=groups):
                 if to_skip >= batch.num_rows:
                     to_skip -= batch.num_rows
                     continue

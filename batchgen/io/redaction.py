@@ -20,7 +20,9 @@ SECRET_KEYS = frozenset({
 })
 _SECRET_SUFFIXES = ("_secret", "_password", "_secret_key", "_access_key", "_api_key", "_private_key")
 
-_NAMES = r"(?:aws_secret_access_key|aws_session_token|aws_security_token|aws_access_key_id|secret_access_key|session_token|access_token|refresh_token|api_key|client_secret|password|secret|token|key)"
+_NAMES = (r"(?:aws_secret_access_key|aws_session_token|aws_security_token|aws_access_key_id|"
+          r"secret_access_key|session_token|access_token|refresh_token|api_key|client_secret|"
+          r"password|secret|token|key)")
 _PATTERNS = [
     # scheme://user:password@host
     (re.compile(r"(\b[a-zA-Z][a-zA-Z0-9+.\-]*://)[^/\s:@]+:[^/\s@]+@"), r"\1" + MASK + ":" + MASK + "@"),
@@ -30,8 +32,8 @@ _PATTERNS = [
     # name=value / name: value, quoted as in a dict repr or bare as in env dumps
     (re.compile(r"(['\"]?\b" + _NAMES + r"['\"]?\s*[:=]\s*)(['\"])(?:(?!\2).)*\2", re.IGNORECASE),
      r"\1\2" + MASK + r"\2"),
-    (re.compile(r"(\b(?:aws_secret_access_key|aws_session_token|aws_security_token|password)\s*=\s*)[^\s'\",&]+",
-                re.IGNORECASE), r"\1" + MASK),
+    (re.compile(r"(\b(?:aws_secret_access_key|aws_session_token|aws_security_token|password)\s*=\s*)"
+                r"[^\s'\",&]+", re.IGNORECASE), r"\1" + MASK),
     # AWS access key ids
     (re.compile(r"\b(?:AKIA|ASIA)[0-9A-Z]{16}\b"), MASK),
 ]

@@ -8,6 +8,8 @@ import random
 import time
 from typing import Callable, Iterator, TypeVar
 
+from batchgen.io.redaction import redact
+
 T = TypeVar("T")
 log = logging.getLogger(__name__)
 
@@ -29,7 +31,9 @@ _TRANSIENT_CODES = {
     "InternalError",
     "ServiceUnavailable",
 }
-_TRANSIENT_NAME_HINTS = ("Connection", "Timeout", "Payload", "Disconnected", "IncompleteRead", "ResponseParser")
+_TRANSIENT_NAME_HINTS = (
+    "Connection", "Timeout", "Payload", "Disconnected", "IncompleteRead", "ResponseParser",
+)
 
 
 def _chain(exc: BaseException) -> Iterator[BaseException]:
@@ -82,6 +86,6 @@ def retry(
                 raise
             delay = min(max_delay, base_delay * 2 ** (attempt - 1)) * (0.5 + random.random() / 2)
             log.warning("transient error in %s (attempt %d/%d), retrying in %.2fs: %s",
-                        what, attempt, attempts, delay, exc)
+                        redact(what), attempt, attempts, delay, redact(str(exc)))
             time.sleep(delay)
     raise AssertionError("unreachable")

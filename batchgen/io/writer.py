@@ -10,6 +10,7 @@ from typing import Any, Callable, TypeVar
 
 import fsspec
 import pyarrow as pa
+import pyarrow.parquet as pq
 from fsspec.implementations.local import LocalFileSystem
 
 from batchgen.io.errors import OutputError
@@ -65,6 +66,8 @@ class OutputWriter:
         if not overwrite:
             self.cleanup_uncommitted()
         self._next = max(self._entries, default=-1) + 1
+        if self.fmt == "parquet" and self._entries:
+            self._seed_types()
 
     # -- storage helpers ------------------------------------------------------------------
 
@@ -113,7 +116,8 @@ class OutputWriter:
         try:
             probe_once()
         except Exception as exc:
-            raise OutputError(redact(f"output path {self.path} is not writable: {type(exc).__name__}: {exc}")) from exc
+            message = f"output path {self.path} is not writable: {type(exc).__name__}: {exc}"
+            raise OutputError(redact(message)) from exc
 
     def _delete_previous(self) -> None:
         def delete() -> None:
@@ -136,6 +140,18 @@ class OutputWriter:
         if other:
             raise OutputError(redact(f"{self.path} holds committed {other[0]} parts from an earlier run; "
                                      f"resume with that format or overwrite"))
+
+    def _seed_types(self) -> None:
+        """Take column types from the last committed part, so resumed parts keep the same schema."""
+        last = self._full(self._entries[max(self._entries)].part)
+
+        def read_schema() -> pa.Schema:
+            with self.fs.open(last, "rb") as f:
+                return pq.read_schema(f)
+
+        for f in self._guard(lambda: retry(read_schema, what=f"read schema of {redact(last)}"), "read"):
+            if not pa.types.is_null(f.type):
+                self._types[f.name] = f.type
 
     # -- public API -----------------------------------------------------------------------
 
@@ -204,7 +220,8 @@ class OutputWriter:
             data = serialize_rows(rows, self.fmt, schema, self._types)
         except Exception as exc:
             raise OutputError(redact(f"cannot serialize {name}: {type(exc).__name__}: {exc}")) from exc
-        entry = ManifestEntry(number=number, part=name, row_ids=[str(r) for r in row_ids], stats=dict(stats or {}))
+        entry = ManifestEntry(number=number, part=name, row_ids=[str(r) for r in row_ids],
+                              stats=dict(stats or {}))
         self._guard(lambda: self._put(name, data), f"write {name} in")
         self._guard(lambda: self._put(f"{MANIFEST_DIR}/{entry_name(number)}", entry.to_bytes()),
                     f"commit {name} in")
