@@ -155,10 +155,12 @@ def test_builtin_failures_leave_no_file(cache, monkeypatch):
 
 
 # ---- remote URLs --------------------------------------------------------------------------------------
-def test_remote_folder_and_file_are_downloaded_once(tiny_model, cache):
+def test_remote_folder_and_file_are_downloaded_once(tiny_model, cache, tmp_path):
+    from tests.test_gguf import write_gguf
+
     fs = fsspec.filesystem("memory")
     fs.put(str(tiny_model), "/models/tiny", recursive=True)
-    fs.put_file(str(tiny_model / "config.json"), "/models/sub/config.json")
+    fs.put_file(str(write_gguf(tiny_model, tmp_path / "t.gguf", "llama")), "/models/files/tiny.gguf")
     try:
         source = load_model_source("memory://models/tiny")
         local = Path(hub.resolve_model_path("memory://models/tiny"))
@@ -168,6 +170,9 @@ def test_remote_folder_and_file_are_downloaded_once(tiny_model, cache):
         fs.rm("/models/tiny", recursive=True)  # served from the cache from now on
         assert hub.resolve_model_path("memory://models/tiny/") == str(local)
         assert load_model_source("memory://models/tiny").config["hidden_size"] == 64
+        gguf_source = load_model_source("memory://models/files/tiny.gguf")
+        assert gguf_source.config["architectures"] == ["LlamaForCausalLM"]
+        assert Path(hub.resolve_model_path("memory://models/files/tiny.gguf")).is_relative_to(cache)
         with pytest.raises(FileNotFoundError, match="memory://models/gone"):
             hub.resolve_model_path("memory://models/gone")
     finally:

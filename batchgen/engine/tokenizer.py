@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from tokenizers import AddedToken, processors
+from tokenizers.models import BPE
 from tokenizers import Tokenizer as _HFTokenizer
 
 def _token_str(value: Any) -> str | None:
@@ -66,7 +67,8 @@ class Tokenizer:
         self.pad_token = pad_token
         self.unk_token = unk_token
         self.chat_template = chat_template
-        self.clean_up_tokenization_spaces = clean_up_tokenization_spaces
+        # transformers 5 ignores this flag for BPE models: the clean-up would delete real spaces.
+        self.clean_up_tokenization_spaces = clean_up_tokenization_spaces and not isinstance(tokenizer.model, BPE)
         named = [t for t in (bos_token, *eos_tokens, unk_token, pad_token, *extra_special_tokens) if t]
         added = {t.content for t in tokenizer.get_added_tokens_decoder().values()}
         missing = [t for t in dict.fromkeys(named) if t not in added]
