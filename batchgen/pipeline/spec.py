@@ -92,6 +92,7 @@ class OutputSpec(_Section):
     path: str = Field(min_length=1)
     format: Literal["parquet", "jsonl"] = "parquet"
     carry_columns: OneOrMany = []
+    rows_per_part: int = Field(default=512, ge=1)  # finished rows per part file, the unit of resume
 
 
 _SECRET_KEY = re.compile(r"^key$|secret|token|password|passwd|credential|private_key|api_key", re.IGNORECASE)

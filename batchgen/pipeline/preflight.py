@@ -1,0 +1,97 @@
+"""Checks before any compute: inputs exist and hold the template's columns, output is writable, model loads."""
+from __future__ import annotations
+
+import json
+import logging
+from collections import Counter
+from typing import Any
+
+from jinja2 import Environment, nodes
+
+from batchgen.engine import LLM
+from batchgen.io import InputError, OutputError, OutputWriter, expand_inputs, read_columns, redact
+from batchgen.pipeline.errors import JobError
+from batchgen.pipeline.render import required_columns
+from batchgen.pipeline.rows import RESULT_COLUMNS
+from batchgen.pipeline.spec import JobSpec, SpecError
+
+log = logging.getLogger(__name__)
+
+_SHOWN_FILES = 3
+
+
+def optional_columns(template: str) -> set[str]:
+    """Columns the template can do without: tested with ``is defined``/``is undefined`` anywhere, or only
+    ever read through the ``default`` filter."""
+    ast = Environment().parse(template)
+    guarded = {n.node.name for n in ast.find_all(nodes.Test)
+               if n.name in ("defined", "undefined") and isinstance(n.node, nodes.Name)}
+    defaulted = Counter(n.node.name for n in ast.find_all(nodes.Filter)
+                        if n.name in ("default", "d") and isinstance(n.node, nodes.Name))
+    uses = Counter(n.name for n in ast.find_all(nodes.Name) if n.ctx == "load")
+    return guarded | {name for name, k in defaulted.items() if k == uses[name]}
+
+
+def carry_columns(spec: JobSpec) -> list[str]:
+    """Carried columns in spec order; the id column is always written, so carrying it is a no-op."""
+    id_column = spec.input.id_column or "id"
+    clash = [c for c in spec.output.carry_columns if c in RESULT_COLUMNS]
+    if clash:
+        raise SpecError([f"output.carry_columns: {c!r} clashes with an output column of the same name"
+                         for c in clash])
+    return list(dict.fromkeys(c for c in spec.output.carry_columns if c != id_column))
+
+
+def _files_list(files: list[str]) -> str:
+    shown = ", ".join(redact(f) for f in files[:_SHOWN_FILES])
+    return shown + (f" and {len(files) - _SHOWN_FILES} more" if len(files) > _SHOWN_FILES else "")
+
+
+def check_inputs(spec: JobSpec) -> list[str]:
+    """The input files; raises JobError for missing or corrupt files and for template columns no file has."""
+    opts = spec.storage_options
+    try:
+        files = expand_inputs(spec.input.path, opts)
+        needed = required_columns(spec.prompt.template) - optional_columns(spec.prompt.template)
+        if not needed:
+            return files
+        lacking: dict[str, list[str]] = {}
+        for f in files:
+            for col in sorted(needed - read_columns([f], spec.input.format, opts)):
+                lacking.setdefault(col, []).append(f)
+    except InputError as e:
+        raise JobError(str(e)) from None
+    if lacking:
+        cols = ", ".join(f"'{c}'" for c in sorted(lacking))
+        where = sorted({f for fs in lacking.values() for f in fs})
+        raise JobError(f"the prompt template needs column(s) {cols}, missing from input file(s) "
+                       f"{_files_list(where)}")
+    return files
+
+
+def open_output(spec: JobSpec) -> OutputWriter:
+    """Opens the output folder without touching earlier results (overwrite happens after the model loads)."""
+    try:
+        return OutputWriter(spec.output.path, spec.output.format, spec.storage_options, overwrite=False,
+                            id_key=spec.input.id_column or "id")
+    except OutputError as e:
+        raise JobError(str(e)) from None
+
+
+def stored_stats(writer: OutputWriter) -> dict[str, Any]:
+    """The stats a finished job left in _SUCCESS."""
+    try:
+        return json.loads(writer.fs.cat_file(f"{writer.root}/_SUCCESS") or b"{}")
+    except Exception as e:  # noqa: BLE001 - any failure to read back is an output problem
+        raise JobError(redact(f"cannot read {writer.path}/_SUCCESS: {type(e).__name__}: {e}")) from None
+
+
+def load_model(spec: JobSpec) -> LLM:
+    b = spec.batching
+    try:
+        return LLM(spec.model.path, dtype=spec.model.dtype, device=spec.model.device,
+                   max_num_batched_tokens=b.max_batch_tokens, max_num_seqs=b.max_num_seqs,
+                   max_model_len=spec.model.max_model_len, storage_options=spec.storage_options)
+    except Exception as e:  # noqa: BLE001 - bad paths, unsupported architectures, bad weights alike
+        message = " ".join(str(e).split()) or type(e).__name__
+        raise JobError(redact(f"cannot load model {spec.resolved()['model']['path']}: {message}")) from None

@@ -1,0 +1,116 @@
+"""Output rows: one per input row, ok or error, and the Parquet schema that keeps parts consistent."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow as pa
+
+from batchgen.engine import RequestOutput
+
+log = logging.getLogger(__name__)
+
+RESULT_COLUMNS = ("output", "prompt_tokens", "completion_tokens", "finish_reason", "error")
+ERROR_TYPE = pa.struct([("code", pa.string()), ("message", pa.string())])
+_RESULT_TYPES = {
+    "output": pa.string(),
+    "prompt_tokens": pa.int64(),
+    "completion_tokens": pa.int64(),
+    "finish_reason": pa.string(),
+    "error": ERROR_TYPE,
+}
+
+
+@dataclass
+class Request:
+    """A rendered row on its way through the engine."""
+
+    row_id: str
+    carried: dict[str, Any]
+    prompt_ids: list[int]
+
+
+@dataclass
+class ResultRow:
+    """One finished row; ``cached_tokens`` only feeds the part stats, it is not a column."""
+
+    row_id: str
+    carried: dict[str, Any]
+    output: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    finish_reason: str
+    error: dict[str, str] | None = None
+    cached_tokens: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    def to_dict(self, id_column: str) -> dict[str, Any]:
+        row: dict[str, Any] = {id_column: self.row_id}
+        row.update(self.carried)
+        row.update(output=self.output, prompt_tokens=self.prompt_tokens,
+                   completion_tokens=self.completion_tokens, finish_reason=self.finish_reason,
+                   error=self.error)
+        return row
+
+
+def carried_values(values: dict[str, Any], columns: list[str]) -> dict[str, Any]:
+    return {c: values.get(c) for c in columns}
+
+
+def error_row(row_id: str, carried: dict[str, Any], code: str, message: str) -> ResultRow:
+    """A row that failed; its token counts are 0 since the engine did no work for it."""
+    return ResultRow(row_id, carried, None, 0, 0, "error", {"code": code, "message": message})
+
+
+def engine_row(req: Request, out: RequestOutput) -> ResultRow:
+    """The result of one engine request."""
+    if out.finish_reason == "error":
+        return error_row(req.row_id, req.carried, "engine_error", out.error or "the engine failed this request")
+    return ResultRow(req.row_id, req.carried, out.text, len(out.prompt_token_ids), len(out.token_ids),
+                     out.finish_reason or "stop", None, out.num_cached_tokens)
+
+
+@dataclass
+class PartSchema:
+    """Parquet schema of output parts: fixed result columns, carried columns typed by their first values.
+
+    Remembering carried column types keeps every part of a job on one schema, so the folder reads back
+    as a single dataset; a column that is null throughout a part stays typed as in earlier parts.
+    """
+
+    id_column: str
+    carry_columns: list[str]
+    carry_types: dict[str, pa.DataType] = field(default_factory=dict)
+
+    def seed(self, schema: pa.Schema) -> None:
+        """Take carried column types from an already committed part (on resume)."""
+        for f in schema:
+            if f.name in self.carry_columns and not pa.types.is_null(f.type):
+                self.carry_types.setdefault(f.name, f.type)
+
+    def _carry_type(self, name: str, values: list[Any]) -> pa.DataType:
+        known = self.carry_types.get(name)
+        if known is not None:
+            try:
+                pa.array(values, type=known)
+                return known
+            except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError):
+                log.warning("carried column %r changes type between parts", name)
+        try:
+            inferred = pa.array(values).type
+        except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError):
+            raise ValueError(f"carried column {name!r} mixes value types; it cannot be written to Parquet")
+        if not pa.types.is_null(inferred):
+            self.carry_types.setdefault(name, inferred)
+        return inferred
+
+    def for_rows(self, rows: list[dict[str, Any]]) -> pa.Schema:
+        fields = [pa.field(self.id_column, pa.string())]
+        for name in self.carry_columns:
+            fields.append(pa.field(name, self._carry_type(name, [r.get(name) for r in rows])))
+        fields += [pa.field(name, _RESULT_TYPES[name]) for name in RESULT_COLUMNS]
+        return pa.schema(fields)

@@ -1,0 +1,145 @@
+"""Runs a job: read -> render/tokenize -> sort window -> engine -> write parts -> stats -> _SUCCESS."""
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from itertools import islice
+from typing import Any, Iterable
+
+import pyarrow.parquet as pq
+
+from batchgen.engine import LLM, SamplingParams
+from batchgen.io import InputError, InputRow, OutputError, OutputWriter, read_rows, redact
+from batchgen.pipeline import preflight
+from batchgen.pipeline.errors import JobError, JobInterrupted
+from batchgen.pipeline.interrupt import StopRequest, stop_on_signals
+from batchgen.pipeline.progress import Progress
+from batchgen.pipeline.render import PromptRenderer
+from batchgen.pipeline.rows import PartSchema, engine_row
+from batchgen.pipeline.sink import PartSink
+from batchgen.pipeline.spec import JobSpec
+from batchgen.pipeline.stages import Preparer, admit, sorted_requests
+from batchgen.pipeline.stats import Counts, job_stats, utc_now
+
+log = logging.getLogger(__name__)
+
+__all__ = ["run_job", "JobError", "JobInterrupted"]
+
+
+def sampling_params(spec: JobSpec) -> SamplingParams:
+    s = spec.sampling
+    return SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                          seed=s.seed, stop=list(s.stop))
+
+
+def _seed_schema(schema: PartSchema, writer: OutputWriter) -> None:
+    """Carried column types of the last committed part, so a resumed job keeps one Parquet schema."""
+    parts = writer.committed_parts()
+    if writer.fmt != "parquet" or not parts:
+        return
+    name = parts[-1].rsplit("/", 1)[-1]
+    try:
+        with writer.fs.open(f"{writer.root}/{name}", "rb") as f:
+            schema.seed(pq.read_schema(f))
+    except Exception as e:  # noqa: BLE001 - the types are a nicety; inference takes over
+        log.warning("cannot read the schema of %s: %s", redact(parts[-1]), redact(str(e)))
+
+
+def _warn_if_spec_changed(previous: list[dict[str, Any]], digest: str) -> None:
+    others = {p.get("spec_digest") for p in previous} - {digest, None}
+    if others:
+        log.warning("committed parts were written by a different job spec; resuming anyway "
+                    "(use --overwrite to start over)")
+
+
+def _generate(llm: LLM, spec: JobSpec, rows: Iterable[InputRow], preparer: Preparer, sink: PartSink,
+              stop: StopRequest) -> float:
+    """Streams every row through the engine into the sink; returns the seconds it took.
+
+    One lazy generator chain feeds one ``generate_stream`` call, so the engine never waits between sort
+    windows and at most a sort window plus the engine's pending requests are held at once.
+    """
+    b = spec.batching
+    requests = sorted_requests(preparer.prepare(rows), b.sort_window, b.sort)
+    start = time.perf_counter()
+    for req, out in llm.generate_stream(admit(requests, sampling_params(spec), stop.event)):
+        sink.add(engine_row(req, out))
+    return time.perf_counter() - start
+
+
+def run_job(spec: JobSpec, *, limit: int | None = None, overwrite: bool = False, quiet: bool = False,
+            llm: LLM | None = None) -> dict[str, Any]:
+    """Runs ``spec`` and returns its stats (also written to stats.json and _SUCCESS).
+
+    Rows committed by an earlier run of the same output folder are skipped; a finished folder makes this a
+    no-op unless ``overwrite``. ``limit`` takes the first N input rows. ``llm`` reuses a loaded model (its
+    own engine settings then apply). Raises :class:`JobError` when the job cannot run or fails, and
+    :class:`JobInterrupted` after SIGINT/SIGTERM, once the finished rows are committed.
+    """
+    wall_start, started_at = time.perf_counter(), utc_now()
+    resolved, digest = spec.resolved(), spec.digest()
+    carry = preflight.carry_columns(spec)
+    files = preflight.check_inputs(spec)
+    writer = preflight.open_output(spec)
+    if not overwrite and writer.is_complete():
+        log.info("%s: already complete in %s; nothing to do (use --overwrite to run it again)",
+                 spec.name, resolved["output"]["path"])
+        return preflight.stored_stats(writer)
+    if llm is None:
+        llm = preflight.load_model(spec)
+    renderer = PromptRenderer(spec.prompt.template, spec.prompt.system, spec.prompt.chat, llm.tokenizer)
+    if overwrite:
+        try:
+            writer = OutputWriter(spec.output.path, spec.output.format, spec.storage_options, overwrite=True,
+                                  id_key=spec.input.id_column or "id")
+        except OutputError as e:
+            raise JobError(str(e)) from None
+    committed, previous = writer.committed_row_ids(), writer.committed_stats()
+    _warn_if_spec_changed(previous, digest)
+    log.info("%s: %d input file(s) -> %s%s", spec.name, len(files), resolved["output"]["path"],
+             f" (resuming: {len(committed)} rows already committed)" if committed else "")
+
+    schema = PartSchema(spec.input.id_column or "id", carry)
+    _seed_schema(schema, writer)
+    progress = Progress(limit, quiet, spec.name)
+    sink = PartSink(writer, schema, spec.output.rows_per_part, digest, on_row=progress.update)
+    max_prompt = min(spec.batching.max_prompt_tokens, llm.max_model_len - 1)  # room for >= 1 new token
+    preparer = Preparer(renderer, carry, max_prompt, spec.batching.truncate, committed, on_error=sink.add,
+                        model_len=llm.max_model_len if max_prompt < spec.batching.max_prompt_tokens else None)
+    rows: Iterable[InputRow] = read_rows(files, spec.input.format, spec.storage_options, spec.input.id_column)
+    if limit is not None:
+        rows = islice(rows, limit)
+
+    stop = StopRequest()
+    generate_s = 0.0
+    try:
+        with stop_on_signals(stop):
+            try:
+                generate_s = _generate(llm, spec, rows, preparer, sink, stop)
+            except KeyboardInterrupt:
+                stop.set(signal.SIGINT)
+            finally:
+                progress.close()
+            sink.flush()
+        totals = Counts.total(writer.committed_stats())
+        stats = job_stats(totals=totals, run=sink.run, job=spec.name, model=resolved["model"]["path"],
+                          spec=resolved, spec_digest=digest, started_at=started_at,
+                          wall_s=time.perf_counter() - wall_start, generate_s=generate_s,
+                          resumed=bool(previous), complete=not stop.is_set())
+        writer.write_stats(stats)
+        if stop.is_set():
+            assert stop.signum is not None
+            log.warning("%s: stopped by %s with %d rows committed; rerun the same command to resume",
+                        spec.name, signal.Signals(stop.signum).name, totals.rows)
+            raise JobInterrupted(stop.signum)
+        if totals.rows and totals.error_rows / totals.rows > spec.max_error_rate:
+            raise JobError(f"{totals.error_rows} of {totals.rows} rows failed, more than max_error_rate "
+                           f"{spec.max_error_rate:g}; see the error column in {resolved['output']['path']}")
+        writer.commit(stats)
+    except (InputError, OutputError) as e:
+        raise JobError(str(e)) from None
+    log.info("%s: %d rows (%d ok, %d errors), %d prompt + %d generated tokens in %.1f s",
+             spec.name, totals.rows, totals.ok_rows, totals.error_rows, totals.prompt_tokens,
+             totals.completion_tokens, stats["wall_s"])
+    return stats

@@ -1,0 +1,96 @@
+"""The row stages before the engine: id assignment, skip on resume, render + tokenize, truncate, sort."""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Iterator
+
+from batchgen.engine import SamplingParams
+from batchgen.io import InputRow, redact
+from batchgen.pipeline.batching import prompt_sort_key, sort_window
+from batchgen.pipeline.render import PromptRenderer, RenderError, TruncateMode, truncate
+from batchgen.pipeline.rows import Request, ResultRow, carried_values, error_row
+
+DUP_MARK = "#dup"
+
+
+@dataclass
+class RowIds:
+    """Output ids that stay unique: the first occurrence of an input id keeps it, the k-th later one
+    becomes ``"<id>#dup<k>"`` (skipping any id already taken) and is written as a ``duplicate_id`` error.
+
+    Ids depend only on the input rows before them, so a rerun over the same input assigns the same ids
+    and resume can skip committed rows by id, duplicates included.
+    """
+
+    seen: set[str] = field(default_factory=set)
+    dup_counts: dict[str, int] = field(default_factory=dict)
+
+    def assign(self, row_id: str) -> str:
+        if row_id not in self.seen:
+            self.seen.add(row_id)
+            return row_id
+        k = self.dup_counts.get(row_id, 0)
+        while True:
+            k += 1
+            candidate = f"{row_id}{DUP_MARK}{k}"
+            if candidate not in self.seen:
+                break
+        self.dup_counts[row_id] = k
+        self.seen.add(candidate)
+        return candidate
+
+
+@dataclass
+class Preparer:
+    """Turns input rows into engine requests; rows that cannot run go straight to ``on_error``."""
+
+    renderer: PromptRenderer
+    carry_columns: list[str]
+    max_prompt_tokens: int
+    truncate_mode: TruncateMode
+    committed: set[str]
+    on_error: Callable[[ResultRow], None]
+    model_len: int | None = None  # the model's context, when it is what limits max_prompt_tokens
+    ids: RowIds = field(default_factory=RowIds)
+    skipped: int = 0  # rows already committed by an earlier run
+
+    def prepare(self, rows: Iterable[InputRow]) -> Iterator[Request]:
+        for row in rows:
+            row_id = self.ids.assign(row.row_id)
+            if row_id in self.committed:
+                self.skipped += 1
+                continue
+            carried = carried_values(row.values, self.carry_columns)
+            if row_id != row.row_id:
+                self.on_error(error_row(row_id, carried, "duplicate_id",
+                                        f"id {row.row_id!r} appeared earlier in the input; this occurrence "
+                                        f"(row {row.index} of {redact(row.source)}) is not run"))
+            elif row.error is not None:
+                self.on_error(error_row(row_id, carried, "invalid_input", row.error))
+            else:
+                try:
+                    ids = truncate(self.renderer.render(row.values), self.max_prompt_tokens, self.truncate_mode)
+                except RenderError as e:
+                    message = e.message
+                    if e.code == "prompt_too_long" and self.model_len is not None:
+                        message += f" (the model's context is {self.model_len} tokens, one kept for output)"
+                    self.on_error(error_row(row_id, carried, e.code, message))
+                    continue
+                yield Request(row_id, carried, ids)
+
+
+def sorted_requests(requests: Iterable[Request], window: int, enabled: bool) -> Iterator[Request]:
+    """Longest prompts first within each window, rows sharing a prefix side by side (see batching)."""
+    if not enabled:
+        return iter(requests)
+    return sort_window(requests, key=lambda r: prompt_sort_key(r.prompt_ids), window=window)
+
+
+def admit(requests: Iterable[Request], params: SamplingParams, stop: threading.Event
+          ) -> Iterator[tuple[Request, list[int], SamplingParams]]:
+    """The engine's request stream; it ends as soon as ``stop`` is set, so no new work is admitted."""
+    for req in requests:
+        if stop.is_set():
+            return
+        yield req, req.prompt_ids, params
