@@ -1,0 +1,122 @@
+"""Bad rows become error rows and the job goes on; bad files, columns, models and outputs fail the job."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from batchgen.pipeline.errors import JobError
+from batchgen.pipeline.runner import run_job
+from batchgen.pipeline.spec import SpecError
+from tests.job_helpers import by_id, check_output, make_spec, records, tiny_llm, write_jsonl  # noqa: F401
+
+
+def run(tmp_path: Path, model: Path, llm, inp: Path | list, **sections) -> tuple[dict, list[dict]]:
+    out = tmp_path / "out"
+    stats = run_job(make_spec(model, inp, out, **sections), llm=llm, quiet=True)
+    return stats, [r for r in check_output(out, stats, stats_ids(out))]
+
+
+def stats_ids(out: Path) -> list[str]:
+    """Every id the manifest lists (check_output compares them with the rows)."""
+    return [i for p in sorted((out / "_manifest").glob("*.json")) for i in json.loads(p.read_text())["row_ids"]]
+
+
+def test_template_null_and_empty_values_are_error_rows(tmp_path, tiny_model, tiny_llm):
+    recs = [{"id": "ok", "text": "the quick fox"}, {"id": "null", "text": None}, {"id": "empty", "text": "  "},
+            {"id": "missing"}, {"id": "bad-filter", "text": "abc"}]
+    inp = write_jsonl(tmp_path / "in.jsonl", recs)
+    stats, rows = run(tmp_path, tiny_model, tiny_llm, inp,
+                      prompt={"template": "{{ text }}{% if text == 'abc' %}{{ text.nope() }}{% endif %}"})
+    got = {k: (v["error"] or {}).get("code") for k, v in by_id(rows).items()}
+    assert got == {"ok": None, "null": "null_value", "empty": "empty_prompt", "missing": "missing_column",
+                   "bad-filter": "template_error"}
+    assert stats["rows"] == 5 and stats["error_rows"] == 4
+
+
+def test_malformed_jsonl_and_invalid_utf8(tmp_path, tiny_model, tiny_llm):
+    inp = tmp_path / "in.jsonl"
+    inp.write_bytes(b'{"id": "a", "text": "fox"}\n{"id": "b", "text": \n[1, 2]\n'
+                    b'{"id": "c", "text": "caf\xe9"}\n{"id": "d", "text": "dog"}\n')
+    stats, rows = run(tmp_path, tiny_model, tiny_llm, inp)
+    got = by_id(rows)
+    assert set(got) == {"a", "d", "in.jsonl:1", "in.jsonl:2", "in.jsonl:3"}
+    assert got["a"]["error"] is None and got["d"]["error"] is None
+    errors = {k: v["error"] for k, v in got.items() if v["error"]}
+    assert all(e["code"] == "invalid_input" for e in errors.values())
+    assert f"{inp} line 2: malformed JSON" in errors["in.jsonl:1"]["message"]
+    assert "line 3: expected a JSON object" in errors["in.jsonl:2"]["message"]
+    assert f"{inp} line 4: invalid UTF-8" in errors["in.jsonl:3"]["message"]
+
+
+def test_duplicate_ids(tmp_path, tiny_model, tiny_llm):
+    recs = records(3) + [{"id": "r1", "text": "again"}, {"id": "r1#dup1", "text": "sneaky"},
+                         {"id": "r1", "text": "third"}, {"text": "no id"}]
+    inp = write_jsonl(tmp_path / "in.jsonl", recs)
+    stats, rows = run(tmp_path, tiny_model, tiny_llm, inp)
+    got = by_id(rows)
+    assert sorted(got) == ["in.jsonl:6", "r0", "r1", "r1#dup1", "r1#dup1#dup1", "r1#dup2", "r2"]
+    assert got["r1"]["error"] is None and got["r1"]["title"] == "title 1"
+    assert got["r1#dup1"]["error"]["code"] == "duplicate_id"
+    assert "id 'r1' appeared earlier" in got["r1#dup1"]["error"]["message"]
+    assert got["r1#dup1#dup1"]["error"]["code"] == "duplicate_id"  # the literal "r1#dup1" came later
+    assert got["r1#dup2"]["error"]["code"] == "duplicate_id"
+    assert got["in.jsonl:6"]["error"]["code"] == "invalid_input"  # no id column
+    assert stats["rows"] == len(recs)
+
+
+def test_corrupt_parquet_fails_the_job(tmp_path, tiny_model, tiny_llm):
+    bad = tmp_path / "in" / "bad.parquet"
+    bad.parent.mkdir()
+    bad.write_bytes(b"PAR1 this is not parquet" * 10)
+    with pytest.raises(JobError, match=r"corrupt or unreadable Parquet file .*bad\.parquet"):
+        run_job(make_spec(tiny_model, bad, tmp_path / "out"), llm=tiny_llm, quiet=True)
+    assert not (tmp_path / "out" / "_manifest").exists()
+
+
+def test_missing_input_file(tmp_path, tiny_model, tiny_llm):
+    good = write_jsonl(tmp_path / "a.jsonl", records(2))
+    missing = tmp_path / "nope.jsonl"
+    with pytest.raises(JobError, match=f"input path matches no files: {missing}"):
+        run_job(make_spec(tiny_model, [str(good), str(missing)], tmp_path / "out"), llm=tiny_llm, quiet=True)
+
+
+def test_missing_template_column_fails_before_compute(tmp_path):
+    inp = write_jsonl(tmp_path / "a.jsonl", records(2))
+    write_jsonl(tmp_path / "b.jsonl", [{"id": "x", "body": "no text column"}])
+    # the model path does not exist: the column check must come first
+    spec = make_spec(tmp_path / "no-model", [str(inp), str(tmp_path / "b.jsonl")], tmp_path / "out",
+                     prompt={"template": "{{ text }} {{ extra }} {{ opt | default('') }}"
+                                         "{% if more is defined %}{{ more }}{% endif %}"})
+    with pytest.raises(JobError) as e:
+        run_job(spec, quiet=True)
+    msg = str(e.value)
+    assert "'extra', 'text'" in msg and "a.jsonl" in msg and "b.jsonl" in msg
+    assert "opt" not in msg and "more" not in msg
+
+
+def test_bad_models_fail_the_job(tmp_path, tiny_model):
+    inp = write_jsonl(tmp_path / "a.jsonl", records(2))
+    with pytest.raises(JobError, match=r"cannot load model .*no-model.* does not exist"):
+        run_job(make_spec(tmp_path / "no-model", inp, tmp_path / "out"), quiet=True)
+    gpt2 = shutil.copytree(tiny_model, tmp_path / "gpt2")
+    config = json.loads((gpt2 / "config.json").read_text())
+    (gpt2 / "config.json").write_text(json.dumps({**config, "architectures": ["GPT2LMHeadModel"],
+                                                  "model_type": "gpt2"}))
+    with pytest.raises(JobError, match=r"cannot load model .*GPT2LMHeadModel"):
+        run_job(make_spec(gpt2, inp, tmp_path / "out"), quiet=True)
+
+
+def test_unwritable_output(tmp_path, tiny_model):
+    inp = write_jsonl(tmp_path / "a.jsonl", records(2))
+    (tmp_path / "file").write_text("a file, not a folder")
+    with pytest.raises(JobError, match="is not writable"):
+        run_job(make_spec(tiny_model, inp, tmp_path / "file" / "out"), quiet=True)
+
+
+def test_carry_column_clash_is_a_spec_error(tmp_path, tiny_model):
+    inp = write_jsonl(tmp_path / "a.jsonl", records(2))
+    with pytest.raises(SpecError, match=r"output.carry_columns: 'output' clashes"):
+        run_job(make_spec(tiny_model, inp, tmp_path / "out", output={"carry_columns": ["output"]}), quiet=True)
