@@ -69,10 +69,10 @@ def check_inputs(spec: JobSpec) -> list[str]:
     return files
 
 
-def open_output(spec: JobSpec) -> OutputWriter:
-    """Opens the output folder without touching earlier results (overwrite happens after the model loads)."""
+def open_output(spec: JobSpec, overwrite: bool) -> OutputWriter:
+    """Opens the output folder (checking that it is writable); ``overwrite`` deletes earlier output."""
     try:
-        return OutputWriter(spec.output.path, spec.output.format, spec.storage_options, overwrite=False,
+        return OutputWriter(spec.output.path, spec.output.format, spec.storage_options, overwrite=overwrite,
                             id_key=spec.input.id_column or "id")
     except OutputError as e:
         raise JobError(str(e)) from None

@@ -81,20 +81,14 @@ def run_job(spec: JobSpec, *, limit: int | None = None, overwrite: bool = False,
     resolved, digest = spec.resolved(), spec.digest()
     carry = preflight.carry_columns(spec)
     files = preflight.check_inputs(spec)
-    writer = preflight.open_output(spec)
-    if not overwrite and writer.is_complete():
+    writer = preflight.open_output(spec, overwrite)
+    if writer.is_complete():
         log.info("%s: already complete in %s; nothing to do (use --overwrite to run it again)",
                  spec.name, resolved["output"]["path"])
         return preflight.stored_stats(writer)
     if llm is None:
         llm = preflight.load_model(spec)
     renderer = PromptRenderer(spec.prompt.template, spec.prompt.system, spec.prompt.chat, llm.tokenizer)
-    if overwrite:
-        try:
-            writer = OutputWriter(spec.output.path, spec.output.format, spec.storage_options, overwrite=True,
-                                  id_key=spec.input.id_column or "id")
-        except OutputError as e:
-            raise JobError(str(e)) from None
     committed, previous = writer.committed_row_ids(), writer.committed_stats()
     _warn_if_spec_changed(previous, digest)
     log.info("%s: %d input file(s) -> %s%s", spec.name, len(files), resolved["output"]["path"],
