@@ -14,12 +14,14 @@ from batchgen.engine import LLM
 from batchgen.io import read_output
 from batchgen.pipeline.spec import JobSpec, spec_from_dict
 
-WORDS = "the quick brown fox jumps over the lazy dog while Ada and Alan read documents about batch inference".split()
+WORDS = ("the quick brown fox jumps over the lazy dog while Ada and Alan read documents about batch "
+         "inference").split()
 
 
 def texts(n: int, seed: int = 0) -> list[str]:
     """n texts of varied lengths (4 to ~40 words), deterministic."""
-    return [" ".join(WORDS[(i * 7 + j + seed) % len(WORDS)] for j in range(4 + (i * 13) % 37)) for i in range(n)]
+    return [" ".join(WORDS[(i * 7 + j + seed) % len(WORDS)] for j in range(4 + (i * 13) % 37))
+            for i in range(n)]
 
 
 def records(n: int, prefix: str = "r") -> list[dict[str, Any]]:
@@ -95,6 +97,12 @@ def check_output(out: Path | str, stats: dict[str, Any], expected_ids: list[str]
         for key in TOKEN_KEYS + ("cached_prompt_tokens",):
             assert stats[key] == sum(p[key] for p in parts), key
     return rows
+
+
+def manifest_ids(out: Path) -> list[str]:
+    """Row ids of the committed parts of a local output folder, in part order."""
+    entries = sorted((out / "_manifest").glob("*.json"))
+    return [i for p in entries for i in json.loads(p.read_text())["row_ids"]]
 
 
 def by_id(rows: list[dict[str, Any]], id_column: str = "id") -> dict[str, dict[str, Any]]:

@@ -10,7 +10,9 @@ import pytest
 from batchgen.pipeline.errors import JobError
 from batchgen.pipeline.runner import run_job
 from batchgen.pipeline.spec import SpecError
-from tests.job_helpers import by_id, check_output, make_spec, records, tiny_llm, write_jsonl  # noqa: F401
+from tests.job_helpers import (  # noqa: F401
+    by_id, check_output, make_spec, manifest_ids, records, tiny_llm, write_jsonl,
+)
 
 
 def run(tmp_path: Path, model: Path, llm, inp: Path | list, **sections) -> tuple[dict, list[dict]]:
@@ -21,12 +23,12 @@ def run(tmp_path: Path, model: Path, llm, inp: Path | list, **sections) -> tuple
 
 def stats_ids(out: Path) -> list[str]:
     """Every id the manifest lists (check_output compares them with the rows)."""
-    return [i for p in sorted((out / "_manifest").glob("*.json")) for i in json.loads(p.read_text())["row_ids"]]
+    return manifest_ids(out)
 
 
 def test_template_null_and_empty_values_are_error_rows(tmp_path, tiny_model, tiny_llm):
-    recs = [{"id": "ok", "text": "the quick fox"}, {"id": "null", "text": None}, {"id": "empty", "text": "  "},
-            {"id": "missing"}, {"id": "bad-filter", "text": "abc"}]
+    recs = [{"id": "ok", "text": "the quick fox"}, {"id": "null", "text": None},
+            {"id": "empty", "text": "  "}, {"id": "missing"}, {"id": "bad-filter", "text": "abc"}]
     inp = write_jsonl(tmp_path / "in.jsonl", recs)
     stats, rows = run(tmp_path, tiny_model, tiny_llm, inp,
                       prompt={"template": "{{ text }}{% if text == 'abc' %}{{ text.nope() }}{% endif %}"})
@@ -95,6 +97,9 @@ def test_missing_template_column_fails_before_compute(tmp_path):
     msg = str(e.value)
     assert "'extra', 'text'" in msg and "a.jsonl" in msg and "b.jsonl" in msg
     assert "opt" not in msg and "more" not in msg
+    with pytest.raises(JobError, match=r"needs column\(s\) 'key', missing from input file\(s\) .*a\.jsonl"):
+        run_job(make_spec(tmp_path / "no-model", inp, tmp_path / "out", input={"id_column": "key"}),
+                quiet=True)
 
 
 def test_bad_models_fail_the_job(tmp_path, tiny_model):
@@ -119,4 +124,5 @@ def test_unwritable_output(tmp_path, tiny_model):
 def test_carry_column_clash_is_a_spec_error(tmp_path, tiny_model):
     inp = write_jsonl(tmp_path / "a.jsonl", records(2))
     with pytest.raises(SpecError, match=r"output.carry_columns: 'output' clashes"):
-        run_job(make_spec(tiny_model, inp, tmp_path / "out", output={"carry_columns": ["output"]}), quiet=True)
+        run_job(make_spec(tiny_model, inp, tmp_path / "out", output={"carry_columns": ["output"]}),
+                quiet=True)

@@ -96,14 +96,16 @@ def test_error_rate_exceeded_exits_1(tmp_path, tiny_model, shared_engine):
 
 def one_line_error(res, *needles: str) -> None:
     assert res.exit_code == 1, res.output
-    assert res.stderr.count("\n") == 1 and res.stderr.startswith("error: test-job: ") and "Traceback" not in res.stderr
+    assert res.stderr.count("\n") == 1 and res.stderr.startswith("error: test-job: ")
+    assert "Traceback" not in res.stderr
     for needle in needles:
         assert needle in res.stderr
 
 
 def test_job_failures_exit_1_with_one_line(tmp_path, tiny_model):
     missing_model = tmp_path / "no-such-model"
-    one_line_error(invoke("run", str(job_file(tmp_path, missing_model))), "cannot load model", "does not exist")
+    res = invoke("run", str(job_file(tmp_path, missing_model)))
+    one_line_error(res, "cannot load model", "does not exist")
 
     gpt2 = shutil.copytree(tiny_model, tmp_path / "gpt2")
     config = json.loads((gpt2 / "config.json").read_text())
@@ -111,10 +113,11 @@ def test_job_failures_exit_1_with_one_line(tmp_path, tiny_model):
     one_line_error(invoke("run", str(job_file(tmp_path, gpt2))), "GPT2LMHeadModel")
 
     (tmp_path / "a-file").write_text("")
-    one_line_error(invoke("run", str(job_file(tmp_path, tiny_model, tmp_path / "a-file" / "out"))), "not writable")
+    res = invoke("run", str(job_file(tmp_path, tiny_model, tmp_path / "a-file" / "out")))
+    one_line_error(res, "not writable")
 
-    one_line_error(invoke("run", str(job_file(tmp_path, tiny_model, input={"path": str(tmp_path / "x.jsonl")}))),
-                   "input path matches no files")
+    res = invoke("run", str(job_file(tmp_path, tiny_model, input={"path": str(tmp_path / "x.jsonl")})))
+    one_line_error(res, "input path matches no files")
 
     job = job_file(tmp_path, tiny_model, prompt={"template": "{{ body }}"})
     one_line_error(invoke("run", str(job)), "needs column(s) 'body'", "in.jsonl")

@@ -7,7 +7,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import yaml
@@ -15,11 +14,9 @@ import yaml
 from batchgen.io import OutputWriter
 from batchgen.pipeline.errors import JobInterrupted
 from batchgen.pipeline.runner import run_job
-from tests.job_helpers import check_output, make_spec, records, spec_dict, tiny_llm, write_jsonl  # noqa: F401
-
-
-def manifest_ids(out: Path) -> list[str]:
-    return [i for p in sorted((out / "_manifest").glob("*.json")) for i in json.loads(p.read_text())["row_ids"]]
+from tests.job_helpers import (  # noqa: F401
+    check_output, make_spec, manifest_ids, records, spec_dict, tiny_llm, write_jsonl,
+)
 
 
 @pytest.fixture
@@ -123,7 +120,7 @@ def test_killed_cli_run_resumes(tmp_path, tiny_model, tiny_llm, engine_calls, si
     first = manifest_ids(out)
     assert 3 <= len(first) < n and len(first) == len(set(first))
 
-    stats = run_job(make_spec(tiny_model, inp, out, **{k: data[k] for k in ("output", "sampling", "batching")}),
-                    llm=tiny_llm, quiet=True)
+    same = {k: data[k] for k in ("output", "sampling", "batching")}
+    stats = run_job(make_spec(tiny_model, inp, out, **same), llm=tiny_llm, quiet=True)
     check_output(out, stats, [r["id"] for r in recs])
     assert set(engine_calls).isdisjoint(first) and stats["this_run"]["rows"] == n - len(first)

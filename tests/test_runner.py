@@ -76,8 +76,9 @@ def test_parquet_in_jsonl_out_with_default_ids(tmp_path, tiny_model, tiny_llm):
 
 def test_truncation(tmp_path, tiny_model, tiny_llm):
     inp = write_jsonl(tmp_path / "in.jsonl", records(6))
-    left = run_job(make_spec(tiny_model, inp, tmp_path / "left",
-                             batching={"max_prompt_tokens": 20, "truncate": "left"}), llm=tiny_llm, quiet=True)
+    spec = make_spec(tiny_model, inp, tmp_path / "left",
+                     batching={"max_prompt_tokens": 20, "truncate": "left"})
+    left = run_job(spec, llm=tiny_llm, quiet=True)
     rows = check_output(tmp_path / "left", left, [f"r{i}" for i in range(6)])
     assert left["error_rows"] == 0 and max(r["prompt_tokens"] for r in rows) == 20
 

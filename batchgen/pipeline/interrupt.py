@@ -1,4 +1,4 @@
-"""SIGINT/SIGTERM handling: the first signal asks the job to stop admitting work, a second one stops it now."""
+"""SIGINT/SIGTERM: the first signal stops the job admitting work, a second one stops it at once."""
 from __future__ import annotations
 
 import logging

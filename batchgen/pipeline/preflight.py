@@ -1,4 +1,4 @@
-"""Checks before any compute: inputs exist and hold the template's columns, output is writable, model loads."""
+"""Checks before any compute: inputs exist and hold the needed columns, output is writable, model loads."""
 from __future__ import annotations
 
 import json
@@ -48,11 +48,14 @@ def _files_list(files: list[str]) -> str:
 
 
 def check_inputs(spec: JobSpec) -> list[str]:
-    """The input files; raises JobError for missing or corrupt files and for template columns no file has."""
+    """The input files; raises JobError for missing or corrupt files, and for files lacking a column the
+    template needs or the id column."""
     opts = spec.storage_options
     try:
         files = expand_inputs(spec.input.path, opts)
         needed = required_columns(spec.prompt.template) - optional_columns(spec.prompt.template)
+        if spec.input.id_column:
+            needed.add(spec.input.id_column)
         if not needed:
             return files
         lacking: dict[str, list[str]] = {}
@@ -64,7 +67,7 @@ def check_inputs(spec: JobSpec) -> list[str]:
     if lacking:
         cols = ", ".join(f"'{c}'" for c in sorted(lacking))
         where = sorted({f for fs in lacking.values() for f in fs})
-        raise JobError(f"the prompt template needs column(s) {cols}, missing from input file(s) "
+        raise JobError(f"the job needs column(s) {cols}, missing from input file(s) "
                        f"{_files_list(where)}")
     return files
 

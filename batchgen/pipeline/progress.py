@@ -12,8 +12,8 @@ from batchgen.pipeline.rows import ResultRow
 class Progress:
     """Counts finished rows; the rates cover this run's rows since the bar was created."""
 
-    def __init__(self, total: int | None, quiet: bool, desc: str) -> None:
-        self.bar = tqdm(total=total, disable=quiet, file=sys.stderr, unit="row", desc=desc,
+    def __init__(self, total: int | None, quiet: bool, desc: str, done: int = 0) -> None:
+        self.bar = tqdm(total=total, initial=done, disable=quiet, file=sys.stderr, unit="row", desc=desc,
                         dynamic_ncols=True, mininterval=0.5)
         self.start = time.perf_counter()
         self.prompt_tokens = 0

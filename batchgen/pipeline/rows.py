@@ -69,7 +69,8 @@ def error_row(row_id: str, carried: dict[str, Any], code: str, message: str) -> 
 def engine_row(req: Request, out: RequestOutput) -> ResultRow:
     """The result of one engine request."""
     if out.finish_reason == "error":
-        return error_row(req.row_id, req.carried, "engine_error", out.error or "the engine failed this request")
+        message = out.error or "the engine failed this request"
+        return error_row(req.row_id, req.carried, "engine_error", message)
     return ResultRow(req.row_id, req.carried, out.text, len(out.prompt_token_ids), len(out.token_ids),
                      out.finish_reason or "stop", None, out.num_cached_tokens)
 

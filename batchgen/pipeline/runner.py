@@ -53,6 +53,14 @@ def _warn_if_spec_changed(previous: list[dict[str, Any]], digest: str) -> None:
                     "(use --overwrite to start over)")
 
 
+def _save_finished(sink: PartSink) -> None:
+    """Best effort after a failure: commit the rows that did finish, so a rerun need not redo them."""
+    try:
+        sink.flush()
+    except Exception as e:  # noqa: BLE001 - the original failure is the one to report
+        log.warning("could not commit %d finished rows: %s", sink.buffered, redact(str(e)))
+
+
 def _generate(llm: LLM, spec: JobSpec, rows: Iterable[InputRow], preparer: Preparer, sink: PartSink,
               stop: StopRequest) -> float:
     """Streams every row through the engine into the sink; returns the seconds it took.
@@ -83,9 +91,13 @@ def run_job(spec: JobSpec, *, limit: int | None = None, overwrite: bool = False,
     files = preflight.check_inputs(spec)
     writer = preflight.open_output(spec, overwrite)
     if writer.is_complete():
+        stored = preflight.stored_stats(writer)
         log.info("%s: already complete in %s; nothing to do (use --overwrite to run it again)",
                  spec.name, resolved["output"]["path"])
-        return preflight.stored_stats(writer)
+        if stored.get("limit") != limit:
+            log.warning("%s: the finished run had --limit %s, this one %s; its output is kept as it is",
+                        spec.name, stored.get("limit"), limit)
+        return stored
     if llm is None:
         llm = preflight.load_model(spec)
     renderer = PromptRenderer(spec.prompt.template, spec.prompt.system, spec.prompt.chat, llm.tokenizer)
@@ -96,7 +108,7 @@ def run_job(spec: JobSpec, *, limit: int | None = None, overwrite: bool = False,
 
     schema = PartSchema(spec.input.id_column or "id", carry)
     _seed_schema(schema, writer)
-    progress = Progress(limit, quiet, spec.name)
+    progress = Progress(limit, quiet, spec.name, done=min(len(committed), limit or len(committed)))
     sink = PartSink(writer, schema, spec.output.rows_per_part, digest, on_row=progress.update)
     max_prompt = min(spec.batching.max_prompt_tokens, llm.max_model_len - 1)  # room for >= 1 new token
     preparer = Preparer(renderer, carry, max_prompt, spec.batching.truncate, committed, on_error=sink.add,
@@ -113,6 +125,9 @@ def run_job(spec: JobSpec, *, limit: int | None = None, overwrite: bool = False,
                 generate_s = _generate(llm, spec, rows, preparer, sink, stop)
             except KeyboardInterrupt:
                 stop.set(signal.SIGINT)
+            except Exception:
+                _save_finished(sink)
+                raise
             finally:
                 progress.close()
             sink.flush()
@@ -120,7 +135,7 @@ def run_job(spec: JobSpec, *, limit: int | None = None, overwrite: bool = False,
         stats = job_stats(totals=totals, run=sink.run, job=spec.name, model=resolved["model"]["path"],
                           spec=resolved, spec_digest=digest, started_at=started_at,
                           wall_s=time.perf_counter() - wall_start, generate_s=generate_s,
-                          resumed=bool(previous), complete=not stop.is_set())
+                          resumed=bool(previous), complete=not stop.is_set(), limit=limit)
         writer.write_stats(stats)
         if stop.is_set():
             assert stop.signum is not None

@@ -70,7 +70,8 @@ class Preparer:
                 self.on_error(error_row(row_id, carried, "invalid_input", row.error))
             else:
                 try:
-                    ids = truncate(self.renderer.render(row.values), self.max_prompt_tokens, self.truncate_mode)
+                    ids = self.renderer.render(row.values)
+                    ids = truncate(ids, self.max_prompt_tokens, self.truncate_mode)
                 except RenderError as e:
                     message = e.message
                     if e.code == "prompt_too_long" and self.model_len is not None:

@@ -55,7 +55,8 @@ def _rate(n: int, seconds: float) -> float:
 
 
 def job_stats(*, totals: Counts, run: Counts, job: str, model: str, spec: dict[str, Any], spec_digest: str,
-              started_at: str, wall_s: float, generate_s: float, resumed: bool, complete: bool) -> dict[str, Any]:
+              started_at: str, wall_s: float, generate_s: float, resumed: bool, complete: bool,
+              limit: int | None) -> dict[str, Any]:
     """The job's stats: totals over every committed part (earlier runs included), rates over this run.
 
     ``wall_s`` is this run from start to finish (model load included); the tokens-per-second rates divide
@@ -76,6 +77,7 @@ def job_stats(*, totals: Counts, run: Counts, job: str, model: str, spec: dict[s
         "spec_digest": spec_digest,
         "resumed": resumed,
         "complete": complete,
+        "limit": limit,
         "this_run": run.to_dict(),
         "spec": spec,
     }
