@@ -12,26 +12,24 @@ from batchgen.engine.layers.attention import AttentionBackend
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """RMSNorm computed in fp32. With ``residual``: adds it first and returns (normed, new residual)."""
+    """RMSNorm (fp32 statistics). With ``residual``: adds it first and returns (normed, new residual)."""
     if residual is not None:
-        x = x + residual
-        residual = x
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (xf.to(x.dtype) * weight), residual
+        x = residual = x + residual
+    return F.rms_norm(x, (x.shape[-1],), weight, eps), residual
 
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
                  cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Neox-style rotary on q (T, Hq, D) and k (T, Hkv, D); cache rows are [cos | sin], D/2 each."""
-    cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)
+    """Neox-style rotary, in place, on q (T, Hq, D) and k (T, Hkv, D); cache rows are [cos | sin], D/2 each."""
+    cos, sin = cos_sin_cache[positions].to(q.dtype).chunk(2, dim=-1)
     cos, sin = cos[:, None, :], sin[:, None, :]
-
-    def rotate(x: torch.Tensor) -> torch.Tensor:
-        x1, x2 = x.float().chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
-
-    return rotate(q), rotate(k)
+    for x in (q, k):
+        x1, x2 = x.chunk(2, dim=-1)
+        x1_sin = x1 * sin
+        rotated_first = x1 * cos - x2 * sin
+        x2.mul_(cos).add_(x1_sin)
+        x1.copy_(rotated_first)
+    return q, k
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

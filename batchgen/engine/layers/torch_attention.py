@@ -62,12 +62,12 @@ def gather_context(cache: torch.Tensor, block_table: torch.Tensor, ctx_len: int)
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """Causal attention of q (Lq, Hq, D) against k/v (Lk, Hkv, D), queries aligned to the end."""
     q_len, k_len = q.shape[0], k.shape[0]
-    qt, kt, vt = q.transpose(0, 1), k.transpose(0, 1).to(q.dtype), v.transpose(0, 1).to(q.dtype)
+    # 4-D (1, H, L, D) views: torch's CPU flash kernel only takes batched inputs (3-D falls back to math).
+    qt, kt, vt = (x.transpose(0, 1)[None] for x in (q, k.to(q.dtype), v.to(q.dtype)))
     gqa = q.shape[1] != k.shape[1]
     if q_len == k_len:
         out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=gqa)
     else:
-        offset = k_len - q_len
-        mask = torch.ones(q_len, k_len, dtype=torch.bool, device=q.device).tril(diagonal=offset)
+        mask = torch.ones(q_len, k_len, dtype=torch.bool, device=q.device).tril(diagonal=k_len - q_len)
         out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale, enable_gqa=gqa)
-    return out.transpose(0, 1)
+    return out[0].transpose(0, 1)
