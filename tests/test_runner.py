@@ -6,8 +6,9 @@ import json
 import pyarrow.parquet as pq
 import pytest
 
-from batchgen.io import read_output
+from batchgen.io import InputError, read_output
 from batchgen.pipeline.errors import JobError
+from batchgen.pipeline.prefetch import Prefetcher
 from batchgen.pipeline.preflight import optional_columns
 from batchgen.pipeline.runner import run_job
 from tests.job_helpers import (
@@ -130,3 +131,29 @@ def test_optional_columns():
     template = ("{% if notes is defined %}{{ notes }}{% endif %}{{ a | default('x') }}{{ b | default('') }}"
                 "{{ b }}{{ c }}")
     assert optional_columns(template) == {"notes", "a"}
+
+
+def test_prefetcher_order_errors_and_close():
+    assert list(Prefetcher(iter(range(100)), depth=3)) == list(range(100))
+
+    def failing():
+        yield 1
+        raise InputError("boom")
+
+    with pytest.raises(InputError, match="boom"):
+        list(Prefetcher(failing(), depth=2))
+
+    pulled = []
+
+    def endless():
+        i = 0
+        while True:
+            pulled.append(i)
+            yield i
+            i += 1
+
+    p = Prefetcher(endless(), depth=4)
+    it = iter(p)
+    assert [next(it) for _ in range(3)] == [0, 1, 2]
+    p.close()
+    assert not p._thread.is_alive() and len(pulled) <= 3 + 4 + 2  # bounded read-ahead

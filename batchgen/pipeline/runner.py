@@ -19,12 +19,15 @@ from batchgen.pipeline.render import PromptRenderer
 from batchgen.pipeline.rows import PartSchema, engine_row
 from batchgen.pipeline.sink import PartSink
 from batchgen.pipeline.spec import JobSpec
-from batchgen.pipeline.stages import Preparer, admit, sorted_requests
+from batchgen.pipeline.prefetch import Prefetcher
+from batchgen.pipeline.stages import Preparer, admit, divert_errors, sorted_requests
 from batchgen.pipeline.stats import Counts, job_stats, utc_now
 
 log = logging.getLogger(__name__)
 
 __all__ = ["run_job", "JobError", "JobInterrupted"]
+
+PREFETCH_ROWS = 1024  # prepared rows queued ahead of the sort window
 
 
 def sampling_params(spec: JobSpec) -> SamplingParams:
@@ -65,15 +68,20 @@ def _generate(llm: LLM, spec: JobSpec, rows: Iterable[InputRow], preparer: Prepa
               stop: StopRequest) -> float:
     """Streams every row through the engine into the sink; returns the seconds it took.
 
-    One lazy generator chain feeds one ``generate_stream`` call, so the engine never waits between sort
-    windows and at most a sort window plus the engine's pending requests are held at once.
+    One lazy chain feeds one ``generate_stream`` call, with reading, rendering and tokenizing in a
+    background thread, so the engine neither drains between sort windows nor waits while one fills. At
+    most the prefetch depth, a sort window and the engine's pending requests are held at once.
     """
     b = spec.batching
-    requests = sorted_requests(preparer.prepare(rows), b.sort_window, b.sort)
-    start = time.perf_counter()
-    for req, out in llm.generate_stream(admit(requests, sampling_params(spec), stop.event)):
-        sink.add(engine_row(req, out))
-    return time.perf_counter() - start
+    prepared = Prefetcher(preparer.prepare(rows), depth=min(b.sort_window, PREFETCH_ROWS), name="prepare")
+    try:
+        requests = sorted_requests(divert_errors(prepared, sink.add), b.sort_window, b.sort)
+        start = time.perf_counter()
+        for req, out in llm.generate_stream(admit(requests, sampling_params(spec), stop.event)):
+            sink.add(engine_row(req, out))
+        return time.perf_counter() - start
+    finally:
+        prepared.close()
 
 
 def run_job(spec: JobSpec, *, limit: int | None = None, overwrite: bool = False, quiet: bool = False,
@@ -111,7 +119,7 @@ def run_job(spec: JobSpec, *, limit: int | None = None, overwrite: bool = False,
     progress = Progress(limit, quiet, spec.name, done=min(len(committed), limit or len(committed)))
     sink = PartSink(writer, schema, spec.output.rows_per_part, digest, on_row=progress.update)
     max_prompt = min(spec.batching.max_prompt_tokens, llm.max_model_len - 1)  # room for >= 1 new token
-    preparer = Preparer(renderer, carry, max_prompt, spec.batching.truncate, committed, on_error=sink.add,
+    preparer = Preparer(renderer, carry, max_prompt, spec.batching.truncate, committed,
                         model_len=llm.max_model_len if max_prompt < spec.batching.max_prompt_tokens else None)
     rows: Iterable[InputRow] = read_rows(files, spec.input.format, spec.storage_options, spec.input.id_column)
     if limit is not None:

@@ -43,19 +43,18 @@ class RowIds:
 
 @dataclass
 class Preparer:
-    """Turns input rows into engine requests; rows that cannot run go straight to ``on_error``."""
+    """Turns input rows into engine requests, or into error rows for those that cannot run."""
 
     renderer: PromptRenderer
     carry_columns: list[str]
     max_prompt_tokens: int
     truncate_mode: TruncateMode
     committed: set[str]
-    on_error: Callable[[ResultRow], None]
     model_len: int | None = None  # the model's context, when it is what limits max_prompt_tokens
     ids: RowIds = field(default_factory=RowIds)
     skipped: int = 0  # rows already committed by an earlier run
 
-    def prepare(self, rows: Iterable[InputRow]) -> Iterator[Request]:
+    def prepare(self, rows: Iterable[InputRow]) -> Iterator[Request | ResultRow]:
         for row in rows:
             row_id = self.ids.assign(row.row_id)
             if row_id in self.committed:
@@ -63,11 +62,11 @@ class Preparer:
                 continue
             carried = carried_values(row.values, self.carry_columns)
             if row_id != row.row_id:
-                self.on_error(error_row(row_id, carried, "duplicate_id",
-                                        f"id {row.row_id!r} appeared earlier in the input; this occurrence "
-                                        f"(row {row.index} of {redact(row.source)}) is not run"))
+                yield error_row(row_id, carried, "duplicate_id",
+                                f"id {row.row_id!r} appeared earlier in the input; this occurrence "
+                                f"(row {row.index} of {redact(row.source)}) is not run")
             elif row.error is not None:
-                self.on_error(error_row(row_id, carried, "invalid_input", row.error))
+                yield error_row(row_id, carried, "invalid_input", row.error)
             else:
                 try:
                     ids = self.renderer.render(row.values)
@@ -76,9 +75,19 @@ class Preparer:
                     message = e.message
                     if e.code == "prompt_too_long" and self.model_len is not None:
                         message += f" (the model's context is {self.model_len} tokens, one kept for output)"
-                    self.on_error(error_row(row_id, carried, e.code, message))
+                    yield error_row(row_id, carried, e.code, message)
                     continue
                 yield Request(row_id, carried, ids)
+
+
+def divert_errors(items: Iterable[Request | ResultRow], on_error: Callable[[ResultRow], None]
+                  ) -> Iterator[Request]:
+    """Passes requests on; error rows go to ``on_error`` as they come, so none wait for the engine."""
+    for item in items:
+        if isinstance(item, ResultRow):
+            on_error(item)
+        else:
+            yield item
 
 
 def sorted_requests(requests: Iterable[Request], window: int, enabled: bool) -> Iterator[Request]:
