@@ -4,10 +4,12 @@ from __future__ import annotations
 import itertools
 import logging
 import random
+import time
 
 from batchgen.engine.block_manager import BlockManager
 from batchgen.engine.config import EngineConfig, ModelConfig
 from batchgen.engine.loader import load_model_source
+from batchgen.engine.metrics import EngineMetrics
 from batchgen.engine.model_runner import ModelRunner
 from batchgen.engine.outputs import RequestOutput
 from batchgen.engine.sampling_params import SamplingParams
@@ -38,7 +40,7 @@ class LLMEngine:
         self.eos_ids = frozenset(self._eos_ids(source))
         self._ids = itertools.count()
         self._seed_rng = random.Random()
-        self.num_prompt_tokens_computed = 0
+        self.metrics = EngineMetrics()
 
     def _max_model_len(self, cfg: ModelConfig) -> int:
         limit = cfg.max_position_embeddings
@@ -86,13 +88,13 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return []
+        start = time.perf_counter()
         tokens, logprobs = self.runner.run(scheduled)
+        self._record(scheduled, time.perf_counter() - start)
         finished: list[RequestOutput] = []
         row = 0
         for s in scheduled:
             seq = s.seq
-            if seq.num_completion_tokens == 0:
-                self.num_prompt_tokens_computed += s.num_new_tokens
             seq.num_computed_tokens += s.num_new_tokens
             if not s.sample:
                 continue
@@ -108,6 +110,24 @@ class LLMEngine:
         if finished:
             self.scheduler.drop_finished()
         return finished
+
+    def _record(self, scheduled, elapsed: float) -> None:
+        m = self.metrics
+        if all(s.num_new_tokens == 1 and s.seq.num_computed_tokens >= s.seq.num_prompt_tokens
+               for s in scheduled):
+            m.decode_steps += 1
+            m.decode_time_s += elapsed
+            m.decode_tokens += len(scheduled)
+        else:
+            m.prefill_steps += 1
+            m.prefill_time_s += elapsed
+        m.prompt_tokens_computed += sum(
+            max(0, min(s.seq.num_prompt_tokens, s.seq.num_computed_tokens + s.num_new_tokens)
+                - s.seq.num_computed_tokens) for s in scheduled)
+        m.tokens_generated += sum(s.sample for s in scheduled)
+        m.preemptions = self.scheduler.num_preemptions
+        m.prefix_cache_queries = self.block_manager.num_prefix_queries
+        m.prefix_cache_hits = self.block_manager.num_prefix_hits
 
     def _output(self, seq: Sequence) -> RequestOutput:
         return RequestOutput(

@@ -19,37 +19,46 @@ class TorchAttentionBackend:
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
         if meta.decode_only:
-            return self._decode(q, k_cache, v_cache, meta, scale)
+            return paged_decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
+                                meta.max_seqlen_k, scale)
         out = torch.empty_like(q)
-        start = 0
-        for i, (q_len, ctx_len) in enumerate(zip(meta.query_lens, meta.context_lens_list)):
-            end = start + q_len
-            if ctx_len == q_len:  # no cached prefix: attend to the fresh k/v directly
+        starts = [0]
+        for n in meta.query_lens:
+            starts.append(starts[-1] + n)
+        # Single-token rows of a mixed step (decodes) go through one batched call.
+        decode_rows = [i for i, n in enumerate(meta.query_lens) if n == 1]
+        if len(decode_rows) > 1:
+            rows = torch.tensor(decode_rows, device=q.device)
+            tokens = torch.tensor([starts[i] for i in decode_rows], device=q.device)
+            max_ctx = max(meta.context_lens_list[i] for i in decode_rows)
+            out[tokens] = paged_decode(q[tokens], k_cache, v_cache, meta.block_tables[rows],
+                                       meta.context_lens[rows], max_ctx, scale)
+        else:
+            decode_rows = []
+        for i in set(range(meta.num_seqs)).difference(decode_rows):
+            start, end, ctx_len = starts[i], starts[i + 1], meta.context_lens_list[i]
+            if ctx_len == end - start:  # no cached prefix: attend to the fresh k/v directly
                 ks, vs = k[start:end], v[start:end]
             else:
-                ks, vs = gather_context(k_cache, meta.block_tables[i], ctx_len), \
-                    gather_context(v_cache, meta.block_tables[i], ctx_len)
+                ks = gather_context(k_cache, meta.block_tables[i], ctx_len)
+                vs = gather_context(v_cache, meta.block_tables[i], ctx_len)
             out[start:end] = causal_attention(q[start:end], ks, vs, scale)
-            start = end
         return out
 
-    def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
-        """One query per sequence: gather each context into a padded batch, mask the padding."""
-        batch, max_ctx = meta.num_seqs, meta.max_seqlen_k
-        block_size = k_cache.shape[1]
-        positions = torch.arange(max_ctx, device=q.device)
-        blocks = meta.block_tables[:, : (max_ctx + block_size - 1) // block_size].long().clamp(min=0)
-        slots = blocks.repeat_interleave(block_size, dim=1)[:, :max_ctx] * block_size \
-            + positions % block_size
-        ks = k_cache.flatten(0, 1)[slots]  # (B, max_ctx, Hkv, D)
-        vs = v_cache.flatten(0, 1)[slots]
-        valid = positions[None, :] < meta.context_lens[:, None].to(positions.dtype)
-        mask = valid[:, None, None, :]  # (B, 1, 1, max_ctx)
-        out = F.scaled_dot_product_attention(
-            q.view(batch, 1, -1, q.shape[-1]).transpose(1, 2), ks.transpose(1, 2).to(q.dtype),
-            vs.transpose(1, 2).to(q.dtype), attn_mask=mask, scale=scale,
-            enable_gqa=q.shape[1] != ks.shape[2])
-        return out.transpose(1, 2).reshape(q.shape)
+
+def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                 context_lens: torch.Tensor, max_ctx: int, scale: float) -> torch.Tensor:
+    """One query per sequence: gather each context into a padded batch and mask the padding."""
+    batch, block_size = q.shape[0], k_cache.shape[1]
+    positions = torch.arange(max_ctx, device=q.device)
+    blocks = block_tables[:, : (max_ctx + block_size - 1) // block_size].long().clamp(min=0)
+    slots = blocks.repeat_interleave(block_size, dim=1)[:, :max_ctx] * block_size + positions % block_size
+    ks = k_cache.flatten(0, 1)[slots].transpose(1, 2).to(q.dtype)  # (B, Hkv, max_ctx, D)
+    vs = v_cache.flatten(0, 1)[slots].transpose(1, 2).to(q.dtype)
+    mask = (positions[None, :] < context_lens[:, None].to(positions.dtype))[:, None, None, :]
+    out = F.scaled_dot_product_attention(q.view(batch, -1, 1, q.shape[-1]), ks, vs, attn_mask=mask,
+                                         scale=scale, enable_gqa=q.shape[1] != ks.shape[1])
+    return out.view(q.shape)
 
 
 def gather_context(cache: torch.Tensor, block_table: torch.Tensor, ctx_len: int) -> torch.Tensor:
