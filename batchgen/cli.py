@@ -92,7 +92,7 @@ def run(job: str, overrides: tuple[str, ...], limit: int | None, overwrite: bool
         _fail(f"{spec.name}: interrupted before any work was done", 128 + signal.SIGINT)
     except Exception as e:  # noqa: BLE001 - one line unless -v
         if verbose:
-            traceback.print_exc()
+            click.echo(redact(traceback.format_exc()), err=True, nl=False)
         _fail(f"{spec.name}: {type(e).__name__}: {e}", EXIT_FAILED)
     click.echo(_summary(stats))
 
