@@ -1,4 +1,4 @@
-"""The ``batchgen`` command line: ``run`` a job spec, ``validate`` it."""
+"""The ``batchgen`` command line: ``run`` a job spec, ``validate`` it, ``bench`` the engine."""
 from __future__ import annotations
 
 import logging
@@ -12,6 +12,7 @@ import click
 import yaml
 from tqdm.contrib.logging import logging_redirect_tqdm
 
+from batchgen.bench.command import bench
 from batchgen.io import redact
 from batchgen.pipeline.errors import JobError, JobInterrupted
 from batchgen.pipeline.spec import JobSpec, SpecError, load_spec
@@ -113,6 +114,8 @@ def validate(job: str, overrides: tuple[str, ...]) -> None:
     spec = _load(job, overrides)
     click.echo(yaml.safe_dump(spec.resolved(), sort_keys=False, allow_unicode=True), nl=False)
 
+
+main.add_command(bench)
 
 if __name__ == "__main__":
     main()

@@ -40,7 +40,7 @@ class LLMEngine:
         self.eos_ids = frozenset(self._eos_ids(source))
         self._ids = itertools.count()
         self._seed_rng = random.Random()
-        self.metrics = EngineMetrics()
+        self.reset_metrics()
 
     def _max_model_len(self, cfg: ModelConfig) -> int:
         limit = cfg.max_position_embeddings
@@ -111,6 +111,12 @@ class LLMEngine:
             self.scheduler.drop_finished()
         return finished
 
+    def reset_metrics(self) -> None:
+        """Starts the counters in ``metrics`` afresh (e.g. after a warm-up)."""
+        self.metrics = EngineMetrics()
+        self._baseline = (self.scheduler.num_preemptions, self.block_manager.num_prefix_queries,
+                          self.block_manager.num_prefix_hits)
+
     def _record(self, scheduled, elapsed: float) -> None:
         m = self.metrics
         if all(s.num_new_tokens == 1 and s.seq.num_computed_tokens >= s.seq.num_prompt_tokens
@@ -125,9 +131,10 @@ class LLMEngine:
             max(0, min(s.seq.num_prompt_tokens, s.seq.num_computed_tokens + s.num_new_tokens)
                 - s.seq.num_computed_tokens) for s in scheduled)
         m.tokens_generated += sum(s.sample for s in scheduled)
-        m.preemptions = self.scheduler.num_preemptions
-        m.prefix_cache_queries = self.block_manager.num_prefix_queries
-        m.prefix_cache_hits = self.block_manager.num_prefix_hits
+        preemptions, queries, hits = self._baseline
+        m.preemptions = self.scheduler.num_preemptions - preemptions
+        m.prefix_cache_queries = self.block_manager.num_prefix_queries - queries
+        m.prefix_cache_hits = self.block_manager.num_prefix_hits - hits
 
     def _output(self, seq: Sequence) -> RequestOutput:
         return RequestOutput(

@@ -1,0 +1,1 @@
+"""Throughput benchmarks: prompt workloads, FLOP accounting and the `batchgen bench` command."""

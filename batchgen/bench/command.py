@@ -1,0 +1,67 @@
+"""The `batchgen bench` command: prompt throughput of the engine, as figures and JSON."""
+from __future__ import annotations
+
+import json
+import logging
+
+import click
+
+from batchgen.bench.runner import BenchConfig, make_llm, run_bench
+from batchgen.bench.workload import from_documents, synthetic
+
+
+def _read_texts(path: str, column: str) -> list[str]:
+    from batchgen.io import expand_inputs, read_rows
+
+    texts = [str(r.values[column]) for r in read_rows(expand_inputs(path)) if r.values.get(column)]
+    if not texts:
+        raise click.UsageError(f"no rows with a {column!r} value in {path}")
+    return texts
+
+
+@click.command("bench")
+@click.option("--model", default="smollm2-135m-instruct", show_default=True,
+              help="Built-in name, model folder, or GGUF file.")
+@click.option("--num-prompts", default=32, show_default=True)
+@click.option("--input-len", default="1024", show_default=True,
+              help="Prompt length: N, or LOW:HIGH (uniform for synthetic, log-uniform for --dataset).")
+@click.option("--dataset", default=None, help="JSONL/Parquet file of documents to cut prompts from.")
+@click.option("--column", default="text", show_default=True, help="Text column of --dataset.")
+@click.option("--whole-documents", is_flag=True, help="With --dataset: one whole document per prompt.")
+@click.option("--prefix-len", default=0, show_default=True, help="Tokens of a prefix shared by all prompts.")
+@click.option("--output-len", default=1, show_default=True, help="Generated tokens (1 = prefill only).")
+@click.option("--dtype", default="bfloat16", show_default=True,
+              type=click.Choice(["bfloat16", "float16", "float32"]))
+@click.option("--device", default="auto", show_default=True)
+@click.option("--max-batch-tokens", default=8192, show_default=True)
+@click.option("--max-num-seqs", default=256, show_default=True)
+@click.option("--no-prefix-caching", is_flag=True)
+@click.option("--attention-backend", type=click.Choice(["torch", "triton"]), default=None)
+@click.option("--seed", default=0, show_default=True)
+@click.option("--output-json", default=None, help="Also write the results to this file.")
+def bench(model, num_prompts, input_len, dataset, column, whole_documents, prefix_len, output_len, dtype,
+          device, max_batch_tokens, max_num_seqs, no_prefix_caching, attention_backend, seed, output_json):
+    """Measure prompt (prefill) and output throughput of the engine."""
+    logging.basicConfig(level=logging.WARNING)
+    cfg = BenchConfig(model=model, dtype=dtype, device=device, output_len=output_len,
+                      max_batch_tokens=max_batch_tokens, max_num_seqs=max_num_seqs,
+                      enable_prefix_caching=not no_prefix_caching, attention_backend=attention_backend)
+    llm = make_llm(cfg)
+    if dataset:
+        workload = from_documents(_read_texts(dataset, column), llm.tokenizer, num_prompts,
+                                  None if whole_documents else input_len, seed=seed, prefix_len=prefix_len)
+    else:
+        workload = synthetic(num_prompts, input_len, llm.engine.model_config.vocab_size, seed=seed,
+                             prefix_len=prefix_len)
+    result = run_bench(llm, workload, cfg)
+    for key in ("prompt_tokens", "wall_s", "requests_per_s", "prompt_tokens_per_s", "output_tokens_per_s",
+                "total_tokens_per_s", "decode_tokens_per_s", "prefix_cache_hit_rate",
+                "roofline_prompt_tokens_per_s", "prompt_tokens_per_s_over_roofline",
+                "mfu_vs_measured_matmul", "mfu_vs_gpu_peak"):
+        if result.get(key) is not None:
+            click.echo(f"{key:>34}: {result[key]}")
+    text = json.dumps(result, indent=2)
+    click.echo(text)
+    if output_json:
+        with open(output_json, "w") as f:
+            f.write(text + "\n")

@@ -1,0 +1,55 @@
+"""FLOP accounting: linear-layer parameters, measured matmul rate, GPU datasheet peaks."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from batchgen.engine.config import ModelConfig
+
+# Dense bf16/fp16 tensor-core peaks (no sparsity), FLOP/s, from the vendors' datasheets.
+GPU_PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "H800": 989e12, "A100": 312e12, "L40S": 362e12,
+                 "B200": 2250e12, "B300": 2250e12, "GH200": 989e12}
+
+
+def linear_params(cfg: ModelConfig) -> int:
+    """Parameters of the matmuls every token goes through (attention and MLP projections)."""
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    per_layer = cfg.hidden_size * (q + 2 * kv) + q * cfg.hidden_size \
+        + 3 * cfg.hidden_size * cfg.intermediate_size
+    return cfg.num_layers * per_layer
+
+
+def lm_head_params(cfg: ModelConfig) -> int:
+    return cfg.hidden_size * cfg.vocab_size
+
+
+def measure_matmul_flops(dtype: torch.dtype, device: torch.device, seconds: float = 1.0,
+                         shape: tuple[int, int, int] = (2048, 576, 1536)) -> float:
+    """Sustained FLOP/s of one representative matmul (tokens x hidden @ hidden x ffn) on this device."""
+    m, k, n = shape if device.type == "cpu" else (8192, 8192, 8192)
+    a = torch.randn(m, k, dtype=dtype, device=device)
+    b = torch.randn(k, n, dtype=dtype, device=device)
+    for _ in range(3):
+        a @ b
+    _sync(device)
+    iters, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        a @ b
+        iters += 1
+        if device.type != "cpu" and iters % 10 == 0:
+            _sync(device)
+    _sync(device)
+    return 2 * m * k * n * iters / (time.perf_counter() - start)
+
+
+def gpu_peak_flops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak for key, peak in GPU_PEAK_BF16.items() if key in name), None)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

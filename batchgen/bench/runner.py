@@ -1,0 +1,99 @@
+"""Runs a throughput benchmark of the engine and reports tokens/s, MFU and the matmul roofline."""
+from __future__ import annotations
+
+import logging
+import platform
+import time
+from dataclasses import dataclass
+
+import torch
+
+from batchgen.bench.flops import gpu_peak_flops, linear_params, lm_head_params, measure_matmul_flops
+from batchgen.bench.workload import Workload, synthetic
+from batchgen.engine import LLM, SamplingParams
+from batchgen.engine.metrics import EngineMetrics
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class BenchConfig:
+    model: str = "smollm2-135m-instruct"
+    dtype: str = "bfloat16"
+    device: str = "auto"
+    output_len: int = 1
+    max_batch_tokens: int = 8192
+    max_num_seqs: int = 256
+    enable_prefix_caching: bool = True
+    attention_backend: str | None = None
+    warmup_prompts: int = 2
+
+
+def make_llm(cfg: BenchConfig) -> LLM:
+    return LLM(cfg.model, dtype=cfg.dtype, device=cfg.device, max_num_batched_tokens=cfg.max_batch_tokens,
+               max_num_seqs=cfg.max_num_seqs, enable_prefix_caching=cfg.enable_prefix_caching,
+               attention_backend=cfg.attention_backend)
+
+
+def run_bench(llm: LLM, workload: Workload, cfg: BenchConfig) -> dict:
+    """Times ``llm.generate`` over the workload (after a warm-up) and derives throughput figures."""
+    model_cfg = llm.engine.model_config
+    params = SamplingParams(max_tokens=cfg.output_len, temperature=0, ignore_eos=True)
+    longest = max(map(len, workload.prompts))
+    if longest + cfg.output_len > llm.max_model_len:
+        raise ValueError(f"prompts of up to {longest} tokens + {cfg.output_len} output tokens exceed "
+                         f"max_model_len {llm.max_model_len}")
+    warm = synthetic(cfg.warmup_prompts, str(min(longest, 512)), model_cfg.vocab_size, seed=12345)
+    llm.generate(warm.prompts, params)
+    llm.engine.reset_metrics()
+    _sync(llm)
+    start = time.perf_counter()
+    outputs = llm.generate(workload.prompts, params)
+    _sync(llm)
+    wall = time.perf_counter() - start
+    metrics = llm.engine.metrics
+    device = llm.config.torch_device()
+    matmul = measure_matmul_flops(llm.config.torch_dtype, device)
+    return summarize(workload, outputs, metrics, wall, model_cfg, matmul, gpu_peak_flops(device), cfg, device)
+
+
+def summarize(workload, outputs, m: EngineMetrics, wall: float, model_cfg, matmul_flops: float,
+              peak: float | None, cfg: BenchConfig, device) -> dict:
+    lin, head = linear_params(model_cfg), lm_head_params(model_cfg)
+    prompt_tokens = workload.prompt_tokens
+    output_tokens = sum(len(o.token_ids) for o in outputs)
+    flops = 2 * lin * (m.prompt_tokens_computed + m.decode_tokens) + 2 * head * m.tokens_generated
+    prompt_tps = prompt_tokens / wall
+    roofline_tps = matmul_flops / (2 * lin)
+    result = {
+        "model": cfg.model, "dtype": cfg.dtype, "device": str(device),
+        "cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+        "num_prompts": len(workload.prompts), "prompt_tokens": prompt_tokens, "output_tokens": output_tokens,
+        "output_len": cfg.output_len, "max_batch_tokens": cfg.max_batch_tokens,
+        "prefix_caching": cfg.enable_prefix_caching,
+        "wall_s": round(wall, 3),
+        "requests_per_s": round(len(outputs) / wall, 3),
+        "prompt_tokens_per_s": round(prompt_tps, 1),
+        "output_tokens_per_s": round(output_tokens / wall, 1),
+        "total_tokens_per_s": round((prompt_tokens + output_tokens) / wall, 1),
+        "decode_tokens_per_s": round(m.decode_tokens / m.decode_time_s, 1) if m.decode_time_s else None,
+        "prefill_time_s": round(m.prefill_time_s, 3), "decode_time_s": round(m.decode_time_s, 3),
+        "prompt_tokens_computed": m.prompt_tokens_computed,
+        "prefix_cache_hit_rate": round(m.prefix_cache_hit_rate, 4),
+        "preemptions": m.preemptions,
+        "linear_params": lin,
+        "matmul_tflops_measured": round(matmul_flops / 1e12, 4),
+        "achieved_tflops": round(flops / wall / 1e12, 4),
+        "mfu_vs_measured_matmul": round(flops / wall / matmul_flops, 4),
+        "roofline_prompt_tokens_per_s": round(roofline_tps, 1),
+        "prompt_tokens_per_s_over_roofline": round(prompt_tps / roofline_tps, 4),
+    }
+    if peak:
+        result["gpu_peak_tflops"] = peak / 1e12
+        result["mfu_vs_gpu_peak"] = round(flops / wall / peak, 4)
+    return result
+
+
+def _sync(llm: LLM) -> None:
+    if llm.config.torch_device().type == "cuda":
+        torch.cuda.synchronize()
