@@ -37,16 +37,20 @@ class SelfAttention(nn.Module):
         self.attn = Attention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, kernels.attention)
         self.kernels = kernels
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.reshape(-1, self.num_heads, self.head_dim)
-        k = k.reshape(-1, self.num_kv_heads, self.head_dim)
-        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
+    def split_heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return (q.view(-1, self.num_heads, self.head_dim), k.view(-1, self.num_kv_heads, self.head_dim),
+                v.view(-1, self.num_kv_heads, self.head_dim))
+
+    def project(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+        """qkv rows for x, with q/k normed (Qwen3) and rotated."""
+        qkv = self.qkv_proj(x)
+        q, k, _ = self.split_heads(qkv)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.kernels.apply_rotary(q, k, positions, cos_sin)
-        return self.o_proj(self.attn(q, k, v, meta).flatten(1))
+            q.copy_(self.q_norm(q))
+            k.copy_(self.k_norm(k))
+        self.kernels.apply_rotary(q, k, positions, cos_sin)
+        return qkv
 
 
 class MLP(nn.Module):
@@ -61,21 +65,34 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, kernels: KernelSet):
+    """Token-wise work runs in chunks of ``chunk_tokens`` rows so activations stay in cache on CPU;
+    attention sees the whole step."""
+
+    def __init__(self, cfg: ModelConfig, kernels: KernelSet, chunk_tokens: int):
         super().__init__()
         self.self_attn = SelfAttention(cfg, kernels)
         self.mlp = MLP(cfg, kernels)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
+        self.chunk_tokens = chunk_tokens
 
     def forward(self, x, residual, positions, cos_sin, meta):
-        if residual is None:
-            x, residual = self.input_layernorm(x), x
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, positions, cos_sin, meta)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        attn = self.self_attn
+        chunks = [slice(s, s + self.chunk_tokens) for s in range(0, x.shape[0], self.chunk_tokens)]
+        new_residual = torch.empty_like(x)
+        qkv = x.new_empty(x.shape[0], attn.q_size + 2 * attn.kv_size)
+        for c in chunks:
+            if residual is None:
+                h, new_residual[c] = self.input_layernorm(x[c]), x[c]
+            else:
+                h, new_residual[c] = self.input_layernorm(x[c], residual[c])
+            qkv[c] = attn.project(h, positions[c], cos_sin)
+        o = attn.attn(*attn.split_heads(qkv), meta).flatten(1)
+        out = torch.empty_like(x)
+        for c in chunks:
+            h, new_residual[c] = self.post_attention_layernorm(attn.o_proj(o[c]), new_residual[c])
+            out[c] = self.mlp(h)
+        return out, new_residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -85,11 +102,11 @@ class LlamaForCausalLM(nn.Module):
     fused_shards = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
                     "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
-    def __init__(self, cfg: ModelConfig, kernels: KernelSet, max_positions: int):
+    def __init__(self, cfg: ModelConfig, kernels: KernelSet, max_positions: int, chunk_tokens: int = 1024):
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, kernels) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, kernels, chunk_tokens) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
