@@ -48,17 +48,22 @@ class TorchAttentionBackend:
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  context_lens: torch.Tensor, max_ctx: int, scale: float) -> torch.Tensor:
-    """One query per sequence: gather each context into a padded batch and mask the padding."""
-    batch, block_size = q.shape[0], k_cache.shape[1]
+    """One query per sequence: gather each context's blocks into a padded batch and mask the padding."""
+    batch, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    num_blocks = -(-max_ctx // block_size)
+    blocks = block_tables[:, :num_blocks].long().clamp(min=0).flatten()
+
+    def gather(cache: torch.Tensor) -> torch.Tensor:  # (B, Hkv, max_ctx, D)
+        ctx = cache.index_select(0, blocks).view(batch, num_blocks * block_size, num_kv_heads, head_dim)
+        return ctx[:, :max_ctx].transpose(1, 2).to(q.dtype)
+
     positions = torch.arange(max_ctx, device=q.device)
-    blocks = block_tables[:, : (max_ctx + block_size - 1) // block_size].long().clamp(min=0)
-    slots = blocks.repeat_interleave(block_size, dim=1)[:, :max_ctx] * block_size + positions % block_size
-    ks = k_cache.flatten(0, 1)[slots].transpose(1, 2).to(q.dtype)  # (B, Hkv, max_ctx, D)
-    vs = v_cache.flatten(0, 1)[slots].transpose(1, 2).to(q.dtype)
     mask = (positions[None, :] < context_lens[:, None].to(positions.dtype))[:, None, None, :]
-    out = F.scaled_dot_product_attention(q.view(batch, -1, 1, q.shape[-1]), ks, vs, attn_mask=mask,
-                                         scale=scale, enable_gqa=q.shape[1] != ks.shape[1])
-    return out.view(q.shape)
+    # The query heads sharing a KV head act as that head's queries: no K/V expansion for GQA.
+    grouped = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    out = F.scaled_dot_product_attention(grouped, gather(k_cache), gather(v_cache), attn_mask=mask, scale=scale)
+    return out.reshape(q.shape)
 
 
 def gather_context(cache: torch.Tensor, block_table: torch.Tensor, ctx_len: int) -> torch.Tensor:
