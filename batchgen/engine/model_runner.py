@@ -95,9 +95,8 @@ class ModelRunner:
     def run(self, scheduled: list[ScheduledSeq]) -> tuple[list[int], list[float] | None]:
         """One forward over the packed step; returns sampled tokens for the rows that sample."""
         input_ids, positions, meta, logits_rows = self.prepare(scheduled)
-        if len(logits_rows) == 0:
-            self.model(input_ids, positions, meta, logits_rows)
-            return [], None
         logits = self.model(input_ids, positions, meta, logits_rows)
+        if len(logits_rows) == 0:  # only non-final prompt chunks this step
+            return [], None
         tokens, logprobs = sample(logits, self.sampling_batch(scheduled))
         return tokens.tolist(), (logprobs.tolist() if logprobs is not None else None)
