@@ -1,0 +1,88 @@
+"""Writes a Llama-architecture model folder with random bf16 weights, for benchmarks on big shapes.
+
+    python benchmarks/random_llama.py --size 1b --out /tmp/llama-1b [--device cuda]
+
+Sizes follow Llama 3.2 1B and Llama 3.1 8B shapes (GQA 4:1, 128K vocabulary). The tokenizer is a
+tiny byte-level one: benchmarks feed token ids, so only the loader needs it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+SIZES = {
+    "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+               num_key_value_heads=8, head_dim=64, tie_word_embeddings=True),
+    "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+               num_key_value_heads=8, head_dim=128, tie_word_embeddings=False),
+}
+
+
+def shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
+    h, i, v, d = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"], cfg["head_dim"]
+    q, kv = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
+    out = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
+    if not cfg["tie_word_embeddings"]:
+        out["lm_head.weight"] = (v, h)
+    for n in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{n}."
+        out.update({p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+                    p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
+                    p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
+                    p + "mlp.down_proj.weight": (h, i), p + "input_layernorm.weight": (h,),
+                    p + "post_attention_layernorm.weight": (h,)})
+    return out
+
+
+def write_tokenizer(out: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={s: i for i, s in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.save(str(out / "tokenizer.json"))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size", choices=sorted(SIZES), required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256,
+           "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "max_position_embeddings": 16384,
+           "hidden_act": "silu", "bos_token_id": 0, "eos_token_id": 1, **SIZES[args.size]}
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    gen = torch.Generator(device=args.device).manual_seed(0)
+    shard, shard_bytes, index, n = {}, 0, {}, 0
+
+    def flush():
+        nonlocal shard, shard_bytes, n
+        if shard:
+            name = f"model-{n:05d}.safetensors"
+            save_file({k: t.cpu() for k, t in shard.items()}, str(out / name))
+            index.update({k: name for k in shard})
+            shard, shard_bytes, n = {}, 0, n + 1
+
+    for name, shape in shapes(cfg).items():
+        t = torch.randn(shape, generator=gen, device=args.device, dtype=torch.bfloat16) * 0.02
+        shard[name] = t.fill_(1.0) if name.endswith("norm.weight") else t
+        shard_bytes += t.numel() * 2
+        if shard_bytes > 4 << 30:
+            flush()
+    flush()
+    (out / "model.safetensors.index.json").write_text(json.dumps({"weight_map": index}))
+    write_tokenizer(out)
+    params = sum(torch.Size(s).numel() for s in shapes(cfg).values())
+    print(f"wrote {out}: {params / 1e9:.2f}B parameters")
+
+
+if __name__ == "__main__":
+    main()
