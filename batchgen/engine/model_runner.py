@@ -29,7 +29,7 @@ class ModelRunner:
         with torch.device(self.device):
             model = LlamaForCausalLM(model_cfg, self.kernels, max_positions=max_model_len)
         model.load_weights(source.weights())
-        self.model = model.to(self.dtype).eval()
+        self.model = model.to(self.dtype).requires_grad_(False)
         self.model.cos_sin = self.model.cos_sin.float()  # rotary tables stay in fp32
         reserve = engine.max_num_batched_tokens * model_cfg.intermediate_size * 2 * 4 \
             + engine.max_num_seqs * model_cfg.vocab_size * 4 * 4
