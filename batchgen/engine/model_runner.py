@@ -17,6 +17,19 @@ from batchgen.engine.scheduler import ScheduledSeq
 log = logging.getLogger(__name__)
 
 
+def build_model(cfg: ModelConfig, kernels, max_positions: int, dtype: torch.dtype,
+                device: torch.device) -> LlamaForCausalLM:
+    """The model allocated directly in ``dtype`` on ``device`` (no fp32 copy first); rotary tables stay fp32."""
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(cfg, kernels, max_positions=max_positions)
+    finally:
+        torch.set_default_dtype(default)
+    return model.requires_grad_(False)
+
+
 class ModelRunner:
     """Owns the model weights and the KV cache on one device."""
 
@@ -26,11 +39,8 @@ class ModelRunner:
         self.block_size = engine.block_size
         backend = engine.attention_backend or default_backend(self.device)
         self.kernels = make_kernel_set(backend)
-        with torch.device(self.device):
-            model = LlamaForCausalLM(model_cfg, self.kernels, max_positions=max_model_len)
-        model.load_weights(source.weights())
-        self.model = model.to(self.dtype).requires_grad_(False)
-        self.model.cos_sin = self.model.cos_sin.float()  # rotary tables stay in fp32
+        self.model = build_model(model_cfg, self.kernels, max_model_len, self.dtype, self.device)
+        self.model.load_weights(source.weights())
         reserve = engine.max_num_batched_tokens * model_cfg.intermediate_size * 2 * 4 \
             + engine.max_num_seqs * model_cfg.vocab_size * 4 * 4
         budget = kv_budget_bytes(engine, self.device, reserve)
