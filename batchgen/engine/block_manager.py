@@ -44,16 +44,24 @@ class BlockManager:
         """New blocks ``seq`` needs so that its first ``num_tokens`` tokens have slots."""
         return max(0, -(-num_tokens // self.block_size) - len(seq.block_table))
 
+    def _full_block(self, seq: Sequence, i: int) -> tuple[int, tuple[int, ...]]:
+        """Chained hash and tokens of the sequence's i-th full block, computed once per sequence."""
+        blocks = seq.full_blocks
+        while len(blocks) <= i:
+            j = len(blocks)
+            tokens = tuple(seq.token_ids[j * self.block_size:(j + 1) * self.block_size])
+            blocks.append((chain_hash(blocks[-1][0] if blocks else None, tokens), tokens))
+        return blocks[i]
+
     def _cached_prefix(self, seq: Sequence) -> list[int]:
         """Block ids that already hold the KV of the sequence's leading full blocks."""
         if not self.enable_prefix_caching:
             return []
-        hits, prev = [], None
+        hits = []
         # Leave at least one token to compute: its logits are needed for the next token.
-        for start in range(0, seq.num_tokens - 1 - self.block_size + 1, self.block_size):
-            tokens = tuple(seq.token_ids[start:start + self.block_size])
-            prev = chain_hash(prev, tokens)
-            block_id = self.hash_to_block.get(prev)
+        for i in range((seq.num_tokens - 1) // self.block_size):
+            block_hash, tokens = self._full_block(seq, i)
+            block_id = self.hash_to_block.get(block_hash)
             if block_id is None or self.blocks[block_id].token_ids != tokens:
                 break
             hits.append(block_id)
@@ -99,15 +107,11 @@ class BlockManager:
         """
         if not self.enable_prefix_caching:
             return
-        first = seq.num_hashed_blocks
-        prev = self.blocks[seq.block_table[first - 1]].hash if first else None
-        for i in range(first, num_tokens // self.block_size):
+        for i in range(seq.num_hashed_blocks, num_tokens // self.block_size):
             block = self.blocks[seq.block_table[i]]
             if block.hash is None:
-                tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
-                block.hash, block.token_ids = chain_hash(prev, tokens), tokens
+                block.hash, block.token_ids = self._full_block(seq, i)
                 self.hash_to_block.setdefault(block.hash, block.block_id)
-            prev = block.hash
             seq.num_hashed_blocks = i + 1
 
     def free_seq(self, seq: Sequence) -> None:
