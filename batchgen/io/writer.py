@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import posixpath
 import uuid
 from typing import Any, Callable, TypeVar
 
-import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 from fsspec.implementations.local import LocalFileSystem
@@ -167,6 +167,15 @@ class OutputWriter:
     def committed_stats(self) -> list[dict[str, Any]]:
         """The stats dicts of committed parts, in part order."""
         return [self._entries[n].stats for n in sorted(self._entries)]
+
+    def committed_column_types(self) -> dict[str, pa.DataType]:
+        """Column types of the last committed Parquet part (empty otherwise), for a consistent schema."""
+        return dict(self._types)
+
+    def success_stats(self) -> dict[str, Any]:
+        """The stats a finished job wrote to _SUCCESS."""
+        data = self._guard(lambda: retry(lambda: self.fs.cat_file(self._full(SUCCESS))), "read _SUCCESS in")
+        return json.loads(data or b"{}")
 
     def committed_parts(self) -> list[str]:
         """URLs of committed parts, in order."""

@@ -1,7 +1,6 @@
 """Checks before any compute: inputs exist and hold the needed columns, output is writable, model loads."""
 from __future__ import annotations
 
-import json
 import logging
 from collections import Counter
 from typing import Any
@@ -84,8 +83,8 @@ def open_output(spec: JobSpec, overwrite: bool) -> OutputWriter:
 def stored_stats(writer: OutputWriter) -> dict[str, Any]:
     """The stats a finished job left in _SUCCESS."""
     try:
-        return json.loads(writer.fs.cat_file(f"{writer.root}/_SUCCESS") or b"{}")
-    except Exception as e:  # noqa: BLE001 - any failure to read back is an output problem
+        return writer.success_stats()
+    except (OutputError, ValueError) as e:  # unreadable, or not JSON
         raise JobError(redact(f"cannot read {writer.path}/_SUCCESS: {type(e).__name__}: {e}")) from None
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Mapping
 
 import pyarrow as pa
 
@@ -87,11 +87,11 @@ class PartSchema:
     carry_columns: list[str]
     carry_types: dict[str, pa.DataType] = field(default_factory=dict)
 
-    def seed(self, schema: pa.Schema) -> None:
-        """Take carried column types from an already committed part (on resume)."""
-        for f in schema:
-            if f.name in self.carry_columns and not pa.types.is_null(f.type):
-                self.carry_types.setdefault(f.name, f.type)
+    def seed(self, types: Mapping[str, pa.DataType]) -> None:
+        """Take carried column types from already committed parts (on resume)."""
+        for name, dtype in types.items():
+            if name in self.carry_columns and not pa.types.is_null(dtype):
+                self.carry_types.setdefault(name, dtype)
 
     def _carry_type(self, name: str, values: list[Any]) -> pa.DataType:
         known = self.carry_types.get(name)

@@ -7,10 +7,8 @@ import time
 from itertools import islice
 from typing import Any, Iterable
 
-import pyarrow.parquet as pq
-
 from batchgen.engine import LLM, SamplingParams
-from batchgen.io import InputError, InputRow, OutputError, OutputWriter, read_rows, redact
+from batchgen.io import InputError, InputRow, OutputError, read_rows, redact
 from batchgen.pipeline import preflight
 from batchgen.pipeline.errors import JobError, JobInterrupted
 from batchgen.pipeline.interrupt import StopRequest, stop_on_signals
@@ -34,19 +32,6 @@ def sampling_params(spec: JobSpec) -> SamplingParams:
     s = spec.sampling
     return SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
                           seed=s.seed, stop=list(s.stop))
-
-
-def _seed_schema(schema: PartSchema, writer: OutputWriter) -> None:
-    """Carried column types of the last committed part, so a resumed job keeps one Parquet schema."""
-    parts = writer.committed_parts()
-    if writer.fmt != "parquet" or not parts:
-        return
-    name = parts[-1].rsplit("/", 1)[-1]
-    try:
-        with writer.fs.open(f"{writer.root}/{name}", "rb") as f:
-            schema.seed(pq.read_schema(f))
-    except Exception as e:  # noqa: BLE001 - the types are a nicety; inference takes over
-        log.warning("cannot read the schema of %s: %s", redact(parts[-1]), redact(str(e)))
 
 
 def _warn_if_spec_changed(previous: list[dict[str, Any]], digest: str) -> None:
@@ -115,7 +100,7 @@ def run_job(spec: JobSpec, *, limit: int | None = None, overwrite: bool = False,
              f" (resuming: {len(committed)} rows already committed)" if committed else "")
 
     schema = PartSchema(spec.input.id_column or "id", carry)
-    _seed_schema(schema, writer)
+    schema.seed(writer.committed_column_types())
     progress = Progress(limit, quiet, spec.name, done=min(len(committed), limit or len(committed)))
     sink = PartSink(writer, schema, spec.output.rows_per_part, digest, on_row=progress.update)
     max_prompt = min(spec.batching.max_prompt_tokens, llm.max_model_len - 1)  # room for >= 1 new token
