@@ -60,3 +60,19 @@ def load_paged_kv(KCache, VCache, block_table_row, offs_n, valid_n, kv_head, off
     v = tl.load(VCache + base[:, None] + offs_d[None, :],
                 mask=valid_n[:, None] & mask_d[None, :], other=0.0)
     return k_t.to(dtype), v.to(dtype)
+
+
+@triton.jit
+def attend_paged_range(acc, m_i, l_i, q, KCache, VCache, block_table_row, start, end, kv_head, offs_n,
+                       offs_d, mask_d, qk_scale, stride_cb, stride_cs, stride_ch,
+                       BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
+                       UPCAST: tl.constexpr):
+    """Folds cached keys start..end-1 of one sequence into (acc, max, sum); all of them are visible."""
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + offs_n
+        valid = pos < end
+        k_t, v = load_paged_kv(KCache, VCache, block_table_row, pos, valid, kv_head, offs_d, mask_d,
+                               stride_cb, stride_cs, stride_ch, BLOCK_SIZE, q.dtype)
+        acc, m_i, l_i = softmax_step(acc, m_i, l_i, q, k_t, v, valid[None, :], qk_scale,
+                                     True, PREC, UPCAST)
+    return acc, m_i, l_i

@@ -5,7 +5,7 @@ import torch
 import triton
 import triton.language as tl
 
-from batchgen.engine.kernels.common import INTERPRET, LOG2E, dot_precision, load_paged_kv, softmax_step
+from batchgen.engine.kernels.common import INTERPRET, LOG2E, attend_paged_range, dot_precision
 
 _BLOCK_N = 64
 _MIN_SPLIT_LEN = 256
@@ -45,13 +45,9 @@ def _decode_split_kernel(
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
     acc = tl.zeros([GROUP_PAD, BLOCK_D], dtype=tl.float32)
     table_row = block_tables + seq.to(tl.int64) * stride_bt
-    for n0 in range(start, end, BLOCK_N):
-        pos = n0 + offs_n
-        valid = pos < end
-        k_t, v = load_paged_kv(KCache, VCache, table_row, pos, valid, kv_head, offs_d, mask_d,
-                               stride_cb, stride_cs, stride_ch, BLOCK_SIZE, Q.dtype.element_ty)
-        acc, m_i, l_i = softmax_step(acc, m_i, l_i, q, k_t, v, valid[None, :], qk_scale,
-                                     True, PREC, UPCAST)
+    acc, m_i, l_i = attend_paged_range(acc, m_i, l_i, q, KCache, VCache, table_row, start, end, kv_head,
+                                       offs_n, offs_d, mask_d, qk_scale, stride_cb, stride_cs, stride_ch,
+                                       BLOCK_SIZE, BLOCK_N, PREC, UPCAST)
 
     out = acc / l_i[:, None]  # every split that runs holds at least one key
     if DIRECT:

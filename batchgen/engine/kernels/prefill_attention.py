@@ -5,7 +5,9 @@ import torch
 import triton
 import triton.language as tl
 
-from batchgen.engine.kernels.common import INTERPRET, LOG2E, dot_precision, load_paged_kv, mma, softmax_step
+from batchgen.engine.kernels.common import (
+    INTERPRET, LOG2E, attend_paged_range, dot_precision, softmax_step,
+)
 
 
 @triton.jit
@@ -49,13 +51,9 @@ def _prefill_kernel(
         # The cached prefix precedes every new token, so it needs no causal mask.
         prefix_len = tl.load(ctx_lens + seq) - kc_len
         table_row = block_tables + seq.to(tl.int64) * stride_bt
-        for n0 in range(0, prefix_len, BLOCK_N):
-            pos = n0 + offs_n
-            valid = pos < prefix_len
-            k_t, v = load_paged_kv(KCache, VCache, table_row, pos, valid, kv_head, offs_d, mask_d,
-                                   stride_cb, stride_cs, stride_ch, BLOCK_SIZE, Q.dtype.element_ty)
-            acc, m_i, l_i = softmax_step(acc, m_i, l_i, q, k_t, v, valid[None, :], qk_scale,
-                                         True, PREC, UPCAST)
+        acc, m_i, l_i = attend_paged_range(acc, m_i, l_i, q, KCache, VCache, table_row, 0, prefix_len,
+                                           kv_head, offs_n, offs_d, mask_d, qk_scale, stride_cb, stride_cs,
+                                           stride_ch, BLOCK_SIZE, BLOCK_N, PREC, UPCAST)
 
     # Query row j sees contiguous key t when t <= diag + j (queries sit at the end of the keys).
     diag = kc_len - q_len
