@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One GPU check: the Triton kernel tests compiled for the device, then prefill-only `batchgen bench`
-# on random-weight Llama models of ~1B and ~8B parameters (8 prompts x 2K tokens, 64 x 8K tokens).
+# on random-weight Llama models of ~1B and ~8B parameters (8 prompts x 2K tokens, 64 x 8K tokens),
+# and decode at batch 64 with and without CUDA graphs.
 # Results go to $OUT (default /tmp/gpu_check). TRITON_INTERPRET is set to 0 rather than unset:
 # tests/conftest.py defaults it to 1.
 set -euo pipefail
@@ -13,12 +14,16 @@ export TRITON_INTERPRET=0
 out=${OUT:-/tmp/gpu_check}
 mkdir -p "$out"
 nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$out/gpu.txt"
-timeout 300 python -m pytest -q tests/test_kernels.py "$@" 2>&1 | tail -5 | tee "$out/kernels.txt" || true
+timeout 300 python -m pytest -q tests/test_kernels.py tests/test_triton_model.py "$@" 2>&1 | tail -5 | tee "$out/kernels.txt" || true
 for size in 1b 8b; do
     python benchmarks/random_llama.py --size "$size" --out "/tmp/llama-$size"
     batchgen bench --model "/tmp/llama-$size" --device cuda --num-prompts 8 --input-len 2048 \
         --output-json "$out/bench-$size-8x2k.json" | head -12
     batchgen bench --model "/tmp/llama-$size" --device cuda --num-prompts 64 --input-len 8192 \
         --max-batch-tokens 8192 --output-json "$out/bench-$size-64x8k.json" | head -12
+    for graphs in auto off; do
+        batchgen bench --model "/tmp/llama-$size" --device cuda --num-prompts 64 --input-len 512 \
+            --output-len 128 --cuda-graphs "$graphs" --output-json "$out/bench-$size-decode-graphs-$graphs.json" | head -12
+    done
     rm -rf "/tmp/llama-$size"
 done

@@ -13,7 +13,9 @@ pytest.importorskip("triton")
 from batchgen.engine.kernels import activation, decode_attention, kv_store, norm, rotary  # noqa: E402
 from batchgen.engine.kernels.backend import TritonAttentionBackend  # noqa: E402
 from batchgen.engine.kernels.common import INTERPRET  # noqa: E402
-from batchgen.engine.kernels.prefill_attention import flash_attn_varlen_func  # noqa: E402
+from batchgen.engine.kernels.prefill_attention import (  # noqa: E402
+    flash_attn_varlen_func, prefill_attention, prefill_tile_capacity, prefill_work,
+)
 from batchgen.engine.layers import ops  # noqa: E402
 from batchgen.engine.layers.attention import Attention, AttentionMetadata  # noqa: E402
 from batchgen.engine.layers.torch_attention import TorchAttentionBackend, causal_attention  # noqa: E402
@@ -175,6 +177,28 @@ def test_decode_matches_torch(head_dim, group, dtype, num_splits):
                                             batch.meta.block_tables, batch.meta.max_seqlen_k,
                                             scale, num_splits=num_splits)
     close(out, expected, dtype)
+
+
+def test_prefill_work_lists_tiles_longest_first_and_pads():
+    # Sequence 1 (300 new tokens after a 100-token prefix) has three tiles of 128 rows.
+    work = prefill_work([5, 300, 0], [5, 400, 0]).tolist()
+    assert work == [[1, 256], [1, 128], [1, 0], [0, 0]]
+    capacity = prefill_tile_capacity(305, 3)
+    padded = prefill_work([5, 300, 0], [5, 400, 0], capacity=capacity).tolist()
+    assert padded[:4] == work and padded[4:] == [[-1, 0]] * (capacity - 4)
+    with pytest.raises(ValueError, match="do not fit"):
+        prefill_work([300], [300], capacity=2)
+
+
+def test_prefill_skips_padding_tiles_and_empty_sequences():
+    q_lens = [17, 0, 40]
+    q, k, v = rand(57, 4, 64), rand(57, 2, 64), rand(57, 2, 64)
+    cu = cu_lens(q_lens)
+    expected = flash_attn_varlen_func(q, k, v, cu, cu, 40, 40)
+    work = prefill_work(q_lens, q_lens, capacity=prefill_tile_capacity(64, 6)).to(DEVICE)
+    out = torch.full_like(q, float("nan"))
+    prefill_attention(q, k, v, cu, cu, work, 64 ** -0.5, out=out)
+    close(out, expected, torch.float32)
 
 
 def test_decode_split_heuristic_bounds():

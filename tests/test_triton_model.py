@@ -1,7 +1,10 @@
 """The whole model on the Triton kernel set (under TRITON_INTERPRET=1 on CPU) matches the torch backend."""
 from __future__ import annotations
 
+import os
+
 import pytest
+import torch
 
 from batchgen.engine import LLM, SamplingParams
 from batchgen.engine.layers.ops import default_backend
@@ -28,7 +31,53 @@ def test_triton_backend_matches_torch_logprobs(tiny_model_factory):
 
 
 def test_backend_choice():
-    import torch
-
     assert default_backend(torch.device("cpu")) == "torch"
     assert default_backend(torch.device("cuda")) == "triton"
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered")  # padded rows hold uninitialized values
+def test_padded_graph_steps_match_eager(tiny_model_factory):
+    """The fixed-shape steps CUDA graphs replay (padded batch, padded tokens, padded sequences),
+    run here without capture, give the eager engine's tokens and logprobs."""
+    path = str(tiny_model_factory("qwen3"))
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=True)
+    kw = dict(dtype="float32", device="cpu", max_num_batched_tokens=40, max_num_seqs=4,
+              kv_cache_memory=8 << 20, attention_backend="triton")
+    eager = LLM(path, cuda_graphs="off", **kw)
+    graphed = LLM(path, cuda_graphs="emulate", **kw)
+    runner = graphed.engine.runner.graphs
+    assert runner.decode_sizes == [1, 2, 4] and runner.mixed_sizes == [16, 32, 40]
+    prompts = mixed_prompts(eager, repeats=(1, 2, 1, 3, 1))  # 5 prompts > max_num_seqs
+    expected = eager.generate(prompts, params)
+    got = graphed.generate(prompts, params)
+    for a, b in zip(got, expected):
+        assert a.token_ids == b.token_ids
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) <= 1e-4
+    kinds = {kind for kind, _ in runner.replays}
+    assert kinds == {"decode", "mixed"}, runner.replays
+    padded = [size for (kind, size) in runner.replays if kind == "mixed"]
+    assert any(size in (16, 32) for size in padded), "expected a step padded to a smaller graph"
+
+
+def test_graph_modes_need_triton(tiny_model_factory):
+    with pytest.raises(ValueError, match="needs attention_backend='triton'"):
+        LLM(str(tiny_model_factory("qwen3")), device="cpu", attention_backend="torch", cuda_graphs="emulate")
+    with pytest.raises(ValueError, match="cuda_graphs must be"):
+        LLM(str(tiny_model_factory("qwen3")), device="cpu", cuda_graphs="yes")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
+                    reason="needs a CUDA device with compiled Triton kernels")
+def test_captured_cuda_graphs_match_eager(tiny_model_factory):
+    path = str(tiny_model_factory("qwen3"))
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=True)
+    kw = dict(dtype="float32", device="cuda", max_num_batched_tokens=64, max_num_seqs=8)
+    eager = LLM(path, cuda_graphs="off", **kw)
+    graphed = LLM(path, cuda_graphs="auto", **kw)
+    prompts = mixed_prompts(eager, repeats=(1, 4, 2, 1, 3))
+    expected = eager.generate(prompts, params)
+    got = graphed.generate(prompts, params)
+    for a, b in zip(got, expected):
+        assert a.token_ids == b.token_ids
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) <= 1e-3
+    assert {kind for kind, _ in graphed.engine.runner.graphs.replays} == {"decode", "mixed"}

@@ -37,15 +37,18 @@ def _read_texts(path: str, column: str) -> list[str]:
 @click.option("--max-num-seqs", default=256, show_default=True)
 @click.option("--no-prefix-caching", is_flag=True)
 @click.option("--attention-backend", type=click.Choice(["torch", "triton"]), default=None)
+@click.option("--cuda-graphs", type=click.Choice(["auto", "off"]), default="auto", show_default=True,
+              help="Replay captured CUDA graphs for decode and mixed steps (CUDA + Triton only).")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--output-json", default=None, help="Also write the results to this file.")
 def bench(model, num_prompts, input_len, dataset, column, whole_documents, prefix_len, output_len, dtype,
-          device, max_batch_tokens, max_num_seqs, no_prefix_caching, attention_backend, seed, output_json):
+          device, max_batch_tokens, max_num_seqs, no_prefix_caching, attention_backend, cuda_graphs, seed, output_json):
     """Measure prompt (prefill) and output throughput of the engine."""
     logging.basicConfig(level=logging.WARNING)
     cfg = BenchConfig(model=model, dtype=dtype, device=device, output_len=output_len,
                       max_batch_tokens=max_batch_tokens, max_num_seqs=max_num_seqs,
-                      enable_prefix_caching=not no_prefix_caching, attention_backend=attention_backend)
+                      enable_prefix_caching=not no_prefix_caching, attention_backend=attention_backend,
+                      cuda_graphs=cuda_graphs)
     llm = make_llm(cfg)
     if dataset:
         workload = from_documents(_read_texts(dataset, column), llm.tokenizer, num_prompts,

@@ -26,13 +26,14 @@ class BenchConfig:
     max_num_seqs: int = 256
     enable_prefix_caching: bool = True
     attention_backend: str | None = None
+    cuda_graphs: str = "auto"
     warmup_prompts: int = 2
 
 
 def make_llm(cfg: BenchConfig) -> LLM:
     return LLM(cfg.model, dtype=cfg.dtype, device=cfg.device, max_num_batched_tokens=cfg.max_batch_tokens,
                max_num_seqs=cfg.max_num_seqs, enable_prefix_caching=cfg.enable_prefix_caching,
-               attention_backend=cfg.attention_backend)
+               attention_backend=cfg.attention_backend, cuda_graphs=cfg.cuda_graphs)
 
 
 def run_bench(llm: LLM, workload: Workload, cfg: BenchConfig) -> dict:

@@ -91,6 +91,9 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     attention_backend: str | None = None
+    # "auto": CUDA graphs on CUDA with the Triton backend; "off"; "emulate": the same padded
+    # fixed-shape steps run eagerly without capture, so the graph path can be checked on CPU.
+    cuda_graphs: str = "auto"
     storage_options: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -100,6 +103,8 @@ class EngineConfig:
             raise ValueError("max_num_batched_tokens must be at least block_size")
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be >= 1")
+        if self.cuda_graphs not in ("auto", "off", "emulate"):
+            raise ValueError(f"cuda_graphs must be 'auto', 'off' or 'emulate', got {self.cuda_graphs!r}")
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -14,6 +15,9 @@ from batchgen.engine.models.llama import LlamaForCausalLM
 from batchgen.engine.sampler import SamplingBatch, sample
 from batchgen.engine.scheduler import ScheduledSeq
 
+if TYPE_CHECKING:
+    from batchgen.engine.cuda_graphs import GraphRunner
+
 log = logging.getLogger(__name__)
 
 
@@ -22,9 +26,11 @@ def build_model(cfg: ModelConfig, kernels, max_positions: int, dtype: torch.dtyp
     """The model allocated directly in ``dtype`` on ``device`` (no fp32 copy first); rotary tables stay fp32."""
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
+    # Row chunks keep CPU activations in cache; a GPU wants each matmul as large as the step.
+    chunk_tokens = 1024 if device.type == "cpu" else 1 << 30
     try:
         with torch.device(device):
-            model = LlamaForCausalLM(cfg, kernels, max_positions=max_positions)
+            model = LlamaForCausalLM(cfg, kernels, max_positions=max_positions, chunk_tokens=chunk_tokens)
     finally:
         torch.set_default_dtype(default)
     return model.requires_grad_(False)
@@ -47,6 +53,19 @@ class ModelRunner:
         self.num_blocks = max(1, budget // bytes_per_block(model_cfg, self.block_size, self.dtype))
         allocate_kv_cache(self.model, model_cfg, self.num_blocks, self.block_size, self.dtype, self.device)
         log.info("model %s: %s on %s, attention backend %s", source.name, engine.dtype, self.device, backend)
+        self.graphs = self._graph_runner(backend, max_model_len)
+
+    def _graph_runner(self, backend: str, max_model_len: int) -> "GraphRunner | None":
+        mode, on_cuda = self.engine.cuda_graphs, self.device.type == "cuda"
+        if mode == "off" or (mode == "auto" and not (on_cuda and backend == "triton")):
+            return None
+        if backend != "triton":
+            raise ValueError("cuda_graphs='emulate' needs attention_backend='triton'")
+        from batchgen.engine.cuda_graphs import GraphRunner  # imports triton
+
+        with torch.inference_mode():
+            return GraphRunner(self.model, self.engine.max_num_seqs, self.engine.max_num_batched_tokens,
+                               max_model_len, self.block_size, self.device, capture=mode == "auto")
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -83,6 +102,7 @@ class ModelRunner:
             cu_seqlens_q=cu_q.to(torch.int32).to(dev), cu_seqlens_k=cu_k.to(dev), context_lens=ctx.to(dev),
             max_seqlen_q=max(query_lens), max_seqlen_k=max(context_lens), slot_mapping=slots.to(dev),
             block_tables=block_tables.to(dev), query_lens=query_lens, context_lens_list=context_lens)
+        self.kernels.attention.plan(meta)
         return (torch.tensor(input_ids, device=dev), positions.to(dev), meta,
                 torch.tensor(logits_rows, device=dev, dtype=torch.int64))
 
@@ -105,7 +125,11 @@ class ModelRunner:
     def run(self, scheduled: list[ScheduledSeq]) -> tuple[list[int], list[float] | None]:
         """One forward over the packed step; returns sampled tokens for the rows that sample."""
         input_ids, positions, meta, logits_rows = self.prepare(scheduled)
-        logits = self.model(input_ids, positions, meta, logits_rows)
+        graph = self.graphs.pick(meta, len(input_ids)) if self.graphs is not None else None
+        if graph is not None:
+            logits = self.graphs.run(graph, input_ids, positions, meta, logits_rows)
+        else:
+            logits = self.model(input_ids, positions, meta, logits_rows)
         if len(logits_rows) == 0:  # only non-final prompt chunks this step
             return [], None
         tokens, logprobs = sample(logits, self.sampling_batch(scheduled))

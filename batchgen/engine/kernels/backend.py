@@ -7,7 +7,7 @@ from batchgen.engine.kernels.activation import silu_and_mul
 from batchgen.engine.kernels.decode_attention import decode_attention
 from batchgen.engine.kernels.kv_store import store_kv
 from batchgen.engine.kernels.norm import rms_norm
-from batchgen.engine.kernels.prefill_attention import prefill_attention
+from batchgen.engine.kernels.prefill_attention import prefill_attention, prefill_work
 from batchgen.engine.kernels.rotary import apply_rotary
 from batchgen.engine.layers.attention import AttentionMetadata
 from batchgen.engine.layers.ops import KernelSet
@@ -18,6 +18,11 @@ class TritonAttentionBackend:
 
     name = "triton"
 
+    def plan(self, meta: AttentionMetadata) -> None:
+        if not meta.decode_only and meta.prefill_work is None:
+            meta.prefill_work = prefill_work(meta.query_lens, meta.context_lens_list).to(
+                meta.cu_seqlens_q.device, non_blocking=True)
+
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         store_kv(k, v, k_cache, v_cache, slot_mapping)
@@ -27,13 +32,14 @@ class TritonAttentionBackend:
         if meta.decode_only:
             return decode_attention(q, k_cache, v_cache, meta.context_lens, meta.block_tables,
                                     meta.max_seqlen_k, scale)
+        if meta.prefill_work is None:
+            self.plan(meta)
         if not meta.has_cached_prefix:
-            return prefill_attention(q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_q,
-                                     meta.max_seqlen_q, scale)
+            return prefill_attention(q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_q, meta.prefill_work, scale)
         # New keys come from k/v directly; only the prefix before them is read from the cache.
-        return prefill_attention(q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_q, meta.max_seqlen_q,
-                                 scale, k_cache=k_cache, v_cache=v_cache,
-                                 context_lens=meta.context_lens, block_tables=meta.block_tables)
+        return prefill_attention(q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_q, meta.prefill_work, scale,
+                                 k_cache=k_cache, v_cache=v_cache, context_lens=meta.context_lens,
+                                 block_tables=meta.block_tables)
 
 
 def triton_kernel_set() -> KernelSet:

@@ -1,6 +1,8 @@
 """Varlen causal flash attention for packed prefill, with an optional prefix read from the paged cache."""
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 import triton
 import triton.language as tl
@@ -12,23 +14,23 @@ from batchgen.engine.kernels.common import (
 
 @triton.jit
 def _prefill_kernel(
-    Q, K, V, Out, KCache, VCache, cu_q, cu_k, ctx_lens, block_tables, qk_scale,
+    Q, K, V, Out, KCache, VCache, cu_q, cu_k, ctx_lens, block_tables, work, qk_scale,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_PREFIX: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    # Heads vary fastest so a GQA group's programs run together and share K/V in L2; the
-    # query blocks with the most keys to visit start first.
+    # One program per (head, query tile); `work` lists the tiles as (sequence, first row), the ones
+    # with the most keys to visit first, padded with sequence -1 (so a fixed grid can be captured).
+    # Heads vary fastest so a GQA group's programs run together and share K/V in L2.
     head = tl.program_id(0)
-    pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
-    seq = tl.program_id(2)
+    seq = tl.load(work + 2 * tl.program_id(1))
+    if seq < 0:
+        return
+    m_start = tl.load(work + 2 * tl.program_id(1) + 1)
     q_start = tl.load(cu_q + seq)
     q_len = tl.load(cu_q + seq + 1) - q_start
-    m_start = pid_m * BLOCK_M
-    if m_start >= q_len:
-        return
     k_start = tl.load(cu_k + seq)
     kc_len = tl.load(cu_k + seq + 1) - k_start
     kv_head = head // GROUP
@@ -91,32 +93,58 @@ def _prefill_kernel(
              out.to(Out.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
 
 
-def _tiles(head_dim: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for a head dim."""
+_BLOCK_M = 128  # query rows per program; the host-side tile list depends on it
+
+
+def _tiles(head_dim: int) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) for a head dim."""
     if head_dim <= 64:
-        return 128, 64, 4, 3
-    return 128, 64, 8, 2
+        return 64, 4, 3
+    return 64, 8, 2
+
+
+def prefill_tile_capacity(num_tokens: int, num_seqs: int) -> int:
+    """The most query tiles a step of that many tokens and sequences can have."""
+    return triton.cdiv(num_tokens, _BLOCK_M) + num_seqs
+
+
+def prefill_work(query_lens: Sequence[int], context_lens: Sequence[int],
+                 capacity: int | None = None) -> torch.Tensor:
+    """The query tiles of a step as int32 (N, 2) rows (sequence, first query row), built on the host.
+
+    Tiles with the most keys to visit come first; with ``capacity`` the list is padded to that
+    many rows with sequence -1, which the kernel skips.
+    """
+    tiles = sorted(((ctx - q_len + m + _BLOCK_M, seq, m)
+                    for seq, (q_len, ctx) in enumerate(zip(query_lens, context_lens))
+                    for m in range(0, q_len, _BLOCK_M)), reverse=True)
+    rows = [(seq, m) for _, seq, m in tiles]
+    if capacity is not None:
+        if len(rows) > capacity:
+            raise ValueError(f"{len(rows)} query tiles do not fit a capacity of {capacity}")
+        rows += [(-1, 0)] * (capacity - len(rows))
+    return torch.tensor(rows, dtype=torch.int32).reshape(-1, 2)
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                      cu_seqlens_k: torch.Tensor, max_seqlen_q: int, scale: float, causal: bool = True,
+                      cu_seqlens_k: torch.Tensor, work: torch.Tensor, scale: float, causal: bool = True,
                       k_cache: torch.Tensor | None = None, v_cache: torch.Tensor | None = None,
                       context_lens: torch.Tensor | None = None,
                       block_tables: torch.Tensor | None = None,
                       out: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of packed q (T, Hq, D) over packed k/v (Tk, Hkv, D), queries aligned to the end.
 
-    With a paged cache: sequence i first attends to its ``context_lens[i] - klen_i`` cached tokens
-    (read through ``block_tables[i]``), which sit before its contiguous keys.
+    ``work`` is the step's tile list from :func:`prefill_work`, on q's device. With a paged cache:
+    sequence i first attends to its ``context_lens[i] - klen_i`` cached tokens (read through
+    ``block_tables[i]``), which sit before its contiguous keys.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     assert num_heads % num_kv_heads == 0, "Hq must be a multiple of Hkv"
     assert q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1
-    batch = cu_seqlens_q.numel() - 1
     if out is None:
         out = torch.empty_like(q)
-    if num_tokens == 0 or batch == 0:
+    if num_tokens == 0 or work.shape[0] == 0:
         return out
     has_prefix = k_cache is not None
     if has_prefix:
@@ -127,15 +155,14 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
     else:
         k_cache = v_cache = context_lens = block_tables = k  # placeholders, never read
         cache_strides, block_size, table_stride = (0, 0, 0), 1, 0
-    block_m, block_n, num_warps, num_stages = _tiles(head_dim)
-    grid = (num_heads, triton.cdiv(max_seqlen_q, block_m), batch)
-    _prefill_kernel[grid](
-        q, k, v, out, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, context_lens, block_tables,
+    block_n, num_warps, num_stages = _tiles(head_dim)
+    _prefill_kernel[(num_heads, work.shape[0])](
+        q, k, v, out, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, context_lens, block_tables, work,
         scale * LOG2E,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1), *cache_strides, table_stride,
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_SIZE=block_size, CAUSAL=causal,
+        BLOCK_M=_BLOCK_M, BLOCK_N=block_n, BLOCK_SIZE=block_size, CAUSAL=causal,
         HAS_PREFIX=has_prefix, PREC=dot_precision(q.dtype), UPCAST=INTERPRET,
         num_warps=num_warps, num_stages=num_stages,
     )
@@ -147,6 +174,8 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float | None = None,
                            causal: bool = True) -> torch.Tensor:
     """Contiguous varlen attention with flash-attn's calling convention (causal is bottom-right)."""
-    del max_seqlen_k  # key lengths come from cu_seqlens_k on the device
+    del max_seqlen_q, max_seqlen_k  # the tile list below holds the exact lengths
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
-    return prefill_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale, causal=causal)
+    q_lens = cu_seqlens_q.diff().tolist()
+    work = prefill_work(q_lens, cu_seqlens_k.diff().tolist()).to(q.device)
+    return prefill_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, work, scale, causal=causal)

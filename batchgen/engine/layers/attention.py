@@ -26,18 +26,20 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # int32 (B, max_blocks), padded with -1
     query_lens: list[int]  # host copies, to avoid device syncs in the torch backend
     context_lens_list: list[int]
+    # Derived from the lengths unless given: a padded graph step fixes them for every replay.
+    decode_only: bool | None = None
+    has_cached_prefix: bool | None = None
+    prefill_work: torch.Tensor | None = None  # the backend's per-step plan (see AttentionBackend.plan)
+
+    def __post_init__(self) -> None:
+        if self.decode_only is None:
+            self.decode_only = self.max_seqlen_q == 1
+        if self.has_cached_prefix is None:
+            self.has_cached_prefix = any(c != q for c, q in zip(self.context_lens_list, self.query_lens))
 
     @property
     def num_seqs(self) -> int:
         return len(self.query_lens)
-
-    @property
-    def has_cached_prefix(self) -> bool:
-        return any(c != q for c, q in zip(self.context_lens_list, self.query_lens))
-
-    @property
-    def decode_only(self) -> bool:
-        return self.max_seqlen_q == 1
 
 
 class AttentionBackend(Protocol):
@@ -48,6 +50,9 @@ class AttentionBackend(Protocol):
     """
 
     name: str
+
+    def plan(self, meta: AttentionMetadata) -> None:
+        """Fills the backend's per-step fields of ``meta`` once, before the layers run."""
 
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None: ...
