@@ -102,7 +102,6 @@ class ModelRunner:
             cu_seqlens_q=cu_q.to(torch.int32).to(dev), cu_seqlens_k=cu_k.to(dev), context_lens=ctx.to(dev),
             max_seqlen_q=max(query_lens), max_seqlen_k=max(context_lens), slot_mapping=slots.to(dev),
             block_tables=block_tables.to(dev), query_lens=query_lens, context_lens_list=context_lens)
-        self.kernels.attention.plan(meta)
         return (torch.tensor(input_ids, device=dev), positions.to(dev), meta,
                 torch.tensor(logits_rows, device=dev, dtype=torch.int64))
 

@@ -18,11 +18,6 @@ class TritonAttentionBackend:
 
     name = "triton"
 
-    def plan(self, meta: AttentionMetadata) -> None:
-        if not meta.decode_only and meta.prefill_work is None:
-            meta.prefill_work = prefill_work(meta.query_lens, meta.context_lens_list).to(
-                meta.cu_seqlens_q.device, non_blocking=True)
-
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         store_kv(k, v, k_cache, v_cache, slot_mapping)
@@ -32,8 +27,8 @@ class TritonAttentionBackend:
         if meta.decode_only:
             return decode_attention(q, k_cache, v_cache, meta.context_lens, meta.block_tables,
                                     meta.max_seqlen_k, scale)
-        if meta.prefill_work is None:
-            self.plan(meta)
+        if meta.prefill_work is None:  # once per step: every layer shares the metadata
+            meta.prefill_work = prefill_work(meta.query_lens, meta.context_lens_list).to(q.device)
         if not meta.has_cached_prefix:
             return prefill_attention(q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_q, meta.prefill_work, scale)
         # New keys come from k/v directly; only the prefix before them is read from the cache.

@@ -29,7 +29,7 @@ class AttentionMetadata:
     # Derived from the lengths unless given: a padded graph step fixes them for every replay.
     decode_only: bool | None = None
     has_cached_prefix: bool | None = None
-    prefill_work: torch.Tensor | None = None  # the backend's per-step plan (see AttentionBackend.plan)
+    prefill_work: torch.Tensor | None = None  # Triton's query-tile list, built by the first layer
 
     def __post_init__(self) -> None:
         if self.decode_only is None:
@@ -50,9 +50,6 @@ class AttentionBackend(Protocol):
     """
 
     name: str
-
-    def plan(self, meta: AttentionMetadata) -> None:
-        """Fills the backend's per-step fields of ``meta`` once, before the layers run."""
 
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None: ...

@@ -12,9 +12,6 @@ class TorchAttentionBackend:
 
     name = "torch"
 
-    def plan(self, meta: AttentionMetadata) -> None:
-        pass
-
     def store_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
         num_kv_heads, head_dim = k.shape[1], k.shape[2]
         k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
