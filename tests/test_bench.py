@@ -5,7 +5,7 @@ import json
 
 from click.testing import CliRunner
 
-from batchgen.bench.flops import linear_params
+from batchgen.bench.flops import attention_flops, linear_params
 from batchgen.bench.workload import from_documents, parse_length, synthetic
 from batchgen.cli import main
 from batchgen.engine.config import ModelConfig
@@ -25,6 +25,7 @@ def test_bench_prefill_only_figures(tiny_model, tmp_path):
     assert r["output_tokens"] == 6 and r["prompt_tokens_computed"] == r["prompt_tokens"]
     assert abs(r["prompt_tokens_per_s"] - r["prompt_tokens"] / r["wall_s"]) / r["prompt_tokens_per_s"] < 0.1
     assert r["mfu_vs_measured_matmul"] > 0 and r["roofline_prompt_tokens_per_s"] > 0
+    assert r["mfu_with_attention_vs_measured_matmul"] > r["mfu_vs_measured_matmul"]
 
 
 def test_bench_shared_prefix_is_computed_once(tiny_model, tmp_path):
@@ -58,3 +59,13 @@ def test_linear_params_of_smollm2_shape():
                                "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
                                "num_key_value_heads": 3})
     assert abs(linear_params(cfg) - 106e6) < 1e6  # 30 layers x 3.54M
+
+
+def test_attention_flops_count_keys_per_position():
+    cfg = ModelConfig.from_hf({"architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size": 64,
+                               "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+                               "num_key_value_heads": 2})
+    per_key = 4 * 2 * 4 * 16  # 4 FLOPs x layers x heads x head_dim
+    assert attention_flops(cfg, 0, 3) == per_key * (1 + 2 + 3)
+    assert attention_flops(cfg, 2, 4) == per_key * (3 + 4)  # a cached prefix of 2 is not recomputed
+    assert attention_flops(cfg, 5, 5) == 0

@@ -60,9 +60,10 @@ def bench(model, num_prompts, input_len, dataset, column, whole_documents, prefi
     for key in ("prompt_tokens", "wall_s", "requests_per_s", "prompt_tokens_per_s", "output_tokens_per_s",
                 "total_tokens_per_s", "decode_tokens_per_s", "prefix_cache_hit_rate",
                 "roofline_prompt_tokens_per_s", "prompt_tokens_per_s_over_roofline",
-                "mfu_vs_measured_matmul", "mfu_vs_gpu_peak"):
+                "mfu_vs_measured_matmul", "mfu_with_attention_vs_measured_matmul", "mfu_vs_gpu_peak",
+                "mfu_with_attention_vs_gpu_peak"):
         if result.get(key) is not None:
-            click.echo(f"{key:>34}: {result[key]}")
+            click.echo(f"{key:>38}: {result[key]}")
     text = json.dumps(result, indent=2)
     click.echo(text)
     if output_json:

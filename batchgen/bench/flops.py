@@ -24,6 +24,15 @@ def lm_head_params(cfg: ModelConfig) -> int:
     return cfg.hidden_size * cfg.vocab_size
 
 
+def attention_flops(cfg: ModelConfig, start: int, end: int) -> int:
+    """Causal attention matmul FLOPs (QK^T and PV) for the tokens at positions start..end-1.
+
+    The token at position p attends to p + 1 keys: 4 * heads * head_dim * (p + 1) per layer.
+    """
+    keys = (end * (end + 1) - start * (start + 1)) // 2
+    return 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * keys
+
+
 def measure_matmul_flops(dtype: torch.dtype, device: torch.device, seconds: float = 1.0,
                          shape: tuple[int, int, int] = (2048, 576, 1536)) -> float:
     """Sustained FLOP/s of one representative matmul (tokens x hidden @ hidden x ffn) on this device."""

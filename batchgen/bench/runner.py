@@ -8,7 +8,9 @@ from dataclasses import dataclass
 
 import torch
 
-from batchgen.bench.flops import gpu_peak_flops, linear_params, lm_head_params, measure_matmul_flops
+from batchgen.bench.flops import (
+    attention_flops, gpu_peak_flops, linear_params, lm_head_params, measure_matmul_flops,
+)
 from batchgen.bench.workload import Workload, synthetic
 from batchgen.engine import LLM, SamplingParams
 from batchgen.engine.metrics import EngineMetrics
@@ -64,6 +66,9 @@ def summarize(workload, outputs, m: EngineMetrics, wall: float, model_cfg, matmu
     prompt_tokens = workload.prompt_tokens
     output_tokens = sum(len(o.token_ids) for o in outputs)
     flops = 2 * lin * (m.prompt_tokens_computed + m.decode_tokens) + 2 * head * m.tokens_generated
+    # Positions each request computed: its uncached prompt, then every generated token but the last.
+    attn = sum(attention_flops(model_cfg, o.num_cached_tokens,
+                               len(o.prompt_token_ids) + max(len(o.token_ids) - 1, 0)) for o in outputs)
     prompt_tps = prompt_tokens / wall
     roofline_tps = matmul_flops / (2 * lin)
     result = {
@@ -86,12 +91,15 @@ def summarize(workload, outputs, m: EngineMetrics, wall: float, model_cfg, matmu
         "matmul_tflops_measured": round(matmul_flops / 1e12, 4),
         "achieved_tflops": round(flops / wall / 1e12, 4),
         "mfu_vs_measured_matmul": round(flops / wall / matmul_flops, 4),
+        "attention_tflops": round(attn / wall / 1e12, 4),
+        "mfu_with_attention_vs_measured_matmul": round((flops + attn) / wall / matmul_flops, 4),
         "roofline_prompt_tokens_per_s": round(roofline_tps, 1),
         "prompt_tokens_per_s_over_roofline": round(prompt_tps / roofline_tps, 4),
     }
     if peak:
         result["gpu_peak_tflops"] = peak / 1e12
         result["mfu_vs_gpu_peak"] = round(flops / wall / peak, 4)
+        result["mfu_with_attention_vs_gpu_peak"] = round((flops + attn) / wall / peak, 4)
     return result
 
 
