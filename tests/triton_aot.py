@@ -23,6 +23,8 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 POINTER_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32",
                  torch.int32: "*i32", torch.int64: "*i64"}
 LAUNCH_OPTIONS = ("num_warps", "num_stages")
+# Shared memory one block may use (bytes), by compute capability: a launch over it fails on the device.
+SHARED_MEMORY_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448, 100: 232448}
 
 
 def _arg_type(value) -> str:
@@ -67,7 +69,7 @@ def engine_kernel_calls() -> None:
     from batchgen.engine.kernels.rotary import apply_rotary
 
     for dtype, head_dim in ((torch.bfloat16, 64), (torch.bfloat16, 128), (torch.float16, 128),
-                            (torch.float32, 64)):
+                            (torch.float32, 64), (torch.float32, 128)):
         heads, kv_heads, tokens, block = 32, 8, 40, 16
         q = torch.zeros(tokens, heads, head_dim, dtype=dtype)
         k = torch.zeros(tokens, kv_heads, head_dim, dtype=dtype)
@@ -124,9 +126,14 @@ def compile_all(targets: list[str]) -> int:
         seen.add(key)
         for target in targets:
             try:
-                triton.compile(ASTSource(fn, signature, constexprs), target=_target(target), options=options)
+                kernel = triton.compile(ASTSource(fn, signature, constexprs), target=_target(target),
+                                        options=options)
             except Exception as exc:
                 raise RuntimeError(f"{fn.__name__} {constexprs} {options} for {target}: {exc}") from exc
+            limit = SHARED_MEMORY_LIMIT[_target(target).arch]
+            if kernel.metadata.shared > limit:
+                raise RuntimeError(f"{fn.__name__} {constexprs} {options} needs {kernel.metadata.shared} bytes "
+                                   f"of shared memory; {target} has {limit}")
             compiled += 1
     return compiled
 

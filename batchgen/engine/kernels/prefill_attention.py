@@ -96,11 +96,12 @@ def _prefill_kernel(
 _BLOCK_M = 128  # query rows per program; the host-side tile list depends on it
 
 
-def _tiles(head_dim: int) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages) for a head dim."""
-    if head_dim <= 64:
-        return 64, 4, 3
-    return 64, 8, 2
+def _tiles(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) for a head dim; fp32 tiles are smaller to fit 99 KB of shared memory."""
+    warps = 4 if head_dim <= 64 else 8
+    if dtype == torch.float32:
+        return 32, warps, 1
+    return 64, warps, 3 if head_dim <= 64 else 2
 
 
 def prefill_tile_capacity(num_tokens: int, num_seqs: int) -> int:
@@ -155,7 +156,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
     else:
         k_cache = v_cache = context_lens = block_tables = k  # placeholders, never read
         cache_strides, block_size, table_stride = (0, 0, 0), 1, 0
-    block_n, num_warps, num_stages = _tiles(head_dim)
+    block_n, num_warps, num_stages = _tiles(head_dim, q.dtype)
     _prefill_kernel[(num_heads, work.shape[0])](
         q, k, v, out, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, context_lens, block_tables, work,
         scale * LOG2E,
