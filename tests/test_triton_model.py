@@ -12,12 +12,15 @@ from tests.engine_helpers import mixed_prompts
 
 pytest.importorskip("triton")
 pytestmark = pytest.mark.slow
+# Under the interpreter the kernels run on CPU tensors; compiled, they need the GPU.
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cpu" if INTERPRET else "cuda"
 
 
 def test_triton_backend_matches_torch_logprobs(tiny_model_factory):
     path = str(tiny_model_factory("qwen3"))  # q/k norm, GQA 2:1
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=True)
-    kw = dict(dtype="float32", device="cpu", max_num_batched_tokens=40, kv_cache_memory=8 << 20)
+    kw = dict(dtype="float32", device=DEVICE, max_num_batched_tokens=40, kv_cache_memory=8 << 20)
     torch_llm = LLM(path, attention_backend="torch", **kw)
     triton_llm = LLM(path, attention_backend="triton", **kw)
     prompts = mixed_prompts(torch_llm, repeats=(1, 2))
@@ -41,7 +44,7 @@ def test_padded_graph_steps_match_eager(tiny_model_factory):
     run here without capture, give the eager engine's tokens and logprobs."""
     path = str(tiny_model_factory("qwen3"))
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=True)
-    kw = dict(dtype="float32", device="cpu", max_num_batched_tokens=40, max_num_seqs=4,
+    kw = dict(dtype="float32", device=DEVICE, max_num_batched_tokens=40, max_num_seqs=4,
               kv_cache_memory=8 << 20, attention_backend="triton")
     eager = LLM(path, cuda_graphs="off", **kw)
     graphed = LLM(path, cuda_graphs="emulate", **kw)
@@ -66,7 +69,7 @@ def test_graph_modes_need_triton(tiny_model_factory):
         LLM(str(tiny_model_factory("qwen3")), device="cpu", cuda_graphs="yes")
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
+@pytest.mark.skipif(INTERPRET or not torch.cuda.is_available(),
                     reason="needs a CUDA device with compiled Triton kernels")
 def test_captured_cuda_graphs_match_eager(tiny_model_factory):
     path = str(tiny_model_factory("qwen3"))
