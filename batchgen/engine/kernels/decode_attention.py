@@ -131,7 +131,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         block_tables.stride(0), out.stride(0), out.stride(1), *part_strides, *lse_strides,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_D=block_d, BLOCK_N=_BLOCK_N, BLOCK_SIZE=block_size, DIRECT=direct,
-        PREC=dot_precision(q.dtype), UPCAST=INTERPRET, num_warps=4, num_stages=2,
+        PREC=dot_precision(q.dtype), UPCAST=INTERPRET, num_warps=4 if head_dim <= 64 else 8, num_stages=2,
     )
     if not direct:
         _decode_reduce_kernel[(batch, num_heads)](

@@ -97,11 +97,14 @@ _BLOCK_M = 128  # query rows per program; the host-side tile list depends on it
 
 
 def _tiles(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages) for a head dim; fp32 tiles are smaller to fit 99 KB of shared memory."""
-    warps = 4 if head_dim <= 64 else 8
+    """(BLOCK_N, num_warps, num_stages) for a head dim.
+
+    Eight warps: with four, ptxas spills registers at head dim 64 (sm_90, see tests/triton_aot.py).
+    fp32 tiles are smaller so they fit 99 KB of shared memory (Ada, Ampere consumer GPUs).
+    """
     if dtype == torch.float32:
-        return 32, warps, 1
-    return 64, warps, 3 if head_dim <= 64 else 2
+        return 32, 4 if head_dim <= 64 else 8, 1
+    return 64, 8, 3 if head_dim <= 64 else 2
 
 
 def prefill_tile_capacity(num_tokens: int, num_seqs: int) -> int:
