@@ -20,4 +20,4 @@ def test_kernels_compile_for_sm90():
                           capture_output=True, cwd=Path(__file__).resolve().parents[1], timeout=900)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     count = int(re.search(r"compiled (\d+) kernel launches", proc.stdout).group(1))
-    assert count >= 30  # 8 kernels across dtypes, head dims, causal/prefix/split variants
+    assert count >= 45  # 8 kernels across dtypes, head dims, causal/prefix/split variants

@@ -84,7 +84,7 @@ def engine_kernel_calls() -> None:
         prefill_attention(q, k, k, cu, cu, work, 0.1, k_cache=cache, v_cache=cache, context_lens=ctx,
                           block_tables=tables)
         for splits in (1, 4):
-            decode_attention(q[:2], cache, cache, ctx, tables, 64, 0.1, num_splits=splits)
+            decode_attention(q[:2], cache, cache, ctx, tables, 256, 0.1, num_splits=splits)
         hidden = torch.zeros(tokens, 4096, dtype=dtype)
         weight = torch.ones(4096, dtype=dtype)
         rms_norm(hidden, weight, 1e-5)
