@@ -129,7 +129,7 @@ class GraphRunner:
             sizes, need, kind = self.decode_sizes, meta.num_seqs, "decode"
         else:
             sizes, need, kind = self.mixed_sizes, num_tokens, "mixed"
-        if meta.num_seqs > self.max_num_seqs or need > sizes[-1]:
+        if need > sizes[-1]:  # the scheduler never exceeds max_num_seqs
             return None
         return kind, next(s for s in sizes if s >= need)
 
