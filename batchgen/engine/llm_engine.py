@@ -16,8 +16,13 @@ from batchgen.engine.sampling_params import SamplingParams
 from batchgen.engine.scheduler import Scheduler
 from batchgen.engine.sequence import Sequence
 from batchgen.engine.stopping import finish_reason, output_text
+from batchgen.engine.structured import (
+    EXTRA_HINT, GrammarCompiler, GrammarState, grammar_key, structured_available, token_bitmask,
+)
 
 log = logging.getLogger(__name__)
+
+GRAMMAR_WAIT_S = 0.05  # how long an idle step waits for a grammar to compile before returning
 
 
 class LLMEngine:
@@ -40,6 +45,7 @@ class LLMEngine:
         self.eos_ids = frozenset(self._eos_ids(source))
         self._ids = itertools.count()
         self._seed_rng = random.Random()
+        self._grammars: GrammarCompiler | None = None
         self.reset_metrics()
 
     def _max_model_len(self, cfg: ModelConfig) -> int:
@@ -69,12 +75,22 @@ class LLMEngine:
                      f"{self.max_model_len}")
         elif max(prompt_token_ids) >= self.model_config.vocab_size or min(prompt_token_ids) < 0:
             error = f"prompt has token ids outside the vocabulary (0..{self.model_config.vocab_size - 1})"
+        elif params.constrained and not structured_available():
+            error = EXTRA_HINT
         if error:
             return RequestOutput(seq_id, list(prompt_token_ids), finish_reason="error", error=error)
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(62)
         seq = Sequence(seq_id, list(prompt_token_ids), params, seed=seed)
+        key = grammar_key(params)
+        if key is not None:
+            seq.grammar = GrammarState(self._grammar_compiler().submit(key))
         self.scheduler.add(seq)
         return seq
+
+    def _grammar_compiler(self) -> GrammarCompiler:
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_ids)
+        return self._grammars
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -85,13 +101,16 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Runs one scheduled step; returns the requests that finished in it."""
+        finished = [self._grammar_failed(seq) for seq in self.scheduler.promote_compiled()]
         scheduled = self.scheduler.schedule()
         if not scheduled:
-            return []
+            if not finished:  # only requests whose grammar is compiling: wait a little instead of spinning
+                self.scheduler.wait_for_grammars(GRAMMAR_WAIT_S)
+            return finished
+        bitmask = self._token_bitmask(scheduled)
         start = time.perf_counter()
-        tokens, logprobs = self.runner.run(scheduled)
+        tokens, logprobs = self.runner.run(scheduled, bitmask)
         self._record(scheduled, time.perf_counter() - start)
-        finished: list[RequestOutput] = []
         row = 0
         for s in scheduled:
             seq = s.seq
@@ -99,6 +118,8 @@ class LLMEngine:
             if not s.sample:
                 continue
             seq.token_ids.append(tokens[row])
+            if seq.grammar is not None:
+                seq.grammar.advance(seq.token_ids, seq.num_prompt_tokens)
             if seq.params.logprobs:
                 seq.logprobs.append(logprobs[row])
             row += 1
@@ -110,6 +131,22 @@ class LLMEngine:
         if finished:
             self.scheduler.drop_finished()
         return finished
+
+    def _token_bitmask(self, scheduled):
+        """The grammar rows' allowed tokens, or None when no sampling row has a grammar."""
+        sampling = [s.seq for s in scheduled if s.sample]
+        rows = [i for i, seq in enumerate(sampling) if seq.grammar is not None]
+        if not rows:
+            return None
+        start = time.perf_counter()
+        bitmask = token_bitmask([sampling[i].grammar for i in rows], rows, self.model_config.vocab_size)
+        self.metrics.grammar_steps += 1
+        self.metrics.grammar_mask_time_s += time.perf_counter() - start
+        return bitmask
+
+    def _grammar_failed(self, seq: Sequence) -> RequestOutput:
+        return RequestOutput(seq.seq_id, seq.token_ids[:seq.num_prompt_tokens], finish_reason="error",
+                             error=seq.grammar.error)
 
     def reset_metrics(self) -> None:
         """Starts the counters in ``metrics`` afresh (e.g. after a warm-up)."""
@@ -141,4 +178,5 @@ class LLMEngine:
             request_id=seq.seq_id, prompt_token_ids=seq.token_ids[:seq.num_prompt_tokens],
             token_ids=seq.completion_token_ids, text=output_text(seq, self.tokenizer),
             finish_reason=seq.finish_reason, logprobs=list(seq.logprobs) if seq.params.logprobs else None,
-            num_cached_tokens=seq.num_cached_tokens)
+            num_cached_tokens=seq.num_cached_tokens,
+            grammar_complete=seq.grammar.is_complete if seq.grammar is not None else None)

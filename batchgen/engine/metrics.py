@@ -18,6 +18,8 @@ class EngineMetrics:
     preemptions: int = 0
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0
+    grammar_steps: int = 0  # steps that built a grammar bitmask
+    grammar_mask_time_s: float = 0.0  # time spent filling those bitmasks
 
     @property
     def prefix_cache_hit_rate(self) -> float:
