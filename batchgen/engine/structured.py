@@ -31,9 +31,8 @@ def structured_available() -> bool:
 def grammar_key(params: SamplingParams) -> GrammarKey | None:
     """A hashable description of the request's constraint, the key of the compiled-grammar cache."""
     if params.json_schema is not None:
-        schema = params.json_schema
-        text = schema if isinstance(schema, str) else json.dumps(schema, separators=(",", ":"))  # key order is output order
-        return "json", text
+        schema = params.json_schema  # keys keep their order: it is the order of the output's fields
+        return "json", schema if isinstance(schema, str) else json.dumps(schema, separators=(",", ":"))
     if params.regex is not None:
         return "regex", params.regex
     if params.choice is not None:

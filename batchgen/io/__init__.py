@@ -1,7 +1,7 @@
 """Reading and writing Parquet/JSONL on fsspec URLs, and the output commit protocol."""
 
 from batchgen.io.errors import InputError, OutputError
-from batchgen.io.paths import expand_inputs, redact, storage_options_for
+from batchgen.io.paths import expand_inputs, read_bytes, redact, storage_options_for
 from batchgen.io.readers import InputRow, read_columns, read_rows
 from batchgen.io.writer import OutputWriter, read_output
 
@@ -11,6 +11,7 @@ __all__ = [
     "OutputError",
     "OutputWriter",
     "expand_inputs",
+    "read_bytes",
     "read_columns",
     "read_output",
     "read_rows",

@@ -5,20 +5,21 @@ import logging
 import signal
 import time
 from itertools import islice
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
-from batchgen.engine import LLM, SamplingParams
+from batchgen.engine import LLM
 from batchgen.io import InputError, InputRow, OutputError, read_rows, redact
 from batchgen.pipeline import preflight
 from batchgen.pipeline.errors import JobError, JobInterrupted
 from batchgen.pipeline.interrupt import StopRequest, stop_on_signals
 from batchgen.pipeline.progress import Progress
+from batchgen.pipeline.openai_requests import OpenAIPrompts, default_url
 from batchgen.pipeline.render import PromptRenderer
-from batchgen.pipeline.rows import PartSchema, engine_row
+from batchgen.pipeline.rows import PartSchema, ResultRow, engine_row, openai_record
 from batchgen.pipeline.sink import PartSink
 from batchgen.pipeline.spec import JobSpec
 from batchgen.pipeline.prefetch import Prefetcher
-from batchgen.pipeline.stages import Preparer, admit, divert_errors, sorted_requests
+from batchgen.pipeline.stages import Preparer, PromptSource, TemplatePrompts, admit, divert_errors, sorted_requests
 from batchgen.pipeline.stats import Counts, job_stats, utc_now
 
 log = logging.getLogger(__name__)
@@ -28,10 +29,22 @@ __all__ = ["run_job", "JobError", "JobInterrupted"]
 PREFETCH_ROWS = 1024  # prepared rows queued ahead of the sort window
 
 
-def sampling_params(spec: JobSpec) -> SamplingParams:
-    s = spec.sampling
-    return SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                          seed=s.seed, stop=list(s.stop))
+def prompt_source(spec: JobSpec, llm: LLM) -> PromptSource:
+    """OpenAI Batch lines bring their own prompts and settings; other inputs go through the spec's template."""
+    if spec.input.format == "openai":
+        return OpenAIPrompts(llm.tokenizer, spec.sampling)
+    p = spec.prompt
+    assert p is not None  # the spec requires it for every other input format
+    return TemplatePrompts(PromptRenderer(p.template, p.system, p.chat, llm.tokenizer), spec.sampling.params())
+
+
+def row_writer(spec: JobSpec, schema: PartSchema) -> Callable[[ResultRow], dict[str, Any]]:
+    """How a finished row becomes a record of the output format."""
+    if spec.output.format != "openai":
+        return lambda row: row.to_dict(schema.id_column)
+    model = spec.resolved()["model"]["path"]
+    url = default_url(spec.prompt is None or spec.prompt.chat)
+    return lambda row: openai_record(row, model, url)
 
 
 def _warn_if_spec_changed(previous: list[dict[str, Any]], digest: str) -> None:
@@ -62,8 +75,8 @@ def _generate(llm: LLM, spec: JobSpec, rows: Iterable[InputRow], preparer: Prepa
     try:
         requests = sorted_requests(divert_errors(prepared, sink.add), b.sort_window, b.sort)
         start = time.perf_counter()
-        for req, out in llm.generate_stream(admit(requests, sampling_params(spec), stop.event)):
-            sink.add(engine_row(req, out))
+        for req, out in llm.generate_stream(admit(requests, stop.event)):
+            sink.add(engine_row(req, out, llm.tokenizer))
         return time.perf_counter() - start
     finally:
         prepared.close()
@@ -93,7 +106,7 @@ def run_job(spec: JobSpec, *, limit: int | None = None, overwrite: bool = False,
         return stored
     if llm is None:
         llm = preflight.load_model(spec)
-    renderer = PromptRenderer(spec.prompt.template, spec.prompt.system, spec.prompt.chat, llm.tokenizer)
+    prompts = prompt_source(spec, llm)
     committed, previous = writer.committed_row_ids(), writer.committed_stats()
     _warn_if_spec_changed(previous, digest)
     log.info("%s: %d input file(s) -> %s%s", spec.name, len(files), resolved["output"]["path"],
@@ -102,9 +115,10 @@ def run_job(spec: JobSpec, *, limit: int | None = None, overwrite: bool = False,
     schema = PartSchema(spec.input.id_column or "id", carry)
     schema.seed(writer.committed_column_types())
     progress = Progress(limit, quiet, spec.name, done=min(len(committed), limit or len(committed)))
-    sink = PartSink(writer, schema, spec.output.rows_per_part, digest, on_row=progress.update)
+    sink = PartSink(writer, schema, spec.output.rows_per_part, digest, on_row=progress.update,
+                    to_record=row_writer(spec, schema))
     max_prompt = min(spec.batching.max_prompt_tokens, llm.max_model_len - 1)  # room for >= 1 new token
-    preparer = Preparer(renderer, carry, max_prompt, spec.batching.truncate, committed,
+    preparer = Preparer(prompts, carry, max_prompt, spec.batching.truncate, committed,
                         model_len=llm.max_model_len if max_prompt < spec.batching.max_prompt_tokens else None)
     rows: Iterable[InputRow] = read_rows(files, spec.input.format, spec.storage_options, spec.input.id_column)
     if limit is not None:

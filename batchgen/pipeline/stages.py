@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Mapping, Protocol
 
 from batchgen.engine import SamplingParams
 from batchgen.io import InputRow, redact
@@ -41,11 +41,28 @@ class RowIds:
         return candidate
 
 
+class PromptSource(Protocol):
+    """Turns a row's values into prompt token ids and the request's sampling; raises RenderError."""
+
+    def build(self, values: Mapping[str, Any]) -> tuple[list[int], SamplingParams]: ...
+
+
+@dataclass
+class TemplatePrompts:
+    """The spec's prompt template, with the spec's sampling for every row."""
+
+    renderer: PromptRenderer
+    params: SamplingParams
+
+    def build(self, values: Mapping[str, Any]) -> tuple[list[int], SamplingParams]:
+        return self.renderer.render(values), self.params
+
+
 @dataclass
 class Preparer:
     """Turns input rows into engine requests, or into error rows for those that cannot run."""
 
-    renderer: PromptRenderer
+    prompts: PromptSource
     carry_columns: list[str]
     max_prompt_tokens: int
     truncate_mode: TruncateMode
@@ -69,7 +86,7 @@ class Preparer:
                 yield error_row(row_id, carried, "invalid_input", row.error)
             else:
                 try:
-                    ids = self.renderer.render(row.values)
+                    ids, params = self.prompts.build(row.values)
                     ids = truncate(ids, self.max_prompt_tokens, self.truncate_mode)
                 except RenderError as e:
                     message = e.message
@@ -77,7 +94,7 @@ class Preparer:
                         message += f" (the model's context is {self.model_len} tokens, one kept for output)"
                     yield error_row(row_id, carried, e.code, message)
                     continue
-                yield Request(row_id, carried, ids)
+                yield Request(row_id, carried, ids, params)
 
 
 def divert_errors(items: Iterable[Request | ResultRow], on_error: Callable[[ResultRow], None]
@@ -97,10 +114,10 @@ def sorted_requests(requests: Iterable[Request], window: int, enabled: bool) -> 
     return sort_window(requests, key=lambda r: prompt_sort_key(r.prompt_ids), window=window)
 
 
-def admit(requests: Iterable[Request], params: SamplingParams, stop: threading.Event
+def admit(requests: Iterable[Request], stop: threading.Event
           ) -> Iterator[tuple[Request, list[int], SamplingParams]]:
     """The engine's request stream; it ends as soon as ``stop`` is set, so no new work is admitted."""
     for req in requests:
         if stop.is_set():
             return
-        yield req, req.prompt_ids, params
+        yield req, req.prompt_ids, req.params
