@@ -36,7 +36,7 @@ class Scheduler:
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
-        if seq.grammar is not None and not seq.grammar.is_ready:
+        if seq.grammar is not None and seq.grammar.matcher is None:  # started by promote_compiled
             seq.status = SequenceStatus.WAITING_FOR_GRAMMAR
             self.waiting_for_grammar.append(seq)
         else:

@@ -45,6 +45,14 @@ def choice_grammar(choices: Sequence[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
+@dataclass
+class CompiledConstraint:
+    """A compiled grammar, and for JSON the tokens it may ever use (None: no filter)."""
+
+    grammar: Any
+    token_filter: torch.Tensor | None = None  # int32 bitmask words, ANDed into every step's mask
+
+
 class GrammarCompiler:
     """Compiles grammars in a background thread, at most once per key.
 
@@ -60,6 +68,7 @@ class GrammarCompiler:
         self._cache: dict[GrammarKey, Future] = {}
         self._lock = threading.Lock()
         self._compiler: Any = None
+        self._no_control_bytes: torch.Tensor | None = None
 
     def submit(self, key: GrammarKey) -> Future:
         with self._lock:
@@ -80,6 +89,8 @@ class GrammarCompiler:
             info = xgr.TokenizerInfo(vocab, meta["vocab_type"], vocab_size=self.vocab_size,
                                      stop_token_ids=self.stop_token_ids, add_prefix_space=meta["add_prefix_space"])
             self._compiler = xgr.GrammarCompiler(info, max_threads=2)
+            self._no_control_bytes = _tokens_without_control_bytes(info.decoded_vocab, self.vocab_size,
+                                                                   info.special_token_ids + self.stop_token_ids)
         return self._compiler
 
     def _compile(self, key: GrammarKey):
@@ -88,10 +99,13 @@ class GrammarCompiler:
         try:
             if kind == "json":
                 # Compact separators and no free whitespace: otherwise a model can emit whitespace forever.
-                return compiler.compile_json_schema(text, any_whitespace=False, separators=(",", ":"))
+                # Compact JSON has no raw control character anywhere, yet xgrammar lets length-bounded
+                # strings contain them: the filter keeps them out so that every output parses.
+                grammar = compiler.compile_json_schema(text, any_whitespace=False, separators=(",", ":"))
+                return CompiledConstraint(grammar, self._no_control_bytes)
             if kind == "regex":
-                return compiler.compile_regex(text)
-            return compiler.compile_grammar(choice_grammar(json.loads(text)))
+                return CompiledConstraint(compiler.compile_regex(text))
+            return CompiledConstraint(compiler.compile_grammar(choice_grammar(json.loads(text))))
         except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError and friends for bad grammars
             raise GrammarError(f"cannot compile the {kind} constraint: {' '.join(str(e).split())}") from None
 
@@ -101,6 +115,19 @@ class GrammarCompiler:
 
 class GrammarError(ValueError):
     """A constraint that cannot be compiled (an unsupported schema, a bad regex)."""
+
+
+def _tokens_without_control_bytes(decoded_vocab: Sequence[bytes], vocab_size: int,
+                                  keep: Sequence[int]) -> torch.Tensor:
+    """Bitmask words allowing every token whose bytes hold no control character (0x00-0x1f), and ``keep``."""
+    allowed = torch.zeros((vocab_size + 31) // 32 * 32, dtype=torch.bool)
+    control = bytes(range(32))
+    for token, raw in enumerate(decoded_vocab[:vocab_size]):
+        allowed[token] = bool(raw) and not any(b in control for b in raw)
+    allowed[list(keep)] = True
+    weights = torch.tensor([1 << j for j in range(32)], dtype=torch.int64)
+    words = (allowed.view(-1, 32).long() * weights).sum(1)
+    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
 
 
 @dataclass
@@ -113,6 +140,7 @@ class GrammarState:
 
     future: Future
     matcher: Any = None
+    token_filter: torch.Tensor | None = None
     num_accepted: int = 0
     rejected: bool = False
     error: str | None = None
@@ -129,7 +157,9 @@ class GrammarState:
             return False
         import xgrammar as xgr
 
-        self.matcher = xgr.GrammarMatcher(self.future.result())
+        compiled: CompiledConstraint = self.future.result()
+        self.matcher = xgr.GrammarMatcher(compiled.grammar)
+        self.token_filter = compiled.token_filter
         return True
 
     def advance(self, token_ids: Sequence[int], num_prompt_tokens: int) -> None:
@@ -156,4 +186,6 @@ def token_bitmask(grammars: Sequence[GrammarState], rows: list[int], vocab_size:
     bits = torch.full((len(grammars), words), -1, dtype=torch.int32)
     for i, grammar in enumerate(grammars):
         grammar.matcher.fill_next_token_bitmask(bits, i)
+        if grammar.token_filter is not None:
+            bits[i] &= grammar.token_filter
     return TokenBitmask(bits, rows)
