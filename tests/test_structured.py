@@ -166,3 +166,23 @@ def test_at_most_one_constraint():
         SamplingParams(regex="a", choice=["a"])
     with pytest.raises(ValueError):
         SamplingParams(choice=[])
+
+
+def test_bench_compares_a_json_schema_run_with_a_free_one(tiny_model, tmp_path):
+    from click.testing import CliRunner
+
+    from batchgen.cli import main
+
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps(SCHEMAS[2]))
+    out = tmp_path / "bench.json"
+    res = CliRunner().invoke(main, ["bench", "--model", str(tiny_model), "--num-prompts", "4", "--input-len", "20",
+                                    "--output-len", "60", "--dtype", "float32", "--json-schema", str(schema),
+                                    "--output-json", str(out)])
+    assert res.exit_code == 0, res.output
+    result = json.loads(out.read_text())
+    free, constrained = result["unconstrained"], result["json_schema"]
+    assert free["output_tokens"] == 4 * 60 and "grammar_steps" not in free  # ignore_eos: every token is made
+    assert 4 * 6 <= constrained["output_tokens"] < 4 * 60  # each schema completes, then the request stops
+    assert constrained["grammar_steps"] > 0 and constrained["mask_ms_per_step"] > 0
+    assert "mask_ms_per_step" in res.output and "json_schema" in res.output
