@@ -35,7 +35,8 @@ def line(custom_id, url=CHAT, **body):
 GOOD = [
     line("c1", max_tokens=5),
     line("c2", messages=[{"role": "developer", "content": "Be brief."},
-                         {"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]}],
+                         {"role": "user", "content": [{"type": "text", "text": "Hi "},
+                                                      {"type": "text", "text": "there"}]}],
          max_completion_tokens=4, temperature=0.7, top_p=0.9, seed=3, logprobs=True, n=1),
     line("c3", max_tokens=60, response_format={"type": "json_schema",
                                                "json_schema": {"name": "a", "schema": SCHEMA, "strict": True}}),

@@ -72,7 +72,8 @@ def test_free_requests_get_the_same_tokens_beside_constrained_ones(llm):
     free = [SamplingParams(max_tokens=12, temperature=t, seed=7, ignore_eos=True) for t in (0.0, 1.0)]
     alone = [o.token_ids for o in llm.generate(prompts[:2], free)]
     mixed_params = [free[0], SamplingParams(max_tokens=60, json_schema=SCHEMAS[2], seed=1), free[1],
-                    SamplingParams(max_tokens=8, regex=r"[a-z]{3}", seed=2), SamplingParams(max_tokens=8, choice=["a", "b"])]
+                    SamplingParams(max_tokens=8, regex=r"[a-z]{3}", seed=2),
+                    SamplingParams(max_tokens=8, choice=["a", "b"])]
     mixed = llm.generate([prompts[0], prompts[2], prompts[1], prompts[3], prompts[4]], mixed_params)
     assert [mixed[0].token_ids, mixed[2].token_ids] == alone
     assert mixed[0].grammar_complete is None and mixed[1].grammar_complete is True
