@@ -40,6 +40,13 @@ def test_spec_takes_an_inline_schema_or_a_file(tmp_path):
     assert from_file.sampling.json_schema == SCHEMA
     assert from_file.resolved()["sampling"]["json_schema"] == SCHEMA
     assert from_file.digest() == inline.digest()  # the digest covers the schema, not where it came from
+    import fsspec
+
+    with fsspec.open("memory://schemas/extract.json", "w") as f:
+        f.write(json.dumps(SCHEMA))
+    from_url = make_spec("m", tmp_path / "in.jsonl", tmp_path / "out",
+                         sampling={"json_schema": "memory://schemas/extract.json"})
+    assert from_url.sampling.json_schema == SCHEMA
     regex = make_spec("m", tmp_path / "in.jsonl", tmp_path / "out", sampling={"regex": "[a-z]+"})
     assert regex.sampling.params().regex == "[a-z]+" and regex.sampling.params().json_schema is None
 

@@ -13,7 +13,8 @@ from batchgen.engine.metrics import EngineMetrics
 from batchgen.engine.model_runner import ModelRunner
 from batchgen.engine.outputs import RequestOutput
 from batchgen.engine.sampling_params import SamplingParams
-from batchgen.engine.scheduler import Scheduler
+from batchgen.engine.sampler import TokenBitmask
+from batchgen.engine.scheduler import ScheduledSeq, Scheduler
 from batchgen.engine.sequence import Sequence
 from batchgen.engine.stopping import finish_reason, output_text
 from batchgen.engine.structured import (
@@ -132,7 +133,7 @@ class LLMEngine:
             self.scheduler.drop_finished()
         return finished
 
-    def _token_bitmask(self, scheduled):
+    def _token_bitmask(self, scheduled: list[ScheduledSeq]) -> TokenBitmask | None:
         """The grammar rows' allowed tokens, or None when no sampling row has a grammar."""
         sampling = [s.seq for s in scheduled if s.sample]
         rows = [i for i, seq in enumerate(sampling) if seq.grammar is not None]
