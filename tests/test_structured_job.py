@@ -1,11 +1,14 @@
 """Constrained decoding in jobs: spec validation of json_schema/regex/choice, schema-valid rows, incomplete_json."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jsonschema
 import pytest
 
+from batchgen.engine import SamplingParams
+from batchgen.pipeline.sampling import SamplingSpec
 from batchgen.pipeline.runner import run_job
 from batchgen.pipeline.spec import SpecError, load_spec, spec_from_dict
 from tests.job_helpers import (  # noqa: F401
@@ -29,6 +32,20 @@ def errors(data: dict) -> list[str]:
     with pytest.raises(SpecError) as info:
         spec_from_dict(data, env={})
     return info.value.errors
+
+
+def test_spec_sampling_is_the_engine_sampling_with_job_defaults(tmp_path):
+    assert set(SamplingSpec.model_fields) == {f.name for f in dataclasses.fields(SamplingParams)} - {"logprobs"}
+    spec = make_spec("m", tmp_path / "in.jsonl", tmp_path / "out",
+                     sampling={"top_k": 5, "stop": "END", "ignore_eos": True, "choice": ["a", "b"]})
+    assert spec.sampling.params() == SamplingParams(max_tokens=6, temperature=0.0, top_k=5, seed=0, stop=["END"],
+                                                    ignore_eos=True, choice=["a", "b"])
+    assert spec.sampling.params(max_tokens=3, choice=None).max_tokens == 3
+    base = spec_dict("m", tmp_path / "in.jsonl", tmp_path / "out")
+    for key, bad in (("max_tokens", 0), ("top_p", 0), ("top_p", 1.5), ("temperature", -1), ("top_k", -1)):
+        assert errors({**base, "sampling": {key: bad}})[0].startswith(f"sampling.{key}: ")
+        with pytest.raises(ValueError, match=key):
+            SamplingParams(**{key: bad})
 
 
 def test_spec_takes_an_inline_schema_or_a_file(tmp_path):

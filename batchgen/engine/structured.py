@@ -9,6 +9,7 @@ import importlib.util
 import json
 import logging
 import threading
+from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -22,6 +23,7 @@ log = logging.getLogger(__name__)
 
 EXTRA_HINT = "constrained decoding (json_schema, regex, choice) needs xgrammar: pip install 'batchgen[structured]'"
 GrammarKey = tuple[str, str]
+MAX_CACHED_GRAMMARS = 256  # compiled grammars kept for reuse (least recently asked for go first)
 
 
 def structured_available() -> bool:
@@ -65,7 +67,7 @@ class GrammarCompiler:
         self.vocab_size = vocab_size
         self.stop_token_ids = sorted(set(stop_token_ids))
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grammar")
-        self._cache: dict[GrammarKey, Future] = {}
+        self._cache: OrderedDict[GrammarKey, Future] = OrderedDict()
         self._lock = threading.Lock()
         self._compiler: Any = None
         self._no_control_bytes: torch.Tensor | None = None
@@ -75,6 +77,9 @@ class GrammarCompiler:
             future = self._cache.get(key)
             if future is None:
                 future = self._cache[key] = self._pool.submit(self._compile, key)
+                if len(self._cache) > MAX_CACHED_GRAMMARS:  # requests hold their own futures
+                    self._cache.popitem(last=False)
+            self._cache.move_to_end(key)
             return future
 
     def _xgr_compiler(self):
