@@ -21,6 +21,18 @@ from batchgen.engine.stopping import finish_reason, output_text
 log = logging.getLogger(__name__)
 
 
+def model_context_len(cfg: ModelConfig, requested: int | None = None) -> int:
+    """The longest sequence the engine runs: the model's context (and sliding window), or ``requested``."""
+    limit = cfg.max_position_embeddings
+    if cfg.sliding_window:
+        limit = min(limit, cfg.sliding_window)  # within the window, attention is plain causal
+    if requested is not None:
+        if requested > limit:
+            raise ValueError(f"max_model_len {requested} exceeds the model's limit of {limit} tokens")
+        return requested
+    return limit
+
+
 class LLMEngine:
     """Step-driven engine: ``add_request`` then ``step`` until ``has_unfinished`` is False.
 
@@ -33,7 +45,7 @@ class LLMEngine:
         source = load_model_source(config.model, config.storage_options)
         self.model_config = ModelConfig.from_hf(source.config)
         self.tokenizer = source.tokenizer
-        self.max_model_len = self._max_model_len(self.model_config)
+        self.max_model_len = model_context_len(self.model_config, config.max_model_len)
         self.runner = ModelRunner(config, self.model_config, source, self.max_model_len)
         if self.runner.kv_capacity_tokens < self.max_model_len:
             log.warning("KV cache holds %d tokens; max_model_len lowered from %d",
@@ -47,17 +59,6 @@ class LLMEngine:
         self._seed_rng = random.Random()
         self.step_listeners: list[Callable[[StepRecord], None]] = []
         self.reset_metrics()
-
-    def _max_model_len(self, cfg: ModelConfig) -> int:
-        limit = cfg.max_position_embeddings
-        if cfg.sliding_window:
-            limit = min(limit, cfg.sliding_window)  # within the window, attention is plain causal
-        if self.config.max_model_len is not None:
-            if self.config.max_model_len > limit:
-                raise ValueError(f"max_model_len {self.config.max_model_len} exceeds the model's "
-                                 f"limit of {limit} tokens")
-            return self.config.max_model_len
-        return limit
 
     def _eos_ids(self, source) -> list[int]:
         eos = source.generation_config.get("eos_token_id", source.config.get("eos_token_id"))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import posixpath
 import random
+import threading
 import time
 from contextlib import closing
 from dataclasses import dataclass
@@ -247,14 +248,19 @@ def read_columns(files: list[str], fmt: str = "auto", storage_options: dict | No
     return columns
 
 
-def count_rows(files: list[str], fmt: str = "auto", storage_options: dict | None = None) -> int:
+def count_rows(files: list[str], fmt: str = "auto", storage_options: dict | None = None,
+               cancel: threading.Event | None = None) -> int:
     """How many rows read_rows yields from files: Parquet footers' row counts, and the non-blank lines of
-    JSONL files counted in one streaming pass (bounded memory, no JSON parsing)."""
+    JSONL files counted in one streaming pass (bounded memory, no JSON parsing). Setting ``cancel`` stops
+    the count with InterruptedError."""
     total = 0
     for url in files:
         if detect_format(url, fmt) == "parquet":
             total += _parquet_footer(url, storage_options).num_rows
             continue
         with closing(_jsonl_lines(url, storage_options)) as lines:
-            total += sum(1 for lineno, raw in enumerate(lines) if not _is_blank(raw, lineno))
+            for lineno, raw in enumerate(lines):
+                total += not _is_blank(raw, lineno)
+                if cancel is not None and lineno % 4096 == 0 and cancel.is_set():
+                    raise InterruptedError("row count cancelled")
     return total
