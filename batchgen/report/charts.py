@@ -96,6 +96,12 @@ def throughput_chart(telemetry: dict[str, Any] | None) -> Chart:
     return _draw("throughput", title, len(t), draw)
 
 
+def _name_each(bars: Any, name: str) -> None:
+    """SVG ids for the bars (``<g id="series-...-N">``), unique within the page."""
+    for i, bar in enumerate(bars):
+        bar.set_gid(f"{name}-{i}")
+
+
 def _legend_above(ax: Axes, handles: list) -> None:
     ax.legend(handles=handles, loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=len(handles), fontsize=8)
 
@@ -125,8 +131,9 @@ def length_chart(rows: pl.DataFrame, column: str, title: str, by_finish: bool) -
             part = ok.filter(pl.col("finish_reason") == reason) if reason else ok
             counts, _ = np.histogram(part[column].to_numpy(), edges)
             label = {"stop": "stopped (EOS or stop string)", "length": "hit max_tokens"}.get(reason)
-            ax.bar(edges[:-1], counts, width=np.diff(edges), bottom=bottom, align="edge", color=color,
-                   edgecolor="white", linewidth=0.4, gid=f"series-{reason or 'rows'}", label=label)
+            bars = ax.bar(edges[:-1], counts, width=np.diff(edges), bottom=bottom, align="edge", color=color,
+                          edgecolor="white", linewidth=0.4, label=label)
+            _name_each(bars, f"series-{name}-{reason or 'rows'}")
             bottom += counts
         if log:
             ax.set_xscale("log")
@@ -165,7 +172,7 @@ def stage_chart(telemetry: dict[str, Any] | None, engine: dict[str, Any], wall_s
     def draw(ax: Axes) -> None:
         colors = [GREY if n in ("read", "render_tokenize") else BLUE if n.startswith("engine") else
                   ORANGE if n == "queue_wait" else GREEN for n in names]
-        ax.barh([STAGE_LABELS[n] for n in names], values, color=colors, gid="series-stages")
+        _name_each(ax.barh([STAGE_LABELS[n] for n in names], values, color=colors), "series-stage")
         for y, v in enumerate(values):
             share = f" ({v / wall_s:.0%})" if wall_s > 0 else ""
             ax.text(v, y, f" {v:.2f} s{share}", va="center", fontsize=8)

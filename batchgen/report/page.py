@@ -164,6 +164,7 @@ table { border-collapse: collapse; background: #fff; width: 100%; border: 1px so
 th, td { text-align: left; padding: 6px 10px; border-bottom: 1px solid #edf2f7; vertical-align: top; }
 th { background: #edf2f7; font-weight: 600; } td.n { text-align: right; font-variant-numeric: tabular-nums; }
 code { font: 12px ui-monospace, SFMono-Regular, Menlo, monospace; word-break: break-all; }
+#errors td:first-child code { white-space: nowrap; word-break: normal; }
 .example { margin: 2px 0; } footer { color: #a0aec0; margin-top: 30px; font-size: 12px; }
 </style></head>
 <body><main>
