@@ -1,4 +1,4 @@
-"""The ``batchgen`` command line: ``run`` a job spec, ``validate`` or ``plan`` it, ``report`` on its output, ``bench``."""
+"""The ``batchgen`` command line: ``run``, ``validate``, ``plan`` a job spec, ``report`` on its output, ``bench``."""
 from __future__ import annotations
 
 import json

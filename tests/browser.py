@@ -44,7 +44,8 @@ class Chromium:
 
         def child_fds() -> None:  # the protocol pipe must be fds 3 (commands) and 4 (replies)
             # Move both ends above 4 first: either may itself be fd 3 or 4 and be overwritten otherwise.
-            commands, replies = (fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 10) for fd in (to_browser_r, from_browser_w))
+            commands, replies = (fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 10)
+                                 for fd in (to_browser_r, from_browser_w))
             os.dup2(commands, 3)  # dup2 leaves the copies inheritable
             os.dup2(replies, 4)
 

@@ -129,7 +129,8 @@ def test_estimate_from_an_earlier_job(tmp_path, tiny_model, tiny_llm):
     assert rates.prefill_tokens_per_s == engine["prefill_tokens_per_s"] > 0
     assert rates.decode_tokens_per_s == engine["decode_tokens_per_s"]
     assert rates.completion_tokens_per_row == stats["completion_tokens"] / stats["ok_rows"]
-    assert rates_from(str(earlier / "stats.json")) == Rates(**{**rates.__dict__, "source": str(earlier / "stats.json")})
+    from_file = str(earlier / "stats.json")
+    assert rates_from(from_file) == Rates(**{**rates.__dict__, "source": from_file})
     plan = plan_job(make_spec(tiny_model, inp, tmp_path / "next"), rates=rates)
     steps = plan["expected_steps"]
     expected = (plan["prompt_tokens"] * (1 - rates.prefix_cache_hit_rate) / rates.prefill_tokens_per_s

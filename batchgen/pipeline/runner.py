@@ -74,6 +74,14 @@ def _generate(llm: LLM, spec: JobSpec, rows: Iterable[InputRow], preparer: Prepa
         prepared.close()
 
 
+def _progress(spec: JobSpec, files: list[str], committed: int, limit: int | None, quiet: bool) -> Progress:
+    """The bar starts at the rows already committed; its total, the input's rows (at most ``limit``), is
+    counted in the background."""
+    progress = Progress(quiet, spec.name, done=min(committed, limit or committed), limit=limit)
+    progress.count_total(lambda cancel: count_rows(files, spec.input.format, spec.storage_options, cancel))
+    return progress
+
+
 def run_job(spec: JobSpec, *, limit: int | None = None, overwrite: bool = False, quiet: bool = False,
             llm: LLM | None = None) -> dict[str, Any]:
     """Runs ``spec`` and returns its stats (also written to stats.json and _SUCCESS).
@@ -107,8 +115,7 @@ def run_job(spec: JobSpec, *, limit: int | None = None, overwrite: bool = False,
     schema.seed(writer.committed_column_types())
     telemetry = Telemetry(llm.config.max_num_batched_tokens, start=wall_start)
     telemetry.stages.add("startup", time.perf_counter() - wall_start)
-    progress = Progress(quiet, spec.name, done=min(len(committed), limit or len(committed)), limit=limit)
-    progress.count_total(lambda cancel: count_rows(files, spec.input.format, spec.storage_options, cancel))
+    progress = _progress(spec, files, len(committed), limit, quiet)
     sink = PartSink(writer, schema, spec.output.rows_per_part, digest,
                     on_row=lambda row: (progress.update(row), telemetry.on_row(row)))
     preparer = job_preparer(spec, llm.tokenizer, llm.max_model_len, carry, committed)

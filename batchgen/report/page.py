@@ -150,7 +150,8 @@ h1 { font-size: 22px; margin: 0 0 4px; } h2 { font-size: 16px; margin: 28px 0 10
 .meta { color: #4a5568; margin: 0; } .meta b { color: #1a202c; }
 .status { display: inline-block; padding: 1px 8px; border-radius: 10px; background: #e2e8f0; }
 .status.complete { background: #c6f6d5; color: #22543d; }
-.cards { display: grid; grid-template-columns: repeat(auto-fill, minmax(180px, 1fr)); gap: 10px; margin-top: 16px; }
+.cards { display: grid; grid-template-columns: repeat(auto-fill, minmax(180px, 1fr)); gap: 10px;
+         margin-top: 16px; }
 .stat { background: #fff; border: 1px solid #e2e8f0; border-radius: 8px; padding: 10px 12px; }
 .stat .label { color: #4a5568; font-size: 12px; text-transform: uppercase; letter-spacing: .03em; }
 .stat .value { font-size: 24px; font-weight: 600; } .stat .note { color: #718096; font-size: 12px; }
