@@ -157,3 +157,6 @@ def test_smollm2_summarize(tmp_path, smollm2_gguf, monkeypatch):
                                      (ROOT / "jobs/data/articles.jsonl").read_text().splitlines()[:3]])
     assert stats["error_rows"] == 0 and stats["model"] == "smollm2-135m-instruct"
     assert all(r["output"].strip() and r["title"] for r in rows)
+    res = invoke("report", str(out))
+    assert res.exit_code == 0 and (out / "report.html").is_file(), res.output
+    assert f'data-key="prompt_tokens" data-value="{stats["prompt_tokens"]}"' in (out / "report.html").read_text()
