@@ -18,6 +18,7 @@ log = logging.getLogger(__name__)
 MANIFEST_DIR = "_manifest"
 SUCCESS = "_SUCCESS"
 STATS = "stats.json"
+TELEMETRY = "telemetry.json"
 FORMATS = ("parquet", "jsonl", "openai")
 PART_RE = re.compile(r"^(?:part|errors)-(\d{5,})\.(parquet|jsonl)$")  # any data file of a part
 ENTRY_RE = re.compile(r"^part-(\d{5,})\.json$")

@@ -3,13 +3,16 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import Any, Callable, Iterable, Iterator, Mapping, Protocol
 
 from batchgen.engine import SamplingParams
-from batchgen.io import InputRow, redact
+from batchgen.io import InputRow, read_rows, redact
 from batchgen.pipeline.batching import prompt_sort_key, sort_window
-from batchgen.pipeline.render import PromptRenderer, RenderError, TruncateMode, truncate
+from batchgen.pipeline.openai_requests import OpenAIPrompts
+from batchgen.pipeline.render import PromptRenderer, RenderError, Tokenizer, TruncateMode, truncate
 from batchgen.pipeline.rows import Request, ResultRow, carried_values, error_row
+from batchgen.pipeline.spec import JobSpec
 
 DUP_MARK = "#dup"
 
@@ -58,6 +61,15 @@ class TemplatePrompts:
         return self.renderer.render(values), self.params
 
 
+def prompt_source(spec: JobSpec, tokenizer: Tokenizer) -> PromptSource:
+    """OpenAI Batch lines bring their own prompts and settings; other inputs go through the spec's template."""
+    if spec.input.format == "openai":
+        return OpenAIPrompts(tokenizer, spec.sampling)
+    p = spec.prompt
+    assert p is not None  # the spec requires it for every other input format
+    return TemplatePrompts(PromptRenderer(p.template, p.system, p.chat, tokenizer), spec.sampling.params())
+
+
 @dataclass
 class Preparer:
     """Turns input rows into engine requests, or into error rows for those that cannot run."""
@@ -70,6 +82,7 @@ class Preparer:
     model_len: int | None = None  # the model's context, when it is what limits max_prompt_tokens
     ids: RowIds = field(default_factory=RowIds)
     skipped: int = 0  # rows already committed by an earlier run
+    truncated: int = 0  # prompts cut to max_prompt_tokens ("left"/"right"; "error" makes them error rows)
 
     def prepare(self, rows: Iterable[InputRow]) -> Iterator[Request | ResultRow]:
         for row in rows:
@@ -87,7 +100,9 @@ class Preparer:
             else:
                 try:
                     ids, params = self.prompts.build(row.values)
-                    ids = truncate(ids, self.max_prompt_tokens, self.truncate_mode)
+                    if len(ids) > self.max_prompt_tokens:
+                        ids = truncate(ids, self.max_prompt_tokens, self.truncate_mode)
+                        self.truncated += 1
                 except RenderError as e:
                     message = e.message
                     if e.code == "prompt_too_long" and self.model_len is not None:
@@ -95,6 +110,21 @@ class Preparer:
                     yield error_row(row_id, carried, e.code, message)
                     continue
                 yield Request(row_id, carried, ids, params)
+
+
+def job_preparer(spec: JobSpec, tokenizer: Tokenizer, model_len: int, carry: list[str],
+                 committed: set[str]) -> Preparer:
+    """The job's row preparation for a model of context ``model_len``; the run and ``batchgen plan`` both
+    use it, so that the plan's token counts are the run's."""
+    max_prompt = min(spec.batching.max_prompt_tokens, model_len - 1)  # room for >= 1 new token
+    return Preparer(prompt_source(spec, tokenizer), carry, max_prompt, spec.batching.truncate, committed,
+                    model_len=model_len if max_prompt < spec.batching.max_prompt_tokens else None)
+
+
+def input_rows(spec: JobSpec, files: list[str], limit: int | None) -> Iterator[InputRow]:
+    """The job's input rows in reading order, the first ``limit`` only when given."""
+    rows = read_rows(files, spec.input.format, spec.storage_options, spec.input.id_column)
+    return islice(rows, limit) if limit is not None else rows
 
 
 def divert_errors(items: Iterable[Request | ResultRow], on_error: Callable[[ResultRow], None]
