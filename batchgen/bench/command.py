@@ -57,7 +57,7 @@ def bench(model, num_prompts, input_len, dataset, column, whole_documents, prefi
         workload = synthetic(num_prompts, input_len, llm.engine.model_config.vocab_size, seed=seed,
                              prefix_len=prefix_len)
     result = run_bench(llm, workload, cfg)
-    for key in ("prompt_tokens", "wall_s", "requests_per_s", "prompt_tokens_per_s", "output_tokens_per_s",
+    for key in ("total_params", "active_params", "kv_bytes_per_token", "prompt_tokens", "wall_s", "requests_per_s", "prompt_tokens_per_s", "output_tokens_per_s",
                 "total_tokens_per_s", "decode_tokens_per_s", "prefix_cache_hit_rate",
                 "roofline_prompt_tokens_per_s", "prompt_tokens_per_s_over_roofline",
                 "mfu_vs_measured_matmul", "mfu_with_attention_vs_measured_matmul", "mfu_vs_gpu_peak",
