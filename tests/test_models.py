@@ -32,14 +32,16 @@ def test_registry_classes_and_the_unsupported_architecture_error():
 
 def test_gguf_architectures_come_from_the_registry():
     assert gguf_architecture("llama", has_experts=False).name == "LlamaForCausalLM"
-    with pytest.raises(UnsupportedModelError, match=r"'phi2'.*supported: llama, qwen2, qwen3"):
+    assert gguf_architecture("llama", has_experts=True).name == "MixtralForCausalLM"
+    assert gguf_architecture("qwen3moe", has_experts=True).name == "Qwen3MoeForCausalLM"
+    with pytest.raises(UnsupportedModelError, match=r"'phi2'.*supported: llama, qwen2, qwen2moe, qwen3, qwen3moe"):
         gguf_architecture("phi2", has_experts=False)
     with pytest.raises(UnsupportedModelError, match="'qwen2' with experts"):
         gguf_architecture("qwen2", has_experts=True)
 
 
 def test_config_fields_for_moe_and_partial_rotary():
-    cfg = ModelConfig.from_hf({"architectures": ["Qwen2ForCausalLM"], **TINY, "num_experts": 8,
+    cfg = ModelConfig.from_hf({"architectures": ["Qwen2MoeForCausalLM"], **TINY, "num_experts": 8,
                                "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                                "shared_expert_intermediate_size": 64, "mlp_only_layers": [0],
                                "partial_rotary_factor": 0.5})
@@ -47,7 +49,7 @@ def test_config_fields_for_moe_and_partial_rotary():
     moe = cfg.moe
     assert (moe.num_experts, moe.top_k, moe.intermediate_size, moe.shared_intermediate_size) == (8, 2, 32, 64)
     assert moe.num_shared_experts == 1 and moe.mlp_only_layers == (0,) and moe.norm_topk_prob is False
-    mixtral = ModelConfig.from_hf({"architectures": ["MistralForCausalLM"], **TINY, "num_local_experts": 4,
+    mixtral = ModelConfig.from_hf({"architectures": ["MixtralForCausalLM"], **TINY, "num_local_experts": 4,
                                    "num_experts_per_tok": 2})
     assert mixtral.moe.intermediate_size == 96 and mixtral.moe.num_shared_experts == 0
     assert ModelConfig.from_hf({"architectures": ["LlamaForCausalLM"], **TINY}).moe is None
@@ -68,7 +70,8 @@ def test_kv_layout_is_declared_by_the_attention_layers():
 def test_loading_names_missing_unexpected_and_misshapen_weights(tiny_model):
     cfg = json.loads((tiny_model / "config.json").read_text())
     weights = load_file(str(tiny_model / "model.safetensors"))
-    gone = {k: v for k, v in weights.items() if k not in ("model.layers.1.self_attn.k_proj.weight", "model.norm.weight")}
+    dropped = ("model.layers.1.self_attn.k_proj.weight", "model.norm.weight")
+    gone = {k: v for k, v in weights.items() if k not in dropped}
     with pytest.raises(ValueError, match=r"missing weights: layers\.1\.self_attn\.qkv_proj\.weight\[k\], norm\.weight$"):
         build(cfg).load_weights(gone.items())
     with pytest.raises(ValueError, match=r"unexpected weight 'model\.layers\.0\.mlp\.extra\.weight'"):

@@ -221,6 +221,7 @@ def load_gguf(path: str) -> ModelSource:
     gguf_arch = field_value(fields, "general.architecture")
     tokenizer = Tokenizer.from_gguf(reader)
     eos_ids = tokenizer.eos_token_ids or ([config["eos_token_id"]] if "eos_token_id" in config else [])
-    return ModelSource(config=config, weights=lambda: iter_gguf_weights(reader, config, gguf_arch), tokenizer=tokenizer,
+    return ModelSource(config=config, weights=lambda: iter_gguf_weights(reader, config, gguf_arch),
+                       tokenizer=tokenizer,
                        generation_config={"eos_token_id": eos_ids} if eos_ids else {},
                        name=str(field_value(fields, "general.name", Path(path).stem)))

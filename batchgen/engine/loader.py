@@ -34,7 +34,7 @@ def safetensors_files(folder: Path) -> list[Path]:
 
 
 def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, LazyTensor]]:
-    """Yields ``(name, lazy tensor)`` one tensor at a time; nothing is read until it is loaded (in the stored dtype)."""
+    """Yields ``(name, lazy tensor)``; nothing is read until a tensor is loaded (in the stored dtype)."""
     from safetensors import safe_open
 
     for file in files:

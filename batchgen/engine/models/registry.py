@@ -36,6 +36,9 @@ ARCHITECTURES = (
     Architecture("MistralForCausalLM", "llama", "mistral"),
     Architecture("Qwen2ForCausalLM", "qwen", "qwen2", gguf="qwen2"),
     Architecture("Qwen3ForCausalLM", "qwen", "qwen3", gguf="qwen3"),
+    Architecture("MixtralForCausalLM", "mixtral", "mixtral", gguf="llama", moe=True),
+    Architecture("Qwen2MoeForCausalLM", "qwen_moe", "qwen2_moe", gguf="qwen2moe", moe=True),
+    Architecture("Qwen3MoeForCausalLM", "qwen_moe", "qwen3_moe", gguf="qwen3moe", moe=True),
 )
 _BY_NAME = {a.name: a for a in ARCHITECTURES}
 
