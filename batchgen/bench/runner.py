@@ -68,7 +68,7 @@ def summarize(workload, outputs, m: EngineMetrics, wall: float, profile: ModelPr
     lin, head = profile.active_params, profile.lm_head_params
     prompt_tokens = workload.prompt_tokens
     output_tokens = sum(len(o.token_ids) for o in outputs)
-    flops = 2 * lin * (m.prompt_tokens_computed + m.decode_tokens) + 2 * head * m.tokens_generated
+    flops = 2 * lin * m.tokens_computed + 2 * head * m.tokens_generated
     # Positions each request computed: its uncached prompt, then every generated token but the last.
     attn = sum(attention_flops(profile, o.num_cached_tokens,
                                len(o.prompt_token_ids) + max(len(o.token_ids) - 1, 0)) for o in outputs)

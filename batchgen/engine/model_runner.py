@@ -38,6 +38,7 @@ class ModelRunner:
         log.info("model %s: %s on %s, attention backend %s; %s", source.name, engine.dtype, self.device,
                  backend, self.profile.summary())
         self.graphs = self._graph_runner(backend, max_model_len)
+        self.padded_tokens = 0  # tokens the last step computed only to fit a CUDA graph's shape
 
     def _allocate_kv_cache(self) -> int:
         """Sizes the cache from the memory budget, allocates it in the model's layout and binds it."""
@@ -127,6 +128,7 @@ class ModelRunner:
         """One forward over the packed step; returns sampled tokens for the rows that sample."""
         input_ids, positions, meta, logits_rows = self.prepare(scheduled)
         graph = self.graphs.pick(meta, len(input_ids)) if self.graphs is not None else None
+        self.padded_tokens = graph[1] - len(input_ids) if graph is not None else 0
         if graph is not None:
             logits = self.graphs.run(graph, input_ids, positions, meta, logits_rows)
         else:
