@@ -147,7 +147,7 @@ def test_parity_with_chunked_prefill_prefix_cache_and_preemption(tiny_model_fact
     llm = LLM(path, dtype="float32", device="cpu", max_num_batched_tokens=48, kv_cache_memory=12 * per_block)
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=True)
     outs = llm.generate(prompts, params)
-    assert llm.engine.scheduler.num_preemptions > 0 and llm.engine.block_manager.num_prefix_hits > 0
+    assert llm.engine.metrics.preemptions > 0 and llm.engine.metrics.prefix_cache_hits > 0
     assert max(map(len, prompts)) > 48 and len(outs) == len(prompts)
     for prompt, out in zip(prompts, outs):
         assert out.token_ids == hf_greedy(path, prompt, 10)
