@@ -147,7 +147,7 @@ def run_job(spec: JobSpec, *, limit: int | None = None, overwrite: bool = False,
                           wall_s=time.perf_counter() - wall_start, generate_s=generate_s,
                           resumed=bool(previous), complete=not stop.is_set(), limit=limit,
                           engine=engine_summary(telemetry.metrics, generate_s, telemetry.token_budget,
-                                                llm.engine.model_config, llm.config.torch_device()))
+                                                llm.engine.runner.profile, llm.config.torch_device()))
         writer.write_stats(stats)
         writer.write_telemetry(telemetry.to_dict())
         if stop.is_set():
