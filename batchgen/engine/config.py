@@ -9,7 +9,7 @@ import torch
 from batchgen.engine.models.registry import UnsupportedModelError, architecture_of  # noqa: F401 (re-export)
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-ROPE_SCALINGS = ("llama3", "linear")
+ROPE_SCALINGS = ("llama3", "linear", "yarn")
 
 
 def _ints(value: Any) -> tuple[int, ...]:
@@ -129,6 +129,8 @@ class ModelConfig:
         rope_theta = float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0)
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         rope_scaling = None if rope_type == "default" else {**rope, "rope_type": rope_type}
+        if rope_type == "yarn":  # transformers' default for the pre-scaling context
+            rope_scaling.setdefault("original_max_position_embeddings", cfg.get("max_position_embeddings", 4096))
         if rope_scaling and rope_type not in ROPE_SCALINGS:
             raise UnsupportedModelError(f"unsupported rope scaling {rope_type!r}; "
                                         f"supported: {', '.join(ROPE_SCALINGS)}")

@@ -68,7 +68,8 @@ class ModelRunner:
 
         with torch.inference_mode():
             return GraphRunner(self.model, self.engine.max_num_seqs, self.engine.max_num_batched_tokens,
-                               max_model_len, self.block_size, self.device, capture=mode == "auto")
+                               max_model_len, self.block_size, self.device, capture=mode == "auto",
+                               mixed="mixed" in self.model.graph_step_kinds)
 
     @property
     def kv_capacity_tokens(self) -> int:

@@ -1,13 +1,14 @@
 """The torch reference ops (RMSNorm, rotary, SiLU-and-mul, mixture of experts) and the kernel set a model uses."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 
 from batchgen.engine.layers.attention import AttentionBackend
+from batchgen.engine.layers.torch_mla import TorchMLABackend
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -73,6 +74,7 @@ class KernelSet:
     apply_rotary: Callable = apply_rotary
     silu_and_mul: Callable = silu_and_mul
     fused_moe: Callable = fused_moe
+    mla: Any = field(default_factory=TorchMLABackend)  # latent attention (layers.mla.MLABackend)
 
 
 def make_kernel_set(backend: str) -> KernelSet:

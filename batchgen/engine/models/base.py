@@ -114,6 +114,8 @@ class CausalLM(nn.Module):
     config_defaults: ClassVar[dict[str, Any]] = {}
     # Checkpoint name -> (parameter, shard); the first matching rule wins, unmatched names load as-is.
     weight_rules: ClassVar[tuple[WeightRule, ...]] = ()
+    # The kinds of step whose forward can be replayed from a CUDA graph (fixed shapes, no host sizing).
+    graph_step_kinds: ClassVar[tuple[str, ...]] = ("decode", "mixed")
 
     def __init__(self, cfg: ModelConfig, kernels: KernelSet, max_positions: int, chunk_tokens: int = 1024):
         super().__init__()
