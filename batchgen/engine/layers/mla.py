@@ -166,11 +166,13 @@ class MLAAttention(nn.Module):
             self._reorder_rotary_rows()
 
     def _reorder_rotary_rows(self) -> None:
-        half_order = pairwise_to_half_order(self.rope_dim)
-        head = torch.cat((torch.arange(self.nope_dim), self.nope_dim + half_order))
+        with torch.device("cpu"):  # indices into checkpoint tensors, whatever device the model is built on
+            half_order = pairwise_to_half_order(self.rope_dim)
+            head = torch.cat((torch.arange(self.nope_dim), self.nope_dim + half_order))
+            q_rows = (torch.arange(self.num_heads)[:, None] * self.qk_dim + head).flatten()
+            latent = torch.cat((torch.arange(self.kv_lora_rank), self.kv_lora_rank + half_order))
         q_proj = self.q_proj if self.q_lora_rank is None else self.q_b_proj
-        _reorder_rows_on_load(q_proj.weight, torch.cat([h * self.qk_dim + head for h in range(self.num_heads)]))
-        latent = torch.cat((torch.arange(self.kv_lora_rank), self.kv_lora_rank + half_order))
+        _reorder_rows_on_load(q_proj.weight, q_rows)
         for param in (self.kv_a_proj_with_mqa.weight, self.kv_a_proj_with_mqa.bias):
             if param is not None:
                 _reorder_rows_on_load(param, latent)
