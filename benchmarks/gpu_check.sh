@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One GPU check: the Triton kernel tests compiled for the device, then prefill-only `batchgen bench`
 # on random-weight Llama models of ~1B and ~8B parameters (8 prompts x 2K tokens, 64 x 8K tokens),
-# and decode at batch 64 with and without CUDA graphs.
+# and decode at batch 64 with and without CUDA graphs; then prefill on a random DeepSeek-V3-shaped
+# mixture of experts (latent attention, 64 routed + 1 shared experts, top-6; 2.9B parameters, 0.3B
+# active), and a table of the prefill runs side by side (MFU on active parameters).
 # Results go to $OUT (default /tmp/gpu_check). TRITON_INTERPRET is set to 0 rather than unset:
 # tests/conftest.py defaults it to 1.
 set -euo pipefail
@@ -14,7 +16,7 @@ export TRITON_INTERPRET=0
 out=${OUT:-/tmp/gpu_check}
 mkdir -p "$out"
 nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$out/gpu.txt"
-timeout 300 python -m pytest -q tests/test_kernels.py tests/test_triton_model.py "$@" 2>&1 | tail -5 | tee "$out/kernels.txt" || true
+timeout 300 python -m pytest -q tests/test_kernels.py tests/test_mla.py tests/test_triton_model.py "$@" 2>&1 | tail -5 | tee "$out/kernels.txt" || true
 for size in 1b 8b; do
     python benchmarks/random_llama.py --size "$size" --out "/tmp/llama-$size"
     batchgen bench --model "/tmp/llama-$size" --device cuda --num-prompts 8 --input-len 2048 \
@@ -27,3 +29,8 @@ for size in 1b 8b; do
     done
     rm -rf "/tmp/llama-$size"
 done
+python benchmarks/random_deepseek.py --size v3-small --out /tmp/deepseek-v3-small
+batchgen bench --model /tmp/deepseek-v3-small --device cuda --num-prompts 32 --input-len 2048 \
+    --output-json "$out/bench-deepseek-v3-small-32x2k.json" | head -12
+rm -rf /tmp/deepseek-v3-small
+python benchmarks/bench_table.py "$out"/bench-*k.json | tee "$out/prefill.txt"

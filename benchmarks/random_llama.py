@@ -48,19 +48,12 @@ def write_tokenizer(out: Path) -> None:
     tok.save(str(out / "tokenizer.json"))
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--size", choices=sorted(SIZES), required=True)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    args = ap.parse_args()
-    out = Path(args.out)
+def write_random_model(out: Path, cfg: dict, shapes: dict[str, tuple[int, ...]], device: str) -> None:
+    """config.json, random bf16 weights (std 0.02, norms 1) in safetensors shards of about 4 GiB with an
+    index, and a byte-level tokenizer; generated on ``device``, which is much faster on a GPU."""
     out.mkdir(parents=True, exist_ok=True)
-    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256,
-           "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "max_position_embeddings": 16384,
-           "hidden_act": "silu", "bos_token_id": 0, "eos_token_id": 1, **SIZES[args.size]}
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
-    gen = torch.Generator(device=args.device).manual_seed(0)
+    gen = torch.Generator(device=device).manual_seed(0)
     shard, shard_bytes, index, n = {}, 0, {}, 0
 
     def flush():
@@ -71,8 +64,8 @@ def main() -> None:
             index.update({k: name for k in shard})
             shard, shard_bytes, n = {}, 0, n + 1
 
-    for name, shape in shapes(cfg).items():
-        t = torch.randn(shape, generator=gen, device=args.device, dtype=torch.bfloat16) * 0.02
+    for name, shape in shapes.items():
+        t = torch.randn(shape, generator=gen, device=device, dtype=torch.bfloat16) * 0.02
         shard[name] = t.fill_(1.0) if name.endswith("norm.weight") else t
         shard_bytes += t.numel() * 2
         if shard_bytes > 4 << 30:
@@ -80,8 +73,20 @@ def main() -> None:
     flush()
     (out / "model.safetensors.index.json").write_text(json.dumps({"weight_map": index}))
     write_tokenizer(out)
-    params = sum(torch.Size(s).numel() for s in shapes(cfg).values())
+    params = sum(torch.Size(s).numel() for s in shapes.values())
     print(f"wrote {out}: {params / 1e9:.2f}B parameters")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size", choices=sorted(SIZES), required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = ap.parse_args()
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256,
+           "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "max_position_embeddings": 16384,
+           "hidden_act": "silu", "bos_token_id": 0, "eos_token_id": 1, **SIZES[args.size]}
+    write_random_model(Path(args.out), cfg, shapes(cfg), args.device)
 
 
 if __name__ == "__main__":
