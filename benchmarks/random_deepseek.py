@@ -10,12 +10,9 @@ in miniature, to check scripts on CPU.
 """
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
-import torch
-
-from random_llama import write_random_model
+from random_llama import parse_args, write_random_model
 
 SIZES = {
     "v3-small": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=8, num_attention_heads=32,
@@ -59,11 +56,7 @@ def shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--size", choices=sorted(SIZES), required=True)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    args = ap.parse_args()
+    args = parse_args(__doc__, SIZES)
     cfg = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "rms_norm_eps": 1e-6,
            "max_position_embeddings": 32768, "hidden_act": "silu", "bos_token_id": 0, "eos_token_id": 1,
            "tie_word_embeddings": False, "first_k_dense_replace": 1, "n_shared_experts": 1, "n_group": 8,
