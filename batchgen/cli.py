@@ -70,17 +70,20 @@ def main() -> None:
 @set_option
 @click.option("--limit", type=click.IntRange(min=1), default=None, help="Only the first N input rows.")
 @click.option("--overwrite", is_flag=True, help="Delete earlier output in the output folder and start over.")
+@click.option("--force-unlock", is_flag=True,
+              help="Take the output folder even if another run holds its lease (only when that run is gone).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar, warnings and errors only.")
 @click.option("--verbose", "-v", is_flag=True, help="Debug logging and tracebacks.")
-def run(job: str, overrides: tuple[str, ...], limit: int | None, overwrite: bool, quiet: bool,
-        verbose: bool) -> None:
-    """Run the job spec JOB (YAML); rerunning an interrupted job resumes it."""
+def run(job: str, overrides: tuple[str, ...], limit: int | None, overwrite: bool, force_unlock: bool,
+        quiet: bool, verbose: bool) -> None:
+    """Run the job spec JOB (YAML); rerunning an interrupted job resumes it. One run at a time may write
+    an output folder: a second one fails at once, naming the host and pid that holds it."""
     spec = _load(job, overrides)
     from batchgen.pipeline.runner import run_job  # the engine's imports are slow: only when running
 
     try:
         with _logging(verbose, quiet):
-            stats = run_job(spec, limit=limit, overwrite=overwrite, quiet=quiet)
+            stats = run_job(spec, limit=limit, overwrite=overwrite, quiet=quiet, force_unlock=force_unlock)
     except SpecError as e:
         for line in e.errors:
             click.echo(f"error: {redact(line)}", err=True)

@@ -8,6 +8,7 @@ from typing import Any, Mapping
 import pyarrow as pa
 
 from batchgen.engine import RequestOutput
+from batchgen.io import redact
 
 log = logging.getLogger(__name__)
 
@@ -29,11 +30,13 @@ class Request:
     row_id: str
     carried: dict[str, Any]
     prompt_ids: list[int]
+    source: str = ""  # the input file
 
 
 @dataclass
 class ResultRow:
-    """One finished row; ``cached_tokens`` only feeds the part stats, it is not a column."""
+    """One finished row; ``cached_tokens`` and ``source`` (its input file) feed the part stats, they are not
+    columns."""
 
     row_id: str
     carried: dict[str, Any]
@@ -43,6 +46,7 @@ class ResultRow:
     finish_reason: str
     error: dict[str, str] | None = None
     cached_tokens: int = 0
+    source: str = ""
 
     @property
     def ok(self) -> bool:
@@ -61,18 +65,19 @@ def carried_values(values: dict[str, Any], columns: list[str]) -> dict[str, Any]
     return {c: values.get(c) for c in columns}
 
 
-def error_row(row_id: str, carried: dict[str, Any], code: str, message: str) -> ResultRow:
+def error_row(row_id: str, carried: dict[str, Any], code: str, message: str, source: str = "") -> ResultRow:
     """A row that failed; its token counts are 0 since the engine did no work for it."""
-    return ResultRow(row_id, carried, None, 0, 0, "error", {"code": code, "message": message})
+    return ResultRow(row_id, carried, None, 0, 0, "error", {"code": code, "message": redact(message)},
+                     source=source)
 
 
 def engine_row(req: Request, out: RequestOutput) -> ResultRow:
     """The result of one engine request."""
     if out.finish_reason == "error":
         message = out.error or "the engine failed this request"
-        return error_row(req.row_id, req.carried, "engine_error", message)
+        return error_row(req.row_id, req.carried, "engine_error", message, req.source)
     return ResultRow(req.row_id, req.carried, out.text, len(out.prompt_token_ids), len(out.token_ids),
-                     out.finish_reason or "stop", None, out.num_cached_tokens)
+                     out.finish_reason or "stop", None, out.num_cached_tokens, req.source)
 
 
 @dataclass

@@ -7,8 +7,10 @@ import time
 from itertools import islice
 from typing import Any, Iterable
 
+from batchgen.crashpoints import crash_point
 from batchgen.engine import LLM, SamplingParams
-from batchgen.io import InputError, InputRow, OutputError, read_rows, redact
+from batchgen.io import InputError, InputRow, OutputError, OutputWriter, read_rows, redact
+from batchgen.io.fingerprint import fingerprints
 from batchgen.pipeline import preflight
 from batchgen.pipeline.errors import JobError, JobInterrupted
 from batchgen.pipeline.interrupt import StopRequest, stop_on_signals
@@ -63,6 +65,7 @@ def _generate(llm: LLM, spec: JobSpec, rows: Iterable[InputRow], preparer: Prepa
         requests = sorted_requests(divert_errors(prepared, sink.add), b.sort_window, b.sort)
         start = time.perf_counter()
         for req, out in llm.generate_stream(admit(requests, sampling_params(spec), stop.event)):
+            crash_point("generate")
             sink.add(engine_row(req, out))
         return time.perf_counter() - start
     finally:
@@ -70,19 +73,27 @@ def _generate(llm: LLM, spec: JobSpec, rows: Iterable[InputRow], preparer: Prepa
 
 
 def run_job(spec: JobSpec, *, limit: int | None = None, overwrite: bool = False, quiet: bool = False,
-            llm: LLM | None = None) -> dict[str, Any]:
+            llm: LLM | None = None, force_unlock: bool = False) -> dict[str, Any]:
     """Runs ``spec`` and returns its stats (also written to stats.json and _SUCCESS).
 
     Rows committed by an earlier run of the same output folder are skipped; a finished folder makes this a
     no-op unless ``overwrite``. ``limit`` takes the first N input rows. ``llm`` reuses a loaded model (its
-    own engine settings then apply). Raises :class:`JobError` when the job cannot run or fails, and
-    :class:`JobInterrupted` after SIGINT/SIGTERM, once the finished rows are committed.
+    own engine settings then apply). The run owns the output folder (its lease) from before it touches it
+    until it returns; ``force_unlock`` takes it even from a live run. Raises :class:`JobError` when the job
+    cannot run or fails (another run owning the folder included), and :class:`JobInterrupted` after
+    SIGINT/SIGTERM, once the finished rows are committed.
     """
     wall_start, started_at = time.perf_counter(), utc_now()
-    resolved, digest = spec.resolved(), spec.digest()
     carry = preflight.carry_columns(spec)
     files = preflight.check_inputs(spec)
-    writer = preflight.open_output(spec, overwrite)
+    with preflight.open_output(spec, overwrite, force_unlock) as writer:
+        return _run(spec, writer, files, carry, limit=limit, quiet=quiet, llm=llm, wall_start=wall_start,
+                    started_at=started_at)
+
+
+def _run(spec: JobSpec, writer: OutputWriter, files: list[str], carry: list[str], *, limit: int | None,
+         quiet: bool, llm: LLM | None, wall_start: float, started_at: str) -> dict[str, Any]:
+    resolved, digest = spec.resolved(), spec.digest()
     if writer.is_complete():
         stored = preflight.stored_stats(writer)
         log.info("%s: already complete in %s; nothing to do (use --overwrite to run it again)",
@@ -96,17 +107,23 @@ def run_job(spec: JobSpec, *, limit: int | None = None, overwrite: bool = False,
     renderer = PromptRenderer(spec.prompt.template, spec.prompt.system, spec.prompt.chat, llm.tokenizer)
     committed, previous = writer.committed_row_ids(), writer.committed_stats()
     _warn_if_spec_changed(previous, digest)
+    inputs, recorded = fingerprints(files, spec.storage_options), preflight.recorded_inputs(writer)
+    preflight.warn_changed_inputs(recorded, inputs)
     log.info("%s: %d input file(s) -> %s%s", spec.name, len(files), resolved["output"]["path"],
              f" (resuming: {len(committed)} rows already committed)" if committed else "")
 
     schema = PartSchema(spec.input.id_column or "id", carry)
     schema.seed(writer.committed_column_types())
     progress = Progress(limit, quiet, spec.name, done=min(len(committed), limit or len(committed)))
-    sink = PartSink(writer, schema, spec.output.rows_per_part, digest, on_row=progress.update)
+    sink = PartSink(writer, schema, spec.output.rows_per_part, digest, on_row=progress.update,
+                    max_age_s=spec.output.max_part_age_s, inputs=inputs,
+                    recorded={f for f in inputs if redact(f) in recorded})
     max_prompt = min(spec.batching.max_prompt_tokens, llm.max_model_len - 1)  # room for >= 1 new token
     preparer = Preparer(renderer, carry, max_prompt, spec.batching.truncate, committed,
+                        spec.batching.prompt_chars(),
                         model_len=llm.max_model_len if max_prompt < spec.batching.max_prompt_tokens else None)
-    rows: Iterable[InputRow] = read_rows(files, spec.input.format, spec.storage_options, spec.input.id_column)
+    rows: Iterable[InputRow] = read_rows(files, spec.input.format, spec.storage_options, spec.input.id_column,
+                                         max_row_bytes=spec.input.max_row_bytes)
     if limit is not None:
         rows = islice(rows, limit)
 
@@ -122,6 +139,7 @@ def run_job(spec: JobSpec, *, limit: int | None = None, overwrite: bool = False,
                 _save_finished(sink)
                 raise
             finally:
+                sink.close()
                 progress.close()
             sink.flush()
         totals = Counts.total(writer.committed_stats())
@@ -129,7 +147,9 @@ def run_job(spec: JobSpec, *, limit: int | None = None, overwrite: bool = False,
                           spec=resolved, spec_digest=digest, started_at=started_at,
                           wall_s=time.perf_counter() - wall_start, generate_s=generate_s,
                           resumed=bool(previous), complete=not stop.is_set(), limit=limit)
+        crash_point("stats.before")
         writer.write_stats(stats)
+        crash_point("stats.after")
         if stop.is_set():
             assert stop.signum is not None
             log.warning("%s: stopped by %s with %d rows committed; rerun the same command to resume",

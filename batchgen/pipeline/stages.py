@@ -8,7 +8,7 @@ from typing import Callable, Iterable, Iterator
 from batchgen.engine import SamplingParams
 from batchgen.io import InputRow, redact
 from batchgen.pipeline.batching import prompt_sort_key, sort_window
-from batchgen.pipeline.render import PromptRenderer, RenderError, TruncateMode, truncate
+from batchgen.pipeline.render import PromptRenderer, RenderError, TruncateMode, fit_chars, truncate
 from batchgen.pipeline.rows import Request, ResultRow, carried_values, error_row
 
 DUP_MARK = "#dup"
@@ -50,6 +50,7 @@ class Preparer:
     max_prompt_tokens: int
     truncate_mode: TruncateMode
     committed: set[str]
+    max_prompt_chars: int
     model_len: int | None = None  # the model's context, when it is what limits max_prompt_tokens
     ids: RowIds = field(default_factory=RowIds)
     skipped: int = 0  # rows already committed by an earlier run
@@ -64,20 +65,21 @@ class Preparer:
             if row_id != row.row_id:
                 yield error_row(row_id, carried, "duplicate_id",
                                 f"id {row.row_id!r} appeared earlier in the input; this occurrence "
-                                f"(row {row.index} of {redact(row.source)}) is not run")
+                                f"(row {row.index} of {redact(row.source)}) is not run", row.source)
             elif row.error is not None:
-                yield error_row(row_id, carried, "invalid_input", row.error)
+                yield error_row(row_id, carried, "invalid_input", row.error, row.source)
             else:
                 try:
-                    ids = self.renderer.render(row.values)
-                    ids = truncate(ids, self.max_prompt_tokens, self.truncate_mode)
+                    text = fit_chars(self.renderer.render_text(row.values), self.max_prompt_chars,
+                                     self.truncate_mode)
+                    ids = truncate(self.renderer.encode(text), self.max_prompt_tokens, self.truncate_mode)
                 except RenderError as e:
                     message = e.message
                     if e.code == "prompt_too_long" and self.model_len is not None:
                         message += f" (the model's context is {self.model_len} tokens, one kept for output)"
-                    yield error_row(row_id, carried, e.code, message)
+                    yield error_row(row_id, carried, e.code, message, row.source)
                     continue
-                yield Request(row_id, carried, ids)
+                yield Request(row_id, carried, ids, row.source)
 
 
 def divert_errors(items: Iterable[Request | ResultRow], on_error: Callable[[ResultRow], None]
