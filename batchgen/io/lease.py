@@ -5,8 +5,8 @@ one. A run takes a free or stale lease by creating the next generation, which on
 do where the store has a conditional create (local disks: a hard link; S3: ``If-None-Match: *``). The
 holder rewrites its file every ``timeout_s / 6`` seconds. A lease is stale when its heartbeat is older
 than ``timeout_s``, or at once when its holder was a process on this machine that no longer exists.
-A holder that finds a newer generation, or could not renew for ``0.75 * timeout_s``, has lost the
-lease and stops writing.
+A holder that finds another run's lease file newest, or could not renew for ``0.75 * timeout_s`` (a
+paused process, an unreachable store), has lost the lease: it stops writing and never renews again.
 """
 
 from __future__ import annotations
@@ -139,7 +139,7 @@ class Lease:
 
     def __init__(self, store: Store, display: str, settings: LeaseSettings = LeaseSettings()) -> None:
         self.store = store
-        self.display = display
+        self.display = redact(display)
         self.settings = settings
         self.me = Holder.me(settings.timeout_s)
         self.name: str | None = None
@@ -205,12 +205,20 @@ class Lease:
         return self.settings.timeout_s / 6
 
     def renew(self) -> None:
-        """Check that no newer generation exists, then rewrite the heartbeat (sets the lost state)."""
+        """Rewrite the heartbeat if this run still holds the lease; otherwise mark it lost.
+
+        Held means: renewed within the self-fence time, and the newest lease file still names this run
+        (generations restart at 1 once a folder is released, so the owner is compared, not the name).
+        """
         assert self.name is not None
+        silent = time.monotonic() - self._renewed
+        if silent > _SELF_FENCE * self.settings.timeout_s:
+            self._lost = f"could not renew it for {silent:.0f} s"
+            return
         generations = self._generations()
         top = generations.get(max(generations, default=-1))
-        if top != self.name:
-            holder = self._holder(top) if top else None
+        holder = self._holder(top) if top else None
+        if top != self.name or holder is None or holder.owner != self.me.owner:
             self._lost = f"taken by {holder.describe()}" if holder else "its lease file was deleted"
             return
         self.me.heartbeat = time.time()
