@@ -89,6 +89,7 @@ class Oversized:
     """A JSONL line or Parquet row over the byte limit, skipped without being held in memory."""
 
     size: int
+    limit: int
 
 
 def _open(url: str, storage_options: dict | None, compression: str | None = None, **kwargs: Any):
@@ -121,29 +122,29 @@ def _resumable(url: str, produce: Callable[[int], Iterator[Any]], what: str) -> 
 
 def bounded_lines(f: Any, max_bytes: int) -> Iterator[bytes | Oversized]:
     """The lines of a binary file, each one held whole only up to max_bytes: a longer line is read past in
-    chunks and comes out as Oversized. Memory: max_bytes plus one read chunk."""
+    chunks and comes out as Oversized. Memory: max_bytes plus about two read chunks."""
     buf = bytearray()
     over = 0  # bytes seen so far of a line over the limit
     while chunk := f.read(_READ_CHUNK):
-        start = 0
+        view, start = memoryview(chunk), 0
         while start < len(chunk):
-            end = chunk.find(b"\n", start) + 1 or len(chunk)
-            piece = chunk[start:end]
-            start = end
-            if over or len(buf) + len(piece) > max_bytes:
-                over += len(buf) + len(piece)
+            newline = chunk.find(b"\n", start)
+            end = newline + 1 if newline >= 0 else len(chunk)
+            begin, start = start, end
+            if over or len(buf) + end - begin > max_bytes:
+                over += len(buf) + end - begin
                 buf.clear()
-            elif not buf and piece.endswith(b"\n"):
-                yield piece  # the common case: a whole line inside one chunk
+            elif newline >= 0 and not buf:
+                yield chunk[begin:end]  # the common case: a whole line inside one chunk
                 continue
             else:
-                buf += piece
-            if piece.endswith(b"\n"):
-                yield Oversized(over) if over else bytes(buf)
+                buf += view[begin:end]
+            if newline >= 0:
+                yield Oversized(over, max_bytes) if over else bytes(buf)
                 over = 0
                 buf.clear()
     if over:
-        yield Oversized(over)
+        yield Oversized(over, max_bytes)
     elif buf:
         yield bytes(buf)
 
@@ -162,15 +163,15 @@ def _jsonl_lines(url: str, storage_options: dict | None, max_bytes: int
     return _resumable(url, produce, "JSONL file")
 
 
-def _too_long(what: str, size: int) -> str:
-    return f"{what} is {size} bytes, more than the limit of max_row_bytes; it was skipped unread"
+def _too_long(what: str, big: Oversized) -> str:
+    return f"{what} is {big.size} bytes, more than the limit of {big.limit} (max_row_bytes); it was not read"
 
 
 def _parse_line(raw: bytes | Oversized, url: str, lineno: int) -> tuple[dict | None, str | None]:
     """(object, None), (None, error) or (None, None) for a blank line."""
     where = f"{redact(url)} line {lineno + 1}"
     if isinstance(raw, Oversized):
-        return None, f"{where}: {_too_long('the line', raw.size)}"
+        return None, f"{where}: {_too_long('the line', raw)}"
     try:
         text = raw.decode("utf-8-sig" if lineno == 0 else "utf-8")
     except UnicodeDecodeError as exc:
@@ -217,7 +218,7 @@ def _batch_rows(batch: pa.RecordBatch, max_bytes: int) -> Iterator[dict | Oversi
     keep = [size <= max_bytes for size in sizes]
     small = iter(batch.filter(pa.array(keep)).to_pylist())
     for size, ok in zip(sizes, keep):
-        yield next(small) if ok else Oversized(size)
+        yield next(small) if ok else Oversized(size, max_bytes)
 
 
 def _parquet_file(f: Any, url: str) -> pq.ParquetFile:
@@ -260,7 +261,7 @@ def _parquet_records(url: str, storage_options: dict | None, batch_rows: int, ma
 
     for index, values in enumerate(_resumable(url, produce, "Parquet file")):
         if isinstance(values, Oversized):
-            yield index, {}, f"{redact(url)} row {index}: {_too_long('the row', values.size)}"
+            yield index, {}, f"{redact(url)} row {index}: {_too_long('the row', values)}"
         else:
             yield index, values, None
 

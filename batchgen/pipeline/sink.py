@@ -49,15 +49,15 @@ class PartSink:
             self._ager.start()
 
     def add(self, row: ResultRow) -> None:
-        self._raise_background_failure()
         with self._lock:
             if not self._rows:
                 self._oldest = time.monotonic()
             self._rows.append(row)
-            if len(self._rows) >= self.rows_per_part:
-                self._flush()
         if self.on_row is not None:
             self.on_row(row)
+        self._raise_background_failure()
+        if len(self._rows) >= self.rows_per_part:
+            self.flush()
 
     @property
     def buffered(self) -> int:

@@ -1,0 +1,139 @@
+"""Hostile input in bounded memory: an over-long JSONL line, a huge Parquet row or row group, a prompt of a
+million characters each become an error row (or stream through), never an out-of-memory kill."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import tracemalloc
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from batchgen.io import InputRow, read_rows
+from batchgen.pipeline.render import PromptRenderer, truncate
+from batchgen.pipeline.runner import run_job
+from batchgen.pipeline.stages import Preparer
+from tests.job_helpers import check_output, make_spec, records, texts, tiny_llm, write_jsonl  # noqa: F401
+
+MB = 1 << 20
+
+
+def peak_bytes(fn) -> int:
+    """Peak Python allocation while fn runs."""
+    tracemalloc.start()
+    try:
+        fn()
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+def test_overlong_jsonl_line_is_an_error_row_read_in_bounded_memory(tmp_path):
+    path = tmp_path / "in.jsonl"
+    with open(path, "wb") as f:
+        f.write(b'{"id": "a", "text": "short"}\n')
+        huge = b'{"id": "huge", "text": "' + b"x" * (8 * MB) + b'"}\n'
+        f.write(huge)
+        f.write(b'{"id": "b", "text": "after"}')  # no final newline
+    got: list = []
+    peak = peak_bytes(lambda: got.extend(read_rows([str(path)], id_column="id", max_row_bytes=MB)))
+    assert [r.row_id for r in got] == ["a", "in.jsonl:1", "b"]
+    assert got[1].values == {} and f"line 2: the line is {len(huge)} bytes, more than the limit of {MB}" in got[1].error
+    assert got[2].values == {"id": "b", "text": "after"}
+    assert peak < 4 * MB  # the 8 MB line was never held: one 1 MiB read chunk at a time
+    # the check can fail: with a limit above the line, it is read (and held) whole
+    assert peak_bytes(lambda: list(read_rows([str(path)], max_row_bytes=16 * MB))) > 8 * MB
+
+
+def test_oversized_parquet_rows_are_error_rows(tmp_path):
+    path = tmp_path / "in.parquet"
+    texts = ["small"] * 5 + ["y" * (2 * MB)] + ["small"] * 5
+    pq.write_table(pa.table({"id": [f"p{i}" for i in range(11)], "text": texts}), path)
+    got = list(read_rows([str(path)], id_column="id", max_row_bytes=MB, batch_rows=4))
+    assert [r.row_id for r in got] == [f"p{i}" for i in range(5)] + ["in.parquet:5"] + [f"p{i}" for i in range(6, 11)]
+    assert got[5].values == {} and f"row 5: the row is {2 * MB + 2} bytes, more than the limit of {MB}" in got[5].error
+    assert all(r.error is None and r.values["text"] == "small" for i, r in enumerate(got) if i != 5)
+
+
+_RSS_PROBE = textwrap.dedent("""
+    import resource, sys
+    from batchgen.io import read_rows
+    rss = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    rows = read_rows([sys.argv[1]], batch_rows=64)
+    first = next(rows)  # everything imported and the file opened
+    before = rss()
+    n, errors = 1, int(first.error is not None)
+    for r in rows:
+        n, errors = n + 1, errors + (r.error is not None)
+    print(n, errors, rss() - before)
+""")
+
+
+def rss_growth(path) -> tuple[int, int, int]:
+    """(rows, error rows, peak RSS growth in bytes) of reading path in a fresh process."""
+    proc = subprocess.run([sys.executable, "-c", _RSS_PROBE, str(path)], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert proc.returncode == 0, proc.stderr
+    rows, errors, growth = map(int, proc.stdout.split())
+    return rows, errors, growth
+
+
+@pytest.mark.timeout(300)
+def test_large_parquet_row_group_streams_in_bounded_memory(tmp_path):
+    path = tmp_path / "big.parquet"
+    n, width = 120_000, 1000  # one uncompressed row group of ~120 MB
+    table = pa.table({"id": pa.array([f"{i:08d}" for i in range(n)]),
+                      "text": pa.array([f"{i:08d}".ljust(width, "z") for i in range(n)])})
+    pq.write_table(table, path, row_group_size=n, compression="none")
+    del table
+    assert pq.ParquetFile(path).metadata.row_group(0).total_byte_size > 100 * MB
+    rows, errors, growth = rss_growth(path)
+    assert (rows, errors) == (n, 0)
+    assert growth < 48 * MB, growth  # reading it whole would take >100 MB
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_500_mb_jsonl_line(tmp_path):
+    """The realistic size: a single 500 MB line costs no more memory than a short one."""
+    path = tmp_path / "huge.jsonl"
+    with open(path, "wb") as f:
+        f.write(b'{"id": "a", "text": "ok"}\n{"id": "huge", "text": "')
+        block = b"x" * (16 * MB)
+        for _ in range(32):
+            f.write(block)
+        f.write(b'"}\n{"id": "b", "text": "ok"}\n')
+    rows, errors, growth = rss_growth(path)
+    assert (rows, errors) == (3, 1)
+    assert growth < 48 * MB, growth
+
+
+def test_million_character_prompt(tmp_path, tiny_model, tiny_llm):
+    recs = records(4)
+    recs[1]["text"] = "lorem ipsum dolor " * 55_556  # 1,000,008 characters
+    inp, out = write_jsonl(tmp_path / "in.jsonl", recs), tmp_path / "out"
+    stats = run_job(make_spec(tiny_model, inp, out), llm=tiny_llm, quiet=True)
+    rows = {r["id"]: r for r in check_output(out, stats, [r["id"] for r in recs])}
+    assert rows["r1"]["error"]["code"] == "prompt_too_long"
+    assert "characters > max 131072 (batching.max_prompt_chars)" in rows["r1"]["error"]["message"]
+    assert all(rows[f"r{i}"]["error"] is None for i in (0, 2, 3))
+
+    # with truncation the row runs: cut to max_prompt_chars first, then to max_prompt_tokens
+    left = make_spec(tiny_model, inp, tmp_path / "left", batching={"truncate": "left", "max_prompt_tokens": 64})
+    stats = run_job(left, llm=tiny_llm, quiet=True)
+    rows = {r["id"]: r for r in check_output(tmp_path / "left", stats, [r["id"] for r in recs])}
+    assert rows["r1"]["error"] is None and rows["r1"]["prompt_tokens"] == 64
+
+
+@pytest.mark.parametrize("mode", ["left", "right"])
+def test_cutting_characters_first_keeps_the_same_tokens(tiny_llm, mode):
+    """Truncating a long prompt's text before tokenizing gives the tokens that truncating after would."""
+    renderer = PromptRenderer("Summarize: {{ text }}", "Be brief.", True, tiny_llm.tokenizer)
+    text = " ".join(texts(400))  # ~30,000 characters
+    preparer = Preparer(renderer, [], 64, mode, set(), max_prompt_chars=32 * 64)
+    [request] = list(preparer.prepare([InputRow("x", {"text": text}, "in.jsonl", 0)]))
+    full = truncate(renderer.render({"text": text}), 64, mode)
+    assert len(text) > 10 * 32 * 64 and request.prompt_ids == full
