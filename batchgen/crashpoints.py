@@ -29,17 +29,20 @@ def _target() -> tuple[str, int] | None:
     return name, int(count or 1)
 
 
-_TARGET = _target()
+_UNREAD = ("", 0)
+_target_cache: tuple[str, int] | None = _UNREAD  # read at the first point, so a forked child reads its own
 _hits = 0
 _lock = threading.Lock()
 
 
 def crash_point(name: str) -> None:
     """Kill this process here if BATCHGEN_CRASH_AT names this point and its count is reached."""
-    global _hits
-    if _TARGET is None or _TARGET[0] != name:
+    global _hits, _target_cache
+    if _target_cache is _UNREAD:
+        _target_cache = _target()
+    if _target_cache is None or _target_cache[0] != name:
         return
     with _lock:
         _hits += 1
-        if _hits >= _TARGET[1]:
+        if _hits >= _target_cache[1]:
             os.kill(os.getpid(), signal.SIGKILL)

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import textwrap
 import tracemalloc
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -19,6 +20,8 @@ from batchgen.pipeline.stages import Preparer
 from tests.job_helpers import check_output, make_spec, records, texts, tiny_llm, write_jsonl  # noqa: F401
 
 MB = 1 << 20
+
+ROOT = str(Path(__file__).resolve().parents[1])
 
 
 def peak_bytes(fn) -> int:
@@ -75,7 +78,7 @@ _RSS_PROBE = textwrap.dedent("""
 def rss_growth(path) -> tuple[int, int, int]:
     """(rows, error rows, peak RSS growth in bytes) of reading path in a fresh process."""
     proc = subprocess.run([sys.executable, "-c", _RSS_PROBE, str(path)], capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "PYTHONPATH": os.getcwd()})
+                          timeout=300, env={**os.environ, "PYTHONPATH": ROOT})
     assert proc.returncode == 0, proc.stderr
     rows, errors, growth = map(int, proc.stdout.split())
     return rows, errors, growth

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -18,6 +19,8 @@ from batchgen.io.store import Store
 from tests.s3_server import faulty_s3, moto_server, s3, s3_proxy  # noqa: F401  (fixtures)
 
 ROWS = [{"row_id": "a", "output": "x"}]
+
+ROOT = str(Path(__file__).resolve().parents[1])
 
 
 def lease_for(url: str, opts=None, **settings) -> Lease:
@@ -110,7 +113,7 @@ def test_lease_of_a_killed_process_on_this_machine_is_free_at_once(tmp_path):
     url = str(tmp_path / "out")
     code = ("import os, signal; from batchgen.io import OutputWriter; from batchgen.io.lease import LeaseSettings; "
             f"OutputWriter({url!r}, lease=LeaseSettings(timeout_s=3600)); os.kill(os.getpid(), signal.SIGKILL)")
-    proc = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": os.getcwd()},
+    proc = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": ROOT},
                           capture_output=True, timeout=120)
     assert proc.returncode == -9, proc.stderr
     held = json.loads((tmp_path / "out" / LEASE_DIR / "lease-00000001.json").read_text())

@@ -19,13 +19,13 @@ from batchgen.io.errors import InputError
 from batchgen.io.manifest import TEMP_MARK
 from batchgen.io.paths import S3_PROTOCOLS, filesystem
 from batchgen.io.redaction import redact
-from batchgen.io.retry import is_transient, retry
+from batchgen.io.retry import retry
 
 __all__ = ["fetch"]
 
 log = logging.getLogger(__name__)
 
-_ATTEMPTS = 4  # whole-file attempts; each request inside one is retried by s3fs/botocore and retry()
+_ATTEMPTS = 4  # whole-file attempts after a short or corrupt copy; failed requests are retried by retry()
 
 
 class _Mismatch(Exception):
@@ -72,8 +72,8 @@ def _download(fs: fsspec.AbstractFileSystem, remote: str, local: Path, info: dic
                 retry(lambda: fs.get_file(remote, str(partial)), what=f"download {remote}")
                 _verify(partial, info.get("size"), sha256)
                 break
-            except Exception as exc:
-                if attempt == _ATTEMPTS or not (isinstance(exc, _Mismatch) or is_transient(exc)):
+            except _Mismatch as exc:
+                if attempt == _ATTEMPTS:
                     raise
                 log.warning("download of %s failed (attempt %d/%d), retrying: %s", redact(remote), attempt,
                             _ATTEMPTS, redact(str(exc)))
