@@ -63,10 +63,8 @@ def fingerprints(files: list[str], storage_options: dict[str, Any] | None = None
     return out
 
 
-def difference(before: dict[str, Any], now: dict[str, Any] | None) -> str | None:
-    """How a file changed between two fingerprints ("gone" when now is None), or None."""
-    if now is None:
-        return "it is no longer among the input files"
+def difference(before: dict[str, Any], now: dict[str, Any]) -> str | None:
+    """How a file changed between two fingerprints, or None."""
     changes = []
     for key in ("size", "etag", "mtime"):
         old, new = before.get(key), now.get(key)

@@ -9,7 +9,7 @@ from jinja2 import Environment, nodes
 
 from batchgen.engine import LLM
 from batchgen.io import InputError, OutputError, OutputWriter, expand_inputs, read_columns, redact
-from batchgen.io.fingerprint import difference
+from batchgen.io.fingerprint import difference, fingerprints
 from batchgen.io.lease import LeaseSettings
 from batchgen.pipeline.errors import JobError
 from batchgen.pipeline.render import required_columns
@@ -85,7 +85,7 @@ def open_output(spec: JobSpec, overwrite: bool, force_unlock: bool = False) -> O
         raise JobError(str(e)) from None
 
 
-def recorded_inputs(writer: OutputWriter) -> dict[str, dict[str, Any]]:
+def _recorded_inputs(writer: OutputWriter) -> dict[str, dict[str, Any]]:
     """{redacted input URL: fingerprint} as recorded when the file's rows were first committed."""
     recorded: dict[str, dict[str, Any]] = {}
     for stats in writer.committed_stats():
@@ -95,15 +95,22 @@ def recorded_inputs(writer: OutputWriter) -> dict[str, dict[str, Any]]:
     return recorded
 
 
-def warn_changed_inputs(recorded: dict[str, dict[str, Any]], current: dict[str, dict[str, Any]]) -> None:
-    """Warns, naming the file, about each input whose committed rows came from other content."""
-    now = {redact(url): fp for url, fp in current.items()}
-    for name, before in sorted(recorded.items()):
-        change = difference(before, now.get(name))
+def check_inputs_unchanged(writer: OutputWriter, files: list[str], storage_options: dict[str, Any]
+                           ) -> tuple[dict[str, dict[str, Any]], set[str]]:
+    """(fingerprint of each input file now, files whose fingerprint earlier parts already hold); warns,
+    naming the file, about each input whose committed rows came from other content."""
+    current, recorded = fingerprints(files, storage_options), _recorded_inputs(writer)
+    for url, now in current.items():
+        before = recorded.get(redact(url))
+        change = difference(before, now) if before else None
         if change:
             log.warning("input file %s changed since its rows were first committed (%s); the committed rows "
                         "are kept as they are, the others are read from the file as it is now (use "
-                        "--overwrite to recompute them all)", name, change)
+                        "--overwrite to recompute them all)", redact(url), change)
+    named = {redact(url) for url in current}
+    for name in sorted(set(recorded) - named):
+        log.warning("input file %s, whose rows were committed, is no longer among the inputs", name)
+    return current, {url for url in current if redact(url) in recorded}
 
 
 def stored_stats(writer: OutputWriter) -> dict[str, Any]:

@@ -10,7 +10,6 @@ from typing import Any, Iterable
 from batchgen.crashpoints import crash_point
 from batchgen.engine import LLM, SamplingParams
 from batchgen.io import InputError, InputRow, OutputError, OutputWriter, read_rows, redact
-from batchgen.io.fingerprint import fingerprints
 from batchgen.pipeline import preflight
 from batchgen.pipeline.errors import JobError, JobInterrupted
 from batchgen.pipeline.interrupt import StopRequest, stop_on_signals
@@ -107,8 +106,7 @@ def _run(spec: JobSpec, writer: OutputWriter, files: list[str], carry: list[str]
     renderer = PromptRenderer(spec.prompt.template, spec.prompt.system, spec.prompt.chat, llm.tokenizer)
     committed, previous = writer.committed_row_ids(), writer.committed_stats()
     _warn_if_spec_changed(previous, digest)
-    inputs, recorded = fingerprints(files, spec.storage_options), preflight.recorded_inputs(writer)
-    preflight.warn_changed_inputs(recorded, inputs)
+    inputs, recorded = preflight.check_inputs_unchanged(writer, files, spec.storage_options)
     log.info("%s: %d input file(s) -> %s%s", spec.name, len(files), resolved["output"]["path"],
              f" (resuming: {len(committed)} rows already committed)" if committed else "")
 
@@ -116,8 +114,7 @@ def _run(spec: JobSpec, writer: OutputWriter, files: list[str], carry: list[str]
     schema.seed(writer.committed_column_types())
     progress = Progress(limit, quiet, spec.name, done=min(len(committed), limit or len(committed)))
     sink = PartSink(writer, schema, spec.output.rows_per_part, digest, on_row=progress.update,
-                    max_age_s=spec.output.max_part_age_s, inputs=inputs,
-                    recorded={f for f in inputs if redact(f) in recorded})
+                    max_age_s=spec.output.max_part_age_s, inputs=inputs, recorded=recorded)
     max_prompt = min(spec.batching.max_prompt_tokens, llm.max_model_len - 1)  # room for >= 1 new token
     preparer = Preparer(renderer, carry, max_prompt, spec.batching.truncate, committed,
                         spec.batching.prompt_chars(),
