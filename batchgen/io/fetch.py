@@ -10,7 +10,7 @@ import os
 import shutil
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import fsspec
 
@@ -104,9 +104,11 @@ def _remove_leftovers(dest: Path) -> None:
         shutil.rmtree(stale, ignore_errors=True) if stale.is_dir() else stale.unlink(missing_ok=True)
 
 
-def fetch(url: str, dest: Path, storage_options: dict[str, Any] | None = None) -> Path:
+def fetch(url: str, dest: Path, storage_options: dict[str, Any] | None = None,
+          select: Callable[[list[str]], list[str]] | None = None) -> Path:
     """Copies the file or folder at url to dest (which must not exist) with the job's credentials and
-    retries; dest appears complete or not at all. Raises FileNotFoundError or InputError."""
+    retries; dest appears complete or not at all. ``select`` picks which of a folder's files (paths
+    relative to it) to copy. Raises FileNotFoundError or InputError."""
     fs, root = filesystem(url, storage_options)
     root = root.rstrip("/")
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -114,7 +116,8 @@ def fetch(url: str, dest: Path, storage_options: dict[str, Any] | None = None) -
     staging = dest.with_name(f".{dest.name}{TEMP_MARK}{uuid.uuid4().hex}")
     try:
         files = _listing(fs, root, url)
-        for rel, info in sorted(files.items()):
+        chosen = select(sorted(files)) if select is not None else sorted(files)
+        for rel, info in ((r, files[r]) for r in chosen):
             remote = f"{root}/{rel}" if rel else root
             _download(fs, remote, staging / rel if rel else staging, info)
         os.replace(staging, dest)

@@ -18,6 +18,7 @@ log = logging.getLogger(__name__)
 MANIFEST_DIR = "_manifest"
 SUCCESS = "_SUCCESS"
 STATS = "stats.json"
+TELEMETRY = "telemetry.json"
 FORMATS = ("parquet", "jsonl")
 PART_RE = re.compile(r"^part-(\d{5,})\.(parquet|jsonl)$")
 ENTRY_RE = re.compile(r"^part-(\d{5,})\.json$")

@@ -14,16 +14,16 @@ from batchgen.crashpoints import crash_point
 from batchgen.io.errors import OutputError
 from batchgen.io.lease import Lease, LeaseSettings
 from batchgen.io.manifest import (
-    FORMATS, MANIFEST_DIR, PART_RE, STATS, SUCCESS, TEMP_MARK, ManifestEntry, entry_name, list_names,
+    FORMATS, MANIFEST_DIR, PART_RE, STATS, SUCCESS, TELEMETRY, TEMP_MARK, ManifestEntry, entry_name, list_names,
     load_entries, part_name, to_json_bytes,
 )
-from batchgen.io.parts import deserialize_rows, serialize_rows
+from batchgen.io.parts import serialize_rows
 from batchgen.io.paths import filesystem
 from batchgen.io.redaction import redact
 from batchgen.io.retry import retry
 from batchgen.io.store import Store
 
-__all__ = ["OutputWriter", "read_output"]
+__all__ = ["OutputWriter"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -123,7 +123,7 @@ class OutputWriter:
             self._delete([n for n in (SUCCESS,) if n in names])
             if MANIFEST_DIR in names:
                 retry(lambda: self.fs.rm(self._full(MANIFEST_DIR), recursive=True), what="delete manifest")
-            self._delete([n for n in names if PART_RE.match(n) or n == STATS or TEMP_MARK in n])
+            self._delete([n for n in names if PART_RE.match(n) or n in (STATS, TELEMETRY) or TEMP_MARK in n])
 
         self._guard(delete, "clear previous output in")
 
@@ -242,6 +242,10 @@ class OutputWriter:
         """Write stats.json (credentials redacted)."""
         self._guard(lambda: self._put(STATS, to_json_bytes(stats)), "write stats.json in")
 
+    def write_telemetry(self, telemetry: dict[str, Any]) -> None:
+        """Write telemetry.json (credentials redacted), beside stats.json."""
+        self._guard(lambda: self._put(TELEMETRY, to_json_bytes(telemetry)), "write telemetry.json in")
+
     def commit(self, stats: dict[str, Any]) -> None:
         """Mark the job finished: write _SUCCESS, holding the job's stats, last."""
         self._guard(lambda: self._put(SUCCESS, to_json_bytes(stats)), "write _SUCCESS in")
@@ -257,18 +261,3 @@ class OutputWriter:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-
-def read_output(path: str, storage_options: dict[str, Any] | None = None) -> list[dict[str, Any]]:
-    """All rows of the committed parts under path, in part order."""
-    try:
-        fs, root = filesystem(path, storage_options)
-        root = root.rstrip("/")
-        entries, _ = load_entries(fs, root)
-        rows: list[dict[str, Any]] = []
-        for n in sorted(entries):
-            part = entries[n].part
-            data = retry(lambda: fs.cat_file(f"{root}/{part}"), what=f"read {part}")
-            rows.extend(deserialize_rows(data, part.rsplit(".", 1)[-1]))
-        return rows
-    except Exception as exc:
-        raise OutputError(redact(f"cannot read output {path}: {type(exc).__name__}: {exc}")) from exc

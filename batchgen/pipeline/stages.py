@@ -3,13 +3,15 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import Callable, Iterable, Iterator
 
 from batchgen.engine import SamplingParams
-from batchgen.io import InputRow, redact
+from batchgen.io import InputRow, read_rows, redact
 from batchgen.pipeline.batching import prompt_sort_key, sort_window
-from batchgen.pipeline.render import PromptRenderer, RenderError, TruncateMode, fit_chars, truncate
+from batchgen.pipeline.render import PromptRenderer, RenderError, Tokenizer, TruncateMode, fit_chars, truncate
 from batchgen.pipeline.rows import Request, ResultRow, carried_values, error_row
+from batchgen.pipeline.spec import JobSpec
 
 DUP_MARK = "#dup"
 
@@ -54,6 +56,7 @@ class Preparer:
     model_len: int | None = None  # the model's context, when it is what limits max_prompt_tokens
     ids: RowIds = field(default_factory=RowIds)
     skipped: int = 0  # rows already committed by an earlier run
+    truncated: int = 0  # prompts cut to max_prompt_tokens ("left"/"right"; "error" makes them error rows)
 
     def prepare(self, rows: Iterable[InputRow]) -> Iterator[Request | ResultRow]:
         for row in rows:
@@ -70,9 +73,12 @@ class Preparer:
                 yield error_row(row_id, carried, "invalid_input", row.error, row.source)
             else:
                 try:
-                    text = fit_chars(self.renderer.render_text(row.values), self.max_prompt_chars,
-                                     self.truncate_mode)
-                    ids = truncate(self.renderer.encode(text), self.max_prompt_tokens, self.truncate_mode)
+                    text = self.renderer.render_text(row.values)
+                    cut = fit_chars(text, self.max_prompt_chars, self.truncate_mode)
+                    ids = self.renderer.encode(cut)
+                    if len(ids) > self.max_prompt_tokens or len(cut) < len(text):
+                        ids = truncate(ids, self.max_prompt_tokens, self.truncate_mode)
+                        self.truncated += 1
                 except RenderError as e:
                     message = e.message
                     if e.code == "prompt_too_long" and self.model_len is not None:
@@ -80,6 +86,23 @@ class Preparer:
                     yield error_row(row_id, carried, e.code, message, row.source)
                     continue
                 yield Request(row_id, carried, ids, row.source)
+
+
+def job_preparer(spec: JobSpec, tokenizer: Tokenizer, model_len: int, carry: list[str],
+                 committed: set[str]) -> Preparer:
+    """The job's row preparation for a model of context ``model_len``; the run and ``batchgen plan`` both
+    use it, so that the plan's token counts are the run's."""
+    max_prompt = min(spec.batching.max_prompt_tokens, model_len - 1)  # room for >= 1 new token
+    renderer = PromptRenderer(spec.prompt.template, spec.prompt.system, spec.prompt.chat, tokenizer)
+    return Preparer(renderer, carry, max_prompt, spec.batching.truncate, committed, spec.batching.prompt_chars(),
+                    model_len=model_len if max_prompt < spec.batching.max_prompt_tokens else None)
+
+
+def input_rows(spec: JobSpec, files: list[str], limit: int | None) -> Iterator[InputRow]:
+    """The job's input rows in reading order, the first ``limit`` only when given."""
+    rows = read_rows(files, spec.input.format, spec.storage_options, spec.input.id_column,
+                     max_row_bytes=spec.input.max_row_bytes)
+    return islice(rows, limit) if limit is not None else rows
 
 
 def divert_errors(items: Iterable[Request | ResultRow], on_error: Callable[[ResultRow], None]

@@ -3,9 +3,10 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 from datetime import datetime, timezone
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
-from batchgen.pipeline.rows import ResultRow
+if TYPE_CHECKING:  # the report reads stats without importing the engine
+    from batchgen.pipeline.rows import ResultRow
 
 
 @dataclass
@@ -56,11 +57,12 @@ def _rate(n: int, seconds: float) -> float:
 
 def job_stats(*, totals: Counts, run: Counts, job: str, model: str, spec: dict[str, Any], spec_digest: str,
               started_at: str, wall_s: float, generate_s: float, resumed: bool, complete: bool,
-              limit: int | None) -> dict[str, Any]:
+              limit: int | None, engine: dict[str, Any] | None = None) -> dict[str, Any]:
     """The job's stats: totals over every committed part (earlier runs included), rates over this run.
 
     ``wall_s`` is this run from start to finish (model load included); the tokens-per-second rates divide
-    this run's tokens by ``generate_s``, the time from the first request to the last result.
+    this run's tokens by ``generate_s``, the time from the first request to the last result. ``engine``
+    holds this run's engine totals (see ``telemetry.engine_summary``).
     """
     return {
         "job": job,
@@ -79,5 +81,6 @@ def job_stats(*, totals: Counts, run: Counts, job: str, model: str, spec: dict[s
         "complete": complete,
         "limit": limit,
         "this_run": run.to_dict(),
+        "engine": engine or {},
         "spec": spec,
     }
