@@ -3,7 +3,8 @@ the model downloads, and two runs started on one output. After every fault a rer
 row exactly once, the same rows as an uninterrupted run, and _SUCCESS.
 
 Each kill test prints one line to quote: ``chaos <store>: K/K kills survived, 0 rows lost, 0 rows
-duplicated``. The killed processes are forked by tests/chaos_zygote.py, which imports batchgen once.
+duplicated``; ``CHAOS_ROUNDS=n`` in the environment runs n rounds of 10 seeded kills instead of one. The
+killed processes are forked by tests/chaos_zygote.py, which imports batchgen once.
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ TOTAL = ROWS_A + ROWS_B
 ERROR_ROWS = 2
 PARTS = -(-TOTAL // ROWS_PER_PART)
 KILLS = 10
+ROUNDS = int(os.environ.get("CHAOS_ROUNDS", "1"))
 # (crash point, how many times the job reaches it): the count of each kill is drawn from 1..n
 PHASES = {
     "read_row": TOTAL,                 # reading
@@ -133,8 +135,8 @@ def wait_for_a_part(store: Store, out: str, zygote: Zygote, pid: int, log: Path)
 
 def kill_and_rerun(store: Store, name: str, seed: int, points: list[str], tiny_model: Path, tiny_llm, zygote,
                    reference, tmp_path: Path, capsys) -> None:
-    plan = schedule(seed, points)
-    assert {k.point for k in plan} >= set(points) and len(plan) == KILLS
+    plan = [k for r in range(ROUNDS) for k in schedule(seed + 1000 * r, points)]
+    assert {k.point for k in plan} >= set(points) and len(plan) == KILLS * ROUNDS
     survived, lost, duplicated = 0, 0, 0
     for i, kill in enumerate(plan):
         out = f"{store.base}/kill-{i}"

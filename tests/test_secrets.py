@@ -16,6 +16,7 @@ from batchgen.cli import main
 from batchgen.io import read_output
 from batchgen.io.redaction import MASK, is_secret_key, redact, remember_secrets_in
 from batchgen.pipeline import preflight
+from batchgen.pipeline.spec import spec_from_dict
 from tests.job_helpers import records, spec_dict, tiny_llm, write_jsonl  # noqa: F401  (fixture)
 from tests.s3_server import BUCKET, moto_server, s3  # noqa: F401  (fixtures)
 
@@ -96,6 +97,26 @@ def test_every_credential_option_is_masked(family):
     remember_secrets_in(opts)  # what storage_options_for does: values echoed by a library are masked too
     for secret in secrets:
         assert redact(f"botocore said: bad value {secret}!") == f"botocore said: bad value {MASK}!"
+
+
+def _rotated(value: Any, key: str = "") -> Any:
+    """value with every credential replaced by another one."""
+    if isinstance(value, dict):
+        return {k: _rotated(v, k) for k, v in value.items()}
+    return value + "-rotated" if isinstance(value, str) and is_secret_key(key) else value
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_spec_digest_ignores_credentials_only(family, tmp_path):
+    def digest(opts: dict[str, Any], model: str = "m", **over: Any) -> str:
+        return spec_from_dict(spec_dict(model, "in.jsonl", "out/", storage_options=opts, **over), env={}).digest()
+
+    opts = FAMILIES[family]
+    assert digest(opts) == digest(_rotated(opts)) == digest(json.loads(json.dumps(opts)))
+    assert digest(opts) != digest({**opts, "endpoint_url": "http://elsewhere:9000"})
+    assert digest(opts) != digest(opts, model="other")
+    assert digest(opts, input={"path": f"https://u:{URL_PASSWORD}@h/in.jsonl"}) == \
+        digest(opts, input={"path": "https://u:another-password@h/in.jsonl"})
 
 
 def test_text_forms_are_masked():
