@@ -166,7 +166,7 @@ def kill_and_rerun(store: Store, name: str, seed: int, points: list[str], tiny_m
         assert ok, f"{kill}: {len(rows)} rows, {len(ids)} ids, committed before the rerun: {len(first)}"
     with capsys.disabled():
         print(f"\nchaos {name}: {survived}/{len(plan)} kills survived, {lost} rows lost, {duplicated} rows "
-              f"duplicated ({', '.join(map(str, plan))})")
+              f"duplicated\n  kills at: {', '.join(map(str, plan))}")
     assert (survived, lost, duplicated) == (len(plan), 0, 0)
 
 
