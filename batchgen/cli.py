@@ -1,4 +1,5 @@
-"""The ``batchgen`` command line: ``run``, ``validate``, ``plan`` a job spec, ``report`` on its output, ``bench``."""
+"""The ``batchgen`` command line: ``run``, ``validate``, ``plan`` a job spec, ``openai-batch`` a request file,
+``report`` on an output, ``bench``."""
 from __future__ import annotations
 
 import json
@@ -16,7 +17,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from batchgen.bench.command import bench
 from batchgen.io import redact
 from batchgen.pipeline.errors import JobError, JobInterrupted
-from batchgen.pipeline.spec import JobSpec, SpecError, load_spec
+from batchgen.pipeline.spec import JobSpec, SpecError, load_spec, spec_from_dict
 
 log = logging.getLogger("batchgen")
 
@@ -48,13 +49,17 @@ def _fail(message: str, code: int) -> NoReturn:
     sys.exit(code)
 
 
+def _spec_errors(e: SpecError) -> NoReturn:
+    for line in e.errors:
+        click.echo(f"error: {redact(line)}", err=True)
+    sys.exit(EXIT_USAGE)
+
+
 def _load(job: str, overrides: tuple[str, ...]) -> JobSpec:
     try:
         return load_spec(job, overrides)
     except SpecError as e:
-        for line in e.errors:
-            click.echo(f"error: {redact(line)}", err=True)
-        sys.exit(EXIT_USAGE)
+        _spec_errors(e)
 
 
 set_option = click.option("--set", "overrides", multiple=True, metavar="KEY.PATH=VALUE",
@@ -76,9 +81,7 @@ def _job_failures(spec: JobSpec, verbose: bool) -> Iterator[None]:
     try:
         yield
     except SpecError as e:
-        for line in e.errors:
-            click.echo(f"error: {redact(line)}", err=True)
-        sys.exit(EXIT_USAGE)
+        _spec_errors(e)
     except JobInterrupted as e:
         _fail(f"{spec.name}: {e}; rerun the same command to resume", e.exit_code)
     except JobError as e:
@@ -91,20 +94,57 @@ def _job_failures(spec: JobSpec, verbose: bool) -> Iterator[None]:
         _fail(f"{spec.name}: {type(e).__name__}: {e}", EXIT_FAILED)
 
 
+def run_options(command):
+    """The options of the commands that run a job."""
+    for option in reversed((
+            set_option, limit_option,
+            click.option("--overwrite", is_flag=True,
+                         help="Delete earlier output in the output folder and start over."),
+            click.option("--force-unlock", is_flag=True,
+                         help="Take the output folder even if another run holds its lease (only when that run "
+                              "is gone)."),
+            click.option("--quiet", "-q", is_flag=True, help="No progress bar, warnings and errors only."),
+            click.option("--verbose", "-v", is_flag=True, help="Debug logging and tracebacks."))):
+        command = option(command)
+    return command
+
+
 @main.command()
 @click.argument("job", type=click.Path(dir_okay=False))
-@set_option
-@limit_option
-@click.option("--overwrite", is_flag=True, help="Delete earlier output in the output folder and start over.")
-@click.option("--force-unlock", is_flag=True,
-              help="Take the output folder even if another run holds its lease (only when that run is gone).")
-@click.option("--quiet", "-q", is_flag=True, help="No progress bar, warnings and errors only.")
-@click.option("--verbose", "-v", is_flag=True, help="Debug logging and tracebacks.")
+@run_options
 def run(job: str, overrides: tuple[str, ...], limit: int | None, overwrite: bool, force_unlock: bool,
         quiet: bool, verbose: bool) -> None:
     """Run the job spec JOB (YAML); rerunning an interrupted job resumes it. One run at a time may write
     an output folder: a second one fails at once, naming the host and pid that holds it."""
-    spec = _load(job, overrides)
+    _run(_load(job, overrides), limit, overwrite, force_unlock, quiet, verbose)
+
+
+@main.command("openai-batch")
+@click.option("--input", "-i", "input_path", required=True,
+              help="OpenAI Batch request file (JSONL), local or URL.")
+@click.option("--output", "-o", "output_path", required=True, help="Output folder, local or URL.")
+@click.option("--model", required=True, help="Built-in name, model folder, .gguf file, or URL.")
+@run_options
+def openai_batch(input_path: str, output_path: str, model: str, overrides: tuple[str, ...], limit: int | None,
+                 overwrite: bool, force_unlock: bool, quiet: bool, verbose: bool) -> None:
+    """Run an OpenAI Batch request file; writes result lines (part-N.jsonl) and error lines (errors-N.jsonl).
+
+    Each line's own settings apply. Lines that leave them out get the API's defaults (temperature 1, top_p 1)
+    with seed 0, and at most 4096 tokens; --set sampling.KEY=VALUE changes these defaults.
+    """
+    data = {"name": "openai-batch", "model": {"path": model},
+            "input": {"path": input_path, "format": "openai"},
+            "sampling": {"temperature": 1.0, "max_tokens": 4096},
+            "output": {"path": output_path, "format": "openai"}}
+    try:
+        spec = spec_from_dict(data, overrides)
+    except SpecError as e:
+        _spec_errors(e)
+    _run(spec, limit, overwrite, force_unlock, quiet, verbose)
+
+
+def _run(spec: JobSpec, limit: int | None, overwrite: bool, force_unlock: bool, quiet: bool,
+         verbose: bool) -> None:
     from batchgen.pipeline.runner import run_job  # the engine's imports are slow: only when running
 
     with _job_failures(spec, verbose), _logging(verbose, quiet):

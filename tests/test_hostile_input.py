@@ -9,10 +9,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from batchgen.engine import SamplingParams
 from batchgen.io import InputRow, read_rows
 from batchgen.pipeline.render import PromptRenderer, truncate
 from batchgen.pipeline.runner import run_job
-from batchgen.pipeline.stages import Preparer
+from batchgen.pipeline.stages import Preparer, TemplatePrompts
 from tests.job_helpers import check_output, make_spec, records, texts, tiny_llm, write_jsonl  # noqa: F401
 
 MB = 1 << 20
@@ -123,7 +124,7 @@ def test_cutting_characters_first_keeps_the_same_tokens(tiny_llm, mode):
     """Truncating a long prompt's text before tokenizing gives the tokens that truncating after would."""
     renderer = PromptRenderer("Summarize: {{ text }}", "Be brief.", True, tiny_llm.tokenizer)
     text = " ".join(texts(400))  # ~30,000 characters
-    preparer = Preparer(renderer, [], 64, mode, set(), max_prompt_chars=32 * 64)
-    [request] = list(preparer.prepare([InputRow("x", {"text": text}, "in.jsonl", 0)]))
+    prompts = TemplatePrompts(renderer, SamplingParams(), max_chars=32 * 64, truncate_mode=mode)
+    [request] = list(Preparer(prompts, [], 64, mode, set()).prepare([InputRow("x", {"text": text}, "in.jsonl", 0)]))
     full = truncate(renderer.render({"text": text}), 64, mode)
     assert len(text) > 10 * 32 * 64 and request.prompt_ids == full

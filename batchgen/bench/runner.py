@@ -30,6 +30,7 @@ class BenchConfig:
     attention_backend: str | None = None
     cuda_graphs: str = "auto"
     warmup_prompts: int = 2
+    json_schema: dict | None = None  # constrain every output to this JSON Schema
 
 
 def make_llm(cfg: BenchConfig) -> LLM:
@@ -41,7 +42,7 @@ def make_llm(cfg: BenchConfig) -> LLM:
 def run_bench(llm: LLM, workload: Workload, cfg: BenchConfig) -> dict:
     """Times ``llm.generate`` over the workload (after a warm-up) and derives throughput figures."""
     model_cfg = llm.engine.model_config
-    params = SamplingParams(max_tokens=cfg.output_len, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=cfg.output_len, temperature=0, ignore_eos=True, json_schema=cfg.json_schema)
     longest = max(map(len, workload.prompts))
     if longest + cfg.output_len > llm.max_model_len:
         raise ValueError(f"prompts of up to {longest} tokens + {cfg.output_len} output tokens exceed "
@@ -96,6 +97,9 @@ def summarize(workload, outputs, m: EngineMetrics, wall: float, model_cfg, matmu
         "roofline_prompt_tokens_per_s": round(roofline_tps, 1),
         "prompt_tokens_per_s_over_roofline": round(prompt_tps / roofline_tps, 4),
     }
+    if m.grammar_steps:
+        result["grammar_steps"] = m.grammar_steps
+        result["mask_ms_per_step"] = round(1e3 * m.grammar_mask_time_s / m.grammar_steps, 3)
     if peak:
         result["gpu_peak_tflops"] = peak / 1e12
         result["mfu_vs_gpu_peak"] = round(flops / wall / peak, 4)

@@ -11,7 +11,8 @@ class StepRecord:
     ``start_s`` is ``time.perf_counter()`` when the model run began. ``prefill_tokens`` are prompt tokens
     computed, ``decode_tokens`` the other tokens computed (generated ones fed back, or recomputed after a
     preemption); together they are the step's tokens, at most ``token_budget``. ``padded_tokens`` were
-    computed only to fit a captured CUDA graph's shape.
+    computed only to fit a captured CUDA graph's shape. ``grammar_rows`` sampled under a grammar's token
+    bitmask, which took ``mask_time_s`` to build before the model run (not part of ``duration_s``).
     """
 
     start_s: float
@@ -25,6 +26,8 @@ class StepRecord:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     preemptions: int = 0
+    grammar_rows: int = 0
+    mask_time_s: float = 0.0
 
     @property
     def decode_only(self) -> bool:
@@ -51,6 +54,8 @@ class EngineMetrics:
     preemptions: int = 0
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0
+    grammar_steps: int = 0  # steps that built a grammar bitmask
+    grammar_mask_time_s: float = 0.0  # time spent filling those bitmasks
 
     def add_step(self, r: StepRecord) -> None:
         if r.decode_only:
@@ -67,6 +72,8 @@ class EngineMetrics:
         self.preemptions += r.preemptions
         self.prefix_cache_queries += r.prefix_cache_queries
         self.prefix_cache_hits += r.prefix_cache_hits
+        self.grammar_steps += r.grammar_rows > 0
+        self.grammar_mask_time_s += r.mask_time_s
 
     @property
     def prefix_cache_hit_rate(self) -> float:

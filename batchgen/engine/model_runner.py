@@ -12,7 +12,7 @@ from batchgen.engine.layers.attention import AttentionMetadata
 from batchgen.engine.layers.ops import default_backend, make_kernel_set
 from batchgen.engine.model_source import ModelSource
 from batchgen.engine.models.llama import LlamaForCausalLM
-from batchgen.engine.sampler import SamplingBatch, sample
+from batchgen.engine.sampler import SamplingBatch, TokenBitmask, sample
 from batchgen.engine.scheduler import ScheduledSeq
 
 if TYPE_CHECKING:
@@ -106,7 +106,7 @@ class ModelRunner:
         return (torch.tensor(input_ids, device=dev), positions.to(dev), meta,
                 torch.tensor(logits_rows, device=dev, dtype=torch.int64))
 
-    def sampling_batch(self, scheduled: list[ScheduledSeq]) -> SamplingBatch:
+    def sampling_batch(self, scheduled: list[ScheduledSeq], bitmask: TokenBitmask | None = None) -> SamplingBatch:
         seqs = [s.seq for s in scheduled if s.sample]
         params = [s.params for s in seqs]
         dev = self.device
@@ -119,11 +119,16 @@ class ModelRunner:
             want_logprobs=any(p.logprobs for p in params),
             all_greedy=all(p.temperature == 0 for p in params),
             any_top_k_or_p=any(p.top_k > 0 or p.top_p < 1 for p in params),
+            bitmask=bitmask,
         )
 
     @torch.inference_mode()
-    def run(self, scheduled: list[ScheduledSeq]) -> tuple[list[int], list[float] | None]:
-        """One forward over the packed step; returns sampled tokens for the rows that sample."""
+    def run(self, scheduled: list[ScheduledSeq], bitmask: TokenBitmask | None = None
+            ) -> tuple[list[int], list[float] | None]:
+        """One forward over the packed step; returns sampled tokens for the rows that sample.
+
+        ``bitmask`` restricts the next token of the sampling rows that have a grammar.
+        """
         input_ids, positions, meta, logits_rows = self.prepare(scheduled)
         graph = self.graphs.pick(meta, len(input_ids)) if self.graphs is not None else None
         self.padded_tokens = graph[1] - len(input_ids) if graph is not None else 0
@@ -133,5 +138,5 @@ class ModelRunner:
             logits = self.model(input_ids, positions, meta, logits_rows)
         if len(logits_rows) == 0:  # only non-final prompt chunks this step
             return [], None
-        tokens, logprobs = sample(logits, self.sampling_batch(scheduled))
+        tokens, logprobs = sample(logits, self.sampling_batch(scheduled, bitmask))
         return tokens.tolist(), (logprobs.tolist() if logprobs is not None else None)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from collections import deque
+from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass, field
 
 from batchgen.engine.block_manager import BlockManager
@@ -31,7 +32,8 @@ class Scheduler:
     """Running sequences first (decodes and unfinished prompt chunks), then new prompts, in chunks.
 
     Running sequences keep their order; when blocks run out the newest running sequence is preempted:
-    its blocks are freed and it is recomputed later (its cached prefix blocks may survive).
+    its blocks are freed and it is recomputed later (its cached prefix blocks may survive). A request whose
+    grammar is still compiling waits aside and joins the waiting queue once it is ready.
     """
 
     def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int, max_num_seqs: int):
@@ -40,16 +42,42 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.waiting_for_grammar: list[Sequence] = []
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        if seq.grammar is not None and seq.grammar.matcher is None:  # started by promote_compiled
+            seq.status = SequenceStatus.WAITING_FOR_GRAMMAR
+            self.waiting_for_grammar.append(seq)
+        else:
+            self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.waiting_for_grammar)
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.running) + len(self.waiting_for_grammar)
+
+    def promote_compiled(self) -> list[Sequence]:
+        """Queues the requests whose grammar has compiled; returns (finished) those whose grammar failed."""
+        failed: list[Sequence] = []
+        pending: list[Sequence] = []
+        for seq in self.waiting_for_grammar:
+            if not seq.grammar.is_ready:
+                pending.append(seq)
+            elif seq.grammar.start():
+                seq.status = SequenceStatus.WAITING
+                self.waiting.append(seq)
+            else:
+                seq.status = SequenceStatus.FINISHED
+                failed.append(seq)
+        self.waiting_for_grammar = pending
+        return failed
+
+    def wait_for_grammars(self, timeout: float) -> None:
+        """Blocks until some pending grammar has compiled (or ``timeout``): for when nothing else can run."""
+        if self.waiting_for_grammar:
+            wait([s.grammar.future for s in self.waiting_for_grammar], timeout, return_when=FIRST_COMPLETED)
 
     def schedule(self) -> ScheduledStep:
         budget = self.max_num_batched_tokens

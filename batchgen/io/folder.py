@@ -44,11 +44,12 @@ class OutputFolder:
     def committed_row_ids(self) -> set[str]:
         return {rid for e in self.entries() for rid in e.row_ids}
 
-    def read_part(self, entry: ManifestEntry) -> bytes:
-        """The whole file of one committed part."""
-        target = f"{self.root}/{entry.part}"
-        return self._guard(lambda: retry(lambda: self.fs.cat_file(target), what=f"read {entry.part}"),
-                           f"read {entry.part} of")
+    def read_part(self, entry: ManifestEntry, name: str | None = None) -> bytes:
+        """The whole file ``name`` of one committed part (default: its main file; see ``entry.files``)."""
+        name = name or entry.part
+        target = f"{self.root}/{name}"
+        return self._guard(lambda: retry(lambda: self.fs.cat_file(target), what=f"read {name}"),
+                           f"read {name} of")
 
     def read_json(self, name: str) -> dict[str, Any] | None:
         """A JSON metadata file of the folder (stats.json, telemetry.json, _SUCCESS); None when absent."""
@@ -70,12 +71,13 @@ class OutputFolder:
 
 
 def read_output(path: str, storage_options: dict[str, Any] | None = None) -> list[dict[str, Any]]:
-    """All rows of the committed parts under path, in part order."""
+    """All rows of the committed parts under path, in part order (an OpenAI Batch part: results, then errors)."""
     folder = OutputFolder(path, storage_options)
     rows: list[dict[str, Any]] = []
     for entry in folder.entries():
         try:
-            rows.extend(deserialize_rows(folder.read_part(entry), entry.part.rsplit(".", 1)[-1]))
+            for name in entry.files:
+                rows.extend(deserialize_rows(folder.read_part(entry, name), name.rsplit(".", 1)[-1]))
         except OutputError:
             raise
         except Exception as exc:

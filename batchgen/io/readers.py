@@ -26,7 +26,7 @@ __all__ = ["InputRow", "read_rows", "read_columns", "count_rows", "detect_format
 PARQUET_SUFFIXES = (".parquet", ".pq")
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 _FORMAT_ALIASES = {"parquet": "parquet", "pq": "parquet",
-                   "jsonl": "jsonl", "json": "jsonl", "ndjson": "jsonl"}
+                   "jsonl": "jsonl", "json": "jsonl", "ndjson": "jsonl", "openai": "jsonl"}
 # Reopen attempts after a transient error in the middle of a file (s3fs has already retried each call).
 _STREAM_ATTEMPTS = 4
 _COLUMN_SAMPLE_OBJECTS = 100
@@ -57,7 +57,7 @@ def detect_format(url: str, fmt: str = "auto") -> str:
         try:
             return _FORMAT_ALIASES[fmt.lower()]
         except KeyError:
-            raise InputError(f"unknown input format {fmt!r}; use parquet or jsonl") from None
+            raise InputError(f"unknown input format {fmt!r}; use parquet, jsonl or openai") from None
     name = url.lower()
     if infer_compression(name):
         name = name.rsplit(".", 1)[0]

@@ -17,7 +17,7 @@ from batchgen.io.manifest import (
     FORMATS, MANIFEST_DIR, PART_RE, STATS, SUCCESS, TELEMETRY, TEMP_MARK, ManifestEntry, entry_name, list_names,
     load_entries, part_name, to_json_bytes,
 )
-from batchgen.io.parts import serialize_rows
+from batchgen.io.parts import serialize_part
 from batchgen.io.paths import filesystem
 from batchgen.io.redaction import redact
 from batchgen.io.retry import retry
@@ -133,7 +133,7 @@ class OutputWriter:
                         "delete bad manifest entries in")
 
     def _check_resume_format(self) -> None:
-        other = sorted({e.part.rsplit(".", 1)[-1] for e in self._entries.values()} - {self.fmt})
+        other = sorted({e.format for e in self._entries.values()} - {self.fmt})
         if other:
             raise OutputError(redact(f"{self.path} holds committed {other[0]} parts from an earlier run; "
                                      f"resume with that format or overwrite"))
@@ -180,7 +180,7 @@ class OutputWriter:
 
     def cleanup_uncommitted(self) -> None:
         """Delete part and temp files that no manifest entry covers (left by a crashed run)."""
-        committed = {e.part for e in self._entries.values()}
+        committed = {f for e in self._entries.values() for f in e.files}
 
         def cleanup() -> None:
             names = list_names(self.fs, self.root)
@@ -189,7 +189,7 @@ class OutputWriter:
                 orphans += [f"{MANIFEST_DIR}/{n}" for n in list_names(self.fs, self._full(MANIFEST_DIR))
                             if TEMP_MARK in n]
             # an entry whose part file has gone no longer covers its rows
-            missing = [n for n, e in self._entries.items() if e.part not in names]
+            missing = [n for n, e in self._entries.items() if not set(e.files) <= set(names)]
             for n in missing:
                 log.warning("part %s listed in the manifest is missing; its rows will be redone",
                             self._entries[n].part)
@@ -223,13 +223,14 @@ class OutputWriter:
         if not rows and schema is None and self.fmt == "parquet":
             raise OutputError(f"{name}: an empty Parquet part needs a schema")
         try:
-            data = serialize_rows(rows, self.fmt, schema, self._types)
+            files = serialize_part(rows, self.fmt, number, schema, self._types)
         except Exception as exc:
             raise OutputError(redact(f"cannot serialize {name}: {type(exc).__name__}: {exc}")) from exc
         entry = ManifestEntry(number=number, part=name, row_ids=[str(r) for r in row_ids],
-                              stats=dict(stats or {}))
+                              stats=dict(stats or {}), files=list(files), format=self.fmt)
         crash_point("part.before")
-        self._guard(lambda: self._put(name, data), f"write {name} in")
+        for file_name, data in files.items():
+            self._guard(lambda: self._put(file_name, data), f"write {file_name} in")
         crash_point("part.after")
         self._guard(lambda: self._put(f"{MANIFEST_DIR}/{entry_name(number)}", entry.to_bytes()),
                     f"commit {name} in")

@@ -4,16 +4,17 @@ from __future__ import annotations
 import logging
 import signal
 import time
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from batchgen.crashpoints import crash_point
-from batchgen.engine import LLM, SamplingParams
+from batchgen.engine import LLM
 from batchgen.io import InputError, InputRow, OutputError, OutputWriter, count_rows, redact
 from batchgen.pipeline import preflight
 from batchgen.pipeline.errors import JobError, JobInterrupted
 from batchgen.pipeline.interrupt import StopRequest, stop_on_signals
 from batchgen.pipeline.progress import Progress
-from batchgen.pipeline.rows import PartSchema, engine_row
+from batchgen.pipeline.openai_requests import default_url
+from batchgen.pipeline.rows import PartSchema, ResultRow, engine_row, openai_record
 from batchgen.pipeline.sink import PartSink
 from batchgen.pipeline.spec import JobSpec
 from batchgen.pipeline.prefetch import Prefetcher
@@ -28,10 +29,13 @@ __all__ = ["run_job", "JobError", "JobInterrupted"]
 PREFETCH_ROWS = 1024  # prepared rows queued ahead of the sort window
 
 
-def sampling_params(spec: JobSpec) -> SamplingParams:
-    s = spec.sampling
-    return SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                          seed=s.seed, stop=list(s.stop))
+def row_writer(spec: JobSpec, schema: PartSchema) -> Callable[[ResultRow], dict[str, Any]]:
+    """How a finished row becomes a record of the output format."""
+    if spec.output.format != "openai":
+        return lambda row: row.to_dict(schema.id_column)
+    model = spec.resolved()["model"]["path"]
+    url = default_url(spec.prompt is None or spec.prompt.chat)
+    return lambda row: openai_record(row, model, url)
 
 
 def _warn_if_spec_changed(previous: list[dict[str, Any]], digest: str) -> None:
@@ -67,10 +71,10 @@ def _generate(llm: LLM, spec: JobSpec, rows: Iterable[InputRow], preparer: Prepa
                                "queue_wait")
         start = time.perf_counter()
         with telemetry.listening(llm.engine.step_listeners):
-            outputs = llm.generate_stream(admit(requests, sampling_params(spec), stop.event))
+            outputs = llm.generate_stream(admit(requests, stop.event))
             for req, out in clock.timed(outputs, "engine"):
                 crash_point("generate")
-                write(engine_row(req, out))
+                write(engine_row(req, out, llm.tokenizer))
         return time.perf_counter() - start
     finally:
         prepared.close()
@@ -129,7 +133,8 @@ def _run(spec: JobSpec, writer: OutputWriter, files: list[str], carry: list[str]
     progress = _progress(spec, files, len(committed), limit, quiet)
     sink = PartSink(writer, schema, spec.output.rows_per_part, digest,
                     on_row=lambda row: (progress.update(row), telemetry.on_row(row)),
-                    max_age_s=spec.output.max_part_age_s, inputs=inputs, recorded=recorded)
+                    to_record=row_writer(spec, schema), max_age_s=spec.output.max_part_age_s, inputs=inputs,
+                    recorded=recorded)
     preparer = job_preparer(spec, llm.tokenizer, llm.max_model_len, carry, committed)
     rows = input_rows(spec, files, limit)
 

@@ -26,13 +26,15 @@ class PartSink:
     """
 
     def __init__(self, writer: OutputWriter, schema: PartSchema, rows_per_part: int, spec_digest: str,
-                 on_row: Callable[[ResultRow], None] | None = None, max_age_s: float | None = None,
+                 on_row: Callable[[ResultRow], None] | None = None,
+                 to_record: Callable[[ResultRow], dict[str, Any]] | None = None, max_age_s: float | None = None,
                  inputs: dict[str, dict[str, Any]] | None = None, recorded: set[str] | None = None) -> None:
         self.writer = writer
         self.schema = schema
         self.rows_per_part = rows_per_part
         self.spec_digest = spec_digest
         self.on_row = on_row
+        self.to_record = to_record or (lambda row: row.to_dict(schema.id_column))
         self.max_age_s = max_age_s
         self.inputs = inputs or {}
         self.recorded = set(recorded or ())
@@ -98,7 +100,7 @@ class PartSink:
         rows, counts = self._rows, Counts()
         for r in rows:
             counts.add_row(r)
-        dicts = [r.to_dict(self.schema.id_column) for r in rows]
+        dicts = [self.to_record(r) for r in rows]
         try:
             schema = self.schema.for_rows(dicts) if self.writer.fmt == "parquet" else None
         except ValueError as e:

@@ -4,11 +4,12 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 from itertools import islice
-from typing import Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Mapping, Protocol
 
 from batchgen.engine import SamplingParams
 from batchgen.io import InputRow, read_rows, redact
 from batchgen.pipeline.batching import prompt_sort_key, sort_window
+from batchgen.pipeline.openai_requests import OpenAIPrompts
 from batchgen.pipeline.render import PromptRenderer, RenderError, Tokenizer, TruncateMode, fit_chars, truncate
 from batchgen.pipeline.rows import Request, ResultRow, carried_values, error_row
 from batchgen.pipeline.spec import JobSpec
@@ -43,16 +44,46 @@ class RowIds:
         return candidate
 
 
+class PromptSource(Protocol):
+    """Turns a row's values into prompt token ids and the request's sampling; raises RenderError."""
+
+    def build(self, values: Mapping[str, Any]) -> tuple[list[int], SamplingParams]: ...
+
+
+@dataclass
+class TemplatePrompts:
+    """The spec's prompt template, with the spec's sampling for every row; a rendered prompt over
+    ``max_chars`` is cut (or refused, see render.fit_chars) before it is tokenized."""
+
+    renderer: PromptRenderer
+    params: SamplingParams
+    max_chars: int
+    truncate_mode: TruncateMode
+
+    def build(self, values: Mapping[str, Any]) -> tuple[list[int], SamplingParams]:
+        text = fit_chars(self.renderer.render_text(values), self.max_chars, self.truncate_mode)
+        return self.renderer.encode(text), self.params
+
+
+def prompt_source(spec: JobSpec, tokenizer: Tokenizer) -> PromptSource:
+    """OpenAI Batch lines bring their own prompts and settings; other inputs go through the spec's template."""
+    if spec.input.format == "openai":
+        return OpenAIPrompts(tokenizer, spec.sampling, spec.batching.prompt_chars())
+    p = spec.prompt
+    assert p is not None  # the spec requires it for every other input format
+    return TemplatePrompts(PromptRenderer(p.template, p.system, p.chat, tokenizer), spec.sampling.params(),
+                           spec.batching.prompt_chars(), spec.batching.truncate)
+
+
 @dataclass
 class Preparer:
     """Turns input rows into engine requests, or into error rows for those that cannot run."""
 
-    renderer: PromptRenderer
+    prompts: PromptSource
     carry_columns: list[str]
     max_prompt_tokens: int
     truncate_mode: TruncateMode
     committed: set[str]
-    max_prompt_chars: int
     model_len: int | None = None  # the model's context, when it is what limits max_prompt_tokens
     ids: RowIds = field(default_factory=RowIds)
     skipped: int = 0  # rows already committed by an earlier run
@@ -73,10 +104,8 @@ class Preparer:
                 yield error_row(row_id, carried, "invalid_input", row.error, row.source)
             else:
                 try:
-                    text = self.renderer.render_text(row.values)
-                    cut = fit_chars(text, self.max_prompt_chars, self.truncate_mode)
-                    ids = self.renderer.encode(cut)
-                    if len(ids) > self.max_prompt_tokens or len(cut) < len(text):
+                    ids, params = self.prompts.build(row.values)
+                    if len(ids) > self.max_prompt_tokens:
                         ids = truncate(ids, self.max_prompt_tokens, self.truncate_mode)
                         self.truncated += 1
                 except RenderError as e:
@@ -85,7 +114,7 @@ class Preparer:
                         message += f" (the model's context is {self.model_len} tokens, one kept for output)"
                     yield error_row(row_id, carried, e.code, message, row.source)
                     continue
-                yield Request(row_id, carried, ids, row.source)
+                yield Request(row_id, carried, ids, params, row.source)
 
 
 def job_preparer(spec: JobSpec, tokenizer: Tokenizer, model_len: int, carry: list[str],
@@ -93,8 +122,7 @@ def job_preparer(spec: JobSpec, tokenizer: Tokenizer, model_len: int, carry: lis
     """The job's row preparation for a model of context ``model_len``; the run and ``batchgen plan`` both
     use it, so that the plan's token counts are the run's."""
     max_prompt = min(spec.batching.max_prompt_tokens, model_len - 1)  # room for >= 1 new token
-    renderer = PromptRenderer(spec.prompt.template, spec.prompt.system, spec.prompt.chat, tokenizer)
-    return Preparer(renderer, carry, max_prompt, spec.batching.truncate, committed, spec.batching.prompt_chars(),
+    return Preparer(prompt_source(spec, tokenizer), carry, max_prompt, spec.batching.truncate, committed,
                     model_len=model_len if max_prompt < spec.batching.max_prompt_tokens else None)
 
 
@@ -122,10 +150,10 @@ def sorted_requests(requests: Iterable[Request], window: int, enabled: bool) -> 
     return sort_window(requests, key=lambda r: prompt_sort_key(r.prompt_ids), window=window)
 
 
-def admit(requests: Iterable[Request], params: SamplingParams, stop: threading.Event
+def admit(requests: Iterable[Request], stop: threading.Event
           ) -> Iterator[tuple[Request, list[int], SamplingParams]]:
     """The engine's request stream; it ends as soon as ``stop`` is set, so no new work is admitted."""
     for req in requests:
         if stop.is_set():
             return
-        yield req, req.prompt_ids, params
+        yield req, req.prompt_ids, req.params
