@@ -11,8 +11,10 @@ import pytest
 
 from batchgen.engine import SamplingParams
 from batchgen.io import InputRow, read_rows
-from batchgen.pipeline.render import PromptRenderer, truncate
+from batchgen.pipeline.openai_requests import OpenAIPrompts
+from batchgen.pipeline.render import PromptRenderer, RenderError, truncate
 from batchgen.pipeline.runner import run_job
+from batchgen.pipeline.sampling import SamplingSpec
 from batchgen.pipeline.stages import Preparer, TemplatePrompts
 from tests.job_helpers import check_output, make_spec, records, texts, tiny_llm, write_jsonl  # noqa: F401
 
@@ -128,3 +130,19 @@ def test_cutting_characters_first_keeps_the_same_tokens(tiny_llm, mode):
     [request] = list(Preparer(prompts, [], 64, mode, set()).prepare([InputRow("x", {"text": text}, "in.jsonl", 0)]))
     full = truncate(renderer.render({"text": text}), 64, mode)
     assert len(text) > 10 * 32 * 64 and request.prompt_ids == full
+
+
+def test_openai_request_over_the_character_limit_is_refused_before_tokenizing(tiny_llm):
+    prompts = OpenAIPrompts(tiny_llm.tokenizer, SamplingSpec(), max_chars=1000)
+    chat = {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": "m", "messages": [{"role": "system", "content": "Be brief."},
+                                                {"role": "user", "content": "x" * 5000}]}}
+    with pytest.raises(RenderError, match=r"prompt has 5009 characters > max 1000"):
+        prompts.build(chat)
+    completion = {"custom_id": "b", "method": "POST", "url": "/v1/completions",
+                  "body": {"model": "m", "prompt": "y" * 1001}}
+    with pytest.raises(RenderError, match="prompt_too_long"):
+        prompts.build(completion)
+    completion["body"]["prompt"] = "y" * 1000
+    ids, _ = prompts.build(completion)
+    assert ids == tiny_llm.tokenizer.encode("y" * 1000)
