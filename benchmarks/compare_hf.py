@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from batchgen.bench.flops import linear_params, measure_matmul_flops
+from batchgen.bench.flops import measure_matmul_flops
 from batchgen.bench.workload import from_documents
 from batchgen.engine import LLM, SamplingParams
 from batchgen.engine.hub import resolve_model_path
@@ -107,7 +107,7 @@ def main() -> None:
         timed(lambda: hf_one_at_a_time(model, prompts), args.repeats)
 
     matmul = measure_matmul_flops(dtype, torch.device("cpu"))
-    roofline = matmul / (2 * linear_params(llm.engine.model_config))
+    roofline = matmul / (2 * llm.engine.runner.profile.active_params)
     result = {
         "model": args.model, "dtype": args.dtype, "prompts": len(prompts), "prompt_tokens": tokens,
         "min_len": min(map(len, prompts)), "max_len": max(map(len, prompts)), "repeats": args.repeats,

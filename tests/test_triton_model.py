@@ -17,8 +17,9 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cpu" if INTERPRET else "cuda"
 
 
-def test_triton_backend_matches_torch_logprobs(tiny_model_factory):
-    path = str(tiny_model_factory("qwen3"))  # q/k norm, GQA 2:1
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3-moe"])  # q/k norm, GQA 2:1; with experts in layers 1-2
+def test_triton_backend_matches_torch_logprobs(tiny_model_factory, arch):
+    path = str(tiny_model_factory(arch))
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=True)
     kw = dict(dtype="float32", device=DEVICE, max_num_batched_tokens=40, kv_cache_memory=8 << 20)
     torch_llm = LLM(path, attention_backend="torch", **kw)

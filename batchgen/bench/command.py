@@ -76,8 +76,8 @@ def bench(model, num_prompts, input_len, dataset, column, whole_documents, prefi
             f.write(text + "\n")
 
 
-SHOWN = ("prompt_tokens", "wall_s", "requests_per_s", "prompt_tokens_per_s", "output_tokens_per_s",
-         "total_tokens_per_s", "decode_tokens_per_s", "prefix_cache_hit_rate", "roofline_prompt_tokens_per_s",
+SHOWN = ("total_params", "active_params", "kv_bytes_per_token", "prompt_tokens", "wall_s", "requests_per_s",
+         "prompt_tokens_per_s", "output_tokens_per_s", "total_tokens_per_s", "decode_tokens_per_s", "prefix_cache_hit_rate", "roofline_prompt_tokens_per_s",
          "prompt_tokens_per_s_over_roofline", "mfu_vs_measured_matmul", "mfu_with_attention_vs_measured_matmul",
          "mfu_vs_gpu_peak", "mfu_with_attention_vs_gpu_peak")
 COMPARED = ("output_tokens", "wall_s", "requests_per_s", "output_tokens_per_s", "decode_tokens_per_s",

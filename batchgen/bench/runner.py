@@ -8,12 +8,11 @@ from dataclasses import dataclass
 
 import torch
 
-from batchgen.bench.flops import (
-    attention_flops, gpu_peak_flops, linear_params, lm_head_params, measure_matmul_flops,
-)
+from batchgen.bench.flops import attention_flops, gpu_peak_flops, measure_matmul_flops
 from batchgen.bench.workload import Workload, synthetic
 from batchgen.engine import LLM, SamplingParams
 from batchgen.engine.metrics import EngineMetrics
+from batchgen.engine.models.base import ModelProfile
 
 log = logging.getLogger(__name__)
 
@@ -58,17 +57,21 @@ def run_bench(llm: LLM, workload: Workload, cfg: BenchConfig) -> dict:
     metrics = llm.engine.metrics
     device = llm.config.torch_device()
     matmul = measure_matmul_flops(llm.config.torch_dtype, device)
-    return summarize(workload, outputs, metrics, wall, model_cfg, matmul, gpu_peak_flops(device), cfg, device)
+    runner = llm.engine.runner
+    kv_bytes = runner.kv_layout.bytes_per_token(llm.config.torch_dtype)
+    return summarize(workload, outputs, metrics, wall, runner.profile, kv_bytes, matmul, gpu_peak_flops(device),
+                     cfg, device)
 
 
-def summarize(workload, outputs, m: EngineMetrics, wall: float, model_cfg, matmul_flops: float,
-              peak: float | None, cfg: BenchConfig, device) -> dict:
-    lin, head = linear_params(model_cfg), lm_head_params(model_cfg)
+def summarize(workload, outputs, m: EngineMetrics, wall: float, profile: ModelProfile, kv_bytes_per_token: int,
+              matmul_flops: float, peak: float | None, cfg: BenchConfig, device) -> dict:
+    # MFU counts the matmul weights each token really uses: for MoE its top-k and shared experts.
+    lin, head = profile.active_params, profile.lm_head_params
     prompt_tokens = workload.prompt_tokens
     output_tokens = sum(len(o.token_ids) for o in outputs)
     flops = 2 * lin * m.tokens_computed + 2 * head * m.tokens_generated
     # Positions each request computed: its uncached prompt, then every generated token but the last.
-    attn = sum(attention_flops(model_cfg, o.num_cached_tokens,
+    attn = sum(attention_flops(profile, o.num_cached_tokens,
                                len(o.prompt_token_ids) + max(len(o.token_ids) - 1, 0)) for o in outputs)
     prompt_tps = prompt_tokens / wall
     roofline_tps = matmul_flops / (2 * lin)
@@ -88,7 +91,8 @@ def summarize(workload, outputs, m: EngineMetrics, wall: float, model_cfg, matmu
         "prompt_tokens_computed": m.prompt_tokens_computed,
         "prefix_cache_hit_rate": round(m.prefix_cache_hit_rate, 4),
         "preemptions": m.preemptions,
-        "linear_params": lin,
+        "total_params": profile.total_params, "active_params": lin, "kv_bytes_per_token": kv_bytes_per_token,
+        "linear_flops": flops, "attention_flops": attn,
         "matmul_tflops_measured": round(matmul_flops / 1e12, 4),
         "achieved_tflops": round(flops / wall / 1e12, 4),
         "mfu_vs_measured_matmul": round(flops / wall / matmul_flops, 4),

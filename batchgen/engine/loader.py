@@ -5,10 +5,8 @@ import json
 from pathlib import Path
 from typing import Iterator
 
-import torch
-
 from batchgen.engine.hub import resolve_model_path
-from batchgen.engine.model_source import ModelSource
+from batchgen.engine.model_source import LazyTensor, ModelSource
 from batchgen.engine.tokenizer import Tokenizer
 
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -35,14 +33,14 @@ def safetensors_files(folder: Path) -> list[Path]:
     return sorted(folder.glob("*.safetensors"))
 
 
-def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yields ``(name, tensor)`` one tensor at a time, in the stored dtype."""
+def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, LazyTensor]]:
+    """Yields ``(name, lazy tensor)``; nothing is read until a tensor is loaded (in the stored dtype)."""
     from safetensors import safe_open
 
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                yield name, LazyTensor(f.get_slice(name))
 
 
 def _no_weights() -> Iterator[tuple[str, torch.Tensor]]:

@@ -7,11 +7,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from batchgen.engine.config import EngineConfig, ModelConfig
-from batchgen.engine.kv_cache import allocate_kv_cache, bytes_per_block, kv_budget_bytes
+from batchgen.engine.kv_cache import kv_budget_bytes
 from batchgen.engine.layers.attention import AttentionMetadata
-from batchgen.engine.layers.ops import default_backend, make_kernel_set
+from batchgen.engine.layers.ops import default_backend, fused_moe, make_kernel_set
 from batchgen.engine.model_source import ModelSource
-from batchgen.engine.models.llama import LlamaForCausalLM
+from batchgen.engine.models.registry import build_model
 from batchgen.engine.sampler import SamplingBatch, TokenBitmask, sample
 from batchgen.engine.scheduler import ScheduledSeq
 
@@ -19,21 +19,6 @@ if TYPE_CHECKING:
     from batchgen.engine.cuda_graphs import GraphRunner
 
 log = logging.getLogger(__name__)
-
-
-def build_model(cfg: ModelConfig, kernels, max_positions: int, dtype: torch.dtype,
-                device: torch.device) -> LlamaForCausalLM:
-    """The model allocated directly in ``dtype`` on ``device`` (no fp32 copy first); rotary tables stay fp32."""
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    # Row chunks keep CPU activations in cache; a GPU wants each matmul as large as the step.
-    chunk_tokens = 1024 if device.type == "cpu" else 1 << 30
-    try:
-        with torch.device(device):
-            model = LlamaForCausalLM(cfg, kernels, max_positions=max_positions, chunk_tokens=chunk_tokens)
-    finally:
-        torch.set_default_dtype(default)
-    return model.requires_grad_(False)
 
 
 class ModelRunner:
@@ -47,14 +32,28 @@ class ModelRunner:
         self.kernels = make_kernel_set(backend)
         self.model = build_model(model_cfg, self.kernels, max_model_len, self.dtype, self.device)
         self.model.load_weights(source.weights())
-        reserve = engine.max_num_batched_tokens * model_cfg.intermediate_size * 2 * 4 \
-            + engine.max_num_seqs * model_cfg.vocab_size * 4 * 4
-        budget = kv_budget_bytes(engine, self.device, reserve)
-        self.num_blocks = max(1, budget // bytes_per_block(model_cfg, self.block_size, self.dtype))
-        allocate_kv_cache(self.model, model_cfg, self.num_blocks, self.block_size, self.dtype, self.device)
-        log.info("model %s: %s on %s, attention backend %s", source.name, engine.dtype, self.device, backend)
+        self.profile = self.model.profile()
+        self.kv_layout = self.model.kv_layout()
+        self.num_blocks = self._allocate_kv_cache()
+        log.info("model %s: %s on %s, attention backend %s; %s", source.name, engine.dtype, self.device,
+                 backend, self.profile.summary())
         self.graphs = self._graph_runner(backend, max_model_len)
         self.padded_tokens = 0  # tokens the last step computed only to fit a CUDA graph's shape
+
+    def _allocate_kv_cache(self) -> int:
+        """Sizes the cache from the memory budget, allocates it in the model's layout and binds it."""
+        engine = self.engine
+        # Peak activations of a full step (the widest MLP/MoE intermediate per token, at 4 bytes) and
+        # the float32 logits of every sequence with the sampler's working copies (4 of them).
+        reserve = engine.max_num_batched_tokens * self.profile.activation_values_per_token * 4 \
+            + engine.max_num_seqs * self.model_cfg.vocab_size * 4 * 4
+        per_block = self.kv_layout.bytes_per_block(self.block_size, self.dtype)
+        num_blocks = max(1, kv_budget_bytes(engine, self.device, reserve) // per_block)
+        self.model.bind_kv_cache(self.kv_layout.allocate(num_blocks, self.block_size, self.dtype, self.device))
+        log.info("KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB), %d bytes per token (%s)",
+                 num_blocks, self.block_size, num_blocks * self.block_size, num_blocks * per_block / 2**20,
+                 self.kv_layout.bytes_per_token(self.dtype), self.kv_layout.describe())
+        return num_blocks
 
     def _graph_runner(self, backend: str, max_model_len: int) -> "GraphRunner | None":
         mode, on_cuda = self.engine.cuda_graphs, self.device.type == "cuda"
@@ -62,6 +61,9 @@ class ModelRunner:
             return None
         if backend != "triton":
             raise ValueError("cuda_graphs='emulate' needs attention_backend='triton'")
+        if mode == "auto" and self.kernels.fused_moe is fused_moe and self.model_cfg.moe is not None:
+            log.info("CUDA graphs off: the torch mixture-of-experts path sizes its GEMMs on the host")
+            return None
         from batchgen.engine.cuda_graphs import GraphRunner  # imports triton
 
         with torch.inference_mode():

@@ -160,7 +160,7 @@ def _run(spec: JobSpec, writer: OutputWriter, files: list[str], carry: list[str]
                           wall_s=time.perf_counter() - wall_start, generate_s=generate_s,
                           resumed=bool(previous), complete=not stop.is_set(), limit=limit,
                           engine=engine_summary(telemetry.metrics, generate_s, telemetry.token_budget,
-                                                llm.engine.model_config, llm.config.torch_device()))
+                                                llm.engine.runner.profile, llm.config.torch_device()))
         crash_point("stats.before")
         writer.write_stats(stats)
         writer.write_telemetry(telemetry.to_dict())

@@ -8,9 +8,9 @@ from typing import Any, Callable, Iterable, Iterator, TypeVar
 
 import torch
 
-from batchgen.bench.flops import gpu_peak_flops, linear_params, lm_head_params
-from batchgen.engine.config import ModelConfig
+from batchgen.bench.flops import gpu_peak_flops
 from batchgen.engine.metrics import EngineMetrics, StepRecord
+from batchgen.engine.models.base import ModelProfile
 from batchgen.pipeline.rows import ResultRow
 
 T = TypeVar("T")
@@ -159,7 +159,7 @@ def _ratio(a: float, b: float, digits: int = 4) -> float | None:
     return round(a / b, digits) if b else None
 
 
-def engine_summary(m: EngineMetrics, generate_s: float, token_budget: int, model: ModelConfig | None = None,
+def engine_summary(m: EngineMetrics, generate_s: float, token_budget: int, profile: ModelProfile | None = None,
                    device: torch.device | None = None) -> dict[str, Any]:
     """This run's engine totals and what follows from them: rates, budget use, padding and idle shares,
     achieved FLOP/s over the generation time (linear layers and logits, as ``batchgen bench`` counts them)
@@ -175,8 +175,8 @@ def engine_summary(m: EngineMetrics, generate_s: float, token_budget: int, model
         padding_share=_ratio(m.padded_tokens, m.tokens_computed + m.padded_tokens),
         idle_share=round(max(0.0, 1 - busy / generate_s), 4) if generate_s > 0 else None,
         achieved_tflops=None, peak_tflops=None, mfu=None)
-    if model is not None and generate_s > 0:
-        flops = 2 * linear_params(model) * m.tokens_computed + 2 * lm_head_params(model) * m.tokens_generated
+    if profile is not None and generate_s > 0:
+        flops = 2 * profile.active_params * m.tokens_computed + 2 * profile.lm_head_params * m.tokens_generated
         out["achieved_tflops"] = round(flops / generate_s / 1e12, 6)
         peak = gpu_peak_flops(device) if device is not None else None
         if peak:

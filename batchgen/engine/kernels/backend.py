@@ -1,4 +1,4 @@
-"""The Triton attention backend and the Triton kernel set for the GPU path."""
+"""The Triton attention backend and the Triton kernels of the GPU path's kernel set."""
 from __future__ import annotations
 
 import torch
@@ -10,7 +10,6 @@ from batchgen.engine.kernels.norm import rms_norm
 from batchgen.engine.kernels.prefill_attention import prefill_attention, prefill_work
 from batchgen.engine.kernels.rotary import apply_rotary
 from batchgen.engine.layers.attention import AttentionMetadata
-from batchgen.engine.layers.ops import KernelSet
 
 
 class TritonAttentionBackend:
@@ -37,7 +36,7 @@ class TritonAttentionBackend:
                                  block_tables=meta.block_tables)
 
 
-def triton_kernel_set() -> KernelSet:
-    """Triton attention, RMSNorm, rotary and SiLU-and-mul, with the torch ops' signatures."""
-    return KernelSet(attention=TritonAttentionBackend(), rms_norm=rms_norm,
-                     apply_rotary=apply_rotary, silu_and_mul=silu_and_mul)
+def triton_kernels() -> dict[str, object]:
+    """The Triton implementations of the kernel set's fields (the torch ones fill the rest)."""
+    return dict(attention=TritonAttentionBackend(), rms_norm=rms_norm, apply_rotary=apply_rotary,
+                silu_and_mul=silu_and_mul)
