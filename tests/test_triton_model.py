@@ -54,16 +54,18 @@ def graphed_and_eager(path: str, repeats: tuple[int, ...], max_tokens: int):
     assert len(got) == len(expected) == len(prompts)
     for a, b in zip(got, expected):
         assert a.token_ids == b.token_ids
+        assert len(a.logprobs) == len(b.logprobs)
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) <= 1e-4
     return graphed.engine.runner.graphs
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered")  # padded rows hold uninitialized values
-def test_padded_graph_steps_match_eager(tiny_model_factory):
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3-moe"])  # padded tokens also route through the experts
+def test_padded_graph_steps_match_eager(tiny_model_factory, arch):
     """The fixed-shape steps CUDA graphs replay (padded batch, padded tokens, padded sequences),
     run here without capture, give the eager engine's tokens and logprobs."""
     # 5 prompts > max_num_seqs
-    runner = graphed_and_eager(str(tiny_model_factory("qwen3")), repeats=(1, 2, 1, 3, 1), max_tokens=4)
+    runner = graphed_and_eager(str(tiny_model_factory(arch)), repeats=(1, 2, 1, 3, 1), max_tokens=4)
     assert runner.decode_sizes == [1, 2, 4] and runner.mixed_sizes == [16, 32, 40]
     kinds = {kind for kind, _ in runner.replays}
     assert kinds == {"decode", "mixed"}, runner.replays
@@ -97,7 +99,9 @@ def test_captured_cuda_graphs_match_eager(tiny_model_factory):
     prompts = mixed_prompts(eager, repeats=(1, 4, 2, 1, 3))
     expected = eager.generate(prompts, params)
     got = graphed.generate(prompts, params)
+    assert len(got) == len(expected)
     for a, b in zip(got, expected):
         assert a.token_ids == b.token_ids
+        assert len(a.logprobs) == len(b.logprobs)
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) <= 1e-3
     assert {kind for kind, _ in graphed.engine.runner.graphs.replays} == {"decode", "mixed"}
