@@ -156,7 +156,8 @@ def test_layers_profile_and_latent_cache(tiny_model_factory, arch):
     layers = runner.model.layers
     assert isinstance(layers[0].mlp, GatedMLP) and all(isinstance(m.mlp, SparseMoeBlock) for m in layers[1:])
     assert all(isinstance(m.self_attn, MLAAttention) for m in layers)
-    assert layers[1].mlp.shared_expert.gate_up_proj.output_size == 2 * moe.intermediate_size * moe.num_shared_experts
+    shared = layers[1].mlp.shared_expert.gate_up_proj
+    assert shared.output_size == 2 * moe.intermediate_size * moe.num_shared_experts
     # One latent row per token and layer, not per-head K and V.
     assert runner.kv_layout.layers == (((mla.latent_dim,),),) * cfg.num_layers
     assert runner.kv_layout.bytes_per_token(torch.float32) == cfg.num_layers * (32 + 8) * 4
@@ -289,9 +290,10 @@ def test_gguf_model_runs_like_transformers(tiny_model_factory, tmp_path, arch):
     folder = tiny_model_factory(arch)
     source = load_model_source(str(write_deepseek2_gguf(folder, tmp_path / "m.gguf", split_kv_b=True)))
     hf_dir = tmp_path / "from-gguf"
+    rope = {"rope_theta": source.config["rope_theta"],
+            **(source.config.get("rope_scaling") or {"rope_type": "default"})}
     hf_cfg = AutoConfig.for_model(**{k: v for k, v in source.config.items() if k != "rope_scaling"},
-                                  rope_parameters={"rope_theta": source.config["rope_theta"],
-                                                   **(source.config.get("rope_scaling") or {"rope_type": "default"})})
+                                  rope_parameters=rope)
     hf_cfg.save_pretrained(str(hf_dir))
     save_file(dict(source.weights()), str(hf_dir / "model.safetensors"), metadata={"format": "pt"})
     llm = LLM(str(tmp_path / "m.gguf"), dtype="float32", device="cpu", max_num_batched_tokens=64)

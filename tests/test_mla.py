@@ -79,10 +79,11 @@ def tiny_mla_config(q_lora_rank: int | None) -> ModelConfig:
         "num_experts_per_tok": 2, "moe_intermediate_size": 16, "n_group": 1, "topk_group": 1})
 
 
-def step_metadata(query_lens: list[int], context_lens: list[int], tables: torch.Tensor, block: int,
+def step_metadata(query_lens: list[int], context_lens: list[int], tables: torch.Tensor,
                   slots: torch.Tensor) -> AttentionMetadata:
     cu_q, cu_k = (torch.tensor([0, *lens]).cumsum(0).to(torch.int32) for lens in (query_lens, context_lens))
-    return AttentionMetadata(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, context_lens=torch.tensor(context_lens, dtype=torch.int32),
+    return AttentionMetadata(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                             context_lens=torch.tensor(context_lens, dtype=torch.int32),
                              max_seqlen_q=max(query_lens), max_seqlen_k=max(context_lens), slot_mapping=slots,
                              block_tables=tables, query_lens=query_lens, context_lens_list=context_lens)
 
@@ -108,16 +109,16 @@ def test_absorbed_decode_matches_expanded_prefill(backend, q_lora_rank):
     rows = layer.project(torch.cat((a, b)), torch.cat((torch.arange(13), torch.arange(9))), cos_sin)
     with torch.inference_mode():
         slots = torch.cat((slots_of(tables[0], 0, 13, block), slots_of(tables[1], 0, 9, block)))
-        meta = step_metadata([13, 9], [13, 9], tables, block, slots)
+        meta = step_metadata([13, 9], [13, 9], tables, slots)
         expanded = layer.attend(rows, MLAMetadata.for_step(meta, block))
         # Each sequence's last token again, alone, over the rows now cached: the absorbed form.
         last = torch.tensor([12, 21])
-        meta = step_metadata([1, 1], [13, 9], tables, block, slots[last])
+        meta = step_metadata([1, 1], [13, 9], tables, slots[last])
         absorbed = layer.attend(rows[last], meta)
         torch.testing.assert_close(absorbed, expanded[last], rtol=1e-5, atol=1e-5)
         # A mixed step: a decodes its last token while b prefills its last 4 over a cached prefix of 5.
         mixed_rows = torch.cat((rows[12:13], rows[13 + 5:]))
-        meta = step_metadata([1, 4], [13, 9], tables, block, torch.cat((slots[12:13], slots[13 + 5:])))
+        meta = step_metadata([1, 4], [13, 9], tables, torch.cat((slots[12:13], slots[13 + 5:])))
         planned = MLAMetadata.for_step(meta, block)
         assert planned.decode is not None and planned.prefill is not None
         assert planned.prefill.context_slots.tolist() == slots[13:].tolist()
