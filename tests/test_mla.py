@@ -93,14 +93,40 @@ def slots_of(table: torch.Tensor, start: int, end: int, block: int) -> torch.Ten
     return table[pos // block].long() * block + pos % block
 
 
+class RepackedLinear(torch.nn.Module):
+    """A linear layer holding its weight in another form, as a kernel set may swap one in after loading."""
+
+    def __init__(self, linear: torch.nn.Module):
+        super().__init__()
+        self.packed = linear.weight.detach().t().contiguous()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.packed
+
+
+def random_layer(q_lora_rank: int | None, backend: str) -> MLAAttention:
+    torch.manual_seed(0)
+    layer = MLAAttention(tiny_mla_config(q_lora_rank), make_kernel_set(backend), pairwise_rope=False)
+    for p in layer.parameters():
+        p.data.normal_(0, 0.3)
+    return layer
+
+
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("q_lora_rank", [None, 16])
 def test_absorbed_decode_matches_expanded_prefill(backend, q_lora_rank):
-    torch.manual_seed(0)
-    cfg, block = tiny_mla_config(q_lora_rank), 4
-    layer = MLAAttention(cfg, make_kernel_set(backend), pairwise_rope=False)
-    for p in layer.parameters():
-        p.data.normal_(0, 0.3)
+    check_both_forms(random_layer(q_lora_rank, backend))
+
+
+def test_absorbed_decode_outlives_a_repacked_kv_b_proj():
+    layer = random_layer(None, "torch")
+    layer.kv_b_proj = RepackedLinear(layer.kv_b_proj)
+    check_both_forms(layer)
+
+
+def check_both_forms(layer: MLAAttention) -> None:
+    """The expanded prefill of two sequences, then their last tokens absorbed, alone and in a mixed step."""
+    cfg, block = tiny_mla_config(layer.q_lora_rank), 4
     cache = torch.zeros(12, block, cfg.mla.latent_dim)
     layer.bind_cache([cache])
     cos_sin = cos_sin_cache(cfg.mla.qk_rope_head_dim, cfg.rope_theta, None, 64)

@@ -158,6 +158,11 @@ class MLAAttention(nn.Module):
         self.kv_a_proj_with_mqa = ReplicatedLinear(hidden, mla.latent_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, LATENT_NORM_EPS, kernels)
         self.kv_b_proj = ColumnParallelLinear(mla.kv_lora_rank, heads * (self.nope_dim + self.v_dim))
+        # W_UK (H, nope, R) and W_UV (H, v, R) for the absorbed decode: views of kv_b_proj's weight, which
+        # loads in place; they stay valid when a kernel set swaps kv_b_proj for a repacked layer.
+        w = self.kv_b_proj.weight.view(heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
+        self.register_buffer("w_uk", w[:, : self.nope_dim], persistent=False)
+        self.register_buffer("w_uv", w[:, self.nope_dim:], persistent=False)
         self.o_proj = RowParallelLinear(heads * self.v_dim, hidden, bias=bias)
         self.scale = self.qk_dim ** -0.5 * yarn_softmax_scale(cfg.rope_scaling)
         self.kernels, self.backend = kernels, kernels.mla
@@ -226,20 +231,14 @@ class MLAAttention(nn.Module):
         return out.flatten(1)
 
     # ---- the two forms ------------------------------------------------------------------------------
-    def _absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """W_UK (H, nope, R) and W_UV (H, v, R), views of kv_b_proj's weight."""
-        w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
-        return w[:, : self.nope_dim], w[:, self.nope_dim:]
-
     def decode(self, q: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
                max_context: int) -> torch.Tensor:
         """Absorbed attention of one new token per sequence, (B, H, v_dim)."""
-        w_uk, w_uv = self._absorbed_weights()
         q_nope, q_pe = q[..., : self.nope_dim], q[..., self.nope_dim:]
-        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # (B, H, R)
+        q_latent = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)  # (B, H, R)
         out = self.backend.decode(torch.cat((q_latent, q_pe), dim=-1), self.cache, block_tables, context_lens,
                                   max_context, self.kv_lora_rank, self.scale)
-        return torch.bmm(out.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+        return torch.bmm(out.transpose(0, 1), self.w_uv.transpose(1, 2)).transpose(0, 1)
 
     def prefill(self, q: torch.Tensor, plan: LatentPrefill) -> torch.Tensor:
         """Expanded attention of the prefilling sequences' new tokens, (T, H, v_dim)."""
