@@ -12,6 +12,8 @@ mscale on the softmax scale.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -54,6 +56,8 @@ class GroupedRouter(TopKRouter):
 
 
 class DeepseekV2Router(GroupedRouter):
+    """Softmax scores; top-k over all experts or over those of the best groups (by their best expert)."""
+
     TOPK_METHODS = ("greedy", "group_limited_greedy")
 
     def __init__(self, hidden_size: int, moe: MoEConfig):
@@ -95,6 +99,8 @@ class DeepseekV3Router(GroupedRouter):
 
 
 class DeepseekV2ForCausalLM(CausalLM):
+    """Latent attention with pairwise rope; softmax routing (greedy or group-limited)."""
+
     config_defaults = {**_MLA_DEFAULTS, "n_shared_experts": 2, "topk_method": "greedy"}
     router_class: type[GroupedRouter] = DeepseekV2Router
     weight_rules = (
@@ -134,7 +140,7 @@ class DeepseekV2ForCausalLM(CausalLM):
         c = self.cfg
         return cos_sin_cache(c.mla.qk_rope_head_dim, c.rope_theta, c.rope_scaling, max_positions)
 
-    def checkpoint_target(self, hf_name: str):
+    def checkpoint_target(self, hf_name: str) -> tuple[str, Any] | None:
         layer = hf_name.removeprefix("model.").split(".")
         if layer[0] == "layers" and int(layer[1]) >= self.cfg.num_layers:
             return None  # the multi-token-prediction layers after the last one
@@ -148,6 +154,8 @@ class DeepseekV2ForCausalLM(CausalLM):
 
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
+    """V2's layers with sigmoid, bias-steered group routing; rope pairwise unless ``rope_interleave`` is false."""
+
     config_defaults = {**_MLA_DEFAULTS, "n_shared_experts": 1, "n_group": 8, "topk_group": 4,
                        "norm_topk_prob": True, "routed_scaling_factor": 2.5, "first_k_dense_replace": 3,
                        "rope_interleave": True}
