@@ -13,6 +13,7 @@ from batchgen.bench.flops import (
 )
 from batchgen.bench.workload import Workload, synthetic
 from batchgen.engine import LLM, SamplingParams
+from batchgen.engine.dtype import DtypeChoice
 from batchgen.engine.metrics import EngineMetrics
 
 log = logging.getLogger(__name__)
@@ -21,7 +22,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class BenchConfig:
     model: str = "smollm2-135m-instruct"
-    dtype: str = "bfloat16"
+    dtype: str = "auto"
     device: str = "auto"
     output_len: int = 1
     max_batch_tokens: int = 8192
@@ -57,11 +58,12 @@ def run_bench(llm: LLM, workload: Workload, cfg: BenchConfig) -> dict:
     metrics = llm.engine.metrics
     device = llm.config.torch_device()
     matmul = measure_matmul_flops(llm.config.torch_dtype, device)
-    return summarize(workload, outputs, metrics, wall, model_cfg, matmul, gpu_peak_flops(device), cfg, device)
+    return summarize(workload, outputs, metrics, wall, model_cfg, matmul, gpu_peak_flops(device), cfg, device,
+                     llm.config.dtype_choice)
 
 
 def summarize(workload, outputs, m: EngineMetrics, wall: float, model_cfg, matmul_flops: float,
-              peak: float | None, cfg: BenchConfig, device) -> dict:
+              peak: float | None, cfg: BenchConfig, device, choice: DtypeChoice) -> dict:
     lin, head = linear_params(model_cfg), lm_head_params(model_cfg)
     prompt_tokens = workload.prompt_tokens
     output_tokens = sum(len(o.token_ids) for o in outputs)
@@ -72,7 +74,8 @@ def summarize(workload, outputs, m: EngineMetrics, wall: float, model_cfg, matmu
     prompt_tps = prompt_tokens / wall
     roofline_tps = matmul_flops / (2 * lin)
     result = {
-        "model": cfg.model, "dtype": cfg.dtype, "device": str(device),
+        "model": cfg.model, "dtype": choice.name, "dtype_requested": cfg.dtype, "dtype_reason": choice.reason,
+        "device": str(device),
         "cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
         "num_prompts": len(workload.prompts), "prompt_tokens": prompt_tokens, "output_tokens": output_tokens,
         "output_len": cfg.output_len, "max_batch_tokens": cfg.max_batch_tokens,

@@ -126,7 +126,7 @@ def run_job(spec: JobSpec, *, limit: int | None = None, overwrite: bool = False,
             sink.flush()
         totals = Counts.total(writer.committed_stats())
         stats = job_stats(totals=totals, run=sink.run, job=spec.name, model=resolved["model"]["path"],
-                          spec=resolved, spec_digest=digest, started_at=started_at,
+                          dtype=llm.config.dtype_choice.name, spec=resolved, spec_digest=digest, started_at=started_at,
                           wall_s=time.perf_counter() - wall_start, generate_s=generate_s,
                           resumed=bool(previous), complete=not stop.is_set(), limit=limit)
         writer.write_stats(stats)
