@@ -37,7 +37,8 @@ def _read_texts(path: str, column: str) -> list[str]:
 @click.option("--max-batch-tokens", default=8192, show_default=True)
 @click.option("--max-num-seqs", default=256, show_default=True)
 @click.option("--no-prefix-caching", is_flag=True)
-@click.option("--attention-backend", type=click.Choice(["torch", "triton"]), default=None)
+@click.option("--attention-backend", type=click.Choice(["torch", "cpu", "triton"]), default=None,
+              help="Default: triton on CUDA, cpu (fused C++ kernels) on CPU.")
 @click.option("--cuda-graphs", type=click.Choice(["auto", "off"]), default="auto", show_default=True,
               help="Replay captured CUDA graphs for decode and mixed steps (CUDA + Triton only).")
 @click.option("--seed", default=0, show_default=True)

@@ -53,7 +53,7 @@ class ModelRunner:
         self.num_blocks = max(1, budget // bytes_per_block(model_cfg, self.block_size, self.dtype))
         allocate_kv_cache(self.model, model_cfg, self.num_blocks, self.block_size, self.dtype, self.device)
         log.info("model %s: %s on %s, attention backend %s", source.name, engine.dtype_choice.name,
-                 self.device, backend)
+                 self.device, self.kernels.attention.name)
         self.graphs = self._graph_runner(backend, max_model_len)
 
     def _graph_runner(self, backend: str, max_model_len: int) -> "GraphRunner | None":

@@ -49,22 +49,26 @@ class KernelSet:
 
 
 def make_kernel_set(backend: str) -> KernelSet:
-    """Build the kernel set for ``backend``: "torch" or "triton"."""
+    """Build the kernel set for ``backend``: "torch", "cpu" (fused C++ kernels; torch's ops where they
+    cannot be built) or "triton"."""
     if backend == "torch":
         from batchgen.engine.layers.torch_attention import TorchAttentionBackend
         return KernelSet(attention=TorchAttentionBackend())
+    if backend == "cpu":
+        from batchgen.engine.cpu.kernels import cpu_kernel_set
+        return cpu_kernel_set() or make_kernel_set("torch")
     if backend == "triton":
         from batchgen.engine.kernels.backend import triton_kernel_set
         return triton_kernel_set()
-    raise ValueError(f"unknown attention_backend {backend!r}; expected 'torch' or 'triton'")
+    raise ValueError(f"unknown attention_backend {backend!r}; expected 'torch', 'cpu' or 'triton'")
 
 
 def default_backend(device: torch.device) -> str:
-    """Triton on CUDA when it is installed, torch otherwise."""
+    """Triton on CUDA when it is installed, the fused CPU kernels on CPU, torch otherwise."""
     if device.type == "cuda":
         try:
             import triton  # noqa: F401
             return "triton"
         except ImportError:
             return "torch"
-    return "torch"
+    return "cpu" if device.type == "cpu" else "torch"

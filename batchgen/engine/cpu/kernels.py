@@ -1,0 +1,15 @@
+"""The CPU kernel set: fused C++ attention and elementwise ops where they could be built."""
+from __future__ import annotations
+
+from batchgen.engine.cpu import ops
+from batchgen.engine.cpu.attention import CpuAttentionBackend
+from batchgen.engine.cpu.build import load_kernels
+from batchgen.engine.layers.ops import KernelSet
+
+
+def cpu_kernel_set() -> KernelSet | None:
+    """The fused kernel set, or None where the kernels cannot be built (load_kernels warned once)."""
+    if not load_kernels() or not ops.usable_dtypes():
+        return None
+    return KernelSet(attention=CpuAttentionBackend(), rms_norm=ops.rms_norm, apply_rotary=ops.apply_rotary,
+                     silu_and_mul=ops.silu_and_mul)
