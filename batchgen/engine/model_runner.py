@@ -47,6 +47,7 @@ class ModelRunner:
         self.kernels = make_kernel_set(backend)
         self.model = build_model(model_cfg, self.kernels, max_model_len, self.dtype, self.device)
         self.model.load_weights(source.weights())
+        self.kernels.prepare_model(self.model)
         reserve = engine.max_num_batched_tokens * model_cfg.intermediate_size * 2 * 4 \
             + engine.max_num_seqs * model_cfg.vocab_size * 4 * 4
         budget = kv_budget_bytes(engine, self.device, reserve)

@@ -24,6 +24,7 @@ log = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).parent / "csrc"
 SOURCES = ("attention.cpp", "elementwise.cpp")
+HEADERS = ("vec.h",)
 DISABLE_ENV = "BATCHGEN_CPU_KERNELS"  # "0" turns the fused kernels off
 ISA_FLAGS = {
     "avx512": ["-march=native", "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"],
@@ -40,7 +41,7 @@ def build_dir(features: CpuFeatures) -> Path:
     from batchgen.engine.hub import cache_dir
 
     digest = hashlib.sha256()
-    for name in SOURCES:
+    for name in SOURCES + HEADERS:
         digest.update((SOURCE_DIR / name).read_bytes())
     # What the generated code depends on: the sources, the compiler, the CPU it is tuned for (-march=native)
     # and the vector level; not the ISA caps of oneDNN, which its micro-kernels apply at run time.

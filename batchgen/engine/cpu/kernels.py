@@ -1,9 +1,10 @@
-"""The CPU kernel set: fused C++ attention and elementwise ops where they could be built."""
+"""The CPU kernel set: fused C++ attention and elementwise ops where they could be built, prepacked bf16 weights."""
 from __future__ import annotations
 
 from batchgen.engine.cpu import ops
 from batchgen.engine.cpu.attention import CpuAttentionBackend
 from batchgen.engine.cpu.build import load_kernels
+from batchgen.engine.cpu.prepack import prepack_linears
 from batchgen.engine.layers.ops import KernelSet
 
 
@@ -12,4 +13,4 @@ def cpu_kernel_set() -> KernelSet | None:
     if not load_kernels() or not ops.usable_dtypes():
         return None
     return KernelSet(attention=CpuAttentionBackend(), rms_norm=ops.rms_norm, apply_rotary=ops.apply_rotary,
-                     silu_and_mul=ops.silu_and_mul)
+                     silu_and_mul=ops.silu_and_mul, prepare_model=prepack_linears)

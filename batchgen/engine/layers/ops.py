@@ -6,6 +6,7 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from batchgen.engine.layers.attention import AttentionBackend
 
@@ -38,14 +39,20 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def keep_weights(model: nn.Module) -> None:
+    """The default ``KernelSet.prepare_model``: weights stay as loaded."""
+
+
 @dataclass
 class KernelSet:
-    """The implementations a model calls; torch everywhere, or Triton kernels on the GPU path."""
+    """The implementations a model calls; torch everywhere, fused C++ on CPU, or Triton kernels on the GPU
+    path. ``prepare_model`` runs once after the weights are loaded (e.g. to prepack them)."""
 
     attention: AttentionBackend
     rms_norm: Callable = rms_norm
     apply_rotary: Callable = apply_rotary
     silu_and_mul: Callable = silu_and_mul
+    prepare_model: Callable[[nn.Module], None] = keep_weights
 
 
 def make_kernel_set(backend: str) -> KernelSet:

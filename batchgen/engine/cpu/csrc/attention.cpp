@@ -15,6 +15,8 @@
 #include <ATen/native/CPUBlas.h>
 #include <torch/library.h>
 
+#include "vec.h"
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -22,9 +24,6 @@
 #include <limits>
 #include <vector>
 
-#if defined(CPU_CAPABILITY_AVX512)
-#include <immintrin.h>
-#endif
 
 #if !defined(CPUBLAS_BRGEMM_BF16BF16F32) || !defined(CPUBLAS_BRGEMM_F32F32F32)
 #error "this torch's at::native::cpublas lacks the bf16/fp32 brgemm entry points this kernel calls"
@@ -33,7 +32,6 @@
 namespace batchgen_cpu {
 namespace {
 
-using Vec = at::vec::Vectorized<float>;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 template <typename T>
@@ -117,39 +115,12 @@ constexpr float kRescaleLog2 = 8.f;
 constexpr float kLog2e = 1.4426950408889634f;
 
 #if defined(CPU_CAPABILITY_AVX512)
-// 2^x: x = n + f with f in [-0.5, 0.5]; 2^f by its Taylor series in f ln2 (degree 6: ~1e-7 relative, as
-// fp32 needs; degree 5: ~3e-6, far below bf16's rounding); 2^n exactly with scalef.
-template <int Degree>
-inline __m512 exp2_ps(__m512 x) {
-  constexpr float c[7] = {1.f, 0.693147181f, 0.240226507f, 0.0555041087f, 0.00961812911f, 0.00133335581f,
-                          0.000154035304f};
-  __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 f = _mm512_sub_ps(x, n);
-  __m512 poly = _mm512_set1_ps(c[Degree]);
-  for (int k = Degree - 1; k >= 0; --k) poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(c[k]));
-  return _mm512_scalef_ps(poly, n);
-}
-
-template <typename T>
-inline void store16x2(T* dst, __m512 lo, __m512 hi) {
-  if constexpr (std::is_same_v<T, float>) {
-    _mm512_storeu_ps(dst, lo);
-    _mm512_storeu_ps(dst + 16, hi);
-  } else {
-#if defined(__AVX512BF16__)
-    _mm512_storeu_si512(dst, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-#else
-    at::vec::convert_from_float<T>(Vec(lo), Vec(hi)).store(dst);
-#endif
-  }
-}
-
 // Online-softmax update of one row of a score block: p = 2^(s * scale2 - m) over the first `valid` columns
 // (zero after them, up to `width`), running max m and sum l updated. Returns the factor the row's output
 // accumulator must be scaled by (1 when the max did not move).
 template <typename T>
 inline float softmax_row(const float* s, T* p, int64_t valid, int64_t width, float scale2, float& m, float& l) {
-  constexpr int Degree = std::is_same_v<T, float> ? 6 : 5;
+  constexpr int Degree = kExpDegree<T>;
   if (valid <= 0) {
     std::memset(p, 0, sizeof(T) * width);
     return 1.f;
@@ -175,7 +146,7 @@ inline float softmax_row(const float* s, T* p, int64_t valid, int64_t width, flo
       e1 = _mm512_maskz_mov_ps((__mmask16)(left >= 32 ? 0xffff : left <= 16 ? 0 : (1u << (left - 16)) - 1), e1);
     }
     vsum = _mm512_add_ps(vsum, _mm512_add_ps(e0, e1));
-    store16x2(p + j, e0, e1);
+    store2(p + j, Vec(e0), Vec(e1));
   }
   if (j < width) std::memset(p + j, 0, sizeof(T) * (width - j));
   l = l * alpha + _mm512_reduce_add_ps(vsum);
@@ -183,16 +154,6 @@ inline float softmax_row(const float* s, T* p, int64_t valid, int64_t width, flo
   return alpha;
 }
 #else
-template <typename T>
-inline void store_pair(T* dst, const Vec& lo, const Vec& hi) {
-  if constexpr (std::is_same_v<T, float>) {
-    lo.store(dst);
-    hi.store(dst + Vec::size());
-  } else {
-    at::vec::convert_from_float<T>(lo, hi).store(dst);
-  }
-}
-
 // The portable form of the AVX-512 softmax_row above (torch's fast exp; same lazy rescaling).
 template <typename T>
 inline float softmax_row(const float* s, T* p, int64_t valid, int64_t width, float scale2, float& m, float& l) {
@@ -219,7 +180,7 @@ inline float softmax_row(const float* s, T* p, int64_t valid, int64_t width, flo
       e1 = Vec::set(zero, e1, std::max<int64_t>(left - Vec::size(), 0));
     }
     vsum = vsum + e0 + e1;
-    store_pair(p + j, e0, e1);
+    store2(p + j, e0, e1);
   }
   if (j < width) std::memset(p + j, 0, sizeof(T) * (width - j));
   l = l * alpha + at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, vsum);

@@ -7,34 +7,15 @@
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
+#include "vec.h"
+
 #include <cmath>
 #include <cstring>
 
 namespace batchgen_cpu {
 namespace {
 
-using Vec = at::vec::Vectorized<float>;
-constexpr int64_t W = 2 * Vec::size();  // elements per step: one Vectorized<BFloat16>, two of float
-
-template <typename T>
-inline void load2(const T* p, Vec& lo, Vec& hi) {
-  if constexpr (std::is_same_v<T, float>) {
-    lo = Vec::loadu(p);
-    hi = Vec::loadu(p + Vec::size());
-  } else {
-    std::tie(lo, hi) = at::vec::convert_to_float<T>(at::vec::Vectorized<T>::loadu(p));
-  }
-}
-
-template <typename T>
-inline void store2(T* p, const Vec& lo, const Vec& hi) {
-  if constexpr (std::is_same_v<T, float>) {
-    lo.store(p);
-    hi.store(p + Vec::size());
-  } else {
-    at::vec::convert_from_float<T>(lo, hi).store(p);
-  }
-}
+constexpr int64_t W = kStep;
 
 // Rows of a 2-D or 3-D tensor whose last dim is contiguous: row r is at data + offset(r).
 struct Rows {
@@ -176,6 +157,20 @@ void apply_rotary(const at::Tensor& q, const at::Tensor& k, const at::Tensor& po
   });
 }
 
+// x * sigmoid(x) in fp32: exp2 and a Newton reciprocal on AVX-512 (exponent clamped so 1 + 2^e stays finite).
+template <typename T>
+inline Vec silu(const Vec& x) {
+#if defined(CPU_CAPABILITY_AVX512)
+  __m512 e = _mm512_mul_ps(x, _mm512_set1_ps(-1.4426950408889634f));
+  e = _mm512_min_ps(_mm512_max_ps(e, _mm512_set1_ps(-126.f)), _mm512_set1_ps(126.f));
+  __m512 denom = _mm512_add_ps(_mm512_set1_ps(1.f), exp2_ps<kExpDegree<T>>(e));
+  return Vec(_mm512_mul_ps(x, reciprocal_ps(denom)));
+#else
+  if constexpr (std::is_same_v<T, float>) return x / (Vec(1.f) + x.neg().exp());
+  return x / (Vec(1.f) + x.neg().exp_u20());
+#endif
+}
+
 // out (T, I) = silu(x[:, :I]) * x[:, I:] for x (T, 2I).
 void silu_and_mul(const at::Tensor& x, const at::Tensor& out) {
   TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && x.size(1) == 2 * out.size(1) && x.size(0) == out.size(0), "bad shapes");
@@ -186,7 +181,6 @@ void silu_and_mul(const at::Tensor& x, const at::Tensor& out) {
     const T* xp = x.const_data_ptr<T>();
     T* op = out.data_ptr<T>();
     at::parallel_for(0, x.size(0), 4, [&](int64_t begin, int64_t end) {
-      const Vec one(1.f);
       for (int64_t r = begin; r < end; ++r) {
         const T* g = xp + r * x.stride(0);
         const T* u = g + n;
@@ -196,11 +190,7 @@ void silu_and_mul(const at::Tensor& x, const at::Tensor& out) {
           Vec g0, g1, u0, u1;
           load2(g + j, g0, g1);
           load2(u + j, u0, u1);
-          if constexpr (std::is_same_v<T, float>) {  // fp32 keeps the accurate exp; bf16 rounds far coarser
-            store2(o + j, g0 / (one + g0.neg().exp()) * u0, g1 / (one + g1.neg().exp()) * u1);
-          } else {
-            store2(o + j, g0 / (one + g0.neg().exp_u20()) * u0, g1 / (one + g1.neg().exp_u20()) * u1);
-          }
+          store2(o + j, silu<T>(g0) * u0, silu<T>(g1) * u1);
         }
         for (; j < n; ++j) {
           float a = static_cast<float>(g[j]);
