@@ -22,6 +22,7 @@ def test_bench_prefill_only_figures(tiny_model, tmp_path):
     r = run_bench(["--model", str(tiny_model), "--num-prompts", "6", "--input-len", "20:60",
                    "--dtype", "float32", "--max-batch-tokens", "64"], tmp_path)
     assert r["num_prompts"] == 6 and 6 * 20 <= r["prompt_tokens"] <= 6 * 60
+    assert r["dtype"] == r["dtype_requested"] == "float32" and r["dtype_reason"] == "requested"
     assert r["output_tokens"] == 6 and r["prompt_tokens_computed"] == r["prompt_tokens"]
     assert abs(r["prompt_tokens_per_s"] - r["prompt_tokens"] / r["wall_s"]) / r["prompt_tokens_per_s"] < 0.1
     assert r["mfu_vs_measured_matmul"] > 0 and r["roofline_prompt_tokens_per_s"] > 0

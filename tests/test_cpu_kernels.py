@@ -272,3 +272,27 @@ def test_other_cpu_kinds(kernels, env, isa, dtypes, auto):
     assert result.stdout.strip().endswith("ok")
     if auto:
         assert f"auto {auto}" in result.stdout
+
+
+def test_prepacked_bf16_linears(kernels, tiny_model):
+    from torch import nn
+
+    from batchgen.engine.cpu.prepack import PrepackedLinear, prepack_linears
+
+    linear = nn.Linear(96, 40, bias=True).to(BF16).requires_grad_(False)
+    x = torch.randn(3, 7, 96).to(BF16)
+    torch.testing.assert_close(PrepackedLinear(linear)(x).float(), nn.functional.linear(x, linear.weight,
+                               linear.bias).float(), atol=2e-2, rtol=2e-2)
+    model = nn.Sequential(nn.Linear(8, 8).to(BF16), nn.Linear(8, 8), nn.Sequential(nn.Linear(8, 8).to(BF16)))
+    assert prepack_linears(model) == 2  # the fp32 one stays plain: prepacking gains nothing there
+    assert [type(m).__name__ for m in (model[0], model[1], model[2][0])] == ["PrepackedLinear", "Linear",
+                                                                              "PrepackedLinear"]
+    kw = dict(dtype="bfloat16", device="cpu", max_num_batched_tokens=64, kv_cache_memory=8 << 20)
+    fused, plain = LLM(str(tiny_model), **kw), LLM(str(tiny_model), attention_backend="torch", **kw)
+    assert any(isinstance(m, PrepackedLinear) for m in fused.engine.runner.model.modules())
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=True)
+    prompts = mixed_prompts(fused)
+    a, b = fused.generate(prompts, params), plain.generate(prompts, params)
+    assert len(a) == len(b) == len(prompts)
+    first = [(x.logprobs[0], y.logprobs[0]) for x, y in zip(a, b)]  # same prefix: bf16 rounding apart
+    assert max(abs(p - q) for p, q in first) <= 0.1, first
