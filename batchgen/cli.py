@@ -1,6 +1,8 @@
-"""The ``batchgen`` command line: ``run`` a job spec, ``validate`` it, ``bench`` the engine."""
+"""The ``batchgen`` command line: ``run``, ``validate``, ``plan`` a job spec, ``openai-batch`` a request file,
+``report`` on an output, ``bench``."""
 from __future__ import annotations
 
+import json
 import logging
 import signal
 import sys
@@ -15,7 +17,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from batchgen.bench.command import bench
 from batchgen.io import redact
 from batchgen.pipeline.errors import JobError, JobInterrupted
-from batchgen.pipeline.spec import JobSpec, SpecError, load_spec
+from batchgen.pipeline.spec import JobSpec, SpecError, load_spec, spec_from_dict
 
 log = logging.getLogger("batchgen")
 
@@ -47,13 +49,17 @@ def _fail(message: str, code: int) -> NoReturn:
     sys.exit(code)
 
 
+def _spec_errors(e: SpecError) -> NoReturn:
+    for line in e.errors:
+        click.echo(f"error: {redact(line)}", err=True)
+    sys.exit(EXIT_USAGE)
+
+
 def _load(job: str, overrides: tuple[str, ...]) -> JobSpec:
     try:
         return load_spec(job, overrides)
     except SpecError as e:
-        for line in e.errors:
-            click.echo(f"error: {redact(line)}", err=True)
-        sys.exit(EXIT_USAGE)
+        _spec_errors(e)
 
 
 set_option = click.option("--set", "overrides", multiple=True, metavar="KEY.PATH=VALUE",
@@ -65,26 +71,17 @@ def main() -> None:
     """Offline batch generation: prompts from Parquet/JSONL through an LLM into Parquet/JSONL."""
 
 
-@main.command()
-@click.argument("job", type=click.Path(dir_okay=False))
-@set_option
-@click.option("--limit", type=click.IntRange(min=1), default=None, help="Only the first N input rows.")
-@click.option("--overwrite", is_flag=True, help="Delete earlier output in the output folder and start over.")
-@click.option("--quiet", "-q", is_flag=True, help="No progress bar, warnings and errors only.")
-@click.option("--verbose", "-v", is_flag=True, help="Debug logging and tracebacks.")
-def run(job: str, overrides: tuple[str, ...], limit: int | None, overwrite: bool, quiet: bool,
-        verbose: bool) -> None:
-    """Run the job spec JOB (YAML); rerunning an interrupted job resumes it."""
-    spec = _load(job, overrides)
-    from batchgen.pipeline.runner import run_job  # the engine's imports are slow: only when running
+limit_option = click.option("--limit", type=click.IntRange(min=1), default=None,
+                            help="Only the first N input rows.")
 
+
+@contextmanager
+def _job_failures(spec: JobSpec, verbose: bool) -> Iterator[None]:
+    """Turns a job's failures into one line on stderr and its exit code."""
     try:
-        with _logging(verbose, quiet):
-            stats = run_job(spec, limit=limit, overwrite=overwrite, quiet=quiet)
+        yield
     except SpecError as e:
-        for line in e.errors:
-            click.echo(f"error: {redact(line)}", err=True)
-        sys.exit(EXIT_USAGE)
+        _spec_errors(e)
     except JobInterrupted as e:
         _fail(f"{spec.name}: {e}; rerun the same command to resume", e.exit_code)
     except JobError as e:
@@ -95,6 +92,58 @@ def run(job: str, overrides: tuple[str, ...], limit: int | None, overwrite: bool
         if verbose:
             click.echo(redact(traceback.format_exc()), err=True, nl=False)
         _fail(f"{spec.name}: {type(e).__name__}: {e}", EXIT_FAILED)
+
+
+def run_options(command):
+    """The options of the commands that run a job."""
+    for option in reversed((
+            set_option, limit_option,
+            click.option("--overwrite", is_flag=True,
+                         help="Delete earlier output in the output folder and start over."),
+            click.option("--quiet", "-q", is_flag=True, help="No progress bar, warnings and errors only."),
+            click.option("--verbose", "-v", is_flag=True, help="Debug logging and tracebacks."))):
+        command = option(command)
+    return command
+
+
+@main.command()
+@click.argument("job", type=click.Path(dir_okay=False))
+@run_options
+def run(job: str, overrides: tuple[str, ...], limit: int | None, overwrite: bool, quiet: bool,
+        verbose: bool) -> None:
+    """Run the job spec JOB (YAML); rerunning an interrupted job resumes it."""
+    _run(_load(job, overrides), limit, overwrite, quiet, verbose)
+
+
+@main.command("openai-batch")
+@click.option("--input", "-i", "input_path", required=True,
+              help="OpenAI Batch request file (JSONL), local or URL.")
+@click.option("--output", "-o", "output_path", required=True, help="Output folder, local or URL.")
+@click.option("--model", required=True, help="Built-in name, model folder, .gguf file, or URL.")
+@run_options
+def openai_batch(input_path: str, output_path: str, model: str, overrides: tuple[str, ...], limit: int | None,
+                 overwrite: bool, quiet: bool, verbose: bool) -> None:
+    """Run an OpenAI Batch request file; writes result lines (part-N.jsonl) and error lines (errors-N.jsonl).
+
+    Each line's own settings apply. Lines that leave them out get the API's defaults (temperature 1, top_p 1)
+    with seed 0, and at most 4096 tokens; --set sampling.KEY=VALUE changes these defaults.
+    """
+    data = {"name": "openai-batch", "model": {"path": model},
+            "input": {"path": input_path, "format": "openai"},
+            "sampling": {"temperature": 1.0, "max_tokens": 4096},
+            "output": {"path": output_path, "format": "openai"}}
+    try:
+        spec = spec_from_dict(data, overrides)
+    except SpecError as e:
+        _spec_errors(e)
+    _run(spec, limit, overwrite, quiet, verbose)
+
+
+def _run(spec: JobSpec, limit: int | None, overwrite: bool, quiet: bool, verbose: bool) -> None:
+    from batchgen.pipeline.runner import run_job  # the engine's imports are slow: only when running
+
+    with _job_failures(spec, verbose), _logging(verbose, quiet):
+        stats = run_job(spec, limit=limit, overwrite=overwrite, quiet=quiet)
     click.echo(_summary(stats))
 
 
@@ -113,6 +162,62 @@ def validate(job: str, overrides: tuple[str, ...]) -> None:
     """Check the job spec JOB and print it resolved (credentials redacted)."""
     spec = _load(job, overrides)
     click.echo(yaml.safe_dump(spec.resolved(), sort_keys=False, allow_unicode=True), nl=False)
+
+
+@main.command()
+@click.argument("job", type=click.Path(dir_okay=False))
+@set_option
+@limit_option
+@click.option("--completion-tokens", type=click.IntRange(min=1), default=None,
+              help="Generated tokens per row to plan for (default: the mean of --rates-from, else "
+                   "sampling.max_tokens).")
+@click.option("--prefill-tok-s", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Prompt tokens per second the engine computes (overrides --rates-from).")
+@click.option("--decode-tok-s", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Tokens per second in decode-only steps (overrides --rates-from).")
+@click.option("--rates-from", metavar="OUTPUT", default=None,
+              help="An earlier job's output folder or stats.json: its measured rates, prefix-cache hit rate "
+                   "and mean completion length.")
+@click.option("--cost-per-hour", type=click.FloatRange(min=0), default=None,
+              help="Price of an hour of the machine, to turn the estimated time into a cost.")
+@click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
+@click.option("--verbose", "-v", is_flag=True, help="Debug logging and tracebacks.")
+def plan(job: str, overrides: tuple[str, ...], limit: int | None, completion_tokens: int | None,
+         prefill_tok_s: float | None, decode_tok_s: float | None, rates_from: str | None,
+         cost_per_hour: float | None, as_json: bool, verbose: bool) -> None:
+    """Dry-run the job spec JOB: exact row and prompt token counts with the tokenizer alone (no weights),
+    rows already committed, expected engine steps and an estimated time."""
+    spec = _load(job, overrides)
+    from batchgen.pipeline.plan import Rates, format_plan, plan_job, rates_from as read_rates
+
+    with _job_failures(spec, verbose), _logging(verbose, quiet=True):
+        rates = read_rates(rates_from, spec.storage_options) if rates_from else Rates()
+        rates.prefill_tokens_per_s = prefill_tok_s or rates.prefill_tokens_per_s
+        rates.decode_tokens_per_s = decode_tok_s or rates.decode_tokens_per_s
+        result = plan_job(spec, limit=limit, rates=rates, completion_tokens=completion_tokens)
+    click.echo(json.dumps(result, indent=2) if as_json else format_plan(result, cost_per_hour))
+
+
+@main.command()
+@click.argument("output")
+@click.option("-o", "--out", "target", type=click.Path(dir_okay=False), default=None,
+              help="The HTML file to write (default: report.html in OUTPUT when it is a local folder, "
+                   "else in the current folder).")
+@click.option("--verbose", "-v", is_flag=True, help="Tracebacks on failure.")
+def report(output: str, target: str | None, verbose: bool) -> None:
+    """Write a self-contained HTML report (no network needed to view it) of the job output folder OUTPUT
+    (local or s3://; credentials from the AWS environment variables)."""
+    from batchgen.report import ReportError, write_report
+
+    try:
+        path = write_report(output, target)
+    except ReportError as e:
+        _fail(str(e), EXIT_FAILED)
+    except Exception as e:  # noqa: BLE001 - one line unless -v
+        if verbose:
+            click.echo(redact(traceback.format_exc()), err=True, nl=False)
+        _fail(f"{type(e).__name__}: {e}", EXIT_FAILED)
+    click.echo(path)
 
 
 main.add_command(bench)

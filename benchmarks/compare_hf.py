@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from batchgen.bench.flops import attention_flops, linear_params, lm_head_params, measure_matmul_flops
+from batchgen.bench.flops import attention_flops, measure_matmul_flops
 from batchgen.bench.workload import from_documents
 from batchgen.engine import LLM, SamplingParams
 from batchgen.engine.hub import resolve_model_path
@@ -82,12 +82,12 @@ def timed(fn, repeats: int):
     return statistics.median(times), result
 
 
-def roofline_tok_s(cfg, prompts: list[list[int]], matmul_flops: float, with_attention: bool) -> float:
-    """Prompt tokens/s if every counted FLOP ran at the measured matmul rate."""
+def roofline_tok_s(profile, prompts: list[list[int]], matmul_flops: float, with_attention: bool) -> float:
+    """Prompt tokens/s if every counted FLOP ran at the measured matmul rate (``profile``: the model's)."""
     tokens = sum(map(len, prompts))
-    flops = 2 * linear_params(cfg) * tokens + 2 * lm_head_params(cfg) * len(prompts)
+    flops = 2 * profile.active_params * tokens + 2 * profile.lm_head_params * len(prompts)
     if with_attention:
-        flops += sum(attention_flops(cfg, 0, len(p)) for p in prompts)
+        flops += sum(attention_flops(profile, 0, len(p)) for p in prompts)
     return tokens * matmul_flops / flops
 
 
@@ -133,7 +133,7 @@ def main() -> None:
 
     device = torch.device("cpu")
     rates = {name: measure_matmul_flops(getattr(torch, name), device) for name in ("bfloat16", "float32")}
-    cfg = llm.engine.model_config
+    cfg = llm.engine.runner.profile
     roof_linear = roofline_tok_s(cfg, prompts, rates[ours_dtype.name] if ours_dtype.name in rates
                                  else measure_matmul_flops(ours_dtype.torch_dtype, device), False)
     roof_attn = roof_linear * roofline_tok_s(cfg, prompts, 1.0, True) / roofline_tok_s(cfg, prompts, 1.0, False)

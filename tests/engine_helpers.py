@@ -20,7 +20,8 @@ def mixed_prompts(llm: LLM, repeats=(1, 5, 2, 9, 3)) -> list[list[int]]:
 def hf_model(path: str):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager",
+                                                experts_implementation="eager").eval()
 
 
 @torch.inference_mode()

@@ -5,7 +5,7 @@ import json
 
 from click.testing import CliRunner
 
-from batchgen.bench.flops import attention_flops, linear_params
+from batchgen.bench.flops import attention_flops, config_profile
 from batchgen.bench.workload import from_documents, parse_length, synthetic
 from batchgen.cli import main
 from batchgen.engine.config import ModelConfig
@@ -19,14 +19,24 @@ def run_bench(args: list[str], tmp_path) -> dict:
 
 
 def test_bench_prefill_only_figures(tiny_model, tmp_path):
-    r = run_bench(["--model", str(tiny_model), "--num-prompts", "6", "--input-len", "20:60",
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    r = run_bench(["--model", str(tiny_model), "--num-prompts", "6", "--input-len", "40",
                    "--dtype", "float32", "--max-batch-tokens", "64"], tmp_path)
-    assert r["num_prompts"] == 6 and 6 * 20 <= r["prompt_tokens"] <= 6 * 60
+    assert r["num_prompts"] == 6 and r["prompt_tokens"] == 6 * 40
     assert r["dtype"] == r["dtype_requested"] == "float32" and r["dtype_reason"] == "requested"
     assert r["output_tokens"] == 6 and r["prompt_tokens_computed"] == r["prompt_tokens"]
-    assert abs(r["prompt_tokens_per_s"] - r["prompt_tokens"] / r["wall_s"]) / r["prompt_tokens_per_s"] < 0.1
+    # Parameter counts and FLOPs against the HF model's own parameters and config.
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model)
+    matmul = sum(p.numel() for n, p in hf.named_parameters() if n.endswith("proj.weight"))
+    head = hf.lm_head.weight.numel()
+    assert r["active_params"] == matmul and r["total_params"] == sum(p.numel() for p in hf.parameters())
+    assert r["linear_flops"] == 2 * matmul * 6 * 40 + 2 * head * 6
+    c = AutoConfig.from_pretrained(tiny_model)
+    assert r["kv_bytes_per_token"] == 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 4
+    keys = 6 * 40 * 41 // 2  # every position attends to itself and the positions before it
+    assert r["attention_flops"] == 4 * c.num_hidden_layers * c.num_attention_heads * c.head_dim * keys
     assert r["mfu_vs_measured_matmul"] > 0 and r["roofline_prompt_tokens_per_s"] > 0
-    assert r["mfu_with_attention_vs_measured_matmul"] > r["mfu_vs_measured_matmul"]
 
 
 def test_bench_shared_prefix_is_computed_once(tiny_model, tmp_path):
@@ -55,18 +65,25 @@ def test_workloads():
     assert [len(p) for p in whole.prompts] == [3, 2, 3]
 
 
-def test_linear_params_of_smollm2_shape():
+def test_params_of_smollm2_shape():
     cfg = ModelConfig.from_hf({"architectures": ["LlamaForCausalLM"], "vocab_size": 49152, "hidden_size": 576,
                                "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
-                               "num_key_value_heads": 3})
-    assert abs(linear_params(cfg) - 106e6) < 1e6  # 30 layers x 3.54M
+                               "num_key_value_heads": 3, "tie_word_embeddings": True})
+    profile = config_profile(cfg)
+    per_layer = 576 * (576 + 2 * 192) + 576 * 576 + 3 * 576 * 1536  # q, k, v, o and the gated MLP
+    assert profile.active_params == 30 * per_layer  # 106M
+    norms = 30 * 2 * 576 + 576
+    assert profile.total_params == 30 * per_layer + 49152 * 576 + norms  # tied: the embedding counted once
+    assert profile.lm_head_params == 49152 * 576
 
 
 def test_attention_flops_count_keys_per_position():
     cfg = ModelConfig.from_hf({"architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size": 64,
                                "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
                                "num_key_value_heads": 2})
+    profile = config_profile(cfg)
     per_key = 4 * 2 * 4 * 16  # 4 FLOPs x layers x heads x head_dim
-    assert attention_flops(cfg, 0, 3) == per_key * (1 + 2 + 3)
-    assert attention_flops(cfg, 2, 4) == per_key * (3 + 4)  # a cached prefix of 2 is not recomputed
-    assert attention_flops(cfg, 5, 5) == 0
+    assert profile.attention_flops_per_key == per_key
+    assert attention_flops(profile, 0, 3) == per_key * (1 + 2 + 3)
+    assert attention_flops(profile, 2, 4) == per_key * (3 + 4)  # a cached prefix of 2 is not recomputed
+    assert attention_flops(profile, 5, 5) == 0

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 from batchgen.engine import LLM, SamplingParams
 from batchgen.engine.block_manager import BlockManager
-from batchgen.engine.kv_cache import bytes_per_block
 from batchgen.engine.sampling_params import SamplingParams as Params
 from batchgen.engine.sequence import Sequence
 from tests.engine_helpers import TEXT
@@ -53,14 +52,14 @@ def test_freed_blocks_are_reclaimed_by_hash_until_reused():
 
 def test_no_blocks_leak_after_preemption_and_sharing(tiny_model):
     probe = LLM(str(tiny_model), dtype="float32", device="cpu", kv_cache_memory=1 << 20)
-    per_block = bytes_per_block(probe.engine.model_config, 16, probe.config.torch_dtype)
+    per_block = probe.engine.runner.kv_layout.bytes_per_block(16, probe.config.torch_dtype)
     llm = LLM(str(tiny_model), dtype="float32", device="cpu", max_num_batched_tokens=64,
               kv_cache_memory=per_block * 16)
     shared = llm.tokenizer.encode(TEXT * 2)[:48]
     prompts = [shared + llm.tokenizer.encode(f" {i}") for i in range(8)]
     llm.generate(prompts, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
     bm = llm.engine.block_manager
-    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.metrics.preemptions > 0
     assert bm.num_free_blocks == len(bm.blocks)
     assert all(b.ref_count == 0 for b in bm.blocks)
     assert llm.engine.metrics.prefix_cache_hits > 0

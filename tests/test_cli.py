@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -84,6 +85,17 @@ def test_run_and_rerun(tmp_path, tiny_model, shared_engine):
     assert "test-job: 2 rows" in res.stdout and "row/s" in res.stderr  # the progress bar
 
 
+def test_progress_bar_knows_the_total(tmp_path, tiny_model, shared_engine):
+    job = job_file(tmp_path, tiny_model)  # 5 input rows
+    res = invoke("run", str(job), "--limit", "3")
+    assert res.exit_code == 0, res.output
+    assert re.search(r" 3/3 \[\d\d:\d\d<\d\d:\d\d", res.stderr), res.stderr  # a total, so an ETA
+    (tmp_path / "out" / "_SUCCESS").unlink()  # as if interrupted: the next run resumes
+    res = invoke("run", str(job))
+    assert res.exit_code == 0, res.output
+    assert re.search(r" 5/5 \[", res.stderr) and "test-job: 5 rows" in res.stdout, res.stderr
+
+
 def test_error_rate_exceeded_exits_1(tmp_path, tiny_model, shared_engine):
     job = job_file(tmp_path, tiny_model, prompt={"template": "{{ missing_sometimes | default('') }}"},
                    max_error_rate=0.5)
@@ -145,3 +157,6 @@ def test_smollm2_summarize(tmp_path, smollm2_gguf, monkeypatch):
                                      (ROOT / "jobs/data/articles.jsonl").read_text().splitlines()[:3]])
     assert stats["error_rows"] == 0 and stats["model"] == "smollm2-135m-instruct"
     assert all(r["output"].strip() and r["title"] for r in rows)
+    res = invoke("report", str(out))
+    assert res.exit_code == 0 and (out / "report.html").is_file(), res.output
+    assert f'data-key="prompt_tokens" data-value="{stats["prompt_tokens"]}"' in (out / "report.html").read_text()

@@ -275,21 +275,20 @@ def test_other_cpu_kinds(kernels, env, isa, dtypes, auto):
 
 
 def test_prepacked_bf16_linears(kernels, tiny_model):
-    from torch import nn
-
     from batchgen.engine.cpu.prepack import PrepackedLinear, prepack_linears
+    from batchgen.engine.layers.linear import ColumnParallelLinear, ReplicatedLinear
 
-    linear = nn.Linear(96, 40, bias=True).to(BF16).requires_grad_(False)
+    weight, bias = torch.randn(40, 96).to(BF16), torch.randn(40).to(BF16)
     x = torch.randn(3, 7, 96).to(BF16)
-    torch.testing.assert_close(PrepackedLinear(linear)(x).float(), nn.functional.linear(x, linear.weight,
-                               linear.bias).float(), atol=2e-2, rtol=2e-2)
-    model = nn.Sequential(nn.Linear(8, 8).to(BF16), nn.Linear(8, 8), nn.Sequential(nn.Linear(8, 8).to(BF16)))
-    assert prepack_linears(model) == 2  # the fp32 one stays plain: prepacking gains nothing there
-    assert [type(m).__name__ for m in (model[0], model[1], model[2][0])] == ["PrepackedLinear", "Linear",
-                                                                              "PrepackedLinear"]
+    torch.testing.assert_close(PrepackedLinear(weight, bias)(x).float(),
+                               torch.nn.functional.linear(x, weight, bias).float(), atol=2e-2, rtol=2e-2)
+    bf16_layer, fp32_layer = ReplicatedLinear(8, 8, params_dtype=BF16), ColumnParallelLinear(8, 8)
+    model = torch.nn.Sequential(bf16_layer, fp32_layer, torch.nn.Sequential(torch.nn.Linear(8, 8)))
+    assert prepack_linears(model) == 1  # fp32 stays plain (prepacking gains nothing there); not our layers
+    assert isinstance(model[0], PrepackedLinear) and model[1] is fp32_layer
     kw = dict(dtype="bfloat16", device="cpu", max_num_batched_tokens=64, kv_cache_memory=8 << 20)
     fused, plain = LLM(str(tiny_model), **kw), LLM(str(tiny_model), attention_backend="torch", **kw)
-    assert any(isinstance(m, PrepackedLinear) for m in fused.engine.runner.model.modules())
+    assert sum(isinstance(m, PrepackedLinear) for m in fused.engine.runner.model.modules()) > 2
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=True)
     prompts = mixed_prompts(fused)
     a, b = fused.generate(prompts, params), plain.generate(prompts, params)

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import json
+import re
+from collections import defaultdict
 from pathlib import Path
 
 import gguf
@@ -11,11 +13,13 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from safetensors.torch import load_file
 
+from batchgen.engine.config import ModelConfig
 from batchgen.engine.gguf_loader import dequantize_tensor, load_gguf
 from batchgen.engine.loader import load_model_source
 from tests.test_tokenizer import write_tokenizer_metadata
 
-GGUF_ARCH = {"llama": "llama", "llama-tied": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+GGUF_ARCH = {"llama": "llama", "llama-tied": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
+             "mixtral": "llama", "qwen2-moe": "qwen2moe", "qwen3-moe": "qwen3moe"}
 # Written independently of the loader's table, in llama.cpp's naming.
 LAYER_TO_GGUF = {
     "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
@@ -23,7 +27,13 @@ LAYER_TO_GGUF = {
     "mlp.down_proj.weight": "ffn_down.weight", "self_attn.o_proj.weight": "attn_output.weight",
     "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
     **{f"self_attn.{p}_proj.{kind}": f"attn_{p}.{kind}" for p in "qkv" for kind in ("weight", "bias")},
+    "mlp.gate.weight": "ffn_gate_inp.weight", "block_sparse_moe.gate.weight": "ffn_gate_inp.weight",
+    "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
+    **{f"mlp.shared_expert.{p}_proj.weight": f"ffn_{p}_shexp.weight" for p in ("gate", "up", "down")},
 }
+# Per-expert HF tensors, which llama.cpp stacks into one blk.N.ffn_{gate,up,down}_exps tensor per layer.
+EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")
+EXPERT_PROJ = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
 
 
 def gguf_name(hf: str) -> str:
@@ -55,19 +65,39 @@ def write_gguf(hf_dir: Path, out: Path, arch: str, qtype: Q = Q.F32, overrides: 
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
     write_tokenizer_metadata(w, hf_dir)
+    experts = cfg.get("num_local_experts") or cfg.get("num_experts")
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
+        if cfg.get("moe_intermediate_size"):
+            w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+        if cfg.get("shared_expert_intermediate_size"):
+            w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
+
+    def add(name: str, array: np.ndarray, hf_name: str = "") -> None:
+        kind = (overrides or {}).get(hf_name, qtype if array.ndim >= 2 else Q.F32)
+        if kind == Q.F32:
+            w.add_tensor(name, array)
+        elif kind == Q.F16:
+            w.add_tensor(name, array.astype(np.float16))
+        else:
+            w.add_tensor(name, gguf.quants.quantize(array, kind), raw_dtype=kind)
+
+    stacked: dict[tuple[str, str], dict[int, np.ndarray]] = defaultdict(dict)
     for name, tensor in load_file(str(hf_dir / "model.safetensors")).items():
         array = tensor.numpy()
+        if m := EXPERT.fullmatch(name):
+            stacked[m[1], EXPERT_PROJ[m[3]]][int(m[2])] = array
+            continue
         if GGUF_ARCH[arch] == "llama" and name.endswith("q_proj.weight"):
             array = llama_cpp_permute(array, cfg["num_attention_heads"])
         elif GGUF_ARCH[arch] == "llama" and name.endswith("k_proj.weight"):
             array = llama_cpp_permute(array, cfg["num_key_value_heads"])
-        kind = (overrides or {}).get(name, qtype if array.ndim == 2 else Q.F32)
-        if kind == Q.F32:
-            w.add_tensor(gguf_name(name), array)
-        elif kind == Q.F16:
-            w.add_tensor(gguf_name(name), array.astype(np.float16))
-        else:
-            w.add_tensor(gguf_name(name), gguf.quants.quantize(array, kind), raw_dtype=kind)
+        elif name.endswith("shared_expert_gate.weight"):
+            array = array.reshape(-1)  # llama.cpp keeps the shared expert's (1, H) gate as (H,)
+        add(gguf_name(name), array, name)
+    for (layer, proj), per_expert in stacked.items():
+        add(f"blk.{layer}.ffn_{proj}_exps.weight", np.stack([per_expert[e] for e in sorted(per_expert)]))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -82,7 +112,7 @@ def expected_weight(array: np.ndarray, qtype: Q) -> torch.Tensor:
 
 
 # ---- round trips through files we write ---------------------------------------------------------------
-@pytest.mark.parametrize("arch", ["llama", "llama-tied", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "llama-tied", "qwen2", "qwen3", "mixtral", "qwen2-moe", "qwen3-moe"])
 def test_f32_round_trip_is_exact(tiny_model_factory, tmp_path, arch):
     folder = tiny_model_factory(arch)
     source = load_model_source(str(write_gguf(folder, tmp_path / "m.gguf", arch)))
@@ -98,6 +128,7 @@ def test_f32_round_trip_is_exact(tiny_model_factory, tmp_path, arch):
     for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                 "num_key_value_heads", "head_dim", "max_position_embeddings", "vocab_size", "tie_word_embeddings"):
         assert cfg[key] == hf_cfg[key], key
+    assert ModelConfig.from_hf(cfg).moe == ModelConfig.from_hf(hf_cfg).moe  # experts, sizes, dense layers
     assert cfg["rms_norm_eps"] == pytest.approx(hf_cfg["rms_norm_eps"])
     assert cfg["rope_theta"] == hf_cfg["rope_parameters"]["rope_theta"]
     assert source.generation_config == {"eos_token_id": [hf_cfg["eos_token_id"]]}
@@ -118,6 +149,26 @@ def test_config_builds_the_same_hf_model(tiny_model_factory, tmp_path):
     ids = torch.tensor([source.tokenizer.encode("Batch inference reads prompts, sorts them by length")])
     with torch.no_grad():
         torch.testing.assert_close(ours(ids).logits, ref(ids).logits, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2-moe"])
+def test_moe_gguf_runs_like_transformers(tiny_model_factory, tmp_path, arch):
+    """The engine on the GGUF file (stacked experts, llama's permuted q/k for Mixtral) against HF on the folder."""
+    from batchgen.engine import LLM, SamplingParams
+    from tests.engine_helpers import hf_greedy, hf_logprobs, mixed_prompts
+
+    folder = tiny_model_factory(arch)
+    llm = LLM(str(write_gguf(folder, tmp_path / "m.gguf", arch)), dtype="float32", device="cpu",
+              max_num_batched_tokens=64)
+    hf_cfg = json.loads((folder / "config.json").read_text())
+    assert llm.engine.model_config.architecture == hf_cfg["architectures"][0]
+    prompts = mixed_prompts(llm, repeats=(1, 4))
+    outs = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=True))
+    assert len(outs) == len(prompts)
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == hf_greedy(str(folder), prompt, 6)
+        ref = hf_logprobs(str(folder), prompt, out.token_ids)
+        assert len(ref) == len(out.logprobs) and max(abs(a - b) for a, b in zip(out.logprobs, ref)) <= 1e-3
 
 
 @pytest.mark.parametrize("qtype", [Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1], ids=lambda q: q.name)

@@ -40,7 +40,8 @@ def test_write_parts_and_read_back(tmp_path, fmt):
     assert read_output(out) == rows(["a", "b"], output=None) + rows(["c"])
     assert json.load(open(f"{out}/_SUCCESS")) == {"rows": 3} == json.load(open(f"{out}/stats.json"))
     entry = json.load(open(f"{out}/_manifest/part-00001.json"))
-    assert entry == {"part": f"part-00001.{fmt}", "rows": 1, "row_ids": ["c"], "stats": {"rows": 1}}
+    assert entry == {"part": f"part-00001.{fmt}", "files": [f"part-00001.{fmt}"], "format": fmt, "rows": 1,
+                     "row_ids": ["c"], "stats": {"rows": 1}}
     if fmt == "parquet":
         schema = pq.read_schema(f"{out}/part-00000.parquet")
         assert schema.field("output").type == pa.string() == schema.field("finish_reason").type

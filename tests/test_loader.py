@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 
 from batchgen.engine import hub
 from batchgen.engine.loader import UnsupportedWeightsError, load_model_source
+from batchgen.engine.model_source import LazyTensor, as_tensor
 from batchgen.engine.tokenizer import Tokenizer
 from tests.s3_server import moto_server, s3  # noqa: F401  (fixtures)
 
@@ -31,7 +32,7 @@ def cache(tmp_path, monkeypatch) -> Path:
 def _weights(source) -> dict[str, torch.Tensor]:
     it = source.weights()
     assert isinstance(it, types.GeneratorType)  # lazy: nothing is read before iteration
-    out = dict(it)
+    out = {name: as_tensor(w) for name, w in it}
     assert len(out) == len(list(source.weights()))  # re-iterable, no duplicate names
     return out
 
@@ -67,6 +68,19 @@ def test_hf_folder_sharded_and_bf16(tiny_model, tmp_path):
     for name, tensor in reference.items():
         assert loaded[name].dtype == torch.bfloat16 and torch.equal(loaded[name], tensor), name
     assert source.generation_config == {}
+
+
+def test_safetensors_weights_are_read_lazily_and_by_slice(tiny_model):
+    stored = load_file(str(tiny_model / "model.safetensors"))
+    weights = dict(load_model_source(str(tiny_model)).weights())
+    name = "model.layers.0.mlp.gate_proj.weight"
+    lazy = weights[name]
+    assert isinstance(lazy, LazyTensor) and lazy.shape == stored[name].shape and lazy.dtype == torch.float32
+    # A tensor-parallel rank's slice: rows 32..63, then columns 16..47 of those.
+    part = lazy.narrow(0, 32, 32).narrow(1, 16, 32)
+    assert part.shape == (32, 32) and torch.equal(part.load(), stored[name][32:64, 16:48])
+    with pytest.raises(IndexError, match="out of range"):
+        lazy.narrow(0, 100, 100)
 
 
 def test_sharded_index_with_missing_shard(tiny_model, tmp_path):
@@ -187,7 +201,7 @@ def test_s3_folder_with_storage_options(tiny_model, cache, s3):  # noqa: F811
     source = load_model_source(url, s3.storage_options)
     assert source.config == json.loads((tiny_model / "config.json").read_text())
     stored = load_file(str(tiny_model / "model.safetensors"))
-    assert all(torch.equal(t, stored[n]) for n, t in source.weights())
+    assert all(torch.equal(as_tensor(t), stored[n]) for n, t in source.weights())
     client.delete_object(Bucket=s3.bucket, Key="models/tiny/config.json")
     assert load_model_source(url, s3.storage_options).config["hidden_size"] == 64  # cached copy
 

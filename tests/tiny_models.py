@@ -27,7 +27,17 @@ ARCH_CONFIGS = {
     "mistral": dict(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=None),
     "qwen2": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2"),
     "qwen3": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3"),
+    # Mixture of experts; the Qwen ones keep layer 0 dense so both kinds of layer occur.
+    "mixtral": dict(architectures=["MixtralForCausalLM"], model_type="mixtral", intermediate_size=96,
+                    num_local_experts=4, num_experts_per_tok=2, sliding_window=None),
+    "qwen2-moe": dict(architectures=["Qwen2MoeForCausalLM"], model_type="qwen2_moe", num_hidden_layers=3,
+                      num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=64, mlp_only_layers=[0]),
+    "qwen3-moe": dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_hidden_layers=3,
+                      head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                      mlp_only_layers=[0], norm_topk_prob=True),
 }
+MOE_ARCHS = ("mixtral", "qwen2-moe", "qwen3-moe")
 
 
 def build_tokenizer(out_dir: Path) -> int:
@@ -60,12 +70,12 @@ def build_tiny_model(out_dir: Path | str, arch: str = "llama", seed: int = 0, nu
     spec = dict(ARCH_CONFIGS[arch])
     model_type = spec.pop("model_type")
     im_end = SPECIAL_TOKENS.index("<|im_end|>")
+    shape = dict(vocab_size=vocab + 16, hidden_size=hidden, intermediate_size=2 * hidden,
+                 num_hidden_layers=num_layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                 head_dim=head_dim or hidden // heads, max_position_embeddings=max_position_embeddings)
     config = AutoConfig.for_model(
-        model_type, vocab_size=vocab + 16, hidden_size=hidden, intermediate_size=2 * hidden,
-        num_hidden_layers=num_layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-        head_dim=head_dim or hidden // heads, max_position_embeddings=max_position_embeddings,
-        initializer_range=init_std, rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=im_end,
-        pad_token_id=0, **spec)
+        model_type, **{**shape, **spec}, initializer_range=init_std, rms_norm_eps=1e-6, bos_token_id=0,
+        eos_token_id=im_end, pad_token_id=0)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # random norms and biases so that every parameter matters

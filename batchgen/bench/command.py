@@ -1,6 +1,7 @@
 """The `batchgen bench` command: prompt throughput of the engine, as figures and JSON."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 
@@ -41,10 +42,13 @@ def _read_texts(path: str, column: str) -> list[str]:
               help="Default: triton on CUDA, cpu (fused C++ kernels) on CPU.")
 @click.option("--cuda-graphs", type=click.Choice(["auto", "off"]), default="auto", show_default=True,
               help="Replay captured CUDA graphs for decode and mixed steps (CUDA + Triton only).")
+@click.option("--json-schema", "json_schema_file", default=None, type=click.Path(dir_okay=False, exists=True),
+              help="Also run the workload with every output constrained to this JSON Schema, and compare.")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--output-json", default=None, help="Also write the results to this file.")
 def bench(model, num_prompts, input_len, dataset, column, whole_documents, prefix_len, output_len, dtype,
-          device, max_batch_tokens, max_num_seqs, no_prefix_caching, attention_backend, cuda_graphs, seed, output_json):
+          device, max_batch_tokens, max_num_seqs, no_prefix_caching, attention_backend, cuda_graphs, json_schema_file,
+          seed, output_json):
     """Measure prompt (prefill) and output throughput of the engine."""
     logging.basicConfig(level=logging.WARNING)
     cfg = BenchConfig(model=model, dtype=dtype, device=device, output_len=output_len,
@@ -59,15 +63,42 @@ def bench(model, num_prompts, input_len, dataset, column, whole_documents, prefi
         workload = synthetic(num_prompts, input_len, llm.engine.model_config.vocab_size, seed=seed,
                              prefix_len=prefix_len)
     result = run_bench(llm, workload, cfg)
-    for key in ("dtype", "prompt_tokens", "wall_s", "requests_per_s", "prompt_tokens_per_s", "output_tokens_per_s",
-                "total_tokens_per_s", "decode_tokens_per_s", "prefix_cache_hit_rate",
-                "roofline_prompt_tokens_per_s", "prompt_tokens_per_s_over_roofline",
-                "mfu_vs_measured_matmul", "mfu_with_attention_vs_measured_matmul", "mfu_vs_gpu_peak",
-                "mfu_with_attention_vs_gpu_peak"):
-        if result.get(key) is not None:
-            click.echo(f"{key:>38}: {result[key]}")
+    if json_schema_file:
+        with open(json_schema_file, encoding="utf-8") as f:
+            schema = json.load(f)
+        constrained = run_bench(llm, workload, dataclasses.replace(cfg, json_schema=schema))
+        _print_side_by_side(result, constrained)
+        result = {"unconstrained": result, "json_schema": constrained}
+    else:
+        _print(result)
     text = json.dumps(result, indent=2)
     click.echo(text)
     if output_json:
         with open(output_json, "w") as f:
             f.write(text + "\n")
+
+
+SHOWN = ("dtype", "total_params", "active_params", "kv_bytes_per_token", "prompt_tokens", "wall_s", "requests_per_s",
+         "prompt_tokens_per_s", "output_tokens_per_s", "total_tokens_per_s", "decode_tokens_per_s", "prefix_cache_hit_rate", "roofline_prompt_tokens_per_s",
+         "prompt_tokens_per_s_over_roofline", "mfu_vs_measured_matmul", "mfu_with_attention_vs_measured_matmul",
+         "mfu_vs_gpu_peak", "mfu_with_attention_vs_gpu_peak")
+COMPARED = ("output_tokens", "wall_s", "requests_per_s", "output_tokens_per_s", "decode_tokens_per_s",
+            "decode_time_s", "mask_ms_per_step", "grammar_steps")
+
+
+def _print(result: dict) -> None:
+    for key in SHOWN:
+        if result.get(key) is not None:
+            click.echo(f"{key:>38}: {result[key]}")
+
+
+def _print_side_by_side(free: dict, constrained: dict) -> None:
+    """The same workload without and with the schema; the ratio is constrained / free."""
+    click.echo(f"{'':>38}  {'free':>12}  {'json_schema':>12}  {'ratio':>7}")
+    for key in COMPARED:
+        a, b = free.get(key), constrained.get(key)
+        if a is None and b is None:
+            continue
+        ratio = f"{b / a:7.3f}" if isinstance(a, (int, float)) and isinstance(b, (int, float)) and a else ""
+        click.echo(f"{key:>38}  {'' if a is None else a:>12}  {'' if b is None else b:>12}  {ratio:>7}")
+

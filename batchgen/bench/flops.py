@@ -1,4 +1,4 @@
-"""FLOP accounting: linear-layer parameters, measured matmul rate, GPU datasheet peaks."""
+"""FLOP accounting: the model's profile (active parameters, attention), measured matmul rate, GPU peaks."""
 from __future__ import annotations
 
 import time
@@ -6,31 +6,28 @@ import time
 import torch
 
 from batchgen.engine.config import ModelConfig
+from batchgen.engine.layers.ops import make_kernel_set
+from batchgen.engine.models.base import ModelProfile
+from batchgen.engine.models.registry import build_model
 
 # Dense bf16/fp16 tensor-core peaks (no sparsity), FLOP/s, from the vendors' datasheets.
 GPU_PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "H800": 989e12, "A100": 312e12, "L40S": 362e12,
                  "B200": 2250e12, "B300": 2250e12, "GH200": 989e12}
 
 
-def linear_params(cfg: ModelConfig) -> int:
-    """Parameters of the matmuls every token goes through (attention and MLP projections)."""
-    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    per_layer = cfg.hidden_size * (q + 2 * kv) + q * cfg.hidden_size \
-        + 3 * cfg.hidden_size * cfg.intermediate_size
-    return cfg.num_layers * per_layer
+def config_profile(cfg: ModelConfig) -> ModelProfile:
+    """The parameter/FLOP profile of a model of this config, built on the meta device (nothing allocated)."""
+    model = build_model(cfg, make_kernel_set("torch"), max_positions=1, dtype=torch.bfloat16, device="meta")
+    return model.profile()
 
 
-def lm_head_params(cfg: ModelConfig) -> int:
-    return cfg.hidden_size * cfg.vocab_size
-
-
-def attention_flops(cfg: ModelConfig, start: int, end: int) -> int:
+def attention_flops(profile: ModelProfile, start: int, end: int) -> int:
     """Causal attention matmul FLOPs (QK^T and PV) for the tokens at positions start..end-1.
 
-    The token at position p attends to p + 1 keys: 4 * heads * head_dim * (p + 1) per layer.
+    The token at position p attends to p + 1 keys, each costing ``attention_flops_per_key``.
     """
     keys = (end * (end + 1) - start * (start + 1)) // 2
-    return 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * keys
+    return profile.attention_flops_per_key * keys
 
 
 def measure_matmul_flops(dtype: torch.dtype, device: torch.device, seconds: float = 1.0,

@@ -8,13 +8,12 @@ from dataclasses import dataclass
 
 import torch
 
-from batchgen.bench.flops import (
-    attention_flops, gpu_peak_flops, linear_params, lm_head_params, measure_matmul_flops,
-)
+from batchgen.bench.flops import attention_flops, gpu_peak_flops, measure_matmul_flops
 from batchgen.bench.workload import Workload, synthetic
 from batchgen.engine import LLM, SamplingParams
 from batchgen.engine.dtype import DtypeChoice
 from batchgen.engine.metrics import EngineMetrics
+from batchgen.engine.models.base import ModelProfile
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +30,7 @@ class BenchConfig:
     attention_backend: str | None = None
     cuda_graphs: str = "auto"
     warmup_prompts: int = 2
+    json_schema: dict | None = None  # constrain every output to this JSON Schema
 
 
 def make_llm(cfg: BenchConfig) -> LLM:
@@ -42,7 +42,7 @@ def make_llm(cfg: BenchConfig) -> LLM:
 def run_bench(llm: LLM, workload: Workload, cfg: BenchConfig) -> dict:
     """Times ``llm.generate`` over the workload (after a warm-up) and derives throughput figures."""
     model_cfg = llm.engine.model_config
-    params = SamplingParams(max_tokens=cfg.output_len, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=cfg.output_len, temperature=0, ignore_eos=True, json_schema=cfg.json_schema)
     longest = max(map(len, workload.prompts))
     if longest + cfg.output_len > llm.max_model_len:
         raise ValueError(f"prompts of up to {longest} tokens + {cfg.output_len} output tokens exceed "
@@ -58,18 +58,21 @@ def run_bench(llm: LLM, workload: Workload, cfg: BenchConfig) -> dict:
     metrics = llm.engine.metrics
     device = llm.config.torch_device()
     matmul = measure_matmul_flops(llm.config.torch_dtype, device)
-    return summarize(workload, outputs, metrics, wall, model_cfg, matmul, gpu_peak_flops(device), cfg, device,
-                     llm.config.dtype_choice)
+    runner = llm.engine.runner
+    kv_bytes = runner.kv_layout.bytes_per_token(llm.config.torch_dtype)
+    return summarize(workload, outputs, metrics, wall, runner.profile, kv_bytes, matmul, gpu_peak_flops(device),
+                     cfg, device, llm.config.dtype_choice)
 
 
-def summarize(workload, outputs, m: EngineMetrics, wall: float, model_cfg, matmul_flops: float,
-              peak: float | None, cfg: BenchConfig, device, choice: DtypeChoice) -> dict:
-    lin, head = linear_params(model_cfg), lm_head_params(model_cfg)
+def summarize(workload, outputs, m: EngineMetrics, wall: float, profile: ModelProfile, kv_bytes_per_token: int,
+              matmul_flops: float, peak: float | None, cfg: BenchConfig, device, choice: DtypeChoice) -> dict:
+    # MFU counts the matmul weights each token really uses: for MoE its top-k and shared experts.
+    lin, head = profile.active_params, profile.lm_head_params
     prompt_tokens = workload.prompt_tokens
     output_tokens = sum(len(o.token_ids) for o in outputs)
-    flops = 2 * lin * (m.prompt_tokens_computed + m.decode_tokens) + 2 * head * m.tokens_generated
+    flops = 2 * lin * m.tokens_computed + 2 * head * m.tokens_generated
     # Positions each request computed: its uncached prompt, then every generated token but the last.
-    attn = sum(attention_flops(model_cfg, o.num_cached_tokens,
+    attn = sum(attention_flops(profile, o.num_cached_tokens,
                                len(o.prompt_token_ids) + max(len(o.token_ids) - 1, 0)) for o in outputs)
     prompt_tps = prompt_tokens / wall
     roofline_tps = matmul_flops / (2 * lin)
@@ -90,7 +93,8 @@ def summarize(workload, outputs, m: EngineMetrics, wall: float, model_cfg, matmu
         "prompt_tokens_computed": m.prompt_tokens_computed,
         "prefix_cache_hit_rate": round(m.prefix_cache_hit_rate, 4),
         "preemptions": m.preemptions,
-        "linear_params": lin,
+        "total_params": profile.total_params, "active_params": lin, "kv_bytes_per_token": kv_bytes_per_token,
+        "linear_flops": flops, "attention_flops": attn,
         "matmul_tflops_measured": round(matmul_flops / 1e12, 4),
         "achieved_tflops": round(flops / wall / 1e12, 4),
         "mfu_vs_measured_matmul": round(flops / wall / matmul_flops, 4),
@@ -99,6 +103,9 @@ def summarize(workload, outputs, m: EngineMetrics, wall: float, model_cfg, matmu
         "roofline_prompt_tokens_per_s": round(roofline_tps, 1),
         "prompt_tokens_per_s_over_roofline": round(prompt_tps / roofline_tps, 4),
     }
+    if m.grammar_steps:
+        result["grammar_steps"] = m.grammar_steps
+        result["mask_ms_per_step"] = round(1e3 * m.grammar_mask_time_s / m.grammar_steps, 3)
     if peak:
         result["gpu_peak_tflops"] = peak / 1e12
         result["mfu_vs_gpu_peak"] = round(flops / wall / peak, 4)

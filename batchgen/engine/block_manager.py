@@ -33,8 +33,6 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.hash_to_block: dict[int, int] = {}
-        self.num_prefix_queries = 0  # prompt tokens looked up in the prefix cache
-        self.num_prefix_hits = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -73,8 +71,9 @@ class BlockManager:
         fresh = -(-seq.num_tokens // self.block_size) - len(hits)
         return fresh + reclaimed <= self.num_free_blocks
 
-    def admit(self, seq: Sequence) -> None:
-        """Give a waiting sequence blocks for all its tokens, reusing cached prefix blocks."""
+    def admit(self, seq: Sequence) -> int:
+        """Give a waiting sequence blocks for all its tokens, reusing cached prefix blocks; returns the
+        number of tokens the cache already held."""
         assert not seq.block_table
         hits = self._cached_prefix(seq)
         for block_id in hits:
@@ -85,9 +84,8 @@ class BlockManager:
         seq.block_table = list(hits)
         seq.num_hashed_blocks = len(hits)
         seq.num_computed_tokens = len(hits) * self.block_size
-        self.num_prefix_queries += seq.num_tokens
-        self.num_prefix_hits += seq.num_computed_tokens
         self.allocate(seq, seq.num_tokens)
+        return seq.num_computed_tokens
 
     def allocate(self, seq: Sequence, num_tokens: int) -> None:
         """Append fresh blocks so the first ``num_tokens`` tokens of ``seq`` have slots."""

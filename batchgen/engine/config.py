@@ -7,19 +7,93 @@ from typing import Any
 import torch
 
 from batchgen.engine.dtype import DtypeChoice, check_dtype_name, resolve_dtype
+from batchgen.engine.models.registry import UnsupportedModelError, architecture_of  # noqa: F401 (re-export)
 
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-)
+ROPE_SCALINGS = ("llama3", "linear")
 
 
-class UnsupportedModelError(ValueError):
-    """The model's architecture or settings are not ones the engine implements."""
+def _ints(value: Any) -> tuple[int, ...]:
+    return tuple(int(v) for v in value or ())
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """The routed (and shared) experts of a mixture-of-experts model, as its config.json states them.
+
+    Which layers are sparse and how the router scores experts is decided by the model's own file;
+    these are the facts it reads (names as in transformers, aliases folded).
+    """
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # of one routed expert
+    num_shared_experts: int = 0
+    shared_intermediate_size: int = 0  # of all shared experts together
+    norm_topk_prob: bool = False
+    routed_scaling_factor: float = 1.0
+    scoring_func: str = "softmax"
+    topk_method: str = "greedy"
+    n_group: int = 1
+    topk_group: int = 1
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    first_k_dense_replace: int = 0
+    moe_layer_freq: int = 1
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> "MoEConfig | None":
+        experts = cfg.get("num_local_experts") or cfg.get("num_experts") or cfg.get("n_routed_experts")
+        if not experts:
+            return None
+        expert_size = int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"])
+        shared = int(cfg.get("n_shared_experts") or 0)
+        shared_size = int(cfg.get("shared_expert_intermediate_size") or shared * expert_size)
+        return cls(
+            num_experts=int(experts), top_k=int(cfg["num_experts_per_tok"]), intermediate_size=expert_size,
+            num_shared_experts=shared or int(shared_size > 0), shared_intermediate_size=shared_size,
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+            routed_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0),
+            scoring_func=cfg.get("scoring_func") or "softmax", topk_method=cfg.get("topk_method") or "greedy",
+            n_group=int(cfg.get("n_group") or 1), topk_group=int(cfg.get("topk_group") or 1),
+            decoder_sparse_step=int(cfg.get("decoder_sparse_step") or 1),
+            mlp_only_layers=_ints(cfg.get("mlp_only_layers")),
+            first_k_dense_replace=int(cfg.get("first_k_dense_replace") or 0),
+            moe_layer_freq=int(cfg.get("moe_layer_freq") or 1),
+        )
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3): low-rank q and a compressed KV latent per token."""
+
+    q_lora_rank: int | None  # None: a plain q projection
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> "MLAConfig | None":
+        if not cfg.get("kv_lora_rank"):
+            return None
+        q_rank = cfg.get("q_lora_rank")
+        return cls(q_lora_rank=int(q_rank) if q_rank else None, kv_lora_rank=int(cfg["kv_lora_rank"]),
+                   qk_nope_head_dim=int(cfg["qk_nope_head_dim"]), qk_rope_head_dim=int(cfg["qk_rope_head_dim"]),
+                   v_head_dim=int(cfg["v_head_dim"]))
+
+    @property
+    def latent_dim(self) -> int:
+        """Values the paged cache holds per token and layer: the KV latent and the shared rope key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
 
 
 @dataclass
 class ModelConfig:
-    """The architecture facts the model code needs, parsed from a Hugging Face config dict."""
+    """The architecture facts every model needs, parsed from a Hugging Face config dict.
+
+    Model-specific switches (biases, q/k norm, which layers are sparse) are not fields: each model's
+    file reads them from ``hf`` (the config.json dict, under the model class's ``config_defaults``).
+    """
 
     architecture: str
     vocab_size: int
@@ -34,18 +108,20 @@ class ModelConfig:
     rope_scaling: dict | None
     max_position_embeddings: int
     tie_word_embeddings: bool
-    qkv_bias: bool
-    qk_norm: bool
+    attention_bias: bool = False
     sliding_window: int | None = None
+    rotary_dim: int = 0  # leading dims of each head that rotary rotates (partial_rotary_factor); 0: head_dim
+    moe: MoEConfig | None = None
+    mla: MLAConfig | None = None
+    hf: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self.rotary_dim = self.rotary_dim or self.head_dim
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
-        archs = cfg.get("architectures") or []
-        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-        if arch is None:
-            raise UnsupportedModelError(
-                f"unsupported architecture {archs or cfg.get('model_type')!r}; "
-                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        arch = architecture_of(cfg)
+        cfg = {**arch.model_class().config_defaults, **cfg}
         if cfg.get("hidden_act", "silu") != "silu":
             raise UnsupportedModelError(f"unsupported hidden_act {cfg['hidden_act']!r}; only silu")
         rope = dict(cfg.get("rope_parameters") or {})  # transformers >= 5 keeps rope settings here
@@ -53,27 +129,33 @@ class ModelConfig:
         rope_theta = float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0)
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         rope_scaling = None if rope_type == "default" else {**rope, "rope_type": rope_type}
-        if rope_scaling and rope_type not in ("llama3", "linear"):
-            raise UnsupportedModelError(f"unsupported rope scaling {rope_type!r}; supported: llama3, linear")
+        if rope_scaling and rope_type not in ROPE_SCALINGS:
+            raise UnsupportedModelError(f"unsupported rope scaling {rope_type!r}; "
+                                        f"supported: {', '.join(ROPE_SCALINGS)}")
         heads = cfg["num_attention_heads"]
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+        rotary_factor = float(cfg.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0)
         window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
         return cls(
-            architecture=arch,
+            architecture=arch.name,
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
             intermediate_size=cfg["intermediate_size"],
             num_layers=cfg["num_hidden_layers"],
             num_heads=heads,
             num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            head_dim=head_dim,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
-            sliding_window=window,
+            attention_bias=bool(cfg.get("attention_bias", False)),
+            sliding_window=window or None,
+            rotary_dim=int(head_dim * rotary_factor),
+            moe=MoEConfig.from_hf(cfg),
+            mla=MLAConfig.from_hf(cfg),
+            hf=cfg,
         )
 
 

@@ -10,13 +10,8 @@ import torch
 
 from batchgen.engine.gguf_tokenizer import field_value, gguf_fields
 from batchgen.engine.model_source import ModelSource
+from batchgen.engine.models.registry import gguf_architecture
 from batchgen.engine.tokenizer import Tokenizer
-
-ARCHITECTURES = {
-    "llama": ("llama", "LlamaForCausalLM"),
-    "qwen2": ("qwen2", "Qwen2ForCausalLM"),
-    "qwen3": ("qwen3", "Qwen3ForCausalLM"),
-}
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -40,12 +35,26 @@ _LAYER_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+# The router and the shared expert, under the layer's MoE module ({moe}).
+_MOE_LAYER_NAMES = {
+    "ffn_gate_inp.weight": "{moe}.gate.weight",
+    "ffn_gate_inp_shexp.weight": "{moe}.shared_expert_gate.weight",
+    "ffn_gate_shexp.weight": "{moe}.shared_expert.gate_proj.weight",
+    "ffn_up_shexp.weight": "{moe}.shared_expert.up_proj.weight",
+    "ffn_down_shexp.weight": "{moe}.shared_expert.down_proj.weight",
+}
+# How HF names a layer's MoE module and its experts' (gate, up, down) projections, by model_type.
+_MOE_HF_NAMES = {"mixtral": ("block_sparse_moe", ("w1", "w3", "w2"))}
+_MOE_HF_DEFAULT = ("mlp", ("gate_proj", "up_proj", "down_proj"))
+# Routing llama.cpp hard-codes for an architecture when the file does not say (expert_weights_norm).
+_GGUF_DEFAULTS = {"qwen3moe": {"norm_topk_prob": True}}
 # Tensors llama.cpp needs but an HF model does not (precomputed rope frequency factors).
 _SKIPPED = {"rope_freqs.weight"}
 _BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
+_EXPERTS = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down|gate_up)_exps\.weight")
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
+def hf_tensor_name(gguf_name: str, model_type: str = "llama") -> str | None:
     """The HF parameter name for a GGUF tensor name, or None for tensors HF models do not have."""
     if gguf_name in _SKIPPED:
         return None
@@ -54,7 +63,22 @@ def hf_tensor_name(gguf_name: str) -> str | None:
     m = _BLOCK.fullmatch(gguf_name)
     if m and m.group(2) in _LAYER_NAMES:
         return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    if m and m.group(2) in _MOE_LAYER_NAMES:
+        moe = _MOE_HF_NAMES.get(model_type, _MOE_HF_DEFAULT)[0]
+        return f"model.layers.{m.group(1)}.{_MOE_LAYER_NAMES[m.group(2)].format(moe=moe)}"
     raise ValueError(f"GGUF tensor {gguf_name!r} has no known Hugging Face equivalent")
+
+
+def expert_tensors(gguf_name: str, stacked: torch.Tensor, model_type: str) -> list[tuple[str, torch.Tensor]]:
+    """HF per-expert tensors from a GGUF stacked expert tensor (E, I, H) / (E, H, I) / gate|up (E, 2I, H)."""
+    layer, proj = _EXPERTS.fullmatch(gguf_name).groups()
+    moe, (gate, up, down) = _MOE_HF_NAMES.get(model_type, _MOE_HF_DEFAULT)
+    if proj == "gate_up":
+        halves = {gate: stacked[:, : stacked.shape[1] // 2], up: stacked[:, stacked.shape[1] // 2:]}
+    else:
+        halves = {{"gate": gate, "up": up, "down": down}[proj]: stacked}
+    return [(f"model.layers.{layer}.{moe}.experts.{e}.{name}.weight", part[e])
+            for name, part in halves.items() for e in range(stacked.shape[0])]
 
 
 def _as_int(value: Any, key: str) -> int | None:
@@ -68,12 +92,12 @@ def _as_int(value: Any, key: str) -> int | None:
 def gguf_config(fields: Mapping[str, Any], tensors: Mapping[str, Any]) -> dict:
     """An HF ``config.json``-style dict from GGUF metadata (and tensor shapes)."""
     arch = field_value(fields, "general.architecture")
-    if arch not in ARCHITECTURES:
-        raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: {', '.join(ARCHITECTURES)}")
-    model_type, hf_class = ARCHITECTURES[arch]
 
     def get(key: str, default: Any = None) -> Any:
         return field_value(fields, f"{arch}.{key}", default)
+
+    registered = gguf_architecture(arch, has_experts=bool(_as_int(get("expert_count"), "expert_count")))
+    model_type = registered.model_type
 
     hidden = _as_int(get("embedding_length"), "embedding_length")
     heads = _as_int(get("attention.head_count"), "attention.head_count")
@@ -81,7 +105,7 @@ def gguf_config(fields: Mapping[str, Any], tensors: Mapping[str, Any]) -> dict:
     head_dim = _as_int(get("attention.key_length"), "attention.key_length") or hidden // heads
     embed = tensors["token_embd.weight"]
     config: dict[str, Any] = {
-        "architectures": [hf_class],
+        "architectures": [registered.name],
         "model_type": model_type,
         "hidden_size": hidden,
         "intermediate_size": _as_int(get("feed_forward_length"), "feed_forward_length"),
@@ -105,13 +129,39 @@ def gguf_config(fields: Mapping[str, Any], tensors: Mapping[str, Any]) -> dict:
         original = get("rope.scaling.original_context_length")
         if original is not None:
             config["rope_scaling"]["original_max_position_embeddings"] = int(original)
-    if model_type != "qwen2":  # Qwen2 always has q/k/v biases; the others say so in the config
+    if model_type not in ("qwen2", "qwen2_moe"):  # these always have q/k/v biases; others say so in the config
         config["attention_bias"] = "blk.0.attn_q.bias" in tensors
+    if registered.moe:
+        config.update(_GGUF_DEFAULTS.get(arch, {}))
+        config.update(_moe_config(get, tensors, config["num_hidden_layers"]))
     for key, meta in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                       ("pad_token_id", "padding_token_id")):
         value = field_value(fields, f"tokenizer.ggml.{meta}")
         if value is not None:
             config[key] = int(value)
+    return config
+
+
+def _moe_config(get: Any, tensors: Mapping[str, Any], num_layers: int) -> dict[str, Any]:
+    """HF config keys of the experts: counts, sizes (from metadata, else tensor shapes), dense layers."""
+    def size(key: str, tensor: str) -> int | None:  # a GGUF shape lists the fastest dimension first
+        value = _as_int(get(key), key)
+        return value if value is not None or tensor not in tensors else int(tensors[tensor].shape[1])
+
+    config: dict[str, Any] = {"num_experts": _as_int(get("expert_count"), "expert_count"),
+                              "num_experts_per_tok": _as_int(get("expert_used_count"), "expert_used_count")}
+    sparse = [i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" in tensors]
+    first = sparse[0] if sparse else 0
+    expert_size = size("expert_feed_forward_length", f"blk.{first}.ffn_up_exps.weight")
+    if expert_size is not None:
+        config["moe_intermediate_size"] = expert_size
+    shared_size = size("expert_shared_feed_forward_length", f"blk.{first}.ffn_up_shexp.weight")
+    if shared_size:
+        config["shared_expert_intermediate_size"] = shared_size
+    norm = get("expert_weights_norm")
+    if norm is not None:
+        config["norm_topk_prob"] = bool(norm)
+    config["mlp_only_layers"] = [i for i in range(num_layers) if i not in sparse]
     return config
 
 
@@ -138,11 +188,15 @@ def dequantize_tensor(tensor: Any) -> torch.Tensor:
     return torch.from_numpy(np.array(array, dtype=np.float32).reshape(shape))
 
 
-def iter_gguf_weights(reader: Any, config: dict) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yields ``(hf_name, float32 tensor)``, dequantizing one tensor at a time."""
-    unpermute = config["model_type"] == "llama"
+def iter_gguf_weights(reader: Any, config: dict, gguf_arch: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yields ``(hf_name, float32 tensor)``, dequantizing one tensor at a time (stacked experts split per expert)."""
+    unpermute = gguf_arch == "llama"
+    model_type = config["model_type"]
     for tensor in reader.tensors:
-        name = hf_tensor_name(tensor.name)
+        if _EXPERTS.fullmatch(tensor.name):
+            yield from expert_tensors(tensor.name, dequantize_tensor(tensor), model_type)
+            continue
+        name = hf_tensor_name(tensor.name, model_type)
         if name is None:
             continue
         weight = dequantize_tensor(tensor)
@@ -150,6 +204,8 @@ def iter_gguf_weights(reader: Any, config: dict) -> Iterator[tuple[str, torch.Te
             weight = _unpermute(weight, config["num_attention_heads"])
         elif unpermute and name.endswith(("k_proj.weight", "k_proj.bias")):
             weight = _unpermute(weight, config["num_key_value_heads"])
+        elif name.endswith("shared_expert_gate.weight"):  # llama.cpp stores the (1, H) gate as (H,)
+            weight = weight.reshape(1, -1)
         yield name, weight
 
 
@@ -162,8 +218,10 @@ def load_gguf(path: str) -> ModelSource:
     reader = gguf.GGUFReader(path)
     fields = gguf_fields(reader)
     config = gguf_config(fields, {t.name: t for t in reader.tensors})
+    gguf_arch = field_value(fields, "general.architecture")
     tokenizer = Tokenizer.from_gguf(reader)
     eos_ids = tokenizer.eos_token_ids or ([config["eos_token_id"]] if "eos_token_id" in config else [])
-    return ModelSource(config=config, weights=lambda: iter_gguf_weights(reader, config), tokenizer=tokenizer,
+    return ModelSource(config=config, weights=lambda: iter_gguf_weights(reader, config, gguf_arch),
+                       tokenizer=tokenizer,
                        generation_config={"eos_token_id": eos_ids} if eos_ids else {},
                        name=str(field_value(fields, "general.name", Path(path).stem)))

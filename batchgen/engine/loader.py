@@ -5,10 +5,8 @@ import json
 from pathlib import Path
 from typing import Iterator
 
-import torch
-
 from batchgen.engine.hub import resolve_model_path
-from batchgen.engine.model_source import ModelSource
+from batchgen.engine.model_source import LazyTensor, ModelSource
 from batchgen.engine.tokenizer import Tokenizer
 
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -35,24 +33,28 @@ def safetensors_files(folder: Path) -> list[Path]:
     return sorted(folder.glob("*.safetensors"))
 
 
-def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yields ``(name, tensor)`` one tensor at a time, in the stored dtype."""
+def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, LazyTensor]]:
+    """Yields ``(name, lazy tensor)``; nothing is read until a tensor is loaded (in the stored dtype)."""
     from safetensors import safe_open
 
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                yield name, LazyTensor(f.get_slice(name))
 
 
-def load_hf_dir(folder: str | Path, name: str = "") -> ModelSource:
+def _no_weights() -> Iterator[tuple[str, torch.Tensor]]:
+    raise RuntimeError("this model was loaded without its weights (tokenizer and config only)")
+
+
+def load_hf_dir(folder: str | Path, name: str = "", weights: bool = True) -> ModelSource:
     """A Hugging Face model folder: config.json, safetensors weights, tokenizer files."""
     folder = Path(folder)
     config_file = folder / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"{folder} has no config.json (expected a Hugging Face model folder or a .gguf file)")
-    files = safetensors_files(folder)
-    if not files:
+    files = safetensors_files(folder) if weights else []
+    if weights and not files:
         pickled = sorted(p.name for p in folder.iterdir() if p.suffix in _PICKLE_SUFFIXES)
         found = f" (found {', '.join(pickled)})" if pickled else ""
         raise UnsupportedWeightsError(
@@ -61,16 +63,21 @@ def load_hf_dir(folder: str | Path, name: str = "") -> ModelSource:
     gen_file = folder / "generation_config.json"
     return ModelSource(
         config=_read_json(config_file),
-        weights=lambda: iter_safetensors(files),
+        weights=(lambda: iter_safetensors(files)) if weights else _no_weights,
         tokenizer=Tokenizer.from_hf_dir(folder),
         generation_config=_read_json(gen_file) if gen_file.is_file() else {},
         name=name or folder.name,
     )
 
 
-def load_model_source(path_or_name: str, storage_options: dict | None = None) -> ModelSource:
-    """Resolves ``path_or_name`` (folder, .gguf, built-in name, remote URL) and loads it."""
-    path = Path(resolve_model_path(path_or_name, storage_options))
+def load_model_source(path_or_name: str, storage_options: dict | None = None, weights: bool = True) -> ModelSource:
+    """Resolves ``path_or_name`` (folder, .gguf, built-in name, remote URL) and loads it.
+
+    Weights are only read when ``ModelSource.weights()`` is iterated. ``weights=False`` is the
+    tokenizer-only path (``batchgen plan``): config and tokenizer, no weight files fetched or checked
+    (a GGUF file is only memory-mapped for its metadata), and ``weights()`` raises.
+    """
+    path = Path(resolve_model_path(path_or_name, storage_options, weights))
     if path.is_dir() and not (path / "config.json").is_file():
         ggufs = sorted(path.glob("*.gguf"))
         if len(ggufs) == 1:  # a folder that only holds one GGUF file
@@ -80,5 +87,7 @@ def load_model_source(path_or_name: str, storage_options: dict | None = None) ->
 
         source = load_gguf(str(path))
         source.name = str(path_or_name)
+        if not weights:
+            source.weights = _no_weights
         return source
-    return load_hf_dir(path, name=str(path_or_name))
+    return load_hf_dir(path, name=str(path_or_name), weights=weights)

@@ -1,23 +1,79 @@
-"""Counters the engine keeps while it runs: tokens and time by step kind, prefix-cache hits."""
+"""What the engine measures: one record per step, and running totals over the steps."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
 
+@dataclass(frozen=True)
+class StepRecord:
+    """One engine step, handed to step listeners (see ``LLMEngine.step_listeners``).
+
+    ``start_s`` is ``time.perf_counter()`` when the model run began. ``prefill_tokens`` are prompt tokens
+    computed, ``decode_tokens`` the other tokens computed (generated ones fed back, or recomputed after a
+    preemption); together they are the step's tokens, at most ``token_budget``. ``padded_tokens`` were
+    computed only to fit a captured CUDA graph's shape. ``grammar_rows`` sampled under a grammar's token
+    bitmask, which took ``mask_time_s`` to build before the model run (not part of ``duration_s``).
+    """
+
+    start_s: float
+    duration_s: float
+    num_seqs: int
+    prefill_tokens: int
+    decode_tokens: int
+    sampled_tokens: int
+    token_budget: int
+    padded_tokens: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    preemptions: int = 0
+    grammar_rows: int = 0
+    mask_time_s: float = 0.0
+
+    @property
+    def decode_only(self) -> bool:
+        return self.prefill_tokens == 0 and self.decode_tokens == self.num_seqs
+
+    @property
+    def num_tokens(self) -> int:
+        return self.prefill_tokens + self.decode_tokens
+
+
 @dataclass
 class EngineMetrics:
-    """Prefill steps compute at least one prompt chunk; decode steps compute one token per sequence."""
+    """Totals over steps. Prefill steps compute at least one prompt token; decode steps one token per sequence."""
 
     prefill_steps: int = 0
     decode_steps: int = 0
     prefill_time_s: float = 0.0
     decode_time_s: float = 0.0
     prompt_tokens_computed: int = 0  # prompt tokens run through the model (cache hits excluded)
+    tokens_computed: int = 0  # every token run through the model, padding excluded
+    padded_tokens: int = 0
     tokens_generated: int = 0
     decode_tokens: int = 0  # tokens computed in decode-only steps
     preemptions: int = 0
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0
+    grammar_steps: int = 0  # steps that built a grammar bitmask
+    grammar_mask_time_s: float = 0.0  # time spent filling those bitmasks
+
+    def add_step(self, r: StepRecord) -> None:
+        if r.decode_only:
+            self.decode_steps += 1
+            self.decode_time_s += r.duration_s
+            self.decode_tokens += r.decode_tokens
+        else:
+            self.prefill_steps += 1
+            self.prefill_time_s += r.duration_s
+        self.prompt_tokens_computed += r.prefill_tokens
+        self.tokens_computed += r.num_tokens
+        self.padded_tokens += r.padded_tokens
+        self.tokens_generated += r.sampled_tokens
+        self.preemptions += r.preemptions
+        self.prefix_cache_queries += r.prefix_cache_queries
+        self.prefix_cache_hits += r.prefix_cache_hits
+        self.grammar_steps += r.grammar_rows > 0
+        self.grammar_mask_time_s += r.mask_time_s
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -7,33 +7,18 @@ from typing import TYPE_CHECKING
 import torch
 
 from batchgen.engine.config import EngineConfig, ModelConfig
-from batchgen.engine.kv_cache import allocate_kv_cache, bytes_per_block, kv_budget_bytes
+from batchgen.engine.kv_cache import kv_budget_bytes
 from batchgen.engine.layers.attention import AttentionMetadata
-from batchgen.engine.layers.ops import default_backend, make_kernel_set
+from batchgen.engine.layers.ops import default_backend, fused_moe, make_kernel_set
 from batchgen.engine.model_source import ModelSource
-from batchgen.engine.models.llama import LlamaForCausalLM
-from batchgen.engine.sampler import SamplingBatch, sample
+from batchgen.engine.models.registry import build_model
+from batchgen.engine.sampler import SamplingBatch, TokenBitmask, sample
 from batchgen.engine.scheduler import ScheduledSeq
 
 if TYPE_CHECKING:
     from batchgen.engine.cuda_graphs import GraphRunner
 
 log = logging.getLogger(__name__)
-
-
-def build_model(cfg: ModelConfig, kernels, max_positions: int, dtype: torch.dtype,
-                device: torch.device) -> LlamaForCausalLM:
-    """The model allocated directly in ``dtype`` on ``device`` (no fp32 copy first); rotary tables stay fp32."""
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    # Row chunks keep CPU activations in cache; a GPU wants each matmul as large as the step.
-    chunk_tokens = 1024 if device.type == "cpu" else 1 << 30
-    try:
-        with torch.device(device):
-            model = LlamaForCausalLM(cfg, kernels, max_positions=max_positions, chunk_tokens=chunk_tokens)
-    finally:
-        torch.set_default_dtype(default)
-    return model.requires_grad_(False)
 
 
 class ModelRunner:
@@ -47,15 +32,29 @@ class ModelRunner:
         self.kernels = make_kernel_set(backend)
         self.model = build_model(model_cfg, self.kernels, max_model_len, self.dtype, self.device)
         self.model.load_weights(source.weights())
-        self.kernels.prepare_model(self.model)
-        reserve = engine.max_num_batched_tokens * model_cfg.intermediate_size * 2 * 4 \
-            + engine.max_num_seqs * model_cfg.vocab_size * 4 * 4
-        budget = kv_budget_bytes(engine, self.device, reserve)
-        self.num_blocks = max(1, budget // bytes_per_block(model_cfg, self.block_size, self.dtype))
-        allocate_kv_cache(self.model, model_cfg, self.num_blocks, self.block_size, self.dtype, self.device)
-        log.info("model %s: %s on %s, attention backend %s", source.name, engine.dtype_choice.name,
-                 self.device, self.kernels.attention.name)
+        self.profile = self.model.profile()
+        self.kv_layout = self.model.kv_layout()
+        self.kernels.prepare_model(self.model)  # after the profile: it may replace modules (prepacking)
+        self.num_blocks = self._allocate_kv_cache()
+        log.info("model %s: %s on %s, attention backend %s; %s", source.name, engine.dtype_choice.name,
+                 self.device, self.kernels.attention.name, self.profile.summary())
         self.graphs = self._graph_runner(backend, max_model_len)
+        self.padded_tokens = 0  # tokens the last step computed only to fit a CUDA graph's shape
+
+    def _allocate_kv_cache(self) -> int:
+        """Sizes the cache from the memory budget, allocates it in the model's layout and binds it."""
+        engine = self.engine
+        # Peak activations of a full step (the widest MLP/MoE intermediate per token, at 4 bytes) and
+        # the float32 logits of every sequence with the sampler's working copies (4 of them).
+        reserve = engine.max_num_batched_tokens * self.profile.activation_values_per_token * 4 \
+            + engine.max_num_seqs * self.model_cfg.vocab_size * 4 * 4
+        per_block = self.kv_layout.bytes_per_block(self.block_size, self.dtype)
+        num_blocks = max(1, kv_budget_bytes(engine, self.device, reserve) // per_block)
+        self.model.bind_kv_cache(self.kv_layout.allocate(num_blocks, self.block_size, self.dtype, self.device))
+        log.info("KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB), %d bytes per token (%s)",
+                 num_blocks, self.block_size, num_blocks * self.block_size, num_blocks * per_block / 2**20,
+                 self.kv_layout.bytes_per_token(self.dtype), self.kv_layout.describe())
+        return num_blocks
 
     def _graph_runner(self, backend: str, max_model_len: int) -> "GraphRunner | None":
         mode, on_cuda = self.engine.cuda_graphs, self.device.type == "cuda"
@@ -63,6 +62,9 @@ class ModelRunner:
             return None
         if backend != "triton":
             raise ValueError("cuda_graphs='emulate' needs attention_backend='triton'")
+        if mode == "auto" and self.kernels.fused_moe is fused_moe and self.model_cfg.moe is not None:
+            log.info("CUDA graphs off: the torch mixture-of-experts path sizes its GEMMs on the host")
+            return None
         from batchgen.engine.cuda_graphs import GraphRunner  # imports triton
 
         with torch.inference_mode():
@@ -107,7 +109,7 @@ class ModelRunner:
         return (torch.tensor(input_ids, device=dev), positions.to(dev), meta,
                 torch.tensor(logits_rows, device=dev, dtype=torch.int64))
 
-    def sampling_batch(self, scheduled: list[ScheduledSeq]) -> SamplingBatch:
+    def sampling_batch(self, scheduled: list[ScheduledSeq], bitmask: TokenBitmask | None = None) -> SamplingBatch:
         seqs = [s.seq for s in scheduled if s.sample]
         params = [s.params for s in seqs]
         dev = self.device
@@ -120,18 +122,24 @@ class ModelRunner:
             want_logprobs=any(p.logprobs for p in params),
             all_greedy=all(p.temperature == 0 for p in params),
             any_top_k_or_p=any(p.top_k > 0 or p.top_p < 1 for p in params),
+            bitmask=bitmask,
         )
 
     @torch.inference_mode()
-    def run(self, scheduled: list[ScheduledSeq]) -> tuple[list[int], list[float] | None]:
-        """One forward over the packed step; returns sampled tokens for the rows that sample."""
+    def run(self, scheduled: list[ScheduledSeq], bitmask: TokenBitmask | None = None
+            ) -> tuple[list[int], list[float] | None]:
+        """One forward over the packed step; returns sampled tokens for the rows that sample.
+
+        ``bitmask`` restricts the next token of the sampling rows that have a grammar.
+        """
         input_ids, positions, meta, logits_rows = self.prepare(scheduled)
         graph = self.graphs.pick(meta, len(input_ids)) if self.graphs is not None else None
+        self.padded_tokens = graph[1] - len(input_ids) if graph is not None else 0
         if graph is not None:
             logits = self.graphs.run(graph, input_ids, positions, meta, logits_rows)
         else:
             logits = self.model(input_ids, positions, meta, logits_rows)
         if len(logits_rows) == 0:  # only non-final prompt chunks this step
             return [], None
-        tokens, logprobs = sample(logits, self.sampling_batch(scheduled))
+        tokens, logprobs = sample(logits, self.sampling_batch(scheduled, bitmask))
         return tokens.tolist(), (logprobs.tolist() if logprobs is not None else None)

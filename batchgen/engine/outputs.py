@@ -9,7 +9,9 @@ class RequestOutput:
     """The finished result of one request.
 
     ``finish_reason`` is "stop" (EOS, a stop id or a stop string), "length" (max_tokens or the model's
-    context) or "error" (the request alone failed; ``error`` says why).
+    context) or "error" (the request alone failed; ``error`` says why). ``grammar_complete`` says, for a
+    request with a json_schema/regex/choice constraint, whether its text is a whole match (False when
+    max_tokens or a stop string cut it short); None without a constraint.
     """
 
     request_id: int
@@ -20,3 +22,4 @@ class RequestOutput:
     logprobs: list[float] | None = None
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     error: str | None = None
+    grammar_complete: bool | None = None

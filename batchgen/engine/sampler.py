@@ -1,4 +1,5 @@
-"""Batched sampling: greedy, temperature, top-k, top-p, with per-request seeds that do not depend on the batch."""
+"""Batched sampling: greedy, temperature, top-k, top-p, grammar bitmasks, with per-request seeds that do not
+depend on the batch."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -30,6 +31,25 @@ def seeded_uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) ->
 
 
 @dataclass
+class TokenBitmask:
+    """Allowed next tokens of the rows that have a grammar: bit j of word w in ``bits[i]`` allows token
+    ``32 * w + j`` in sampling row ``rows[i]``."""
+
+    bits: torch.Tensor  # int32 (len(rows), ceil(vocab / 32))
+    rows: list[int]
+
+
+def apply_token_bitmask(logits: torch.Tensor, mask: TokenBitmask) -> None:
+    """Sets the logits of disallowed tokens to -inf, in place, in the masked rows only."""
+    vocab = logits.shape[-1]
+    bits = mask.bits.to(logits.device, non_blocking=True)
+    shifts = torch.arange(32, device=logits.device, dtype=torch.int32)
+    allowed = ((bits[:, :, None] >> shifts) & 1).bool().flatten(1)[:, :vocab]
+    rows = torch.tensor(mask.rows, device=logits.device, dtype=torch.int64)
+    logits[rows] = logits[rows].masked_fill_(~allowed, float("-inf"))
+
+
+@dataclass
 class SamplingBatch:
     """Per-row sampling settings for one step, as tensors on the logits' device."""
 
@@ -41,11 +61,15 @@ class SamplingBatch:
     want_logprobs: bool
     all_greedy: bool
     any_top_k_or_p: bool
+    bitmask: TokenBitmask | None = None
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Returns (token ids (R,), raw log-probabilities of those tokens or None)."""
     logits = logits.float()
+    raw_logsumexp = logits.logsumexp(dim=-1) if batch.want_logprobs else None
+    if batch.bitmask is not None:
+        apply_token_bitmask(logits, batch.bitmask)
     greedy_tokens = logits.argmax(dim=-1)
     if batch.all_greedy:
         tokens = greedy_tokens
@@ -60,8 +84,9 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, to
         sampled = probs.div_(-noise.log_()).argmax(dim=-1)
         tokens = torch.where(batch.temperatures == 0, greedy_tokens, sampled)
     logprobs = None
-    if batch.want_logprobs:
-        logprobs = logits.log_softmax(dim=-1).gather(1, tokens[:, None]).squeeze(1)
+    if raw_logsumexp is not None:
+        # A sampled token is never masked, so its logit is still the raw one.
+        logprobs = logits.gather(1, tokens[:, None]).squeeze(1) - raw_logsumexp
     return tokens, logprobs
 
 

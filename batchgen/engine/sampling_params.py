@@ -1,7 +1,19 @@
-"""Per-request sampling parameters."""
+"""Per-request sampling parameters: the one declaration of every sampling field, its default and its limits."""
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
+from typing import Any
+
+# Bounds of the numeric fields, checked here and turned into the job spec's field constraints.
+PARAM_LIMITS: dict[str, dict[str, float]] = {
+    "max_tokens": {"ge": 1},
+    "temperature": {"ge": 0},
+    "top_p": {"gt": 0, "le": 1},
+    "top_k": {"ge": 0},
+}
+_COMPARE = {"ge": (operator.ge, ">="), "gt": (operator.gt, ">"), "le": (operator.le, "<=")}
+CONSTRAINTS = ("json_schema", "regex", "choice")
 
 
 @dataclass
@@ -10,7 +22,10 @@ class SamplingParams:
 
     ``seed`` makes sampling reproducible per request: the same seed gives the same tokens whether the
     request runs alone or in any batch. ``logprobs=True`` reports the raw log-probability (temperature 1,
-    before top-k/top-p) of each generated token.
+    before top-k/top-p and any grammar) of each generated token.
+
+    At most one of ``json_schema`` (a JSON Schema as a mapping or JSON text), ``regex`` and ``choice`` (a
+    list of allowed strings) constrains the output; the request then stops when the grammar is complete.
     """
 
     max_tokens: int = 16
@@ -22,17 +37,27 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: bool = False
+    json_schema: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        for name, limits in PARAM_LIMITS.items():
+            value = getattr(self, name)
+            for kind, bound in limits.items():
+                holds, symbol = _COMPARE[kind]
+                if not holds(value, bound):
+                    raise ValueError(f"{name} must be {symbol} {bound:g}, got {value}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        given = [name for name in CONSTRAINTS if getattr(self, name) is not None]
+        if len(given) > 1:
+            raise ValueError(f"at most one of json_schema, regex, choice may be set, got {', '.join(given)}")
+        if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError("choice must be a non-empty list of non-empty strings")
+
+    @property
+    def constrained(self) -> bool:
+        return any(getattr(self, name) is not None for name in CONSTRAINTS)

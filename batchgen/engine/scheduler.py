@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from concurrent.futures import FIRST_COMPLETED, wait
+from dataclasses import dataclass, field
 
 from batchgen.engine.block_manager import BlockManager
 from batchgen.engine.sequence import Sequence, SequenceStatus
@@ -17,11 +18,22 @@ class ScheduledSeq:
     sample: bool
 
 
+@dataclass
+class ScheduledStep:
+    """One step's work and what scheduling it cost: preempted sequences, prefix-cache lookups of admissions."""
+
+    seqs: list[ScheduledSeq] = field(default_factory=list)
+    preemptions: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens of the sequences admitted this step
+    prefix_cache_hits: int = 0  # of those, tokens whose KV the prefix cache already held
+
+
 class Scheduler:
     """Running sequences first (decodes and unfinished prompt chunks), then new prompts, in chunks.
 
     Running sequences keep their order; when blocks run out the newest running sequence is preempted:
-    its blocks are freed and it is recomputed later (its cached prefix blocks may survive).
+    its blocks are freed and it is recomputed later (its cached prefix blocks may survive). A request whose
+    grammar is still compiling waits aside and joins the waiting queue once it is ready.
     """
 
     def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int, max_num_seqs: int):
@@ -30,43 +42,68 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self.num_preemptions = 0
+        self.waiting_for_grammar: list[Sequence] = []
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        if seq.grammar is not None and seq.grammar.matcher is None:  # started by promote_compiled
+            seq.status = SequenceStatus.WAITING_FOR_GRAMMAR
+            self.waiting_for_grammar.append(seq)
+        else:
+            self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.waiting_for_grammar)
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.running) + len(self.waiting_for_grammar)
 
-    def schedule(self) -> list[ScheduledSeq]:
+    def promote_compiled(self) -> list[Sequence]:
+        """Queues the requests whose grammar has compiled; returns (finished) those whose grammar failed."""
+        failed: list[Sequence] = []
+        pending: list[Sequence] = []
+        for seq in self.waiting_for_grammar:
+            if not seq.grammar.is_ready:
+                pending.append(seq)
+            elif seq.grammar.start():
+                seq.status = SequenceStatus.WAITING
+                self.waiting.append(seq)
+            else:
+                seq.status = SequenceStatus.FINISHED
+                failed.append(seq)
+        self.waiting_for_grammar = pending
+        return failed
+
+    def wait_for_grammars(self, timeout: float) -> None:
+        """Blocks until some pending grammar has compiled (or ``timeout``): for when nothing else can run."""
+        if self.waiting_for_grammar:
+            wait([s.grammar.future for s in self.waiting_for_grammar], timeout, return_when=FIRST_COMPLETED)
+
+    def schedule(self) -> ScheduledStep:
         budget = self.max_num_batched_tokens
-        scheduled: list[ScheduledSeq] = []
-        preemptions_before = self.num_preemptions
+        step = ScheduledStep()
+        scheduled = step.seqs
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            if not self._make_room(seq, min(seq.num_tokens - seq.num_computed_tokens, budget)):
+            if not self._make_room(seq, min(seq.num_tokens - seq.num_computed_tokens, budget), step):
                 break
             scheduled.append(self._schedule_chunk(seq, budget))
             budget -= scheduled[-1].num_new_tokens
             i += 1
-        preempted = self.num_preemptions != preemptions_before
-        while (not preempted and self.waiting and budget > 0
+        while (not step.preemptions and self.waiting and budget > 0
                and len(self.running) < self.max_num_seqs
                and self.block_manager.can_admit(self.waiting[0])):
             seq = self.waiting.popleft()
-            self.block_manager.admit(seq)
+            step.prefix_cache_hits += self.block_manager.admit(seq)
+            step.prefix_cache_queries += seq.num_tokens
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = seq.num_computed_tokens
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             scheduled.append(self._schedule_chunk(seq, budget))
             budget -= scheduled[-1].num_new_tokens
-        return scheduled
+        return step
 
     def _schedule_chunk(self, seq: Sequence, budget: int) -> ScheduledSeq:
         n = min(seq.num_tokens - seq.num_computed_tokens, budget)
@@ -75,12 +112,13 @@ class Scheduler:
         self.block_manager.mark_scheduled(seq, end)
         return ScheduledSeq(seq, n, sample=end == seq.num_tokens)
 
-    def _make_room(self, seq: Sequence, num_new_tokens: int) -> bool:
+    def _make_room(self, seq: Sequence, num_new_tokens: int, step: ScheduledStep) -> bool:
         """Preempt the newest running sequences until ``seq``'s next chunk fits; False if ``seq`` itself had to go."""
         need = seq.num_computed_tokens + num_new_tokens
         while self.block_manager.blocks_needed(seq, need) > self.block_manager.num_free_blocks:
             victim = self.running.pop()
             self._preempt(victim)
+            step.preemptions += 1
             if victim is seq:
                 return False
         return True
@@ -90,7 +128,6 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.waiting.appendleft(seq)
-        self.num_preemptions += 1
 
     def finish(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.FINISHED

@@ -3,11 +3,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum, auto
+from typing import TYPE_CHECKING
 
 from batchgen.engine.sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    from batchgen.engine.structured import GrammarState
+
 
 class SequenceStatus(Enum):
+    WAITING_FOR_GRAMMAR = auto()  # queued until its grammar has compiled
     WAITING = auto()
     RUNNING = auto()
     FINISHED = auto()
@@ -31,7 +36,7 @@ class Sequence:
     num_preemptions: int = 0
     logprobs: list[float] = field(default_factory=list)
     finish_reason: str | None = None
-    stop_text_len: int | None = None  # where the text is cut when a stop string matched
+    grammar: GrammarState | None = None  # the output constraint's matcher, when the request has one
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)

@@ -9,6 +9,8 @@ STOP_TAIL_TOKENS = 8  # extra tokens decoded around a stop string, for tokens th
 def finish_reason(seq: Sequence, eos_ids: frozenset[int], max_model_len: int, tokenizer) -> str | None:
     """Checks the token just appended to ``seq``; returns "stop", "length" or None."""
     params, token = seq.params, seq.token_ids[-1]
+    if seq.grammar is not None and (seq.grammar.is_terminated or seq.grammar.rejected):
+        return "stop"
     if not params.ignore_eos and token in eos_ids:
         return "stop"
     if token in params.stop_token_ids:

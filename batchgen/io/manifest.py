@@ -18,14 +18,15 @@ log = logging.getLogger(__name__)
 MANIFEST_DIR = "_manifest"
 SUCCESS = "_SUCCESS"
 STATS = "stats.json"
-FORMATS = ("parquet", "jsonl")
-PART_RE = re.compile(r"^part-(\d{5,})\.(parquet|jsonl)$")
+TELEMETRY = "telemetry.json"
+FORMATS = ("parquet", "jsonl", "openai")
+PART_RE = re.compile(r"^(?:part|errors)-(\d{5,})\.(parquet|jsonl)$")  # any data file of a part
 ENTRY_RE = re.compile(r"^part-(\d{5,})\.json$")
 TEMP_MARK = ".tmp-"
 
 
 def part_name(number: int, fmt: str) -> str:
-    return f"part-{number:05d}.{fmt}"
+    return f"part-{number:05d}.{'jsonl' if fmt == 'openai' else fmt}"
 
 
 def entry_name(number: int) -> str:
@@ -45,21 +46,29 @@ class ManifestEntry:
     part: str  # file name inside the output folder
     row_ids: list[str]
     stats: dict[str, Any] = field(default_factory=dict)
+    files: list[str] = field(default_factory=list)  # every file of the part (the openai format adds errors)
+    format: str = ""
+
+    def __post_init__(self) -> None:
+        self.files = self.files or [self.part]
+        self.format = self.format or self.part.rsplit(".", 1)[-1]
 
     def to_bytes(self) -> bytes:
         # row ids are data, not credentials: only the stats go through redaction
-        doc = {"part": self.part, "rows": len(self.row_ids), "row_ids": self.row_ids,
-               "stats": redact(self.stats)}
+        doc = {"part": self.part, "files": self.files, "format": self.format, "rows": len(self.row_ids),
+               "row_ids": self.row_ids, "stats": redact(self.stats)}
         return json.dumps(doc, ensure_ascii=False, default=str).encode("utf-8")
 
     @classmethod
     def from_bytes(cls, number: int, data: bytes) -> ManifestEntry:
         doc = json.loads(data.decode("utf-8"))
-        part, row_ids = doc["part"], doc["row_ids"]
-        if not PART_RE.match(part) or not isinstance(row_ids, list):
+        part, row_ids, files = doc["part"], doc["row_ids"], doc.get("files") or [doc["part"]]
+        if not all(isinstance(f, str) and PART_RE.match(f) for f in files) or part not in files \
+                or not isinstance(row_ids, list) or doc.get("format", "jsonl") not in FORMATS:
             raise ValueError(f"bad manifest entry for {part!r}")
         stats = dict(doc.get("stats") or {})
-        return cls(number=number, part=part, row_ids=[str(r) for r in row_ids], stats=stats)
+        return cls(number=number, part=part, row_ids=[str(r) for r in row_ids], stats=stats, files=list(files),
+                   format=doc.get("format", ""))
 
 
 def list_names(fs: fsspec.AbstractFileSystem, folder: str) -> list[str]:

@@ -9,6 +9,9 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from batchgen.io import openai_batch
+from batchgen.io.manifest import part_name
+
 
 def _column_order(rows: list[dict[str, Any]]) -> list[str]:
     seen: dict[str, None] = {}
@@ -58,6 +61,19 @@ def serialize_rows(
     sink = pa.BufferOutputStream()
     pq.write_table(table, sink)
     return sink.getvalue().to_pybytes()
+
+
+def serialize_part(
+    rows: list[dict[str, Any]],
+    fmt: str,
+    number: int,
+    schema: pa.Schema | None = None,
+    known_types: dict[str, pa.DataType] | None = None,
+) -> dict[str, bytes]:
+    """Every file of part ``number``, by name; the first is the part's main file."""
+    if fmt == "openai":
+        return openai_batch.serialize_part(rows, number)
+    return {part_name(number, fmt): serialize_rows(rows, fmt, schema, known_types)}
 
 
 def deserialize_rows(data: bytes, fmt: str) -> list[dict[str, Any]]:

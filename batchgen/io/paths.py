@@ -13,7 +13,7 @@ from batchgen.io.errors import InputError
 from batchgen.io.redaction import redact, remember_secrets_in
 from batchgen.io.retry import retry
 
-__all__ = ["expand_inputs", "redact", "storage_options_for", "filesystem", "DATA_SUFFIXES"]
+__all__ = ["expand_inputs", "read_bytes", "redact", "storage_options_for", "filesystem", "DATA_SUFFIXES"]
 
 S3_PROTOCOLS = ("s3", "s3a")
 # botocore "standard" mode retries connection errors, 500/502/503/504 and throttling (SlowDown);
@@ -70,6 +70,17 @@ def filesystem(
 ) -> tuple[fsspec.AbstractFileSystem, str]:
     """(filesystem, path inside it) for url, with storage_options_for applied."""
     return fsspec.core.url_to_fs(url, **storage_options_for(url, storage_options))
+
+
+def read_bytes(url: str, storage_options: dict[str, Any] | None = None) -> bytes:
+    """The whole (small) file at url; raises InputError when it cannot be read."""
+    try:
+        fs, path = filesystem(url, storage_options)
+        return retry(lambda: fs.cat_file(path), what=f"read {url}")
+    except FileNotFoundError:
+        raise InputError(redact(f"file not found: {url}")) from None
+    except Exception as exc:
+        raise InputError(redact(f"cannot read {url}: {type(exc).__name__}: {exc}")) from exc
 
 
 def _hidden_below(root: str, path: str) -> bool:

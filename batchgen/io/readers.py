@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import posixpath
 import random
+import threading
 import time
 from contextlib import closing
 from dataclasses import dataclass
@@ -17,12 +18,12 @@ from batchgen.io.errors import InputError
 from batchgen.io.paths import filesystem, redact
 from batchgen.io.retry import is_transient, retry
 
-__all__ = ["InputRow", "read_rows", "read_columns", "detect_format"]
+__all__ = ["InputRow", "read_rows", "read_columns", "count_rows", "detect_format"]
 
 PARQUET_SUFFIXES = (".parquet", ".pq")
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 _FORMAT_ALIASES = {"parquet": "parquet", "pq": "parquet",
-                   "jsonl": "jsonl", "json": "jsonl", "ndjson": "jsonl"}
+                   "jsonl": "jsonl", "json": "jsonl", "ndjson": "jsonl", "openai": "jsonl"}
 # Reopen attempts after a transient error in the middle of a file (s3fs has already retried each call).
 _STREAM_ATTEMPTS = 4
 _COLUMN_SAMPLE_OBJECTS = 100
@@ -47,7 +48,7 @@ def detect_format(url: str, fmt: str = "auto") -> str:
         try:
             return _FORMAT_ALIASES[fmt.lower()]
         except KeyError:
-            raise InputError(f"unknown input format {fmt!r}; use parquet or jsonl") from None
+            raise InputError(f"unknown input format {fmt!r}; use parquet, jsonl or openai") from None
     name = url.lower()
     if infer_compression(name):
         name = name.rsplit(".", 1)[0]
@@ -116,15 +117,32 @@ def _jsonl_lines(url: str, storage_options: dict | None) -> Generator[bytes, Non
     return _resumable(url, produce, "JSONL file")
 
 
+def _decode(raw: bytes, lineno: int) -> str:
+    return raw.decode("utf-8-sig" if lineno == 0 else "utf-8")
+
+
+def _is_blank(raw: bytes, lineno: int) -> bool:
+    """A line with nothing but whitespace (Unicode spaces and a leading BOM included): not a row."""
+    stripped = raw.strip()
+    if not stripped:
+        return True
+    if len(stripped) > 16:  # a shortcut: no real file pads a line with that many Unicode spaces
+        return False
+    try:
+        return not _decode(raw, lineno).strip()
+    except UnicodeDecodeError:
+        return False
+
+
 def _parse_line(raw: bytes, url: str, lineno: int) -> tuple[dict | None, str | None]:
     """(object, None), (None, error) or (None, None) for a blank line."""
+    if _is_blank(raw, lineno):
+        return None, None
     where = f"{redact(url)} line {lineno + 1}"
     try:
-        text = raw.decode("utf-8-sig" if lineno == 0 else "utf-8")
+        text = _decode(raw, lineno)
     except UnicodeDecodeError as exc:
         return None, f"{where}: invalid UTF-8 at byte {exc.start}"
-    if not text.strip():
-        return None, None
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -202,16 +220,21 @@ def read_rows(
             yield InputRow(row_id=row_id, values=values, source=url, index=index, error=error)
 
 
+def _parquet_footer(url: str, storage_options: dict | None) -> pq.FileMetaData:
+    """The file's footer (schema, row counts) without reading any data pages."""
+    with _open(url, storage_options) as f:
+        try:
+            return pq.read_metadata(f)
+        except Exception as exc:
+            raise InputError(redact(f"corrupt or unreadable Parquet file {url}: {exc}")) from exc
+
+
 def read_columns(files: list[str], fmt: str = "auto", storage_options: dict | None = None) -> set[str]:
     """Column names available across files: Parquet schemas, keys of the first JSONL objects."""
     columns: set[str] = set()
     for url in files:
         if detect_format(url, fmt) == "parquet":
-            with _open(url, storage_options) as f:
-                try:
-                    columns.update(pq.read_schema(f).names)
-                except Exception as exc:
-                    raise InputError(redact(f"corrupt or unreadable Parquet file {url}: {exc}")) from exc
+            columns.update(_parquet_footer(url, storage_options).schema.to_arrow_schema().names)
             continue
         seen = 0
         with closing(_jsonl_lines(url, storage_options)) as lines:
@@ -223,3 +246,21 @@ def read_columns(files: list[str], fmt: str = "auto", storage_options: dict | No
                 if seen >= _COLUMN_SAMPLE_OBJECTS or lineno + 1 >= _COLUMN_SAMPLE_LINES:
                     break
     return columns
+
+
+def count_rows(files: list[str], fmt: str = "auto", storage_options: dict | None = None,
+               cancel: threading.Event | None = None) -> int:
+    """How many rows read_rows yields from files: Parquet footers' row counts, and the non-blank lines of
+    JSONL files counted in one streaming pass (bounded memory, no JSON parsing). Setting ``cancel`` stops
+    the count with InterruptedError."""
+    total = 0
+    for url in files:
+        if detect_format(url, fmt) == "parquet":
+            total += _parquet_footer(url, storage_options).num_rows
+            continue
+        with closing(_jsonl_lines(url, storage_options)) as lines:
+            for lineno, raw in enumerate(lines):
+                total += not _is_blank(raw, lineno)
+                if cancel is not None and lineno % 4096 == 0 and cancel.is_set():
+                    raise InterruptedError("row count cancelled")
+    return total

@@ -15,15 +15,15 @@ from fsspec.implementations.local import LocalFileSystem
 
 from batchgen.io.errors import OutputError
 from batchgen.io.manifest import (
-    FORMATS, MANIFEST_DIR, PART_RE, STATS, SUCCESS, TEMP_MARK, ManifestEntry, entry_name, list_names,
+    FORMATS, MANIFEST_DIR, PART_RE, STATS, SUCCESS, TELEMETRY, TEMP_MARK, ManifestEntry, entry_name, list_names,
     load_entries, part_name, to_json_bytes,
 )
-from batchgen.io.parts import deserialize_rows, serialize_rows
+from batchgen.io.parts import serialize_part
 from batchgen.io.paths import filesystem
 from batchgen.io.redaction import redact
 from batchgen.io.retry import retry
 
-__all__ = ["OutputWriter", "read_output"]
+__all__ = ["OutputWriter"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -126,7 +126,7 @@ class OutputWriter:
             self._delete([n for n in (SUCCESS,) if n in names])
             if MANIFEST_DIR in names:
                 retry(lambda: self.fs.rm(self._full(MANIFEST_DIR), recursive=True), what="delete manifest")
-            self._delete([n for n in names if PART_RE.match(n) or n == STATS or TEMP_MARK in n])
+            self._delete([n for n in names if PART_RE.match(n) or n in (STATS, TELEMETRY) or TEMP_MARK in n])
 
         self._guard(delete, "clear previous output in")
 
@@ -136,7 +136,7 @@ class OutputWriter:
                         "delete bad manifest entries in")
 
     def _check_resume_format(self) -> None:
-        other = sorted({e.part.rsplit(".", 1)[-1] for e in self._entries.values()} - {self.fmt})
+        other = sorted({e.format for e in self._entries.values()} - {self.fmt})
         if other:
             raise OutputError(redact(f"{self.path} holds committed {other[0]} parts from an earlier run; "
                                      f"resume with that format or overwrite"))
@@ -183,7 +183,7 @@ class OutputWriter:
 
     def cleanup_uncommitted(self) -> None:
         """Delete part and temp files that no manifest entry covers (left by a crashed run)."""
-        committed = {e.part for e in self._entries.values()}
+        committed = {f for e in self._entries.values() for f in e.files}
 
         def cleanup() -> None:
             names = list_names(self.fs, self.root)
@@ -192,7 +192,7 @@ class OutputWriter:
                 orphans += [f"{MANIFEST_DIR}/{n}" for n in list_names(self.fs, self._full(MANIFEST_DIR))
                             if TEMP_MARK in n]
             # an entry whose part file has gone no longer covers its rows
-            missing = [n for n, e in self._entries.items() if e.part not in names]
+            missing = [n for n, e in self._entries.items() if not set(e.files) <= set(names)]
             for n in missing:
                 log.warning("part %s listed in the manifest is missing; its rows will be redone",
                             self._entries[n].part)
@@ -226,12 +226,13 @@ class OutputWriter:
         if not rows and schema is None and self.fmt == "parquet":
             raise OutputError(f"{name}: an empty Parquet part needs a schema")
         try:
-            data = serialize_rows(rows, self.fmt, schema, self._types)
+            files = serialize_part(rows, self.fmt, number, schema, self._types)
         except Exception as exc:
             raise OutputError(redact(f"cannot serialize {name}: {type(exc).__name__}: {exc}")) from exc
         entry = ManifestEntry(number=number, part=name, row_ids=[str(r) for r in row_ids],
-                              stats=dict(stats or {}))
-        self._guard(lambda: self._put(name, data), f"write {name} in")
+                              stats=dict(stats or {}), files=list(files), format=self.fmt)
+        for file_name, data in files.items():
+            self._guard(lambda: self._put(file_name, data), f"write {file_name} in")
         self._guard(lambda: self._put(f"{MANIFEST_DIR}/{entry_name(number)}", entry.to_bytes()),
                     f"commit {name} in")
         self._entries[number] = entry
@@ -242,22 +243,10 @@ class OutputWriter:
         """Write stats.json (credentials redacted)."""
         self._guard(lambda: self._put(STATS, to_json_bytes(stats)), "write stats.json in")
 
+    def write_telemetry(self, telemetry: dict[str, Any]) -> None:
+        """Write telemetry.json (credentials redacted), beside stats.json."""
+        self._guard(lambda: self._put(TELEMETRY, to_json_bytes(telemetry)), "write telemetry.json in")
+
     def commit(self, stats: dict[str, Any]) -> None:
         """Mark the job finished: write _SUCCESS, holding the job's stats, last."""
         self._guard(lambda: self._put(SUCCESS, to_json_bytes(stats)), "write _SUCCESS in")
-
-
-def read_output(path: str, storage_options: dict[str, Any] | None = None) -> list[dict[str, Any]]:
-    """All rows of the committed parts under path, in part order."""
-    try:
-        fs, root = filesystem(path, storage_options)
-        root = root.rstrip("/")
-        entries, _ = load_entries(fs, root)
-        rows: list[dict[str, Any]] = []
-        for n in sorted(entries):
-            part = entries[n].part
-            data = retry(lambda: fs.cat_file(f"{root}/{part}"), what=f"read {part}")
-            rows.extend(deserialize_rows(data, part.rsplit(".", 1)[-1]))
-        return rows
-    except Exception as exc:
-        raise OutputError(redact(f"cannot read output {path}: {type(exc).__name__}: {exc}")) from exc

@@ -10,6 +10,7 @@ from jinja2 import Environment, nodes
 from batchgen.engine import LLM
 from batchgen.io import InputError, OutputError, OutputWriter, expand_inputs, read_columns, redact
 from batchgen.pipeline.errors import JobError
+from batchgen.pipeline.openai_requests import CARRY_COLUMNS as OPENAI_CARRY
 from batchgen.pipeline.render import required_columns
 from batchgen.pipeline.rows import RESULT_COLUMNS
 from batchgen.pipeline.spec import JobSpec, SpecError
@@ -32,7 +33,12 @@ def optional_columns(template: str) -> set[str]:
 
 
 def carry_columns(spec: JobSpec) -> list[str]:
-    """Carried columns in spec order; the id column is always written, so carrying it is a no-op."""
+    """Carried columns in spec order; the id column is always written, so carrying it is a no-op.
+
+    OpenAI Batch output carries only what its lines need.
+    """
+    if spec.output.format == "openai":
+        return list(OPENAI_CARRY) if spec.input.format == "openai" else []
     id_column = spec.input.id_column or "id"
     clash = [c for c in spec.output.carry_columns if c in RESULT_COLUMNS]
     if clash:
@@ -52,7 +58,8 @@ def check_inputs(spec: JobSpec) -> list[str]:
     opts = spec.storage_options
     try:
         files = expand_inputs(spec.input.path, opts)
-        needed = required_columns(spec.prompt.template) - optional_columns(spec.prompt.template)
+        template = spec.prompt.template if spec.prompt is not None else ""
+        needed = required_columns(template) - optional_columns(template)
         if spec.input.id_column:
             needed.add(spec.input.id_column)
         if not needed:

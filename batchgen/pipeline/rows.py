@@ -7,7 +7,8 @@ from typing import Any, Mapping
 
 import pyarrow as pa
 
-from batchgen.engine import RequestOutput
+from batchgen.engine import RequestOutput, SamplingParams
+from batchgen.pipeline.sampling import output_problem
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +30,7 @@ class Request:
     row_id: str
     carried: dict[str, Any]
     prompt_ids: list[int]
+    params: SamplingParams
 
 
 @dataclass
@@ -43,6 +45,7 @@ class ResultRow:
     finish_reason: str
     error: dict[str, str] | None = None
     cached_tokens: int = 0
+    logprobs: list[dict[str, Any]] | None = None  # [{token, logprob}] when the request asked for them
 
     @property
     def ok(self) -> bool:
@@ -66,13 +69,26 @@ def error_row(row_id: str, carried: dict[str, Any], code: str, message: str) -> 
     return ResultRow(row_id, carried, None, 0, 0, "error", {"code": code, "message": message})
 
 
-def engine_row(req: Request, out: RequestOutput) -> ResultRow:
-    """The result of one engine request."""
+def engine_row(req: Request, out: RequestOutput, tokenizer: Any) -> ResultRow:
+    """The result of one engine request; a constrained output cut short or off its schema is an error row."""
     if out.finish_reason == "error":
         message = out.error or "the engine failed this request"
         return error_row(req.row_id, req.carried, "engine_error", message)
+    problem = output_problem(req.params, out.text, out.grammar_complete)
+    if problem is not None:
+        return error_row(req.row_id, req.carried, *problem)
+    logprobs = None
+    if out.logprobs is not None:
+        logprobs = [{"token": tokenizer.decode([t]), "logprob": lp} for t, lp in zip(out.token_ids, out.logprobs)]
     return ResultRow(req.row_id, req.carried, out.text, len(out.prompt_token_ids), len(out.token_ids),
-                     out.finish_reason or "stop", None, out.num_cached_tokens)
+                     out.finish_reason or "stop", None, out.num_cached_tokens, logprobs)
+
+
+def openai_record(row: ResultRow, model: str, default_url: str) -> dict[str, Any]:
+    """What the OpenAI Batch writer needs of a row: the row id is its custom_id."""
+    return {"custom_id": row.row_id, "url": row.carried.get("url") or default_url, "model": model,
+            "output": row.output, "finish_reason": row.finish_reason, "prompt_tokens": row.prompt_tokens,
+            "completion_tokens": row.completion_tokens, "error": row.error, "logprobs": row.logprobs}
 
 
 @dataclass

@@ -4,22 +4,22 @@ from __future__ import annotations
 import logging
 import signal
 import time
-from itertools import islice
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
-from batchgen.engine import LLM, SamplingParams
-from batchgen.io import InputError, InputRow, OutputError, read_rows, redact
+from batchgen.engine import LLM
+from batchgen.io import InputError, InputRow, OutputError, count_rows, redact
 from batchgen.pipeline import preflight
 from batchgen.pipeline.errors import JobError, JobInterrupted
 from batchgen.pipeline.interrupt import StopRequest, stop_on_signals
 from batchgen.pipeline.progress import Progress
-from batchgen.pipeline.render import PromptRenderer
-from batchgen.pipeline.rows import PartSchema, engine_row
+from batchgen.pipeline.openai_requests import default_url
+from batchgen.pipeline.rows import PartSchema, ResultRow, engine_row, openai_record
 from batchgen.pipeline.sink import PartSink
 from batchgen.pipeline.spec import JobSpec
 from batchgen.pipeline.prefetch import Prefetcher
-from batchgen.pipeline.stages import Preparer, admit, divert_errors, sorted_requests
+from batchgen.pipeline.stages import Preparer, admit, divert_errors, input_rows, job_preparer, sorted_requests
 from batchgen.pipeline.stats import Counts, job_stats, utc_now
+from batchgen.pipeline.telemetry import Telemetry, engine_summary
 
 log = logging.getLogger(__name__)
 
@@ -28,10 +28,13 @@ __all__ = ["run_job", "JobError", "JobInterrupted"]
 PREFETCH_ROWS = 1024  # prepared rows queued ahead of the sort window
 
 
-def sampling_params(spec: JobSpec) -> SamplingParams:
-    s = spec.sampling
-    return SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                          seed=s.seed, stop=list(s.stop))
+def row_writer(spec: JobSpec, schema: PartSchema) -> Callable[[ResultRow], dict[str, Any]]:
+    """How a finished row becomes a record of the output format."""
+    if spec.output.format != "openai":
+        return lambda row: row.to_dict(schema.id_column)
+    model = spec.resolved()["model"]["path"]
+    url = default_url(spec.prompt is None or spec.prompt.chat)
+    return lambda row: openai_record(row, model, url)
 
 
 def _warn_if_spec_changed(previous: list[dict[str, Any]], digest: str) -> None:
@@ -50,23 +53,37 @@ def _save_finished(sink: PartSink) -> None:
 
 
 def _generate(llm: LLM, spec: JobSpec, rows: Iterable[InputRow], preparer: Preparer, sink: PartSink,
-              stop: StopRequest) -> float:
+              stop: StopRequest, telemetry: Telemetry) -> float:
     """Streams every row through the engine into the sink; returns the seconds it took.
 
     One lazy chain feeds one ``generate_stream`` call, with reading, rendering and tokenizing in a
     background thread, so the engine neither drains between sort windows nor waits while one fills. At
-    most the prefetch depth, a sort window and the engine's pending requests are held at once.
+    most the prefetch depth, a sort window and the engine's pending requests are held at once. Each
+    stage's time goes to ``telemetry``.
     """
-    b = spec.batching
-    prepared = Prefetcher(preparer.prepare(rows), depth=min(b.sort_window, PREFETCH_ROWS), name="prepare")
+    b, clock = spec.batching, telemetry.stages
+    prepare = clock.timed(preparer.prepare(clock.timed(rows, "read")), "render_tokenize")
+    prepared = Prefetcher(prepare, depth=min(b.sort_window, PREFETCH_ROWS), name="prepare")
+    write = clock.wrap(sink.add, "write")
     try:
-        requests = sorted_requests(divert_errors(prepared, sink.add), b.sort_window, b.sort)
+        requests = clock.timed(sorted_requests(divert_errors(prepared, write), b.sort_window, b.sort),
+                               "queue_wait")
         start = time.perf_counter()
-        for req, out in llm.generate_stream(admit(requests, sampling_params(spec), stop.event)):
-            sink.add(engine_row(req, out))
+        with telemetry.listening(llm.engine.step_listeners):
+            outputs = llm.generate_stream(admit(requests, stop.event))
+            for req, out in clock.timed(outputs, "engine"):
+                write(engine_row(req, out, llm.tokenizer))
         return time.perf_counter() - start
     finally:
         prepared.close()
+
+
+def _progress(spec: JobSpec, files: list[str], committed: int, limit: int | None, quiet: bool) -> Progress:
+    """The bar starts at the rows already committed; its total, the input's rows (at most ``limit``), is
+    counted in the background."""
+    progress = Progress(quiet, spec.name, done=min(committed, limit or committed), limit=limit)
+    progress.count_total(lambda cancel: count_rows(files, spec.input.format, spec.storage_options, cancel))
+    return progress
 
 
 def run_job(spec: JobSpec, *, limit: int | None = None, overwrite: bool = False, quiet: bool = False,
@@ -93,7 +110,6 @@ def run_job(spec: JobSpec, *, limit: int | None = None, overwrite: bool = False,
         return stored
     if llm is None:
         llm = preflight.load_model(spec)
-    renderer = PromptRenderer(spec.prompt.template, spec.prompt.system, spec.prompt.chat, llm.tokenizer)
     committed, previous = writer.committed_row_ids(), writer.committed_stats()
     _warn_if_spec_changed(previous, digest)
     log.info("%s: %d input file(s) -> %s%s", spec.name, len(files), resolved["output"]["path"],
@@ -101,21 +117,21 @@ def run_job(spec: JobSpec, *, limit: int | None = None, overwrite: bool = False,
 
     schema = PartSchema(spec.input.id_column or "id", carry)
     schema.seed(writer.committed_column_types())
-    progress = Progress(limit, quiet, spec.name, done=min(len(committed), limit or len(committed)))
-    sink = PartSink(writer, schema, spec.output.rows_per_part, digest, on_row=progress.update)
-    max_prompt = min(spec.batching.max_prompt_tokens, llm.max_model_len - 1)  # room for >= 1 new token
-    preparer = Preparer(renderer, carry, max_prompt, spec.batching.truncate, committed,
-                        model_len=llm.max_model_len if max_prompt < spec.batching.max_prompt_tokens else None)
-    rows: Iterable[InputRow] = read_rows(files, spec.input.format, spec.storage_options, spec.input.id_column)
-    if limit is not None:
-        rows = islice(rows, limit)
+    telemetry = Telemetry(llm.config.max_num_batched_tokens, start=wall_start)
+    telemetry.stages.add("startup", time.perf_counter() - wall_start)
+    progress = _progress(spec, files, len(committed), limit, quiet)
+    sink = PartSink(writer, schema, spec.output.rows_per_part, digest,
+                    on_row=lambda row: (progress.update(row), telemetry.on_row(row)),
+                    to_record=row_writer(spec, schema))
+    preparer = job_preparer(spec, llm.tokenizer, llm.max_model_len, carry, committed)
+    rows = input_rows(spec, files, limit)
 
     stop = StopRequest()
     generate_s = 0.0
     try:
         with stop_on_signals(stop):
             try:
-                generate_s = _generate(llm, spec, rows, preparer, sink, stop)
+                generate_s = _generate(llm, spec, rows, preparer, sink, stop, telemetry)
             except KeyboardInterrupt:
                 stop.set(signal.SIGINT)
             except Exception:
@@ -123,13 +139,17 @@ def run_job(spec: JobSpec, *, limit: int | None = None, overwrite: bool = False,
                 raise
             finally:
                 progress.close()
-            sink.flush()
+            with telemetry.stages.measure("write"):
+                sink.flush()
         totals = Counts.total(writer.committed_stats())
         stats = job_stats(totals=totals, run=sink.run, job=spec.name, model=resolved["model"]["path"],
-                          dtype=llm.config.dtype_choice.name, spec=resolved, spec_digest=digest, started_at=started_at,
-                          wall_s=time.perf_counter() - wall_start, generate_s=generate_s,
-                          resumed=bool(previous), complete=not stop.is_set(), limit=limit)
+                          dtype=llm.config.dtype_choice.name, spec=resolved, spec_digest=digest,
+                          started_at=started_at, wall_s=time.perf_counter() - wall_start, generate_s=generate_s,
+                          resumed=bool(previous), complete=not stop.is_set(), limit=limit,
+                          engine=engine_summary(telemetry.metrics, generate_s, telemetry.token_budget,
+                                                llm.engine.runner.profile, llm.config.torch_device()))
         writer.write_stats(stats)
+        writer.write_telemetry(telemetry.to_dict())
         if stop.is_set():
             assert stop.signum is not None
             log.warning("%s: stopped by %s with %d rows committed; rerun the same command to resume",

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from typing import Any, Callable
 
 from batchgen.io import OutputError, OutputWriter
 from batchgen.pipeline.rows import PartSchema, ResultRow
@@ -15,12 +15,14 @@ class PartSink:
     """Collects rows in finishing order; ``flush`` writes the buffer as one committed part."""
 
     def __init__(self, writer: OutputWriter, schema: PartSchema, rows_per_part: int, spec_digest: str,
-                 on_row: Callable[[ResultRow], None] | None = None) -> None:
+                 on_row: Callable[[ResultRow], None] | None = None,
+                 to_record: Callable[[ResultRow], dict[str, Any]] | None = None) -> None:
         self.writer = writer
         self.schema = schema
         self.rows_per_part = rows_per_part
         self.spec_digest = spec_digest
         self.on_row = on_row
+        self.to_record = to_record or (lambda row: row.to_dict(schema.id_column))
         self.run = Counts()  # everything this run committed
         self.parts_written = 0
         self._rows: list[ResultRow] = []
@@ -42,7 +44,7 @@ class PartSink:
         rows, counts = self._rows, Counts()
         for r in rows:
             counts.add_row(r)
-        dicts = [r.to_dict(self.schema.id_column) for r in rows]
+        dicts = [self.to_record(r) for r in rows]
         try:
             schema = self.schema.for_rows(dicts) if self.writer.fmt == "parquet" else None
         except ValueError as e:

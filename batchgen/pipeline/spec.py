@@ -6,13 +6,14 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal, Mapping, Sequence, get_origin
+from typing import Any, Literal, Mapping, Sequence, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from batchgen.engine.dtype import DtypeName
 from batchgen.pipeline.render import check_template
+from batchgen.pipeline.sampling import OneOrMany, SamplingSpec, check_constraints
 
 KeyPath = tuple[str | int, ...]
 
@@ -23,11 +24,6 @@ class SpecError(Exception):
     def __init__(self, errors: list[str]) -> None:
         super().__init__("\n".join(errors))
         self.errors = errors
-
-
-# A list of non-empty strings; a lone string is taken as a list of one.
-OneOrMany = Annotated[list[Annotated[str, Field(min_length=1)]],
-                      BeforeValidator(lambda v: [v] if isinstance(v, str) else v)]
 
 
 class _Section(BaseModel):
@@ -45,11 +41,23 @@ class ModelSpec(_Section):
 
 
 class InputSpec(_Section):
-    """``path``: URLs or globs. Without ``id_column`` rows get stable ``"<file>:<row>"`` ids in column "id"."""
+    """``path``: URLs or globs. Without ``id_column`` rows get stable ``"<file>:<row>"`` ids in column "id".
+
+    ``format: openai`` reads OpenAI Batch request lines: ``custom_id`` is the row id, each line brings its own
+    prompt and sampling settings (the spec's are the defaults).
+    """
 
     path: OneOrMany = Field(min_length=1)
-    format: Literal["auto", "parquet", "jsonl"] = "auto"
+    format: Literal["auto", "parquet", "jsonl", "openai"] = "auto"
     id_column: str | None = None
+
+    @model_validator(mode="after")
+    def _openai_ids(self) -> "InputSpec":
+        if self.format == "openai":
+            if self.id_column not in (None, "custom_id"):
+                raise ValueError("format openai: the row id is custom_id; leave id_column unset")
+            self.id_column = "custom_id"
+        return self
 
 
 class PromptSpec(_Section):
@@ -66,17 +74,6 @@ class PromptSpec(_Section):
         return v
 
 
-class SamplingSpec(_Section):
-    """Mirrors the engine's SamplingParams; ``temperature=0`` is greedy."""
-
-    max_tokens: int = Field(default=128, ge=1)
-    temperature: float = Field(default=0.0, ge=0.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=0)
-    seed: int | None = 0
-    stop: OneOrMany = []
-
-
 class BatchingSpec(_Section):
     """Token budgets; ``sort_window`` rows are read ahead and sorted by prompt length unless ``sort`` is false."""
 
@@ -89,12 +86,21 @@ class BatchingSpec(_Section):
 
 
 class OutputSpec(_Section):
-    """A folder URL; ``carry_columns`` are input columns copied to each output row."""
+    """A folder URL; ``carry_columns`` are input columns copied to each output row.
+
+    ``format: openai`` writes OpenAI Batch result lines (``part-N.jsonl``) and error lines (``errors-N.jsonl``).
+    """
 
     path: str = Field(min_length=1)
-    format: Literal["parquet", "jsonl"] = "parquet"
+    format: Literal["parquet", "jsonl", "openai"] = "parquet"
     carry_columns: OneOrMany = []
     rows_per_part: int = Field(default=512, ge=1)  # finished rows per part file, the unit of resume
+
+    @model_validator(mode="after")
+    def _openai_columns(self) -> "OutputSpec":
+        if self.format == "openai" and self.carry_columns:
+            raise ValueError("format openai writes OpenAI Batch lines, which have no room for carry_columns")
+        return self
 
 
 _SECRET_KEY = re.compile(r"^key$|secret|token|password|passwd|credential|private_key|api_key", re.IGNORECASE)
@@ -121,7 +127,7 @@ class JobSpec(_Section):
     name: str = Field(min_length=1)
     model: ModelSpec
     input: InputSpec
-    prompt: PromptSpec
+    prompt: PromptSpec | None = None  # required unless the input is OpenAI Batch lines
     sampling: SamplingSpec = Field(default_factory=SamplingSpec)
     batching: BatchingSpec = Field(default_factory=BatchingSpec)
     output: OutputSpec
@@ -158,6 +164,8 @@ def _known_path(keys: list[str]) -> bool:
         if key not in model.model_fields:
             return False
         field_type = model.model_fields[key].annotation
+        sections = [t for t in get_args(field_type) if isinstance(t, type) and issubclass(t, BaseModel)]
+        field_type = sections[0] if sections else field_type  # an optional section
         if get_origin(field_type) is dict or i == len(keys) - 1:
             return True
         if not (isinstance(field_type, type) and issubclass(field_type, BaseModel)):
@@ -276,6 +284,10 @@ def spec_from_dict(data: Any, overrides: Sequence[str] = (), env: Mapping[str, s
             # A field whose ${VAR} failed already has its error; its raw text would only add noise.
             if not any(loc[: len(p)] == p for p in env_errors):
                 errors.append(f"{_fmt(loc)}: {_describe(err)}")
+    if spec is not None and not errors:
+        if spec.prompt is None and spec.input.format != "openai":
+            errors.append("prompt: required key is missing (only OpenAI Batch input brings its own prompts)")
+        errors += check_constraints(spec.sampling, spec.storage_options)
     if errors or spec is None:
         raise SpecError(errors)
     return spec

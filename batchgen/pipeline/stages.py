@@ -3,13 +3,16 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator
+from itertools import islice
+from typing import Any, Callable, Iterable, Iterator, Mapping, Protocol
 
 from batchgen.engine import SamplingParams
-from batchgen.io import InputRow, redact
+from batchgen.io import InputRow, read_rows, redact
 from batchgen.pipeline.batching import prompt_sort_key, sort_window
-from batchgen.pipeline.render import PromptRenderer, RenderError, TruncateMode, truncate
+from batchgen.pipeline.openai_requests import OpenAIPrompts
+from batchgen.pipeline.render import PromptRenderer, RenderError, Tokenizer, TruncateMode, truncate
 from batchgen.pipeline.rows import Request, ResultRow, carried_values, error_row
+from batchgen.pipeline.spec import JobSpec
 
 DUP_MARK = "#dup"
 
@@ -41,11 +44,37 @@ class RowIds:
         return candidate
 
 
+class PromptSource(Protocol):
+    """Turns a row's values into prompt token ids and the request's sampling; raises RenderError."""
+
+    def build(self, values: Mapping[str, Any]) -> tuple[list[int], SamplingParams]: ...
+
+
+@dataclass
+class TemplatePrompts:
+    """The spec's prompt template, with the spec's sampling for every row."""
+
+    renderer: PromptRenderer
+    params: SamplingParams
+
+    def build(self, values: Mapping[str, Any]) -> tuple[list[int], SamplingParams]:
+        return self.renderer.render(values), self.params
+
+
+def prompt_source(spec: JobSpec, tokenizer: Tokenizer) -> PromptSource:
+    """OpenAI Batch lines bring their own prompts and settings; other inputs go through the spec's template."""
+    if spec.input.format == "openai":
+        return OpenAIPrompts(tokenizer, spec.sampling)
+    p = spec.prompt
+    assert p is not None  # the spec requires it for every other input format
+    return TemplatePrompts(PromptRenderer(p.template, p.system, p.chat, tokenizer), spec.sampling.params())
+
+
 @dataclass
 class Preparer:
     """Turns input rows into engine requests, or into error rows for those that cannot run."""
 
-    renderer: PromptRenderer
+    prompts: PromptSource
     carry_columns: list[str]
     max_prompt_tokens: int
     truncate_mode: TruncateMode
@@ -53,6 +82,7 @@ class Preparer:
     model_len: int | None = None  # the model's context, when it is what limits max_prompt_tokens
     ids: RowIds = field(default_factory=RowIds)
     skipped: int = 0  # rows already committed by an earlier run
+    truncated: int = 0  # prompts cut to max_prompt_tokens ("left"/"right"; "error" makes them error rows)
 
     def prepare(self, rows: Iterable[InputRow]) -> Iterator[Request | ResultRow]:
         for row in rows:
@@ -69,15 +99,32 @@ class Preparer:
                 yield error_row(row_id, carried, "invalid_input", row.error)
             else:
                 try:
-                    ids = self.renderer.render(row.values)
-                    ids = truncate(ids, self.max_prompt_tokens, self.truncate_mode)
+                    ids, params = self.prompts.build(row.values)
+                    if len(ids) > self.max_prompt_tokens:
+                        ids = truncate(ids, self.max_prompt_tokens, self.truncate_mode)
+                        self.truncated += 1
                 except RenderError as e:
                     message = e.message
                     if e.code == "prompt_too_long" and self.model_len is not None:
                         message += f" (the model's context is {self.model_len} tokens, one kept for output)"
                     yield error_row(row_id, carried, e.code, message)
                     continue
-                yield Request(row_id, carried, ids)
+                yield Request(row_id, carried, ids, params)
+
+
+def job_preparer(spec: JobSpec, tokenizer: Tokenizer, model_len: int, carry: list[str],
+                 committed: set[str]) -> Preparer:
+    """The job's row preparation for a model of context ``model_len``; the run and ``batchgen plan`` both
+    use it, so that the plan's token counts are the run's."""
+    max_prompt = min(spec.batching.max_prompt_tokens, model_len - 1)  # room for >= 1 new token
+    return Preparer(prompt_source(spec, tokenizer), carry, max_prompt, spec.batching.truncate, committed,
+                    model_len=model_len if max_prompt < spec.batching.max_prompt_tokens else None)
+
+
+def input_rows(spec: JobSpec, files: list[str], limit: int | None) -> Iterator[InputRow]:
+    """The job's input rows in reading order, the first ``limit`` only when given."""
+    rows = read_rows(files, spec.input.format, spec.storage_options, spec.input.id_column)
+    return islice(rows, limit) if limit is not None else rows
 
 
 def divert_errors(items: Iterable[Request | ResultRow], on_error: Callable[[ResultRow], None]
@@ -97,10 +144,10 @@ def sorted_requests(requests: Iterable[Request], window: int, enabled: bool) -> 
     return sort_window(requests, key=lambda r: prompt_sort_key(r.prompt_ids), window=window)
 
 
-def admit(requests: Iterable[Request], params: SamplingParams, stop: threading.Event
+def admit(requests: Iterable[Request], stop: threading.Event
           ) -> Iterator[tuple[Request, list[int], SamplingParams]]:
     """The engine's request stream; it ends as soon as ``stop`` is set, so no new work is admitted."""
     for req in requests:
         if stop.is_set():
             return
-        yield req, req.prompt_ids, params
+        yield req, req.prompt_ids, req.params

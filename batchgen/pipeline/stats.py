@@ -3,9 +3,10 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 from datetime import datetime, timezone
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
-from batchgen.pipeline.rows import ResultRow
+if TYPE_CHECKING:  # the report reads stats without importing the engine
+    from batchgen.pipeline.rows import ResultRow
 
 
 @dataclass
@@ -54,14 +55,15 @@ def _rate(n: int, seconds: float) -> float:
     return round(n / seconds, 2) if seconds > 0 else 0.0
 
 
-def job_stats(*, totals: Counts, run: Counts, job: str, model: str, dtype: str, spec: dict[str, Any], spec_digest: str,
-              started_at: str, wall_s: float, generate_s: float, resumed: bool, complete: bool,
-              limit: int | None) -> dict[str, Any]:
+def job_stats(*, totals: Counts, run: Counts, job: str, model: str, dtype: str, spec: dict[str, Any],
+              spec_digest: str, started_at: str, wall_s: float, generate_s: float, resumed: bool, complete: bool,
+              limit: int | None, engine: dict[str, Any] | None = None) -> dict[str, Any]:
     """The job's stats: totals over every committed part (earlier runs included), rates over this run.
 
     ``wall_s`` is this run from start to finish (model load included); the tokens-per-second rates divide
     this run's tokens by ``generate_s``, the time from the first request to the last result. ``dtype`` is the
-    one the model ran in ("auto" resolved).
+    one the model ran in ("auto" resolved); ``engine`` holds this run's engine totals (see
+    ``telemetry.engine_summary``).
     """
     return {
         "job": job,
@@ -81,5 +83,6 @@ def job_stats(*, totals: Counts, run: Counts, job: str, model: str, dtype: str, 
         "complete": complete,
         "limit": limit,
         "this_run": run.to_dict(),
+        "engine": engine or {},
         "spec": spec,
     }

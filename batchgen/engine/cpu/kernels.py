@@ -5,12 +5,12 @@ from batchgen.engine.cpu import ops
 from batchgen.engine.cpu.attention import CpuAttentionBackend
 from batchgen.engine.cpu.build import load_kernels
 from batchgen.engine.cpu.prepack import prepack_linears
-from batchgen.engine.layers.ops import KernelSet
 
 
-def cpu_kernel_set() -> KernelSet | None:
-    """The fused kernel set, or None where the kernels cannot be built (load_kernels warned once)."""
+def cpu_kernels() -> dict[str, object] | None:
+    """The fused implementations of the kernel set's fields (the torch ones fill the rest), or None where
+    the kernels cannot be built (load_kernels warned once)."""
     if not load_kernels() or not ops.usable_dtypes():
         return None
-    return KernelSet(attention=CpuAttentionBackend(), rms_norm=ops.rms_norm, apply_rotary=ops.apply_rotary,
-                     silu_and_mul=ops.silu_and_mul, prepare_model=prepack_linears)
+    return dict(attention=CpuAttentionBackend(), rms_norm=ops.rms_norm, apply_rotary=ops.apply_rotary,
+                silu_and_mul=ops.silu_and_mul, prepare_model=prepack_linears)

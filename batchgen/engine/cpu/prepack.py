@@ -12,20 +12,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from batchgen.engine.layers.linear import LinearBase, ParallelLMHead
+
 log = logging.getLogger(__name__)
 
 
 class PrepackedLinear(nn.Module):
-    """``nn.Linear`` over a prepacked copy of its weight (the plain weight is dropped unless shared)."""
+    """``y = x W^T (+ b)`` over a prepacked copy of a layer's weight; it replaces the layer once loaded
+    (the plain weight is freed unless another module shares it, as a tied embedding does)."""
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
-        self.bias = linear.bias
+        self.out_features, self.in_features = weight.shape
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+        self.bias = bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
+        rows = x.reshape(-1, self.in_features).to(torch.bfloat16)
         out = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
         return out.view(*x.shape[:-1], self.out_features)
 
@@ -36,23 +39,30 @@ def prepacking_works() -> bool:
     if not torch.backends.mkldnn.is_available():
         return False
     try:
-        linear = nn.Linear(64, 48, bias=True).to(torch.bfloat16).requires_grad_(False)
+        weight, bias = torch.randn(48, 64).to(torch.bfloat16), torch.randn(48).to(torch.bfloat16)
         x = torch.randn(5, 64, dtype=torch.bfloat16)
-        return torch.allclose(PrepackedLinear(linear)(x).float(), F.linear(x, linear.weight, linear.bias).float(),
+        return torch.allclose(PrepackedLinear(weight, bias)(x).float(), F.linear(x, weight, bias).float(),
                               atol=1e-2, rtol=1e-2)
     except RuntimeError as e:
         log.info("bf16 weight prepacking unavailable: %s", str(e).splitlines()[0])
         return False
 
 
+def packable(module: nn.Module) -> bool:
+    """A whole (not tensor-parallel) bf16 projection or LM head on CPU."""
+    if not isinstance(module, (LinearBase, ParallelLMHead)) or getattr(module, "tp_size", 1) != 1:
+        return False
+    weight = module.weight
+    return weight.dim() == 2 and weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
+
+
 def prepack_linears(model: nn.Module) -> int:
-    """Replaces the bf16 CPU ``nn.Linear`` modules of ``model`` by prepacked ones; returns how many."""
+    """Replaces the packable layers of a loaded ``model`` by prepacked ones; returns how many."""
     targets = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
-               if type(child) is nn.Linear and child.weight.dtype == torch.bfloat16
-               and child.weight.device.type == "cpu"]
+               if packable(child)]
     if not targets or not prepacking_works():
         return 0
     with torch.inference_mode():
         for parent, name, child in targets:
-            setattr(parent, name, PrepackedLinear(child))
+            setattr(parent, name, PrepackedLinear(child.weight, getattr(child, "bias", None)))
     return len(targets)

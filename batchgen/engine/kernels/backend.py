@@ -1,16 +1,16 @@
-"""The Triton attention backend and the Triton kernel set for the GPU path."""
+"""The Triton attention backend and the Triton kernels of the GPU path's kernel set."""
 from __future__ import annotations
 
 import torch
 
 from batchgen.engine.kernels.activation import silu_and_mul
 from batchgen.engine.kernels.decode_attention import decode_attention
+from batchgen.engine.kernels.fused_moe import fused_moe
 from batchgen.engine.kernels.kv_store import store_kv
 from batchgen.engine.kernels.norm import rms_norm
 from batchgen.engine.kernels.prefill_attention import prefill_attention, prefill_work
 from batchgen.engine.kernels.rotary import apply_rotary
 from batchgen.engine.layers.attention import AttentionMetadata
-from batchgen.engine.layers.ops import KernelSet
 
 
 class TritonAttentionBackend:
@@ -37,7 +37,7 @@ class TritonAttentionBackend:
                                  block_tables=meta.block_tables)
 
 
-def triton_kernel_set() -> KernelSet:
-    """Triton attention, RMSNorm, rotary and SiLU-and-mul, with the torch ops' signatures."""
-    return KernelSet(attention=TritonAttentionBackend(), rms_norm=rms_norm,
-                     apply_rotary=apply_rotary, silu_and_mul=silu_and_mul)
+def triton_kernels() -> dict[str, object]:
+    """The Triton implementations of the kernel set's fields (the torch ones fill the rest)."""
+    return dict(attention=TritonAttentionBackend(), rms_norm=rms_norm, apply_rotary=apply_rotary,
+                silu_and_mul=silu_and_mul, fused_moe=fused_moe)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, Sequence
 
 import torch
 from torch import nn
@@ -58,8 +58,25 @@ class AttentionBackend(Protocol):
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor: ...
 
 
+class PagedCacheLayer(Protocol):
+    """A layer that keeps per-token state in the paged cache (attention of any kind).
+
+    It declares the per-token shape of each cache tensor it needs; the model runner allocates
+    them as (num_blocks, block_size, *shape) and binds them. Prefix caching, chunked prefill and
+    preemption see only blocks, so any layout works with them unchanged.
+    """
+
+    def cache_token_shapes(self) -> tuple[tuple[int, ...], ...]: ...
+
+    def bind_cache(self, tensors: Sequence[torch.Tensor]) -> None: ...
+
+    def flops_per_key(self) -> int:
+        """Matmul FLOPs of one query attending to one key (QK^T and PV), for MFU accounting."""
+        ...
+
+
 class Attention(nn.Module):
-    """Attention over the paged cache; the cache tensors are bound by the model runner."""
+    """Paged multi-head attention (GQA): K and V of (kv_heads, head_dim) per token, bound by the model runner."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, backend: AttentionBackend):
         super().__init__()
@@ -68,6 +85,15 @@ class Attention(nn.Module):
         self.backend = backend
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
+
+    def cache_token_shapes(self) -> tuple[tuple[int, ...], ...]:
+        return (self.num_kv_heads, self.head_dim), (self.num_kv_heads, self.head_dim)
+
+    def bind_cache(self, tensors: Sequence[torch.Tensor]) -> None:
+        self.k_cache, self.v_cache = tensors
+
+    def flops_per_key(self) -> int:
+        return 4 * self.num_heads * self.head_dim
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Elementwise layer ops (RMSNorm, rotary, SiLU-and-mul) in torch, and the kernel set a model uses."""
+"""The torch reference ops (RMSNorm, rotary, SiLU-and-mul, mixture of experts) and the kernel set a model uses."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -39,6 +39,32 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+    """Mixture of SwiGLU experts: out[t] = sum_k topk_weights[t, k] * expert_e(x[t]), e = topk_ids[t, k].
+
+    x (T, H); w13 (E, 2I, H), gate rows then up rows; w2 (E, H, I); topk_weights float32 (T, k);
+    topk_ids (T, k). The (token, expert) pairs are sorted by expert and every expert that got tokens
+    runs one GEMM over its gathered rows; the weighted rows are summed back per token in float32.
+    """
+    num_tokens, top_k = topk_ids.shape
+    flat_ids = topk_ids.flatten()
+    order = torch.argsort(flat_ids, stable=True)
+    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
+    tokens = order // top_k
+    rows = x[tokens]
+    expert_out = torch.empty(rows.shape[0], w2.shape[1], dtype=x.dtype, device=x.device)
+    start = 0
+    for expert, n in enumerate(counts):
+        if n:
+            span = slice(start, start + n)
+            expert_out[span] = F.linear(silu_and_mul(F.linear(rows[span], w13[expert])), w2[expert])
+            start += n
+    weighted = expert_out.float() * topk_weights.flatten()[order, None]
+    out = torch.zeros(num_tokens, w2.shape[1], dtype=torch.float32, device=x.device)
+    return out.index_add_(0, tokens, weighted).to(x.dtype)
+
+
 def keep_weights(model: nn.Module) -> None:
     """The default ``KernelSet.prepare_model``: weights stay as loaded."""
 
@@ -52,6 +78,7 @@ class KernelSet:
     rms_norm: Callable = rms_norm
     apply_rotary: Callable = apply_rotary
     silu_and_mul: Callable = silu_and_mul
+    fused_moe: Callable = fused_moe
     prepare_model: Callable[[nn.Module], None] = keep_weights
 
 
@@ -62,11 +89,12 @@ def make_kernel_set(backend: str) -> KernelSet:
         from batchgen.engine.layers.torch_attention import TorchAttentionBackend
         return KernelSet(attention=TorchAttentionBackend())
     if backend == "cpu":
-        from batchgen.engine.cpu.kernels import cpu_kernel_set
-        return cpu_kernel_set() or make_kernel_set("torch")
+        from batchgen.engine.cpu.kernels import cpu_kernels
+        kernels = cpu_kernels()
+        return KernelSet(**kernels) if kernels else make_kernel_set("torch")
     if backend == "triton":
-        from batchgen.engine.kernels.backend import triton_kernel_set
-        return triton_kernel_set()
+        from batchgen.engine.kernels.backend import triton_kernels
+        return KernelSet(**triton_kernels())
     raise ValueError(f"unknown attention_backend {backend!r}; expected 'torch', 'cpu' or 'triton'")
 
 

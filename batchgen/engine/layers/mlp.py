@@ -1,0 +1,24 @@
+"""The gated SiLU MLP (SwiGLU): fused gate|up projection, SiLU-and-mul, down projection."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from batchgen.engine.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+from batchgen.engine.layers.ops import KernelSet
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, kernels: KernelSet, tp_rank: int = 0,
+                 tp_size: int = 1):
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, tp_rank=tp_rank,
+                                                       tp_size=tp_size)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, tp_rank=tp_rank, tp_size=tp_size)
+        self.kernels = kernels
+
+    def activation_values_per_token(self) -> int:
+        return self.gate_up_proj.local_out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.kernels.silu_and_mul(self.gate_up_proj(x)))

@@ -1,0 +1,139 @@
+"""Mixture-of-experts layers: the router (top-k selection in float32, in torch), stacked experts, the block.
+
+The expert compute goes through ``kernels.fused_moe`` (torch: sorted per-expert GEMMs; a fused
+Triton kernel on the GPU path); routing stays here, where each model's router rules are readable.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from batchgen.engine.layers.linear import (
+    ReplicatedLinear, check_shape, copy_weight, divide, matmul_params, new_parameter,
+)
+from batchgen.engine.layers.ops import KernelSet
+from batchgen.engine.model_source import Weight, as_tensor
+
+EXPERT_SHARDS = ("gate", "up", "down")
+
+
+def softmax_topk(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over experts in float32, the top-k of them, optionally renormalised to sum to 1."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+class TopKRouter(ReplicatedLinear):
+    """The gate: expert logits ``x @ weight.T``, then each token's top-k experts and float32 weights.
+
+    Subclasses change ``select`` for other routing rules (grouped, sigmoid-scored, biased).
+    """
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, renormalize: bool,
+                 params_dtype: torch.dtype | None = None):
+        super().__init__(hidden_size, num_experts, params_dtype=params_dtype)
+        self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+
+    def select(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return softmax_topk(logits, self.top_k, self.renormalize)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+        return self.select(super().forward(x))
+
+
+class FusedMoE(nn.Module):
+    """The routed experts' SwiGLU weights stacked: ``gate_up_proj`` (E, 2I, H), gate rows first, and
+    ``down_proj`` (E, H, I), as transformers >= 5 holds them.
+
+    Checkpoints store a tensor per expert and projection: the loader stacks them (shard
+    ``(expert, "gate" | "up" | "down")``), or takes the stacked tensors whole (shard None). With
+    tensor parallelism each rank holds a slice of I and the partial outputs are summed.
+    """
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, kernels: KernelSet,
+                 tp_rank: int = 0, tp_size: int = 1, tp_group: Any = None):
+        super().__init__()
+        self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
+        self.tp_rank, self.tp_size, self.tp_group = tp_rank, tp_size, tp_group
+        self.local_size = divide(intermediate_size, tp_size, "expert intermediate size")
+        experts = range(num_experts)
+        self.gate_up_proj = new_parameter((num_experts, 2 * self.local_size, hidden_size), self.weight_loader,
+                                          shard_ids=tuple((e, s) for e in experts for s in ("gate", "up")))
+        self.down_proj = new_parameter((num_experts, hidden_size, self.local_size), self.weight_loader,
+                                       shard_ids=tuple((e, "down") for e in experts))
+        self.kernels = kernels
+
+    def expert_params(self) -> int:
+        """Parameters of one whole expert (all ranks)."""
+        return 3 * self.hidden_size * self.intermediate_size
+
+    def weight_loader(self, param: nn.Parameter, loaded: Weight, shard_id: Any = None) -> None:
+        size, hidden = self.intermediate_size, self.hidden_size
+        if shard_id is None:  # stacked in the checkpoint: load expert by expert
+            gate_up = param is self.gate_up_proj
+            check_shape(loaded, (self.num_experts, 2 * size, hidden) if gate_up else (self.num_experts, hidden, size))
+            stacked = as_tensor(loaded)
+            for e in range(self.num_experts):
+                if gate_up:
+                    self.weight_loader(param, stacked[e, :size], (e, "gate"))
+                    self.weight_loader(param, stacked[e, size:], (e, "up"))
+                else:
+                    self.weight_loader(param, stacked[e], (e, "down"))
+            return
+        expert, kind = shard_id
+        if not 0 <= expert < self.num_experts or kind not in EXPERT_SHARDS:
+            raise ValueError(f"no expert shard {shard_id!r} among {self.num_experts} experts")
+        local, start = self.local_size, self.tp_rank * self.local_size
+        if kind == "down":
+            check_shape(loaded, (hidden, size))
+            copy_weight(self.down_proj.data[expert], loaded.narrow(1, start, local))
+        else:
+            check_shape(loaded, (size, hidden))
+            rows = self.gate_up_proj.data[expert].narrow(0, 0 if kind == "gate" else local, local)
+            copy_weight(rows, loaded.narrow(0, start, local))
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        out = self.kernels.fused_moe(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
+        if self.tp_size > 1:
+            dist.all_reduce(out, group=self.tp_group)
+        return out
+
+
+class SparseMoeBlock(nn.Module):
+    """Routed experts plus optional shared ones: ``experts(x) + [sigmoid(shared_expert_gate(x)) *] shared_expert(x)``.
+
+    Module names follow the checkpoints (``gate``, ``experts``, ``shared_expert``, ``shared_expert_gate``).
+    """
+
+    def __init__(self, gate: TopKRouter, experts: FusedMoE, shared_expert: nn.Module | None = None,
+                 shared_expert_gate: nn.Module | None = None):
+        super().__init__()
+        self.gate, self.experts = gate, experts
+        self.shared_expert, self.shared_expert_gate = shared_expert, shared_expert_gate
+
+    def active_params(self) -> int:
+        """The router, a token's top-k experts and the shared experts (what each token multiplies by)."""
+        shared = sum(matmul_params(m) for m in (self.shared_expert, self.shared_expert_gate) if m is not None)
+        return matmul_params(self.gate) + self.gate.top_k * self.experts.expert_params() + shared
+
+    def activation_values_per_token(self) -> int:
+        # Per routed copy of a token: its gathered row, gate|up and SiLU outputs, expert and weighted outputs.
+        k, size, hidden = self.gate.top_k, self.experts.local_size, self.experts.hidden_size
+        shared = getattr(self.shared_expert, "activation_values_per_token", lambda: 0)()
+        return k * (3 * size + 3 * hidden) + shared
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        topk_weights, topk_ids = self.gate(x)
+        out = self.experts(x, topk_weights, topk_ids)
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+            out = out + shared
+        return out

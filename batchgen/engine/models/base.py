@@ -1,0 +1,221 @@
+"""The decoder-only model every architecture builds on: layers, checkpoint loading, KV layout, FLOP profile.
+
+A model file subclasses ``CausalLM`` and says how to build each layer's attention and MLP
+(``make_attention``, ``make_mlp``) and how checkpoint names map onto its parameters
+(``weight_rules``); the runner, the cache allocator and the FLOP counter ask it, never its name.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, ClassVar, Iterable, Sequence
+
+import torch
+from torch import nn
+
+from batchgen.engine.config import ModelConfig
+from batchgen.engine.kv_cache import KVLayout
+from batchgen.engine.layers.attention import AttentionMetadata
+from batchgen.engine.layers.linear import (
+    ParallelLMHead, VocabParallelEmbedding, default_weight_loader, matmul_params,
+)
+from batchgen.engine.layers.norm import RMSNorm
+from batchgen.engine.layers.ops import KernelSet
+from batchgen.engine.layers.rotary import cos_sin_cache
+from batchgen.engine.model_source import Weight
+
+
+@dataclass(frozen=True)
+class WeightRule:
+    """Checkpoint names matching ``pattern`` are rewritten with ``target`` (a ``re`` template) and load as
+    shard ``shard`` of that parameter; a named group ``expert`` makes the shard ``(expert index, shard)``."""
+
+    pattern: str
+    target: str
+    shard: Any = None
+
+    def apply(self, name: str) -> tuple[str, Any] | None:
+        m = re.search(self.pattern, name)
+        if m is None:
+            return None
+        shard = (int(m["expert"]), self.shard) if "expert" in m.groupdict() else self.shard
+        return name[: m.start()] + m.expand(self.target) + name[m.end():], shard
+
+
+def expert_rules(module: str = "mlp", names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
+                 target: str = "mlp") -> tuple[WeightRule, ...]:
+    """Per-expert checkpoint tensors ``{module}.experts.{e}.{gate|up|down name}.weight`` stacked into
+    ``{target}.experts.gate_up_proj`` / ``down_proj`` (see ``FusedMoE``)."""
+    params = ("gate_up_proj", "gate_up_proj", "down_proj")
+    return tuple(WeightRule(rf"\.{module}\.experts\.(?P<expert>\d+)\.{name}\.weight$",
+                            f".{target}.experts.{param}", shard)
+                 for name, param, shard in zip(names, params, ("gate", "up", "down")))
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    """Parameter and FLOP facts of a built model, for MFU accounting, memory sizing and the logs."""
+
+    total_params: int  # every parameter, embeddings included (tied ones once)
+    active_params: int  # matmul weights one token passes through in the layers: attention, dense MLPs,
+    #                     routers, its top-k routed and the shared experts (no embedding, no LM head)
+    lm_head_params: int
+    attention_flops_per_key: int  # QK^T + PV FLOPs of one query and one key, summed over layers
+    activation_values_per_token: int  # widest per-token intermediate of an MLP or MoE layer
+
+    def summary(self) -> str:
+        return f"{_count(self.total_params)} parameters, {_count(self.active_params)} active per token"
+
+
+def _count(n: int) -> str:
+    return next((f"{n / scale:.3g}{unit}" for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")) if n >= scale),
+                str(n))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block: attention, then an MLP (dense or mixture of experts).
+
+    Token-wise work runs in chunks of ``chunk_tokens`` rows so activations stay in cache on CPU;
+    attention sees the whole step. ``self_attn`` provides ``project(h, positions, cos_sin)`` (rows of
+    ``project_width`` values per token), ``attend(rows, meta)`` and ``o_proj``.
+    """
+
+    def __init__(self, self_attn: nn.Module, mlp: nn.Module, cfg: ModelConfig, kernels: KernelSet,
+                 chunk_tokens: int):
+        super().__init__()
+        self.self_attn, self.mlp = self_attn, mlp
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
+        self.chunk_tokens = chunk_tokens
+
+    def forward(self, x, residual, positions, cos_sin, meta):
+        attn = self.self_attn
+        chunks = [slice(s, s + self.chunk_tokens) for s in range(0, x.shape[0], self.chunk_tokens)]
+        new_residual = torch.empty_like(x)
+        rows = x.new_empty(x.shape[0], attn.project_width)
+        for c in chunks:
+            if residual is None:
+                h, new_residual[c] = self.input_layernorm(x[c]), x[c]
+            else:
+                h, new_residual[c] = self.input_layernorm(x[c], residual[c])
+            rows[c] = attn.project(h, positions[c], cos_sin)
+        o = attn.attend(rows, meta)
+        out = torch.empty_like(x)
+        for c in chunks:
+            h, new_residual[c] = self.post_attention_layernorm(attn.o_proj(o[c]), new_residual[c])
+            out[c] = self.mlp(h)
+        return out, new_residual
+
+
+class CausalLM(nn.Module):
+    """Computes hidden states for packed tokens; logits only for the rows the caller asks for."""
+
+    # Defaults for config.json keys this architecture's transformers class defaults differently.
+    config_defaults: ClassVar[dict[str, Any]] = {}
+    # Checkpoint name -> (parameter, shard); the first matching rule wins, unmatched names load as-is.
+    weight_rules: ClassVar[tuple[WeightRule, ...]] = ()
+
+    def __init__(self, cfg: ModelConfig, kernels: KernelSet, max_positions: int, chunk_tokens: int = 1024):
+        super().__init__()
+        self.cfg, self.kernels = cfg, kernels
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(self.make_attention(i), self.make_mlp(i), cfg, kernels, chunk_tokens)
+            for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.register_buffer("cos_sin", self.rotary_table(max_positions), persistent=False)
+
+    def make_attention(self, layer: int) -> nn.Module:
+        raise NotImplementedError
+
+    def make_mlp(self, layer: int) -> nn.Module:
+        raise NotImplementedError
+
+    def rotary_table(self, max_positions: int) -> torch.Tensor:
+        c = self.cfg
+        return cos_sin_cache(c.rotary_dim, c.rope_theta, c.rope_scaling, max_positions)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                logits_indices: torch.Tensor) -> torch.Tensor:
+        x, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            x, residual = layer(x, residual, positions, self.cos_sin, meta)
+        # Only the rows that produce a next token go through the final norm and the vocabulary matmul.
+        x = self.norm(x[logits_indices], residual[logits_indices])[0]
+        return self.lm_head(x)
+
+    # ---- checkpoint loading ------------------------------------------------------------------------
+    def checkpoint_target(self, hf_name: str) -> tuple[str, Any] | None:
+        """The (parameter name, shard id) a checkpoint tensor loads into, or None to skip it."""
+        name = hf_name.removeprefix("model.")
+        if "rotary_emb" in name or (name == "lm_head.weight" and self.cfg.tie_word_embeddings):
+            return None
+        return next((hit for rule in self.weight_rules if (hit := rule.apply(name))), (name, None))
+
+    def load_weights(self, weights: Iterable[tuple[str, Weight]]) -> None:
+        """Hands each checkpoint tensor to its parameter's weight loader; every parameter must be set."""
+        params = dict(self.named_parameters())
+        loaded: set[tuple[str, Any]] = set()
+        for hf_name, tensor in weights:
+            target = self.checkpoint_target(hf_name)
+            if target is None:
+                continue
+            name, shard = target
+            if name not in params:
+                raise ValueError(f"unexpected weight {hf_name!r} for {self.cfg.architecture}")
+            param = params[name]
+            try:
+                getattr(param, "weight_loader", default_weight_loader)(param, tensor, shard)
+            except ValueError as exc:
+                raise ValueError(f"weight {hf_name!r}: {exc}") from None
+            loaded.add((name, shard))
+        missing = missing_weights(params, loaded)
+        if missing:
+            raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:8])}"
+                             + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
+
+    # ---- what the runner and the FLOP counter ask --------------------------------------------------
+    def cache_layers(self) -> list[nn.Module]:
+        """The layers that keep state in the paged cache, in order."""
+        return [m for m in self.modules() if callable(getattr(m, "cache_token_shapes", None))]
+
+    def kv_layout(self) -> KVLayout:
+        return KVLayout(tuple(tuple(layer.cache_token_shapes()) for layer in self.cache_layers()))
+
+    def bind_kv_cache(self, caches: Sequence[Sequence[torch.Tensor]]) -> None:
+        layers = self.cache_layers()
+        if len(caches) != len(layers):
+            raise ValueError(f"{len(caches)} cache layers allocated for {len(layers)} attention layers")
+        for layer, tensors in zip(layers, caches):
+            layer.bind_cache(tensors)
+
+    def profile(self) -> ModelProfile:
+        widths = [m.activation_values_per_token() for m in self.modules()
+                  if callable(getattr(m, "activation_values_per_token", None))]
+        return ModelProfile(
+            total_params=sum(p.numel() for p in self.parameters()),
+            active_params=matmul_params(self.layers),
+            lm_head_params=self.lm_head.num_embeddings * self.lm_head.embedding_dim,
+            attention_flops_per_key=sum(layer.flops_per_key() for layer in self.cache_layers()),
+            activation_values_per_token=max(widths, default=self.cfg.hidden_size),
+        )
+
+
+def missing_weights(params: dict[str, nn.Parameter], loaded: set[tuple[str, Any]]) -> list[str]:
+    """Parameters (or shards of fused ones) that no checkpoint tensor set."""
+    missing = []
+    for name, param in params.items():
+        if (name, None) in loaded:
+            continue
+        shards = getattr(param, "shard_ids", ())
+        if not shards:
+            missing.append(name)
+        missing += [f"{name}[{_shard_name(s)}]" for s in shards if (name, s) not in loaded]
+    return missing
+
+
+def _shard_name(shard: Any) -> str:
+    return f"expert {shard[0]} {shard[1]}" if isinstance(shard, tuple) else str(shard)

@@ -1,0 +1,49 @@
+"""OpenAI Batch request lines as engine requests: chat messages or a completion prompt, and the line's sampling."""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from batchgen.engine import SamplingParams
+from batchgen.io.openai_batch import CHAT_URL, COMPLETIONS_URL, BatchRequestError, parse_request
+from batchgen.pipeline.render import RenderError, Tokenizer
+from batchgen.pipeline.sampling import SamplingSpec, schema_problem
+
+CARRY_COLUMNS = ["url"]  # what the OpenAI Batch writer needs besides the row id (the custom_id)
+
+
+def default_url(chat: bool) -> str:
+    """The endpoint a templated prompt stands for, when its results are written as OpenAI Batch lines."""
+    return CHAT_URL if chat else COMPLETIONS_URL
+
+
+class OpenAIPrompts:
+    """Each line's messages (through the chat template) or prompt, with its settings over the spec's sampling."""
+
+    def __init__(self, tokenizer: Tokenizer, sampling: SamplingSpec) -> None:
+        self.tokenizer = tokenizer
+        self.sampling = sampling
+
+    def build(self, values: Mapping[str, Any]) -> tuple[list[int], SamplingParams]:
+        try:
+            request = parse_request(dict(values))
+        except BatchRequestError as e:
+            raise RenderError(e.code, e.message) from None
+        schema = request.sampling.get("json_schema")
+        problem = schema_problem(schema) if schema is not None else None
+        if problem:
+            where = f"body.response_format.json_schema.schema{problem[0]}"
+            raise RenderError("invalid_request", f"{where}: not a valid JSON Schema: {problem[1]}")
+        try:
+            params = self.sampling.params(**request.sampling)
+        except ValueError as e:
+            raise RenderError("invalid_request", str(e)) from None
+        try:
+            if request.messages is not None:
+                ids = self.tokenizer.apply_chat_template(request.messages, add_generation_prompt=True)
+            elif isinstance(request.prompt, str):
+                ids = self.tokenizer.encode(request.prompt)
+            else:
+                ids = request.prompt
+        except Exception as e:  # noqa: BLE001 - e.g. a template that rejects the roles, or no chat template
+            raise RenderError("tokenizer_error", f"{type(e).__name__}: {e}") from None
+        return list(ids), params

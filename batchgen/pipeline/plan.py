@@ -1,0 +1,178 @@
+"""``batchgen plan``: a dry run that counts a job's rows and prompt tokens exactly, with the tokenizer alone.
+
+The rows go through the job's own stages (reading, id assignment, skip on resume, render + tokenize,
+truncation, sort windows), so the counts are the ones the run will record in stats.json.
+"""
+from __future__ import annotations
+
+import json
+from array import array
+from collections import Counter
+from dataclasses import asdict, dataclass
+from typing import Any, Iterator
+
+import fsspec
+import polars as pl
+
+from batchgen.engine.config import ModelConfig
+from batchgen.engine.llm_engine import model_context_len
+from batchgen.engine.loader import load_model_source
+from batchgen.io import OutputError, OutputFolder, redact
+from batchgen.io.paths import storage_options_for
+from batchgen.pipeline import preflight
+from batchgen.pipeline.errors import JobError
+from batchgen.pipeline.rows import Request, ResultRow
+from batchgen.pipeline.spec import JobSpec
+from batchgen.pipeline.stages import input_rows, job_preparer, sorted_requests
+from batchgen.pipeline.steps import estimate_steps
+
+
+@dataclass
+class Rates:
+    """What the time estimate assumes; ``source`` says where the figures came from."""
+
+    prefill_tokens_per_s: float | None = None
+    decode_tokens_per_s: float | None = None
+    prefix_cache_hit_rate: float = 0.0
+    completion_tokens_per_row: float | None = None
+    source: str = "options"
+
+
+def rates_from(path: str, storage_options: dict[str, Any] | None = None) -> Rates:
+    """The measured rates of an earlier job: its output folder, or its stats.json."""
+    try:
+        if path.rstrip("/").endswith(".json"):
+            with fsspec.open(path, "rb", **storage_options_for(path, storage_options)) as f:
+                stats = json.load(f)
+        else:
+            stats = OutputFolder(path, storage_options).read_json("stats.json")
+    except (OSError, ValueError, OutputError) as e:
+        raise JobError(redact(f"cannot read the stats of {path}: {e}")) from None
+    engine = (stats or {}).get("engine") or {}
+    if not engine.get("prefill_tokens_per_s"):
+        raise JobError(redact(f"{path} holds no engine rates (no stats.json, or one written before they were "
+                              f"recorded); give --prefill-tok-s and --decode-tok-s instead"))
+    ok_rows = stats.get("ok_rows") or 0
+    return Rates(prefill_tokens_per_s=engine["prefill_tokens_per_s"],
+                 decode_tokens_per_s=engine.get("decode_tokens_per_s"),
+                 prefix_cache_hit_rate=float(stats.get("prefix_cache_hit_rate") or 0.0),
+                 completion_tokens_per_row=stats.get("completion_tokens", 0) / ok_rows if ok_rows else None,
+                 source=redact(path))
+
+
+def _model(spec: JobSpec):
+    try:
+        source = load_model_source(spec.model.path, spec.storage_options, weights=False)
+        return source.tokenizer, model_context_len(ModelConfig.from_hf(source.config), spec.model.max_model_len)
+    except Exception as e:  # noqa: BLE001 - bad paths, unsupported architectures, bad tokenizers alike
+        message = " ".join(str(e).split()) or type(e).__name__
+        raise JobError(redact(f"cannot load the tokenizer of {spec.resolved()['model']['path']}: {message}")) \
+            from None
+
+
+def _length_stats(lengths: array) -> dict[str, Any]:
+    """Prompt length percentiles and a histogram in power-of-two bins."""
+    if not lengths:
+        return {"rows": 0}
+    s = pl.Series("n", lengths, dtype=pl.Int64)
+    q = {f"p{p}": int(s.quantile(p / 100, "nearest")) for p in (50, 90, 99)}
+    bins = (pl.DataFrame({"n": s}).group_by(pl.col("n").log(2).floor().cast(pl.Int64).alias("k"))
+            .len().sort("k"))
+    return {"rows": len(s), "min": int(s.min()), "mean": round(float(s.mean()), 1), **q, "max": int(s.max()),
+            "histogram": [{"from": 1 << k, "to": (1 << (k + 1)) - 1, "rows": n}
+                          for k, n in bins.iter_rows()]}
+
+
+def plan_job(spec: JobSpec, limit: int | None = None, rates: Rates | None = None,
+             completion_tokens: int | None = None) -> dict[str, Any]:
+    """Counts what running ``spec`` would do now, without loading weights or writing anything.
+
+    ``completion_tokens`` per row (default: the earlier job's mean from ``rates``, else the spec's
+    ``max_tokens``, an upper bound) drives the expected engine steps; ``rates`` gives the time estimate.
+    """
+    rates = rates or Rates()
+    files = preflight.check_inputs(spec)
+    try:
+        folder = OutputFolder(spec.output.path, spec.storage_options)
+        committed, complete = folder.committed_row_ids(), folder.read_json("_SUCCESS") is not None
+    except OutputError as e:
+        raise JobError(str(e)) from None
+    tokenizer, model_len = _model(spec)
+    preparer = job_preparer(spec, tokenizer, model_len, preflight.carry_columns(spec), committed)
+    errors: Counter[str] = Counter()
+
+    def requests() -> Iterator[Request]:
+        for item in preparer.prepare(input_rows(spec, files, limit)):
+            if isinstance(item, ResultRow):
+                errors[item.error["code"] if item.error else "unknown"] += 1
+            else:
+                yield item
+
+    lengths = array("q")
+
+    def prompt_lengths() -> Iterator[int]:
+        for req in sorted_requests(requests(), spec.batching.sort_window, spec.batching.sort):
+            lengths.append(len(req.prompt_ids))
+            yield lengths[-1]
+
+    per_row = completion_tokens or round(rates.completion_tokens_per_row or 0) or spec.sampling.max_tokens
+    b = spec.batching
+    steps = estimate_steps(prompt_lengths(), per_row, b.max_batch_tokens, b.max_num_seqs)
+    prompt_tokens = sum(lengths)
+    plan = {
+        "job": spec.name, "model": spec.resolved()["model"]["path"], "input_files": len(files),
+        "complete": complete, "committed_rows": preparer.skipped,
+        "rows": len(lengths) + sum(errors.values()), "requests": len(lengths),
+        "error_rows": dict(sorted(errors.items())), "prompt_tokens": prompt_tokens,
+        "max_prompt_tokens": preparer.max_prompt_tokens,
+        "over_max_prompt_tokens": preparer.truncated + errors.get("prompt_too_long", 0),
+        "truncate": b.truncate, "prompt_length": _length_stats(lengths),
+        "completion_tokens_per_row": per_row, "token_budget": b.max_batch_tokens,
+        "max_num_seqs": b.max_num_seqs, "expected_steps": steps.to_dict(),
+        "rates": asdict(rates), "estimated_s": None,
+    }
+    if rates.prefill_tokens_per_s and rates.decode_tokens_per_s:
+        computed = prompt_tokens * (1 - rates.prefix_cache_hit_rate)
+        plan["estimated_s"] = round(computed / rates.prefill_tokens_per_s
+                                    + steps.decode_step_tokens / rates.decode_tokens_per_s, 1)
+    return plan
+
+
+def _duration(seconds: float) -> str:
+    h, rest = divmod(int(round(seconds)), 3600)
+    return f"{h}h{rest // 60:02d}m{rest % 60:02d}s" if h else f"{rest // 60}m{rest % 60:02d}s"
+
+
+def format_plan(plan: dict[str, Any], cost_per_hour: float | None = None) -> str:
+    """The plan as a few lines for a person."""
+    n = plan["prompt_length"]
+    steps = plan["expected_steps"]
+    lines = [f"{plan['job']}: {plan['rows']:,} rows to run ({plan['requests']:,} to the engine, "
+             f"{sum(plan['error_rows'].values()):,} error rows), {plan['committed_rows']:,} already committed"
+             + (" (the job is complete: running it does nothing)" if plan["complete"] else ""),
+             f"prompt tokens: {plan['prompt_tokens']:,}"]
+    if n["rows"]:
+        lines.append(f"prompt length: min {n['min']}, p50 {n['p50']}, p90 {n['p90']}, p99 {n['p99']}, "
+                     f"max {n['max']}, mean {n['mean']}")
+        width = max(h["rows"] for h in n["histogram"])
+        lines += [f"  {h['from']:>7}-{h['to']:<7} {h['rows']:>9,} {'#' * max(1, round(30 * h['rows'] / width))}"
+                  for h in n["histogram"]]
+    lines.append(f"over max_prompt_tokens ({plan['max_prompt_tokens']}): {plan['over_max_prompt_tokens']:,} "
+                 f"(truncate: {plan['truncate']})")
+    if plan["error_rows"]:
+        lines.append("error rows: " + ", ".join(f"{k} {v:,}" for k, v in plan["error_rows"].items()))
+    lines.append(f"expected engine steps at {plan['token_budget']:,} tokens and {plan['max_num_seqs']} "
+                 f"sequences per step, {plan['completion_tokens_per_row']} generated tokens per row: "
+                 f"{steps['steps']:,} ({steps['prefill_steps']:,} with prompt tokens, "
+                 f"{steps['decode_steps']:,} decode only)")
+    if plan["estimated_s"] is None:
+        lines.append("estimated time: give --prefill-tok-s and --decode-tok-s, or --rates-from an earlier job")
+    else:
+        r = plan["rates"]
+        line = (f"estimated time: {_duration(plan['estimated_s'])} at {r['prefill_tokens_per_s']:,.0f} prompt "
+                f"and {r['decode_tokens_per_s']:,.0f} decode tok/s, prefix-cache hit rate "
+                f"{r['prefix_cache_hit_rate']:.0%} (rates from {r['source']})")
+        if cost_per_hour is not None:
+            line += f"; cost {plan['estimated_s'] / 3600 * cost_per_hour:,.2f} at {cost_per_hour:g} per hour"
+        lines.append(line)
+    return "\n".join(lines)

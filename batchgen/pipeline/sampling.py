@@ -1,0 +1,130 @@
+"""The job spec's ``sampling`` section, derived from the engine's SamplingParams, and JSON Schema checks."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from functools import lru_cache
+from typing import Annotated, Any, get_type_hints
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, create_model, model_validator
+
+from batchgen.engine.sampling_params import CONSTRAINTS, PARAM_LIMITS, SamplingParams
+from batchgen.engine.structured import EXTRA_HINT, structured_available
+from batchgen.io import InputError, read_bytes, redact
+
+# Where a job differs from the engine: deterministic, longer outputs by default.
+JOB_DEFAULTS: dict[str, Any] = {"max_tokens": 128, "temperature": 0.0, "seed": 0}
+PER_REQUEST_ONLY = ("logprobs",)  # only OpenAI Batch lines ask for it: the other formats have no column for it
+NonEmpty = Annotated[str, Field(min_length=1)]
+# A list of non-empty strings; a lone string is taken as a list of one.
+OneOrMany = Annotated[list[NonEmpty], BeforeValidator(lambda v: [v] if isinstance(v, str) else v)]
+# Spec types that accept more than the engine's: one stop string for a list, a schema file's path or URL.
+SPEC_TYPES: dict[str, Any] = {
+    "stop": OneOrMany,
+    "json_schema": dict[str, Any] | str | None,
+    "choice": Annotated[list[NonEmpty], Field(min_length=1)] | None,
+}
+
+
+def _fields() -> dict[str, Any]:
+    hints = get_type_hints(SamplingParams)
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(SamplingParams):
+        if f.name in PER_REQUEST_ONLY:
+            continue
+        engine_default = f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
+        default = JOB_DEFAULTS.get(f.name, engine_default)
+        out[f.name] = (SPEC_TYPES.get(f.name, hints[f.name]), Field(default=default, **PARAM_LIMITS.get(f.name, {})))
+    return out
+
+
+class _Fields(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="after")
+    def _one_constraint(self) -> "_Fields":
+        given = [name for name in CONSTRAINTS if getattr(self, name) is not None]
+        if len(given) > 1:
+            raise ValueError(f"at most one of json_schema, regex, choice may be set, got {', '.join(given)}")
+        return self
+
+
+class SamplingSpec(create_model("SamplingFields", __base__=_Fields, **_fields())):  # type: ignore[misc]
+    """The engine's SamplingParams with job defaults (greedy, seed 0, 128 tokens); ``json_schema`` is an
+    inline mapping or the path/URL of a .json file (loaded by :func:`check_constraints`)."""
+
+    def params(self, **overrides: Any) -> SamplingParams:
+        """The engine's parameters for a request; ``overrides`` (engine field names) replace the job's values."""
+        return SamplingParams(**{**self.model_dump(), **overrides})
+
+
+def _json_path(path: Any) -> str:
+    return "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path)
+
+
+def schema_problem(schema: Any) -> tuple[str, str] | None:
+    """(key path inside the schema, message) when ``schema`` is not a valid JSON Schema, else None."""
+    from jsonschema.exceptions import SchemaError
+    from jsonschema.validators import validator_for
+
+    if not isinstance(schema, dict):
+        return "", f"expected a JSON Schema object, got {type(schema).__name__}"
+    try:
+        validator_for(schema).check_schema(schema)
+    except SchemaError as e:
+        return _json_path(e.path), e.message
+    return None
+
+
+def check_constraints(sampling: SamplingSpec, storage_options: dict[str, Any]) -> list[str]:
+    """Loads a json_schema given as a path/URL into the spec and checks it; returns ``"key.path: message"`` errors.
+
+    A constraint also needs the optional xgrammar extra.
+    """
+    given = [name for name in CONSTRAINTS if getattr(sampling, name) is not None]
+    if not given:
+        return []
+    errors = [] if structured_available() else [f"sampling.{given[0]}: {EXTRA_HINT}"]
+    schema = sampling.json_schema
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(read_bytes(schema, storage_options))
+        except InputError as e:
+            return errors + [f"sampling.json_schema: {e}"]
+        except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+            return errors + [f"sampling.json_schema: {redact(sampling.json_schema)} is not valid JSON: {e}"]
+        sampling.json_schema = schema
+    if schema is not None:
+        problem = schema_problem(schema)
+        if problem:
+            errors.append(f"sampling.json_schema{problem[0]}: not a valid JSON Schema: {problem[1]}")
+    return errors
+
+
+@lru_cache(maxsize=64)
+def _validator(schema_json: str):
+    from jsonschema.validators import validator_for
+
+    schema = json.loads(schema_json)
+    return validator_for(schema)(schema)
+
+
+def output_problem(params: SamplingParams, text: str, grammar_complete: bool | None) -> tuple[str, str] | None:
+    """(error code, message) for a constrained output that is cut short or, as a safety net, off its schema."""
+    if grammar_complete is False:
+        what = "JSON" if params.json_schema is not None else "output"
+        return (f"incomplete_{what.lower()}",
+                f"max_tokens ({params.max_tokens}) or a stop condition ended the {what} before it was complete")
+    if params.json_schema is None:
+        return None
+    schema = params.json_schema
+    validator = _validator(schema if isinstance(schema, str) else json.dumps(schema))
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        return "schema_violation", f"the output is not valid JSON: {e}"
+    error = next(iter(validator.iter_errors(value)), None)
+    if error is not None:
+        where = _json_path(error.path).lstrip(".") or "the output"
+        return "schema_violation", f"{where}: {error.message}"
+    return None

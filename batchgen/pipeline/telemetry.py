@@ -1,0 +1,185 @@
+"""Job telemetry: engine steps and finished rows in a bounded number of time buckets, time per stage."""
+from __future__ import annotations
+
+import threading
+import time
+from contextlib import contextmanager
+from typing import Any, Callable, Iterable, Iterator, TypeVar
+
+import torch
+
+from batchgen.bench.flops import gpu_peak_flops
+from batchgen.engine.metrics import EngineMetrics, StepRecord
+from batchgen.engine.models.base import ModelProfile
+from batchgen.pipeline.rows import ResultRow
+
+T = TypeVar("T")
+
+# At most this many buckets of 12 counters are held, so telemetry.json stays a few tens of KB whatever
+# the job's length: 23 KiB for a 10-hour job of 300,000 steps and a million rows, which
+# tests/test_telemetry.py checks against the bound TELEMETRY_MAX_BYTES.
+MAX_BUCKETS = 512
+FIRST_BUCKET_S = 0.1
+TELEMETRY_MAX_BYTES = 256 * 1024
+BUCKET_FIELDS = ("steps", "busy_s", "seqs", "prefill_tokens", "decode_tokens", "padded_tokens",
+                 "generated_tokens", "prefix_cache_queries", "prefix_cache_hits", "preemptions",
+                 "rows", "error_rows")
+# Pipeline stages, in the order a row meets them. read and render_tokenize run in the prefetch thread,
+# overlapping the others; queue_wait is the engine loop waiting for prepared (and sorted) rows.
+STAGES = ("startup", "read", "render_tokenize", "queue_wait", "engine", "write")
+
+
+class TimeBuckets:
+    """Sums of counters per fixed-width time bucket.
+
+    A time past the last bucket doubles the width and merges neighbours, so between ``max_buckets / 2``
+    and ``max_buckets`` buckets describe the whole job, however long it runs.
+    """
+
+    def __init__(self, fields: Iterable[str], max_buckets: int = MAX_BUCKETS, width_s: float = FIRST_BUCKET_S):
+        if max_buckets < 2 or max_buckets % 2:
+            raise ValueError(f"max_buckets must be an even number >= 2, got {max_buckets}")
+        self.max_buckets = max_buckets
+        self.width_s = width_s
+        self.columns: dict[str, list[float]] = {f: [] for f in fields}
+        self.num_buckets = 0
+
+    def add(self, t: float, values: dict[str, float]) -> None:
+        """Adds ``values`` (a subset of the fields) to the bucket holding time ``t`` (seconds, >= 0)."""
+        index = int(max(t, 0.0) // self.width_s)
+        while index >= self.max_buckets:
+            self._coarsen()
+            index = int(max(t, 0.0) // self.width_s)
+        if index >= self.num_buckets:
+            for column in self.columns.values():
+                column.extend([0] * (index + 1 - self.num_buckets))
+            self.num_buckets = index + 1
+        for name, value in values.items():
+            self.columns[name][index] += value
+
+    def _coarsen(self) -> None:
+        self.width_s *= 2
+        for name, column in self.columns.items():
+            if len(column) % 2:
+                column.append(0)
+            self.columns[name] = [column[i] + column[i + 1] for i in range(0, len(column), 2)]
+        self.num_buckets = (self.num_buckets + 1) // 2
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"bucket_s": self.width_s,
+                "columns": {name: [round(v, 4) if isinstance(v, float) else v for v in column]
+                            for name, column in self.columns.items()}}
+
+
+class StageClock:
+    """Seconds spent per stage, each stage's time exclusive of the stages measured inside it on the same
+    thread (the engine loop pulls its input from inside ``generate_stream``; that wait is not engine time)."""
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.clock = clock
+        self.seconds: dict[str, float] = {s: 0.0 for s in STAGES}
+        self._lock = threading.Lock()
+        self._local = threading.local()
+
+    def add(self, stage: str, seconds: float) -> None:
+        with self._lock:
+            self.seconds[stage] = self.seconds.get(stage, 0.0) + seconds
+
+    @contextmanager
+    def measure(self, stage: str) -> Iterator[None]:
+        stack: list[float] = self._local.__dict__.setdefault("stack", [])
+        stack.append(0.0)  # time of the stages nested in this one
+        start = self.clock()
+        try:
+            yield
+        finally:
+            elapsed = self.clock() - start
+            nested = stack.pop()
+            if stack:
+                stack[-1] += elapsed
+            self.add(stage, elapsed - nested)
+
+    def timed(self, items: Iterable[T], stage: str) -> Iterator[T]:
+        """Yields from ``items``, counting the time spent producing each item as ``stage``."""
+        it = iter(items)
+        while True:
+            with self.measure(stage):
+                try:
+                    item = next(it)
+                except StopIteration:
+                    return
+            yield item
+
+    def wrap(self, fn: Callable[[T], None], stage: str) -> Callable[[T], None]:
+        def measured(arg: T) -> None:
+            with self.measure(stage):
+                fn(arg)
+        return measured
+
+
+class Telemetry:
+    """What one run of a job did over time: engine steps (from the engine's step listeners), finished
+    rows, and time per stage. Totals of this run's steps are in ``metrics``."""
+
+    def __init__(self, token_budget: int, start: float | None = None,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self.clock = clock
+        self.start = clock() if start is None else start
+        self.token_budget = token_budget
+        self.buckets = TimeBuckets(BUCKET_FIELDS)
+        self.stages = StageClock(clock)
+        self.metrics = EngineMetrics()
+
+    def on_step(self, r: StepRecord) -> None:
+        self.metrics.add_step(r)
+        self.buckets.add(r.start_s + r.duration_s - self.start, {
+            "steps": 1, "busy_s": r.duration_s, "seqs": r.num_seqs, "prefill_tokens": r.prefill_tokens,
+            "decode_tokens": r.decode_tokens, "padded_tokens": r.padded_tokens,
+            "generated_tokens": r.sampled_tokens, "prefix_cache_queries": r.prefix_cache_queries,
+            "prefix_cache_hits": r.prefix_cache_hits, "preemptions": r.preemptions})
+
+    def on_row(self, row: ResultRow) -> None:
+        self.buckets.add(self.clock() - self.start, {"rows": 1, "error_rows": int(not row.ok)})
+
+    @contextmanager
+    def listening(self, listeners: list[Callable[[StepRecord], None]]) -> Iterator[None]:
+        """Receives the engine's step records (``LLMEngine.step_listeners``) for the duration."""
+        listeners.append(self.on_step)
+        try:
+            yield
+        finally:
+            listeners.remove(self.on_step)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"time_buckets": self.buckets.to_dict(), "token_budget": self.token_budget,
+                "stages_s": {k: round(v, 4) for k, v in self.stages.seconds.items()}}
+
+
+def _ratio(a: float, b: float, digits: int = 4) -> float | None:
+    return round(a / b, digits) if b else None
+
+
+def engine_summary(m: EngineMetrics, generate_s: float, token_budget: int, profile: ModelProfile | None = None,
+                   device: torch.device | None = None) -> dict[str, Any]:
+    """This run's engine totals and what follows from them: rates, budget use, padding and idle shares,
+    achieved FLOP/s over the generation time (linear layers and logits, as ``batchgen bench`` counts them)
+    and MFU where the device's peak is known (a GPU from the datasheet table; None on CPU)."""
+    steps = m.prefill_steps + m.decode_steps
+    busy = m.prefill_time_s + m.decode_time_s
+    out: dict[str, Any] = {k: round(v, 4) if isinstance(v, float) else v for k, v in m.as_dict().items()}
+    out.update(
+        steps=steps, busy_s=round(busy, 4), token_budget=token_budget,
+        prefill_tokens_per_s=_ratio(m.prompt_tokens_computed, m.prefill_time_s, 1),
+        decode_tokens_per_s=_ratio(m.decode_tokens, m.decode_time_s, 1),
+        token_budget_utilization=_ratio(m.tokens_computed, steps * token_budget),
+        padding_share=_ratio(m.padded_tokens, m.tokens_computed + m.padded_tokens),
+        idle_share=round(max(0.0, 1 - busy / generate_s), 4) if generate_s > 0 else None,
+        achieved_tflops=None, peak_tflops=None, mfu=None)
+    if profile is not None and generate_s > 0:
+        flops = 2 * profile.active_params * m.tokens_computed + 2 * profile.lm_head_params * m.tokens_generated
+        out["achieved_tflops"] = round(flops / generate_s / 1e12, 6)
+        peak = gpu_peak_flops(device) if device is not None else None
+        if peak:
+            out["peak_tflops"] = round(peak / 1e12, 1)
+            out["mfu"] = round(flops / generate_s / peak, 6)
+    return out

@@ -1,0 +1,83 @@
+"""What the report shows, read from a job's output folder: stats, telemetry and the rows' token columns."""
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+from typing import Any
+
+import polars as pl
+
+from batchgen.io import OutputError, OutputFolder, redact
+from batchgen.io.manifest import STATS, SUCCESS, TELEMETRY
+from batchgen.pipeline.stats import Counts
+
+
+class ReportError(Exception):
+    """The folder cannot be reported on; the message is one line, safe to show."""
+
+
+ERROR_TYPE = pl.Struct({"code": pl.String, "message": pl.String})
+# The result columns the report reads: a part's output text and carried columns are never loaded.
+ROW_SCHEMA = {"prompt_tokens": pl.Int64, "completion_tokens": pl.Int64, "finish_reason": pl.String,
+              "error": ERROR_TYPE}
+
+
+@dataclass
+class ReportData:
+    """``rows`` has one row per committed output row: id, prompt_tokens, completion_tokens, finish_reason,
+    error_code, error_message and part (its file name)."""
+
+    path: str
+    stats: dict[str, Any]
+    stats_found: bool
+    complete: bool
+    telemetry: dict[str, Any] | None
+    rows: pl.DataFrame
+    parts: int
+
+
+def _part_rows(data: bytes, part: str, id_column: str) -> pl.DataFrame:
+    schema = {id_column: pl.String, **ROW_SCHEMA}
+    if part.endswith(".jsonl"):
+        df = pl.read_ndjson(io.BytesIO(data), schema=schema)
+    else:
+        df = pl.read_parquet(io.BytesIO(data), columns=list(schema)).cast(schema)  # type: ignore[arg-type]
+    return df.select(
+        pl.col(id_column).alias("id"), "prompt_tokens", "completion_tokens", "finish_reason",
+        pl.col("error").struct.field("code").alias("error_code"),
+        pl.col("error").struct.field("message").alias("error_message"),
+        pl.lit(part).alias("part"))
+
+
+def _empty_rows() -> pl.DataFrame:
+    return pl.DataFrame(schema={"id": pl.String, "prompt_tokens": pl.Int64, "completion_tokens": pl.Int64,
+                                "finish_reason": pl.String, "error_code": pl.String,
+                                "error_message": pl.String, "part": pl.String})
+
+
+def load_report_data(path: str, storage_options: dict[str, Any] | None = None) -> ReportData:
+    """Reads the folder (local or any fsspec URL); raises ReportError when it holds no job output.
+
+    stats.json may be missing (a job still running, or one that crashed before writing it): the totals
+    then come from the committed parts' manifest entries.
+    """
+    try:
+        folder = OutputFolder(path, storage_options)
+        entries = folder.entries()
+        stats = folder.read_json(STATS)
+        complete = folder.read_json(SUCCESS) is not None
+        telemetry = folder.read_json(TELEMETRY)
+        if not entries and stats is None:
+            raise ReportError(redact(f"{path} holds no job output (no committed parts and no {STATS})"))
+        id_column = ((stats or {}).get("spec") or {}).get("input", {}).get("id_column") or "id"
+        frames = [_part_rows(folder.read_part(e), e.part, id_column) for e in entries]
+    except OutputError as e:
+        raise ReportError(str(e)) from None
+    except (pl.exceptions.PolarsError, OSError) as e:
+        raise ReportError(redact(f"cannot read the parts of {path}: {type(e).__name__}: {e}")) from None
+    rows = pl.concat(frames) if frames else _empty_rows()
+    stats_found = stats is not None
+    if stats is None:
+        stats = {**Counts.total(e.stats for e in entries).to_dict(), "job": redact(path)}
+    return ReportData(path=redact(path), stats=stats, stats_found=stats_found, complete=complete,
+                      telemetry=telemetry, rows=rows, parts=len(entries))

@@ -1,0 +1,175 @@
+"""OpenAI Batch files in and out: request parsing, result and error lines checked with the openai package's types."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+from batchgen.io.openai_batch import BatchRequestError, parse_request
+from batchgen.pipeline.runner import run_job
+from batchgen.pipeline.spec import spec_from_dict
+from tests.job_helpers import tiny_llm  # noqa: F401
+from tests.test_cli import invoke, shared_engine  # noqa: F401
+
+openai_types = pytest.importorskip("openai.types")
+pytest.importorskip("xgrammar")
+from openai.types import BatchError, Completion  # noqa: E402
+from openai.types.chat import ChatCompletion  # noqa: E402
+
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+SCHEMA = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]},
+                                           "confidence": {"type": "integer", "minimum": 0, "maximum": 10}},
+          "required": ["answer", "confidence"], "additionalProperties": False}
+
+
+def line(custom_id, url=CHAT, **body):
+    if url == CHAT:
+        body.setdefault("messages", [{"role": "user", "content": f"Say something about {custom_id}."}])
+    else:
+        body.setdefault("prompt", f"The quick brown fox {custom_id}")
+    return {"custom_id": custom_id, "method": "POST", "url": url, "body": {"model": "any", **body}}
+
+
+GOOD = [
+    line("c1", max_tokens=5),
+    line("c2", messages=[{"role": "developer", "content": "Be brief."},
+                         {"role": "user", "content": [{"type": "text", "text": "Hi "},
+                                                      {"type": "text", "text": "there"}]}],
+         max_completion_tokens=4, temperature=0.7, top_p=0.9, seed=3, logprobs=True, n=1),
+    line("c3", max_tokens=60, response_format={"type": "json_schema",
+                                               "json_schema": {"name": "a", "schema": SCHEMA, "strict": True}}),
+    line("p1", COMPLETIONS, max_tokens=5, stop=["\n"], logprobs=0),
+    line("p2", COMPLETIONS, prompt=[5, 6, 7, 8], max_tokens=3),
+]
+BAD = {  # custom_id the error record carries -> the line
+    "requests.jsonl:5": "{this is not json",
+    "requests.jsonl:6": {k: v for k, v in line("x").items() if k != "custom_id"},
+    "c1#dup1": line("c1", max_tokens=2),
+    "u1": line("u1", url="/v1/embeddings"),
+    "n2": line("n2", n=2),
+    "t1": line("t1", tools=[{"type": "function"}]),
+    "s1": line("s1", response_format={"type": "json_schema", "json_schema": {"schema": {"type": "objekt"}}}),
+}
+
+
+def write_requests(path: Path) -> Path:
+    lines = [json.dumps(x) for x in GOOD] + [x if isinstance(x, str) else json.dumps(x) for x in BAD.values()]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def openai_spec(inp: Path, out: Path, **sampling) -> dict:
+    return {"name": "oai", "model": {"path": "tiny", "dtype": "float32", "device": "cpu"},
+            "input": {"path": str(inp), "format": "openai"},
+            "sampling": {"max_tokens": 8, **sampling},
+            "batching": {"max_batch_tokens": 512, "max_num_seqs": 8},
+            "output": {"path": str(out), "format": "openai", "rows_per_part": 4}}
+
+
+def read_lines(out: Path, prefix: str) -> list[dict]:
+    return [json.loads(x) for p in sorted(out.glob(f"{prefix}-*.jsonl")) for x in p.read_text().splitlines()]
+
+
+def check_results(out: Path) -> tuple[dict[str, dict], dict[str, dict]]:
+    """Every result line parses as the openai types, every error line as its BatchError; by custom_id."""
+    results, errors = read_lines(out, "part"), read_lines(out, "errors")
+    urls = {x["custom_id"]: x["url"] for x in GOOD}
+    for r in results:
+        assert r["error"] is None and r["response"]["status_code"] == 200 and r["id"].startswith("batch_req_")
+        assert r["response"]["request_id"].startswith("req_")
+        kind = ChatCompletion if urls[r["custom_id"]] == CHAT else Completion
+        body = kind.model_validate(r["response"]["body"])
+        usage = body.usage
+        assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens and usage.completion_tokens > 0
+    for e in errors:
+        assert e["response"] is None
+        BatchError.model_validate(e["error"])
+        assert e["error"]["code"] and e["error"]["message"]
+    by_id = {r["custom_id"]: r for r in results}
+    errors_by_id = {e["custom_id"]: e for e in errors}
+    assert len(by_id) == len(results) and len(errors_by_id) == len(errors)  # each custom_id once
+    return by_id, errors_by_id
+
+
+def test_openai_batch_round_trip(tmp_path, tiny_llm):
+    inp, out = write_requests(tmp_path / "requests.jsonl"), tmp_path / "out"
+    stats = run_job(spec_from_dict(openai_spec(inp, out)), llm=tiny_llm, quiet=True)
+    results, errors = check_results(out)
+    assert sorted(results) == sorted(x["custom_id"] for x in GOOD)
+    assert sorted(errors) == sorted(BAD)
+    assert stats["rows"] == len(GOOD) + len(BAD) and stats["error_rows"] == len(BAD)
+    codes = {k: e["error"]["code"] for k, e in errors.items()}
+    assert codes["c1#dup1"] == "duplicate_id" and codes["requests.jsonl:5"] == "invalid_input"
+    assert {codes[k] for k in ("u1", "n2", "t1", "s1")} == {"invalid_request"}
+    assert "tools" in errors["t1"]["error"]["message"] and "/v1/embeddings" in errors["u1"]["error"]["message"]
+
+    body = {k: r["response"]["body"] for k, r in results.items()}
+    # each line's own settings override the spec's max_tokens of 8
+    assert [body[k]["usage"]["completion_tokens"] <= n for k, n in (("c1", 5), ("c2", 4), ("p2", 3))] == [True] * 3
+    jsonschema.validate(json.loads(body["c3"]["choices"][0]["message"]["content"]), SCHEMA)
+    assert body["c3"]["choices"][0]["finish_reason"] == "stop"
+    content = body["c2"]["choices"][0]["logprobs"]["content"]
+    assert len(content) == body["c2"]["usage"]["completion_tokens"] and all(t["logprob"] <= 0 for t in content)
+    text_logprobs = body["p1"]["choices"][0]["logprobs"]
+    assert len(text_logprobs["tokens"]) == body["p1"]["usage"]["completion_tokens"]
+    assert body["p1"]["object"] == "text_completion" and body["c1"]["object"] == "chat.completion"
+    assert body["c1"]["choices"][0]["logprobs"] is None
+
+
+def test_resume_keeps_every_custom_id_exactly_once(tmp_path, tiny_llm):
+    inp, out = write_requests(tmp_path / "requests.jsonl"), tmp_path / "out"
+    spec = spec_from_dict(openai_spec(inp, out))
+    run_job(spec, llm=tiny_llm, quiet=True, limit=6)
+    first = read_lines(out, "part") + read_lines(out, "errors")
+    (out / "_SUCCESS").unlink()  # as if the job had been killed after committing those parts
+    run_job(spec, llm=tiny_llm, quiet=True)
+    results, errors = check_results(out)
+    assert sorted(results) + sorted(errors) == sorted(x["custom_id"] for x in GOOD) + sorted(BAD)
+    again = read_lines(out, "part") + read_lines(out, "errors")
+    assert all(x in again for x in first)  # committed lines were kept, not rewritten
+
+
+def test_openai_batch_command(tmp_path, tiny_model, shared_engine):
+    inp = tmp_path / "requests.jsonl"
+    inp.write_text("".join(json.dumps(x) + "\n" for x in GOOD))
+    res = invoke("openai-batch", "-i", str(inp), "-o", str(tmp_path / "out"), "--model", str(tiny_model), "-q")
+    assert res.exit_code == 0, res.output
+    results, errors = check_results(tmp_path / "out")
+    assert sorted(results) == sorted(x["custom_id"] for x in GOOD) and not errors
+    assert (tmp_path / "out" / "_SUCCESS").exists()
+
+
+@pytest.mark.parametrize("request_line, message", [
+    ({**line("a"), "extra": 1}, "unsupported field 'extra'"),
+    (line("a", url="/v1/embeddings"), "url '/v1/embeddings' is not supported"),
+    ({**line("a"), "method": "GET"}, "method must be POST"),
+    (line("a", n=3), "body.n=3 is not supported"),
+    (line("a", stream=True), "body.stream=True is not supported"),
+    (line("a", messages=[{"role": "tool", "content": "x"}]), "role 'tool' is not supported"),
+    (line("a", messages=[{"role": "user", "content": [{"type": "image_url"}]}]), "only text parts"),
+    (line("a", temperature=3), "body.temperature must be between 0 and 2"),
+    (line("a", max_tokens=0), "body.max_tokens must be between 1"),
+    (line("a", logprobs=1), "body.logprobs must be true or false"),
+    (line("a", COMPLETIONS, logprobs=2), "only 0"),
+    (line("a", COMPLETIONS, prompt=["a", "b"]), "one prompt per line"),
+    (line("a", response_format={"type": "xml"}), "response_format.type"),
+    ({**line("a"), "custom_id": 7}, "custom_id must be a non-empty string"),
+])
+def test_unsupported_requests_are_named(request_line, message):
+    with pytest.raises(BatchRequestError, match=None) as info:
+        parse_request(request_line)
+    assert message in info.value.message
+
+
+def test_supported_requests_map_to_engine_settings():
+    chat = parse_request(line("a", max_tokens=9, max_completion_tokens=7, temperature=0, seed=4, stop="END",
+                              response_format={"type": "json_object"}, user="u", top_logprobs=0))
+    assert chat.is_chat and chat.messages == [{"role": "user", "content": "Say something about a."}]
+    assert chat.sampling == {"max_tokens": 7, "temperature": 0.0, "seed": 4, "stop": ["END"],
+                             "json_schema": {"type": "object"}, "regex": None, "choice": None}
+    text = parse_request(line("b", COMPLETIONS, prompt=["one prompt"], logprobs=0,
+                              response_format={"type": "text"}))
+    assert text.prompt == "one prompt" and text.sampling == {"logprobs": True, "json_schema": None,
+                                                            "regex": None, "choice": None}

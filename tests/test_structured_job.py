@@ -1,0 +1,127 @@
+"""Constrained decoding in jobs: spec validation of json_schema/regex/choice, schema-valid rows, incomplete_json."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import jsonschema
+import pytest
+
+from batchgen.engine import SamplingParams
+from batchgen.pipeline.sampling import SamplingSpec
+from batchgen.pipeline.runner import run_job
+from batchgen.pipeline.spec import SpecError, load_spec, spec_from_dict
+from tests.job_helpers import (  # noqa: F401
+    check_output, make_spec, records, spec_dict, tiny_llm, write_jsonl,
+)
+from tests.test_cli import ROOT, invoke
+
+pytest.importorskip("xgrammar")
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"topic": {"type": "string", "minLength": 1, "maxLength": 12},
+                   "words": {"type": "integer", "minimum": 1, "maximum": 500},
+                   "tags": {"type": "array", "maxItems": 3, "items": {"enum": ["fox", "dog", "batch"]}}},
+    "required": ["topic", "words", "tags"],
+    "additionalProperties": False,
+}
+
+
+def errors(data: dict) -> list[str]:
+    with pytest.raises(SpecError) as info:
+        spec_from_dict(data, env={})
+    return info.value.errors
+
+
+def test_spec_sampling_is_the_engine_sampling_with_job_defaults(tmp_path):
+    assert set(SamplingSpec.model_fields) == {f.name for f in dataclasses.fields(SamplingParams)} - {"logprobs"}
+    spec = make_spec("m", tmp_path / "in.jsonl", tmp_path / "out",
+                     sampling={"top_k": 5, "stop": "END", "ignore_eos": True, "choice": ["a", "b"]})
+    assert spec.sampling.params() == SamplingParams(max_tokens=6, temperature=0.0, top_k=5, seed=0, stop=["END"],
+                                                    ignore_eos=True, choice=["a", "b"])
+    assert spec.sampling.params(max_tokens=3, choice=None).max_tokens == 3
+    base = spec_dict("m", tmp_path / "in.jsonl", tmp_path / "out")
+    for key, bad in (("max_tokens", 0), ("top_p", 0), ("top_p", 1.5), ("temperature", -1), ("top_k", -1)):
+        assert errors({**base, "sampling": {key: bad}})[0].startswith(f"sampling.{key}: ")
+        with pytest.raises(ValueError, match=key):
+            SamplingParams(**{key: bad})
+
+
+def test_spec_takes_an_inline_schema_or_a_file(tmp_path):
+    inline = make_spec("m", tmp_path / "in.jsonl", tmp_path / "out", sampling={"json_schema": SCHEMA})
+    assert inline.sampling.json_schema == SCHEMA and inline.sampling.params().json_schema == SCHEMA
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps(SCHEMA))
+    from_file = make_spec("m", tmp_path / "in.jsonl", tmp_path / "out", sampling={"json_schema": str(path)})
+    assert from_file.sampling.json_schema == SCHEMA
+    assert from_file.resolved()["sampling"]["json_schema"] == SCHEMA
+    assert from_file.digest() == inline.digest()  # the digest covers the schema, not where it came from
+    import fsspec
+
+    with fsspec.open("memory://schemas/extract.json", "w") as f:
+        f.write(json.dumps(SCHEMA))
+    from_url = make_spec("m", tmp_path / "in.jsonl", tmp_path / "out",
+                         sampling={"json_schema": "memory://schemas/extract.json"})
+    assert from_url.sampling.json_schema == SCHEMA
+    regex = make_spec("m", tmp_path / "in.jsonl", tmp_path / "out", sampling={"regex": "[a-z]+"})
+    assert regex.sampling.params().regex == "[a-z]+" and regex.sampling.params().json_schema is None
+
+
+def test_spec_errors_name_their_key_path(tmp_path, monkeypatch):
+    base = spec_dict("m", tmp_path / "in.jsonl", tmp_path / "out")
+    bad = {**SCHEMA, "properties": {**SCHEMA["properties"], "words": {"type": "integr"}}}
+    err = errors({**base, "sampling": {"json_schema": bad}})
+    assert len(err) == 1 and err[0].startswith("sampling.json_schema.properties.words.type: not a valid JSON Schema")
+    assert errors({**base, "sampling": {"json_schema": str(tmp_path / "none.json")}})[0].startswith(
+        "sampling.json_schema: file not found")
+    (tmp_path / "broken.json").write_text("{not json")
+    assert "is not valid JSON" in errors({**base, "sampling": {"json_schema": str(tmp_path / "broken.json")}})[0]
+    assert errors({**base, "sampling": {"regex": "a", "choice": ["a"]}}) == [
+        "sampling: at most one of json_schema, regex, choice may be set, got regex, choice"]
+    assert errors({**base, "sampling": {"choice": []}})[0].startswith("sampling.choice:")
+    monkeypatch.setattr("batchgen.pipeline.sampling.structured_available", lambda: False)
+    assert "pip install 'batchgen[structured]'" in errors({**base, "sampling": {"json_schema": SCHEMA}})[0]
+
+
+def test_every_row_is_schema_valid_json(tmp_path, tiny_model, tiny_llm):
+    recs = records(12)
+    inp = write_jsonl(tmp_path / "in.jsonl", recs)
+    out = tmp_path / "out"
+    spec = make_spec(tiny_model, inp, out, output={"format": "jsonl"},
+                     sampling={"json_schema": SCHEMA, "max_tokens": 80, "temperature": 1.0})
+    stats = run_job(spec, llm=tiny_llm, quiet=True)
+    rows = check_output(out, stats, [r["id"] for r in recs])
+    assert stats["error_rows"] == 0
+    for row in rows:
+        jsonschema.validate(json.loads(row["output"]), SCHEMA)
+        assert row["finish_reason"] == "stop"
+
+
+def test_json_cut_short_by_max_tokens_is_an_error_row(tmp_path, tiny_model, tiny_llm):
+    inp = write_jsonl(tmp_path / "in.jsonl", records(3))
+    out = tmp_path / "out"
+    spec = make_spec(tiny_model, inp, out, sampling={"json_schema": SCHEMA, "max_tokens": 4})
+    rows = check_output(out, run_job(spec, llm=tiny_llm, quiet=True), ["r0", "r1", "r2"])
+    assert [r["error"]["code"] for r in rows] == ["incomplete_json"] * 3
+    assert all("max_tokens (4)" in r["error"]["message"] for r in rows)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_extract_job_on_smollm2_gives_schema_valid_json(tmp_path, smollm2_gguf, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setenv("BATCHGEN_OUT", str(tmp_path))
+    res = invoke("run", "jobs/extract.yaml", "--set", "model.device=cpu")
+    assert res.exit_code == 0, res.output
+    out = tmp_path / "extract"
+    stats = json.loads((out / "_SUCCESS").read_text())
+    inputs = [json.loads(line) for line in (ROOT / "jobs/data/articles.jsonl").read_text().splitlines()]
+    rows = check_output(out, stats, [r["id"] for r in inputs])
+    schema = load_spec("jobs/extract.yaml", env={}).sampling.json_schema
+    ok = [r for r in rows if r["error"] is None]
+    assert len(ok) >= len(rows) - 1  # at most one document may run past max_tokens
+    assert all(r["error"]["code"] == "incomplete_json" for r in rows if r["error"] is not None)
+    for row in ok:
+        jsonschema.validate(json.loads(row["output"]), schema)
+    assert sum(bool(json.loads(r["output"])["title"].strip()) for r in ok) == len(ok)
