@@ -69,19 +69,32 @@ inline const T* kv_row(const Step<T>& a, const Seq& s, int64_t h, int64_t pos, b
 }
 
 // K block -> B of S = Q K^T: [D][N] (fp32) or [D/2][N][2] (bf16 VNNI). Keys past the context are zero.
+// Either way a transpose of 32-bit words (a bf16 pair or one fp32): word w of key n goes to [w][n].
 template <typename T>
 void pack_keys(const Step<T>& a, const Seq& s, int64_t h, int64_t first, int64_t count, T* dst) {
-  const int64_t D = a.head_dim, N = s.kv_block;
-  if (count < N) std::memset(dst, 0, sizeof(T) * D * N);
-  for (int64_t n = 0; n < count; ++n) {
-    const T* src = kv_row(a, s, h, first + n, false);
-    if constexpr (kVnni<T>) {  // a 32-bit transpose: the pair (2p, 2p+1) of key n goes to [p][n]
-      auto* d32 = reinterpret_cast<uint32_t*>(dst) + n;
-      const auto* s32 = reinterpret_cast<const uint32_t*>(src);
-      for (int64_t p = 0; p < D / 2; ++p) d32[p * N] = s32[p];
-    } else {
-      for (int64_t d = 0; d < D; ++d) dst[d * N + n] = src[d];
+  const int64_t N = s.kv_block, words = a.head_dim * static_cast<int64_t>(sizeof(T)) / 4;
+  auto* d32 = reinterpret_cast<uint32_t*>(dst);
+  if (count < N) std::memset(dst, 0, sizeof(T) * a.head_dim * N);
+  int64_t n = 0;
+#if defined(CPU_CAPABILITY_AVX512)
+  // 16 keys at a time: gather word w of each (their rows are anywhere: cache blocks or new rows), store
+  // the 16 words contiguously. Scalar stores down a column thrash the cache at this stride.
+  for (; n + 16 <= count; n += 16) {
+    alignas(64) int64_t rows[16];
+    for (int i = 0; i < 16; ++i) rows[i] = reinterpret_cast<int64_t>(kv_row(a, s, h, first + n + i, false));
+    __m512i lo = _mm512_load_si512(rows), hi = _mm512_load_si512(rows + 8);
+    const __m512i next_word = _mm512_set1_epi64(4);
+    for (int64_t w = 0; w < words; ++w) {
+      __m256i a0 = _mm512_i64gather_epi32(lo, nullptr, 1), a1 = _mm512_i64gather_epi32(hi, nullptr, 1);
+      _mm512_storeu_si512(d32 + w * N + n, _mm512_inserti64x4(_mm512_castsi256_si512(a0), a1, 1));
+      lo = _mm512_add_epi64(lo, next_word);
+      hi = _mm512_add_epi64(hi, next_word);
     }
+  }
+#endif
+  for (; n < count; ++n) {
+    const auto* s32 = reinterpret_cast<const uint32_t*>(kv_row(a, s, h, first + n, false));
+    for (int64_t w = 0; w < words; ++w) d32[w * N + n] = s32[w];
   }
 }
 
@@ -219,13 +232,15 @@ void attend_block(const Step<T>& a, const Seq& s, int64_t h, int64_t t0, int64_t
   const float scale2 = a.scale * kLog2e;
   const int64_t blocks = (s.prefix + t1 - 1) / N + 1;  // the last query sees keys 0 .. prefix + t1 - 1
   for (int64_t b = 0; b < blocks; ++b) {
-    at::native::cpublas::brgemm(M, N, D, D, N, N, false, w.q.data(), keys + b * N * D, w.s.data(), kVnni<T>);
+    // The diagonal block computes only the key columns its last query sees (rounded up to 32).
+    const int64_t width = b + 1 < blocks ? N : std::min<int64_t>(N, (s.prefix + t1 - b * N + 31) / 32 * 32);
+    at::native::cpublas::brgemm(M, width, D, D, N, N, false, w.q.data(), keys + b * N * D, w.s.data(), kVnni<T>);
     for (int64_t r = 0; r < M; ++r) {
-      int64_t valid = std::min<int64_t>(N, s.prefix + t0 + r / G + 1 - b * N);
-      float alpha = softmax_row(w.s.data() + r * N, w.p.data() + r * N, valid, N, scale2, w.m[r], w.l[r]);
+      int64_t valid = std::min<int64_t>(width, s.prefix + t0 + r / G + 1 - b * N);
+      float alpha = softmax_row(w.s.data() + r * N, w.p.data() + r * N, valid, width, scale2, w.m[r], w.l[r]);
       if (b > 0 && alpha != 1.f) scale_row(w.o.data() + r * D, D, alpha);
     }
-    at::native::cpublas::brgemm(M, D, N, N, D, D, b > 0, w.p.data(), values + b * N * D, w.o.data(), kVnni<T>);
+    at::native::cpublas::brgemm(M, D, width, N, D, D, b > 0, w.p.data(), values + b * N * D, w.o.data(), kVnni<T>);
   }
   for (int64_t r = 0; r < M; ++r) {
     int64_t t = t0 + r / G, head = h * G + r % G;
@@ -243,8 +258,14 @@ void run(const Step<T>& a, const std::vector<Seq>& seqs, int64_t q_block) {
     per_head = std::max(per_head, s.packed + s.num_kv_blocks * s.kv_block * D);
     width = std::max(width, s.kv_block);
   }
-  // Packed keys and values: [KV head][per_head], each sequence's blocks at its `packed` offset.
-  std::vector<T> keys(H * per_head), values(H * per_head);
+  // Packed keys and values: [KV head][per_head], each sequence's blocks at its `packed` offset. The
+  // buffers live on between calls (every layer of a step needs the same sizes): fresh pages each call
+  // cost the kernel's page zeroing. Every element a call reads is written first.
+  static thread_local std::vector<T> keys, values;
+  if (keys.size() < static_cast<size_t>(H * per_head)) {
+    keys.resize(H * per_head);
+    values.resize(H * per_head);
+  }
   std::vector<std::pair<int64_t, int64_t>> pack_items;  // (seq, block)
   for (int64_t i = 0; i < (int64_t)seqs.size(); ++i)
     for (int64_t b = 0; b < seqs[i].num_kv_blocks; ++b) pack_items.emplace_back(i, b);
