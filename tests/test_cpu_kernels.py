@@ -212,7 +212,9 @@ def fresh_build(monkeypatch, tmp_path):
     monkeypatch.setenv("BATCHGEN_CACHE", str(tmp_path))
     build.load_kernels.cache_clear()
     yield
+    monkeypatch.undo()
     build.load_kernels.cache_clear()
+    build.load_kernels()  # from the real cache again, where the build already is
 
 
 def test_missing_compiler_falls_back_to_torch_with_one_warning(fresh_build, monkeypatch, caplog, tiny_model):

@@ -94,7 +94,7 @@ def test_bad_dtype_names():
 def test_llm_default_dtype_follows_the_cpu(simulate, tiny_model, caplog):
     simulate(AVX2_ONLY)
     with caplog.at_level(logging.INFO, logger="batchgen.engine.dtype"):
-        llm = LLM(str(tiny_model), device="cpu", kv_cache_memory=4 << 20)
+        llm = LLM(str(tiny_model), device="cpu", kv_cache_memory=4 << 20, attention_backend="torch")
     assert llm.config.dtype == "auto" and llm.config.dtype_choice.name == "float32"
     assert {p.dtype for p in llm.engine.runner.model.parameters()} == {torch.float32}
     assert sum("dtype auto -> float32" in r.getMessage() for r in caplog.records) == 1

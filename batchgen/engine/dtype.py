@@ -98,7 +98,7 @@ def matmul_rates(features: CpuFeatures) -> dict[str, float]:
     """GFLOP/s of a small matmul in bf16 and fp32, measured once per machine and cached on disk."""
     from batchgen.engine.hub import cache_dir
 
-    path = cache_dir() / "cpu" / f"matmul-{features.key()}-torch{torch.__version__}-t{torch.get_num_threads()}.json"
+    path = cache_dir() / "cpu" / f"matmul-{features.key()}-torch{torch.__version__}.json"
     try:
         rates = json.loads(path.read_text())
         if {"bfloat16", "float32"} <= set(rates):
@@ -117,17 +117,23 @@ def matmul_rates(features: CpuFeatures) -> dict[str, float]:
 
 
 def measure_matmul_gflops(dtype: torch.dtype, shape: tuple[int, int, int] = MATMUL_SHAPE, repeats: int = 5) -> float:
-    """Best-of-``repeats`` rate of one matmul (best, so another process on the cores skews it least)."""
+    """Best-of-``repeats`` rate of one matmul on one thread: what one core computes, which is what decides
+    the dtype; one thread and the best run are what other processes on the cores skew least."""
     m, k, n = shape
     gen = torch.Generator().manual_seed(0)
     a, b = torch.randn(m, k, generator=gen).to(dtype), torch.randn(k, n, generator=gen).to(dtype)
     out = torch.empty(m, n, dtype=dtype)
-    for _ in range(2):
-        torch.mm(a, b, out=out)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(4):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for _ in range(2):
             torch.mm(a, b, out=out)
-        best = min(best, (time.perf_counter() - start) / 4)
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            for _ in range(4):
+                torch.mm(a, b, out=out)
+            best = min(best, (time.perf_counter() - start) / 4)
+    finally:
+        torch.set_num_threads(threads)
     return 2 * m * k * n / best / 1e9
