@@ -107,7 +107,7 @@ def main() -> None:
         timed(lambda: hf_one_at_a_time(model, prompts), args.repeats)
 
     matmul = measure_matmul_flops(dtype, torch.device("cpu"))
-    roofline = matmul / (2 * llm.engine.runner.profile.active_params)
+    roofline = matmul / (2 * llm.engine.executor.profile.active_params)
     result = {
         "model": args.model, "dtype": args.dtype, "prompts": len(prompts), "prompt_tokens": tokens,
         "min_len": min(map(len, prompts)), "max_len": max(map(len, prompts)), "repeats": args.repeats,

@@ -28,7 +28,7 @@ def test_triton_backend_matches_torch_logprobs(tiny_model_factory, arch):
     assert max(map(len, prompts)) > 40, "needs a chunked prefill that reads a cached prefix"
     expected = torch_llm.generate(prompts, params)
     got = triton_llm.generate(prompts, params)
-    assert triton_llm.engine.runner.kernels.attention.name != "torch"
+    assert triton_llm.engine.executor.runner.kernels.attention.name != "torch"
     for a, b in zip(got, expected):
         assert a.token_ids == b.token_ids
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) <= 1e-3
@@ -49,7 +49,7 @@ def test_padded_graph_steps_match_eager(tiny_model_factory):
               kv_cache_memory=8 << 20, attention_backend="triton")
     eager = LLM(path, cuda_graphs="off", **kw)
     graphed = LLM(path, cuda_graphs="emulate", **kw)
-    runner = graphed.engine.runner.graphs
+    runner = graphed.engine.executor.runner.graphs
     assert runner.decode_sizes == [1, 2, 4] and runner.mixed_sizes == [16, 32, 40]
     prompts = mixed_prompts(eager, repeats=(1, 2, 1, 3, 1))  # 5 prompts > max_num_seqs
     expected = eager.generate(prompts, params)
@@ -84,4 +84,4 @@ def test_captured_cuda_graphs_match_eager(tiny_model_factory):
     for a, b in zip(got, expected):
         assert a.token_ids == b.token_ids
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) <= 1e-3
-    assert {kind for kind, _ in graphed.engine.runner.graphs.replays} == {"decode", "mixed"}
+    assert {kind for kind, _ in graphed.engine.executor.runner.graphs.replays} == {"decode", "mixed"}

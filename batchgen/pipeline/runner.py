@@ -117,7 +117,7 @@ def run_job(spec: JobSpec, *, limit: int | None = None, overwrite: bool = False,
 
     schema = PartSchema(spec.input.id_column or "id", carry)
     schema.seed(writer.committed_column_types())
-    telemetry = Telemetry(llm.config.max_num_batched_tokens, start=wall_start)
+    telemetry = Telemetry(llm.engine.token_budget, start=wall_start)
     telemetry.stages.add("startup", time.perf_counter() - wall_start)
     progress = _progress(spec, files, len(committed), limit, quiet)
     sink = PartSink(writer, schema, spec.output.rows_per_part, digest,
@@ -147,7 +147,8 @@ def run_job(spec: JobSpec, *, limit: int | None = None, overwrite: bool = False,
                           wall_s=time.perf_counter() - wall_start, generate_s=generate_s,
                           resumed=bool(previous), complete=not stop.is_set(), limit=limit,
                           engine=engine_summary(telemetry.metrics, generate_s, telemetry.token_budget,
-                                                llm.engine.runner.profile, llm.config.torch_device()))
+                                                llm.engine.executor.profile, llm.config.torch_device(),
+                                                llm.config.world_size))
         writer.write_stats(stats)
         writer.write_telemetry(telemetry.to_dict())
         if stop.is_set():

@@ -11,6 +11,7 @@ if TYPE_CHECKING:
     from batchgen.engine.config import ModelConfig
     from batchgen.engine.layers.ops import KernelSet
     from batchgen.engine.models.base import CausalLM
+    from batchgen.engine.parallel.context import ParallelContext
 
 
 class UnsupportedModelError(ValueError):
@@ -71,8 +72,10 @@ def gguf_architecture(gguf_name: str, has_experts: bool) -> Architecture:
 
 
 def build_model(cfg: "ModelConfig", kernels: "KernelSet", max_positions: int, dtype: torch.dtype,
-                device: torch.device | str) -> "CausalLM":
-    """The model allocated directly in ``dtype`` on ``device`` (no fp32 copy first; "meta" allocates nothing)."""
+                device: torch.device | str, parallel: "ParallelContext | None" = None) -> "CausalLM":
+    """The model allocated directly in ``dtype`` on ``device`` (no fp32 copy first; "meta" allocates nothing),
+    holding this rank's share of the weights under ``parallel``."""
+    extra = {} if parallel is None else {"parallel": parallel}
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     device = torch.device(device)
@@ -81,7 +84,7 @@ def build_model(cfg: "ModelConfig", kernels: "KernelSet", max_positions: int, dt
     try:
         with device:
             model = _BY_NAME[cfg.architecture].model_class()(cfg, kernels, max_positions=max_positions,
-                                                              chunk_tokens=chunk_tokens)
+                                                              chunk_tokens=chunk_tokens, **extra)
     finally:
         torch.set_default_dtype(default)
     return model.requires_grad_(False)
