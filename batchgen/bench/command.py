@@ -93,8 +93,8 @@ def _bench(llm, cfg: BenchConfig, dataset, column, whole_documents, num_prompts,
 SHOWN = ("total_params", "active_params", "kv_bytes_per_token", "prompt_tokens", "wall_s", "requests_per_s",
          "prompt_tokens_per_s", "output_tokens_per_s", "total_tokens_per_s", "decode_tokens_per_s",
          "prefix_cache_hit_rate", "compute_ms_per_step", "comm_ms_per_step", "replica_tokens",
-         "roofline_prompt_tokens_per_s", "prompt_tokens_per_s_over_roofline", "mfu_vs_measured_matmul", "mfu_with_attention_vs_measured_matmul",
-         "mfu_vs_gpu_peak", "mfu_with_attention_vs_gpu_peak")
+         "roofline_prompt_tokens_per_s", "prompt_tokens_per_s_over_roofline", "mfu_vs_measured_matmul",
+         "mfu_with_attention_vs_measured_matmul", "mfu_vs_gpu_peak", "mfu_with_attention_vs_gpu_peak")
 COMPARED = ("output_tokens", "wall_s", "requests_per_s", "output_tokens_per_s", "decode_tokens_per_s",
             "decode_time_s", "mask_ms_per_step", "grammar_steps")
 
