@@ -57,6 +57,10 @@ class Replica:
         self.prompt_tokens -= seq.num_prompt_tokens
         self.scheduler.finish(seq)
 
+    def abort_all(self) -> int:
+        self.prompt_tokens = 0
+        return self.scheduler.abort_all()
+
     def promote_compiled(self) -> list[Sequence]:
         """Queues the requests whose grammar compiled; returns those whose grammar failed (finished)."""
         failed = self.scheduler.promote_compiled()
@@ -144,6 +148,10 @@ class LLMEngine:
         if self._grammars is None:
             self._grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_ids)
         return self._grammars
+
+    def abort_all(self) -> int:
+        """Drops every unfinished request (a caller that stopped reading their outputs)."""
+        return sum(r.abort_all() for r in self.replicas)
 
     def has_unfinished(self) -> bool:
         return any(r.scheduler.has_unfinished() for r in self.replicas)

@@ -105,10 +105,13 @@ class FusedMoE(nn.Module):
             copy_weight(rows, loaded.narrow(0, start, local))
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        if len(self.experts) < self.num_experts:  # local indices; -1 for the pairs another rank computes
+        if len(self.experts) == self.num_experts:
+            out = self.kernels.fused_moe(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
+        else:  # local indices; -1 for the pairs another rank computes
             local = topk_ids - self.experts.start
-            topk_ids = local.masked_fill_((local < 0) | (local >= len(self.experts)), -1)
-        out = self.kernels.fused_moe(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
+            local.masked_fill_((local < 0) | (local >= len(self.experts)), -1)
+            out = self.kernels.fused_moe(x, self.gate_up_proj, self.down_proj, topk_weights, local,
+                                         skip_negative=True)
         return self.tp.all_reduce(out)
 
 
