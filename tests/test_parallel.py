@@ -166,3 +166,20 @@ def test_tensor_parallel_job_resumes_after_a_worker_dies(tiny_model, tmp_path):
     ref_stats = run_job(reference, quiet=True)
     expected = check_output(tmp_path / "ref", ref_stats, [f"r{i}" for i in range(8)])
     assert {r["id"]: r["output"] for r in rows} == {r["id"]: r["output"] for r in expected}
+
+
+@pytest.mark.timeout(240)
+def test_bench_with_data_and_expert_parallel_prints_communication(tiny_model_factory, tmp_path):
+    path = tiny_model_factory("qwen3-moe")
+    out = tmp_path / "bench.json"
+    args = ["bench", "--model", str(path), "--num-prompts", "6", "--input-len", "40", "--output-len", "4",
+            "--dtype", "float32", "--device", "cpu", "--dp", "2", "--ep", "--output-json", str(out)]
+    res = CliRunner().invoke(main, args, catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    r = json.loads(out.read_text())
+    assert "comm_ms_per_step" in res.output and "compute_ms_per_step" in res.output
+    assert r["data_parallel_size"] == 2 and r["expert_parallel"] and r["output_tokens"] == 6 * 4
+    assert r["comm_ms_per_step"] > 0 and r["compute_ms_per_step"] > 0 and r["steps"] > 0
+    assert len(r["replica_tokens"]) == 2 and min(r["replica_tokens"]) > 0
+    single = LLM(str(path), dtype="float32", device="cpu").engine.executor.profile
+    assert r["active_params"] == single.active_params and r["total_params"] == single.total_params

@@ -43,8 +43,7 @@ class Replica:
     """One data-parallel engine replica: a scheduler over its own KV cache, and the prompt tokens of the
     requests it holds (what new requests are balanced on)."""
 
-    def __init__(self, index: int, config: EngineConfig, num_blocks: int):
-        self.index = index
+    def __init__(self, config: EngineConfig, num_blocks: int):
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs)
         self.prompt_tokens = 0
@@ -92,7 +91,7 @@ class LLMEngine:
         if capacity < self.max_model_len:
             log.warning("KV cache holds %d tokens; max_model_len lowered from %d", capacity, self.max_model_len)
             self.max_model_len = capacity
-        self.replicas = [Replica(i, config, self.executor.num_blocks) for i in range(config.data_parallel_size)]
+        self.replicas = [Replica(config, self.executor.num_blocks) for _ in range(config.data_parallel_size)]
         # Replicas whose MoE layers exchange tokens must all run every step, idle or not.
         self.lockstep = config.expert_parallel(self.model_config) and len(self.replicas) > 1
         self.eos_ids = frozenset(self._eos_ids(source))
