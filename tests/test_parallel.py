@@ -61,19 +61,33 @@ def assert_gone(pids: list[int]) -> None:
     assert pids and not [p for p in pids if psutil.pid_exists(p)]
 
 
+def spawned_children() -> list[psutil.Process]:
+    """Worker processes this test process started that are still running."""
+    alive = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if "spawn_main" in " ".join(p.cmdline()) and p.status() != psutil.STATUS_ZOMBIE:
+                alive.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return alive
+
+
 def shared_memory() -> set[str]:
     return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("arch", ["llama", "qwen2-moe"])
-def test_tensor_parallel_equals_one_device(tiny_model_factory, arch):
+@pytest.mark.parametrize("arch,expert_parallel", [
+    ("llama", False), ("qwen2-moe", False), pytest.param("qwen3-moe", True, marks=pytest.mark.slow)])
+def test_tensor_parallel_equals_one_device(tiny_model_factory, arch, expert_parallel):
+    """Experts split by their features over the ranks, or (expert parallel) whole experts on each rank."""
     path = tiny_model_factory(arch)
     single = make_llm(path)
     prompts, params = workload(single)
     expected = single.generate(prompts, params)
     shm = shared_memory()
-    llm = make_llm(path, tensor_parallel_size=2)
+    llm = make_llm(path, tensor_parallel_size=2, enable_expert_parallel=expert_parallel)
     pids = llm.engine.executor.pids
     outs = llm.generate(prompts, params)
     assert_same_outputs(expected, outs)
@@ -158,6 +172,7 @@ def test_tensor_parallel_job_resumes_after_a_worker_dies(tiny_model, tmp_path):
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(data))
     res = CliRunner().invoke(main, ["run", str(tmp_path / "job.yaml"), "--quiet"], catch_exceptions=False)
     assert res.exit_code == 0, res.output
+    assert not spawned_children(), "the job stops the workers it started"
     stats = json.loads((tmp_path / "out" / "_SUCCESS").read_text())
     rows = check_output(tmp_path / "out", stats, [f"r{i}" for i in range(8)])
     assert stats["ok_rows"] == 8 and stats["resumed"]
@@ -168,6 +183,7 @@ def test_tensor_parallel_job_resumes_after_a_worker_dies(tiny_model, tmp_path):
     assert {r["id"]: r["output"] for r in rows} == {r["id"]: r["output"] for r in expected}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_bench_with_data_and_expert_parallel_prints_communication(tiny_model_factory, tmp_path):
     path = tiny_model_factory("qwen3-moe")

@@ -118,8 +118,10 @@ def _run(spec: JobSpec, writer: OutputWriter, files: list[str], carry: list[str]
             log.warning("%s: the finished run had --limit %s, this one %s; its output is kept as it is",
                         spec.name, stored.get("limit"), limit)
         return stored
-    if llm is None:
-        llm = preflight.load_model(spec)
+    if llm is None:  # the job's own model: its worker processes (if any) stop with the job
+        with preflight.load_model(spec) as own:
+            return _run(spec, writer, files, carry, limit=limit, quiet=quiet, llm=own, wall_start=wall_start,
+                        started_at=started_at)
     committed, previous = writer.committed_row_ids(), writer.committed_stats()
     _warn_if_spec_changed(previous, digest)
     inputs, recorded = preflight.check_inputs_unchanged(writer, files, spec.storage_options)

@@ -20,6 +20,10 @@ from multiprocessing.connection import Connection
 import torch
 
 from batchgen.engine.config import EngineConfig, ModelConfig
+from batchgen.engine.loader import load_model_source
+from batchgen.engine.model_runner import ModelRunner
+from batchgen.engine.parallel.distributed import init_distributed, shutdown_distributed
+from batchgen.engine.parallel.group import CommClock
 
 
 @dataclass(frozen=True)
@@ -79,19 +83,12 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
             send(conn, ("error", f"{type(e).__name__}: {e}"))
         finally:
             os._exit(1)  # peers may be stuck in a collective with this rank: no orderly shutdown
-    from batchgen.engine.parallel.distributed import shutdown_distributed
-
     shutdown_distributed()
     sys.stderr.flush()
     os._exit(0)  # skips the interpreter's teardown, which takes seconds with torch loaded and keeps nothing
 
 
-def _build_runner(spec: WorkerSpec):
-    from batchgen.engine.loader import load_model_source
-    from batchgen.engine.model_runner import ModelRunner
-    from batchgen.engine.parallel.distributed import init_distributed
-    from batchgen.engine.parallel.group import CommClock
-
+def _build_runner(spec: WorkerSpec) -> ModelRunner:
     cfg, device = spec.config, spec.device
     if device.type == "cpu":
         torch.set_num_threads(spec.threads)
@@ -107,7 +104,7 @@ def _build_runner(spec: WorkerSpec):
     return ModelRunner(cfg, model_cfg, source, spec.max_model_len, parallel, device)
 
 
-def _serve(runner, conn: Connection) -> None:
+def _serve(runner: ModelRunner, conn: Connection) -> None:
     while True:
         kind, *args = receive(conn)
         if kind == "shutdown":
