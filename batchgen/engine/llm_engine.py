@@ -5,7 +5,7 @@ import itertools
 import logging
 import random
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from batchgen.engine.block_manager import BlockManager
 from batchgen.engine.config import EngineConfig, ModelConfig
@@ -21,6 +21,9 @@ from batchgen.engine.stopping import finish_reason, output_text
 from batchgen.engine.structured import (
     EXTRA_HINT, GrammarCompiler, GrammarState, grammar_key, structured_available, token_bitmask,
 )
+
+if TYPE_CHECKING:
+    from batchgen.engine.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +103,14 @@ class LLMEngine:
         self.step_listeners: list[Callable[[StepRecord], None]] = []
         self._grammars: GrammarCompiler | None = None
         self.reset_metrics()
+
+    @property
+    def runner(self) -> "ModelRunner":
+        """The model runner, when the model runs in this process (a single device)."""
+        runner = getattr(self.executor, "runner", None)
+        if runner is None:
+            raise AttributeError("the model runs in worker processes: this process has no model runner")
+        return runner
 
     @property
     def scheduler(self) -> Scheduler:

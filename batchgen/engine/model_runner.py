@@ -42,8 +42,9 @@ class ModelRunner:
         self.model.load_weights(source.weights())
         self.profile = self.model.profile()
         self.kv_layout = self.model.kv_layout()
-        log.info("model %s: %s on %s, attention backend %s; %s", source.name, engine.dtype, self.device,
-                 self.backend, self.profile.summary())
+        self.kernels.prepare_model(self.model)  # after the profile: it may replace modules (prepacking)
+        log.info("model %s: %s on %s, attention backend %s; %s", source.name, engine.dtype_choice.name,
+                 self.device, self.kernels.attention.name, self.profile.summary())
         self.num_blocks = 0
         self.graphs: GraphRunner | None = None
         self.samples = parallel.tp.is_first  # the first tensor-parallel rank gathers the logits and samples
