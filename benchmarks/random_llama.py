@@ -2,8 +2,10 @@
 
     python benchmarks/random_llama.py --size 1b --out /tmp/llama-1b [--device cuda]
 
-Sizes follow Llama 3.2 1B and Llama 3.1 8B shapes (GQA 4:1, 128K vocabulary). The tokenizer is a
-tiny byte-level one: benchmarks feed token ids, so only the loader needs it.
+Sizes follow Llama 3.2 1B and Llama 3.1 8B shapes (GQA 4:1, 128K vocabulary); ``moe`` is a
+Qwen3-MoE model of 16 layers with 64 experts (8 per token, 768 features each), ~5B parameters of
+which ~0.8B are active. The tokenizer is a tiny byte-level one: benchmarks feed token ids, so only
+the loader needs it.
 """
 from __future__ import annotations
 
@@ -19,6 +21,10 @@ SIZES = {
                num_key_value_heads=8, head_dim=64, tie_word_embeddings=True),
     "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                num_key_value_heads=8, head_dim=128, tie_word_embeddings=False),
+    "moe": dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=2048,
+                intermediate_size=6144, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=4,
+                head_dim=128, tie_word_embeddings=False, num_experts=64, num_experts_per_tok=8,
+                moe_intermediate_size=768, norm_topk_prob=True),
 }
 
 
@@ -32,9 +38,17 @@ def shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
         p = f"model.layers.{n}."
         out.update({p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
                     p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
-                    p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
-                    p + "mlp.down_proj.weight": (h, i), p + "input_layernorm.weight": (h,),
-                    p + "post_attention_layernorm.weight": (h,)})
+                    p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)})
+        if "num_experts" not in cfg:
+            out.update({p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
+                        p + "mlp.down_proj.weight": (h, i)})
+            continue
+        e = cfg["moe_intermediate_size"]
+        out.update({p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,),
+                    p + "mlp.gate.weight": (cfg["num_experts"], h)})
+        for x in range(cfg["num_experts"]):
+            out.update({f"{p}mlp.experts.{x}.gate_proj.weight": (e, h), f"{p}mlp.experts.{x}.up_proj.weight": (e, h),
+                        f"{p}mlp.experts.{x}.down_proj.weight": (h, e)})
     return out
 
 

@@ -29,7 +29,7 @@ def test_triton_backend_matches_torch_logprobs(tiny_model_factory, arch):
     assert max(map(len, prompts)) > 40, "needs a chunked prefill that reads a cached prefix"
     expected = torch_llm.generate(prompts, params)
     got = triton_llm.generate(prompts, params)
-    assert triton_llm.engine.runner.kernels.attention.name != "torch"
+    assert triton_llm.engine.executor.runner.kernels.attention.name != "torch"
     for a, b in zip(got, expected):
         assert a.token_ids == b.token_ids
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) <= 1e-3
@@ -104,4 +104,4 @@ def test_captured_cuda_graphs_match_eager(tiny_model_factory):
         assert a.token_ids == b.token_ids
         assert len(a.logprobs) == len(b.logprobs)
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) <= 1e-3
-    assert {kind for kind, _ in graphed.engine.runner.graphs.replays} == {"decode", "mixed"}
+    assert {kind for kind, _ in graphed.engine.executor.runner.graphs.replays} == {"decode", "mixed"}
