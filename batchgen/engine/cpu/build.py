@@ -8,6 +8,7 @@ build fails, :func:`load_kernels` logs one warning and returns False, and the en
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import logging
 import os
@@ -67,6 +68,18 @@ def _ninja_on_path() -> Iterator[None]:
         os.environ["PATH"] = path
 
 
+@contextlib.contextmanager
+def _build_lock(folder: Path) -> Iterator[None]:
+    """One process at a time builds or loads the kernels of ``folder``; the kernel drops the lock when
+    its holder dies, even by SIGKILL (a lock file would stay behind and block every later process)."""
+    with open(folder / "build.lock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def build_and_load(features: CpuFeatures) -> str | None:
     """Compiles (or reuses) the kernels for this CPU and loads them; returns why not, or None on success."""
     if features.isa is None:
@@ -77,15 +90,25 @@ def build_and_load(features: CpuFeatures) -> str | None:
 
     folder = build_dir(features)
     folder.mkdir(parents=True, exist_ok=True)
-    if not any(folder.glob("*.so")):
-        log.info("building the fused CPU kernels for this machine (once, about a minute) in %s", folder)
+    name = f"batchgen_cpu_{folder.name.rsplit('-', 1)[-1]}"
+    library = folder / f"{name}.so"
     try:
-        with _ninja_on_path():
-            cpp_extension.load(
-                name=f"batchgen_cpu_{folder.name.rsplit('-', 1)[-1]}",
-                sources=[str(SOURCE_DIR / name) for name in SOURCES],
-                extra_cflags=["-O3", "-std=c++17", *ISA_FLAGS[features.isa]],
-                build_directory=str(folder), is_python_module=False, verbose=False)
+        with _build_lock(folder):
+            if library.exists():  # built before: load it without cpp_extension's lock-file protocol
+                try:
+                    torch.ops.load_library(str(library))
+                    return None
+                except OSError:  # a build killed while linking left half a library
+                    library.unlink()
+            # We hold the folder: a lock file of cpp_extension's there is a killed build's leftover, and
+            # would make cpp_extension wait for it forever.
+            (folder / "lock").unlink(missing_ok=True)
+            log.info("building the fused CPU kernels for this machine (once, about a minute) in %s", folder)
+            with _ninja_on_path():
+                cpp_extension.load(
+                    name=name, sources=[str(SOURCE_DIR / source) for source in SOURCES],
+                    extra_cflags=["-O3", "-std=c++17", *ISA_FLAGS[features.isa]],
+                    build_directory=str(folder), is_python_module=False, verbose=False)
     except Exception as e:  # noqa: BLE001 - any build or load failure means: run torch's ops instead
         lines = [line for line in str(e).splitlines() if line.strip()]
         return f"building them in {folder} failed: {lines[-1] if lines else type(e).__name__}"
