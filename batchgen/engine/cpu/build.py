@@ -8,7 +8,6 @@ build fails, :func:`load_kernels` logs one warning and returns False, and the en
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import logging
 import os
@@ -68,18 +67,6 @@ def _ninja_on_path() -> Iterator[None]:
         os.environ["PATH"] = path
 
 
-@contextlib.contextmanager
-def _build_lock(folder: Path) -> Iterator[None]:
-    """One process at a time builds or loads the kernels of ``folder``; the kernel drops the lock when
-    its holder dies, even by SIGKILL (a lock file would stay behind and block every later process)."""
-    with open(folder / "build.lock", "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
 def build_and_load(features: CpuFeatures) -> str | None:
     """Compiles (or reuses) the kernels for this CPU and loads them; returns why not, or None on success."""
     if features.isa is None:
@@ -88,12 +75,14 @@ def build_and_load(features: CpuFeatures) -> str | None:
         return f"no C++ compiler found ({compiler()!r}; set CXX to one)"
     from torch.utils import cpp_extension
 
+    from batchgen.engine.hub import file_lock
+
     folder = build_dir(features)
     folder.mkdir(parents=True, exist_ok=True)
     name = f"batchgen_cpu_{folder.name.rsplit('-', 1)[-1]}"
     library = folder / f"{name}.so"
     try:
-        with _build_lock(folder):
+        with file_lock(folder / "build.lock"):
             if library.exists():  # built before: load it without cpp_extension's lock-file protocol
                 try:
                     torch.ops.load_library(str(library))
