@@ -36,7 +36,7 @@ def test_triton_backend_matches_torch_logprobs(tiny_model_factory, arch):
 
 
 def test_backend_choice():
-    assert default_backend(torch.device("cpu")) == "torch"
+    assert default_backend(torch.device("cpu")) == "cpu"  # the fused C++ kernels, or torch where they cannot build
     assert default_backend(torch.device("cuda")) == "triton"
 
 

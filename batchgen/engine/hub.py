@@ -29,8 +29,9 @@ def cache_dir() -> Path:
 
 
 @contextlib.contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
-    """Serializes concurrent fetches of one item across processes (best effort where fcntl is missing)."""
+def file_lock(path: Path) -> Iterator[None]:
+    """Serializes processes on ``path`` (best effort where fcntl is missing); the kernel drops the lock when
+    its holder dies, even by SIGKILL, so a killed process never blocks later ones."""
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
         import fcntl
@@ -54,7 +55,7 @@ def resolve_builtin(name: str) -> str:
     target = folder / filename
     if target.is_file():
         return str(target)
-    with _file_lock(folder / ".lock"):
+    with file_lock(folder / ".lock"):
         if target.is_file():  # fetched by another process while we waited
             return str(target)
         for stale in folder.glob(".fetch-*"):  # left by a killed fetch; we hold the lock
@@ -109,7 +110,7 @@ def _download_remote(url: str, storage_options: dict | None, weights: bool = Tru
     final = complete if weights else cache_dir() / "remote" / f"{key}-no-weights" / name
     if final.exists():
         return str(final)
-    with _file_lock(final.parent / ".lock"):
+    with file_lock(final.parent / ".lock"):
         if not final.exists():
             fetch(url, final, storage_options, select=None if weights else _without_weights)
     return str(final)

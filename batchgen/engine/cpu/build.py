@@ -75,17 +75,29 @@ def build_and_load(features: CpuFeatures) -> str | None:
         return f"no C++ compiler found ({compiler()!r}; set CXX to one)"
     from torch.utils import cpp_extension
 
+    from batchgen.engine.hub import file_lock
+
     folder = build_dir(features)
     folder.mkdir(parents=True, exist_ok=True)
-    if not any(folder.glob("*.so")):
-        log.info("building the fused CPU kernels for this machine (once, about a minute) in %s", folder)
+    name = f"batchgen_cpu_{folder.name.rsplit('-', 1)[-1]}"
+    library = folder / f"{name}.so"
     try:
-        with _ninja_on_path():
-            cpp_extension.load(
-                name=f"batchgen_cpu_{folder.name.rsplit('-', 1)[-1]}",
-                sources=[str(SOURCE_DIR / name) for name in SOURCES],
-                extra_cflags=["-O3", "-std=c++17", *ISA_FLAGS[features.isa]],
-                build_directory=str(folder), is_python_module=False, verbose=False)
+        with file_lock(folder / "build.lock"):
+            if library.exists():  # built before: load it without cpp_extension's lock-file protocol
+                try:
+                    torch.ops.load_library(str(library))
+                    return None
+                except OSError:  # a build killed while linking left half a library
+                    library.unlink()
+            # We hold the folder: a lock file of cpp_extension's there is a killed build's leftover, and
+            # would make cpp_extension wait for it forever.
+            (folder / "lock").unlink(missing_ok=True)
+            log.info("building the fused CPU kernels for this machine (once, about a minute) in %s", folder)
+            with _ninja_on_path():
+                cpp_extension.load(
+                    name=name, sources=[str(SOURCE_DIR / source) for source in SOURCES],
+                    extra_cflags=["-O3", "-std=c++17", *ISA_FLAGS[features.isa]],
+                    build_directory=str(folder), is_python_module=False, verbose=False)
     except Exception as e:  # noqa: BLE001 - any build or load failure means: run torch's ops instead
         lines = [line for line in str(e).splitlines() if line.strip()]
         return f"building them in {folder} failed: {lines[-1] if lines else type(e).__name__}"
