@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import threading
 import time
@@ -32,6 +33,7 @@ from tests.s3_server import HOST, moto_server, s3  # noqa: F401  (fixtures)
 ray = pytest.importorskip("ray")
 
 from batchgen.pipeline.executors.ray import replica_resources  # noqa: E402
+from batchgen.pipeline.executors.ray_board import board_name  # noqa: E402
 from batchgen.pipeline.executors.ray_shards import plan_shards  # noqa: E402
 from batchgen.pipeline.stages import RowIds  # noqa: E402
 
@@ -137,19 +139,6 @@ def when(condition: Callable[[], bool], then: Callable[[], None], timeout_s: flo
     return thread
 
 
-def replica_pids() -> list[int]:
-    """Processes of this user whose command line names an engine replica actor."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and int(entry.name) != os.getpid():
-            try:
-                if b"EngineReplica" in cmdline(int(entry.name)) and entry.stat().st_uid == os.getuid():
-                    pids.append(int(entry.name))
-            except OSError:
-                continue
-    return sorted(pids)
-
-
 def close(a: Any, b: Any, tol: float = 1e-4) -> bool:
     """Equal, floats within ``tol``, however deep inside dicts and lists."""
     if isinstance(a, float) and isinstance(b, float):
@@ -236,17 +225,24 @@ def test_a_killed_replica_loses_and_repeats_no_row(ray_cluster, tmp_path, tiny_m
     spec = spec_from_dict(job(tiny_model, files, out, **slow))
     killed: list[int] = []
 
-    def kill_one() -> None:
-        pids = replica_pids()
-        if pids:
-            os.kill(pids[0], signal.SIGKILL)
-            killed.append(pids[0])
+    def busy_replica() -> int | None:
+        """The pid of a replica running a window, read from the job's board once a part is committed."""
+        manifest = out / "_manifest"
+        runs = {p.scope.split("-")[0] for p in entry_ids(os.listdir(manifest))} if manifest.exists() else set()
+        if not runs:
+            return None
+        snapshot = ray.get(ray.get_actor(board_name(runs.pop())).snapshot.remote())
+        busy = set(snapshot["running"].values())
+        return next((r["pid"] for r in snapshot["replicas"] if r["replica"] in busy), None)
 
-    killer = when(lambda: bool(scoped_ids(out, "r")), kill_one)
-    try:
-        stats = run_job(spec, quiet=True)
-    except JobError:  # failing cleanly is allowed too: the rerun then completes the job
-        stats = run_job(spec, quiet=True)
+    def kill_it() -> None:
+        pid = busy_replica()
+        if pid is not None:
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+
+    killer = when(lambda: busy_replica() is not None, kill_it)
+    stats = run_job(spec, quiet=True)
     killer.join()
     assert killed, "no replica process to kill"
     rows = check_output(out, stats, ids)
@@ -342,3 +338,14 @@ def test_openai_batch_lines_on_ray(ray_cluster, tmp_path, tiny_model, tiny_llm):
     files = [p.name for p in (tmp_path / "ray").glob("*.jsonl")]
     assert any(n.startswith("errors-r") for n in files) and all(RAY_PART.match(n.replace("errors-", "part-"))
                                                                 for n in files)
+
+
+@pytest.mark.timeout(180)
+def test_a_replica_that_cannot_load_its_model_fails_the_job_naming_it(ray_cluster, tmp_path, tiny_model):
+    files, _ = job_inputs(tmp_path)
+    broken = tmp_path / "broken-model"
+    shutil.copytree(tiny_model, broken)
+    (broken / "model.safetensors").write_bytes(b"not safetensors")  # the tokenizer loads, the weights do not
+    with pytest.raises(JobError, match=f"^cannot load model {re.escape(str(broken))}: .*header"):
+        run_job(spec_from_dict(job(broken, files, tmp_path / "out")), quiet=True)
+    assert not (tmp_path / "out" / "_SUCCESS").exists()

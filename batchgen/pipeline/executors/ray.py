@@ -23,7 +23,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from batchgen.io import InputError, OutputError, OutputWriter, redact
 from batchgen.io.lease import LeaseLost
 from batchgen.pipeline.errors import JobError
-from batchgen.pipeline.executors.ray_board import REPORT_S, JobBoard, totals
+from batchgen.pipeline.executors.ray_board import REPORT_S, JobBoard, board_name, totals
 from batchgen.pipeline.executors.ray_replica import WINDOWS_AT_ONCE, EngineReplica, ReplicaJob
 from batchgen.pipeline.executors.ray_shards import SHARD_CPUS, PrepareJob, ShardPlan, plan_shards, prepare_windows
 from batchgen.pipeline.interrupt import StopRequest
@@ -70,17 +70,22 @@ def _run_id(scopes: set[str]) -> str:
             return run
 
 
-def _job_error(e: BaseException) -> BaseException:
-    """The failure to report for an exception out of Ray: the job's own error when a task or actor raised one."""
+def _job_error(e: BaseException, reported: str | None = None) -> BaseException:
+    """The failure to report for an exception out of Ray: the job's own error where a task or a replica raised
+    one (Ray wraps it, Ray Data wraps that and adds lines to its message), else the failure a replica reported
+    to the board (Ray keeps only the text of an error in an actor's constructor), else one line naming it."""
+    chain: list[BaseException] = []
     cause: BaseException | None = e
-    for _ in range(8):
-        if isinstance(cause, (JobError, InputError, OutputError)):
-            return cause
-        if cause is None:
-            break
+    while cause is not None and cause not in chain and len(chain) < 16:
+        chain.append(cause)
         cause = getattr(cause, "cause", None) or cause.__cause__
-    first = (str(e).strip().splitlines() or [""])[0]
-    return JobError(redact(f"the job failed on Ray: {type(e).__name__}: {first}"))
+    own = [c for c in chain if isinstance(c, (JobError, InputError, OutputError))]
+    if own:  # the innermost: the error as raised, not a wrapper posing as its type
+        return type(own[-1])((str(own[-1]).strip().splitlines() or [""])[0])
+    if reported:
+        return JobError(reported)
+    first = (str(chain[-1]).strip().splitlines() or [""])[0]
+    return JobError(redact(f"the job failed on Ray: {type(chain[-1]).__name__}: {first}"))
 
 
 class _Watch:
@@ -91,7 +96,8 @@ class _Watch:
     def __init__(self, board: Any, progress: Progress, writer: OutputWriter, stop: StopRequest) -> None:
         self.board, self.progress, self.writer, self.stop = board, progress, writer, stop
         self.failure: LeaseLost | None = None
-        self.snapshot: dict[str, Any] = {"replicas": [], "active": 0, "stop": False, "windows": 0, "retried": 0}
+        self.snapshot: dict[str, Any] = {"replicas": [], "active": 0, "stop": False, "windows": 0, "retried": 0,
+                                         "failure": None}
         self._seen = Counts()
         self._told = False
         self._lock = threading.Lock()
@@ -123,6 +129,13 @@ class _Watch:
                                   now.completion_tokens - self._seen.completion_tokens)
             self._seen = now
             return self.snapshot
+
+    def reported_failure(self) -> str | None:
+        """What a replica reported failing it, if one did."""
+        try:
+            return self.tick()["failure"]
+        except Exception:  # noqa: BLE001 - the board is gone with the job
+            return self.snapshot.get("failure")
 
     def stopped(self) -> bool:
         """Whether a stop was requested and no window runs any more (none will start)."""
@@ -214,7 +227,8 @@ class RayExecutor:
         telemetry = Telemetry(spec.batching.max_batch_tokens, start=plan.wall_start)
         telemetry.stages.add("startup", time.perf_counter() - plan.wall_start)
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
-        board = ray.remote(JobBoard).options(num_cpus=0, scheduling_strategy=here).remote()  # beside the driver
+        board = ray.remote(JobBoard).options(num_cpus=0, scheduling_strategy=here,  # beside the driver
+                                             name=board_name(run_id)).remote()
         try:
             replica_job = ReplicaJob(plan.for_workers(), run_id, board, writer.committed_column_types())
             snapshot = self._run(plan, shards, replica_job, writer, stop, (replicas, cpus, gpus))
@@ -267,7 +281,7 @@ class RayExecutor:
         except LeaseLost:
             raise
         except Exception as e:  # noqa: BLE001 - a replica or task failed: report the job's own error
-            raise _job_error(e) from None
+            raise _job_error(e, watch.reported_failure()) from None
         finally:
             watch.close()
             for name, level in quiet.items():

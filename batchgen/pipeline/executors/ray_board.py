@@ -16,6 +16,11 @@ REPORT_S = 0.5  # how often replicas report and the driver reads the board
 _CALL_TIMEOUT_S = 60.0
 
 
+def board_name(run_id: str) -> str:
+    """The board's actor name: ``ray.get_actor(board_name(run))`` reads a running job from the driver's namespace."""
+    return f"batchgen-board-{run_id}"
+
+
 class JobBoard:
     """What the driver knows of its replicas (an actor: calls run one at a time).
 
@@ -30,6 +35,7 @@ class JobBoard:
         self.active: dict[str, int] = {}  # window -> replica running it
         self.stop = False
         self.lost: str | None = None
+        self.failure: str | None = None  # the first failure a replica reported
 
     def register(self, info: dict[str, Any]) -> int:
         index = len(self.replicas)
@@ -58,6 +64,9 @@ class JobBoard:
         self.replicas[replica]["counts"] = counts
         return {"stop": self.stop, "lost": self.lost}
 
+    def fail(self, message: str) -> None:
+        self.failure = self.failure or message
+
     def request_stop(self) -> None:
         self.stop = True
 
@@ -67,8 +76,9 @@ class JobBoard:
 
     def snapshot(self) -> dict[str, Any]:
         return {"replicas": [dict(r) for r in self.replicas.values()], "active": len(self.active),
+                "running": dict(self.active),
                 "stop": self.stop, "windows": len(self.attempts),
-                "retried": sum(n > 1 for n in self.attempts.values())}
+                "retried": sum(n > 1 for n in self.attempts.values()), "failure": self.failure}
 
 
 def totals(snapshot: dict[str, Any]) -> Counts:

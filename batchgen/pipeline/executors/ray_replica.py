@@ -22,6 +22,7 @@ from batchgen.io.committer import PartCommitter
 from batchgen.io.store import Store
 from batchgen.io.paths import filesystem
 from batchgen.pipeline import preflight
+from batchgen.pipeline.errors import JobError
 from batchgen.pipeline.executors.ray_board import BoardLink
 from batchgen.pipeline.executors.ray_shards import load_window
 from batchgen.pipeline.job import RunPlan
@@ -31,7 +32,7 @@ from batchgen.pipeline.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
 
-WINDOWS_AT_ONCE = 2  # windows a replica runs side by side, so its engine does not drain between them
+WINDOWS_AT_ONCE = 2  # windows a replica runs side by side (see EngineFeed)
 
 
 class _Pending:
@@ -73,8 +74,10 @@ class EngineFeed:
     """One engine stream for every window the replica runs at once.
 
     Windows queue their requests in arrival order; the stream takes them as the engine has room and ends when
-    the queue is empty (the engine then finishes what it holds), so the engine drains only when no window is
-    waiting. Once ``stop`` is set nothing more is admitted; requests not admitted are handed back unrun.
+    the queue is empty (the engine then finishes what it holds). With two windows at once, the next window's
+    requests are queued while the current ones still wait, so the engine drains only when a window is smaller
+    than what the engine takes in, or at the end. Once ``stop`` is set nothing more is admitted; requests not
+    admitted are handed back unrun.
     """
 
     def __init__(self, llm: LLM, telemetry: Telemetry, stop: threading.Event) -> None:
@@ -162,7 +165,11 @@ class EngineReplica:
         started = time.perf_counter()
         self.job = job
         spec = job.plan.spec
-        self.llm = preflight.load_model(spec)
+        try:
+            self.llm = preflight.load_model(spec)
+        except JobError as e:  # Ray keeps only the text of a constructor's error: the driver reports this one
+            job.board.fail.remote(str(e))
+            raise
         # the driver's start on this process's clock: step times are perf_counter times
         self.telemetry = Telemetry(self.llm.config.max_num_batched_tokens,
                                    start=time.perf_counter() - (time.time() - job.plan.epoch_start))
