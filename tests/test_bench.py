@@ -24,6 +24,7 @@ def test_bench_prefill_only_figures(tiny_model, tmp_path):
     r = run_bench(["--model", str(tiny_model), "--num-prompts", "6", "--input-len", "40",
                    "--dtype", "float32", "--max-batch-tokens", "64"], tmp_path)
     assert r["num_prompts"] == 6 and r["prompt_tokens"] == 6 * 40
+    assert r["dtype"] == r["dtype_requested"] == "float32" and r["dtype_reason"] == "requested"
     assert r["output_tokens"] == 6 and r["prompt_tokens_computed"] == r["prompt_tokens"]
     # Parameter counts and FLOPs against the HF model's own parameters and config.
     hf = AutoModelForCausalLM.from_pretrained(tiny_model)
@@ -86,3 +87,30 @@ def test_attention_flops_count_keys_per_position():
     assert attention_flops(profile, 0, 3) == per_key * (1 + 2 + 3)
     assert attention_flops(profile, 2, 4) == per_key * (3 + 4)  # a cached prefix of 2 is not recomputed
     assert attention_flops(profile, 5, 5) == 0
+
+
+def test_bench_latent_attention_figures(tiny_model_factory, tmp_path):
+    folder = tiny_model_factory("deepseek-v3")
+    r = run_bench(["--model", str(folder), "--num-prompts", "3", "--input-len", "20", "--dtype", "float32"],
+                  tmp_path)
+    c = json.loads((folder / "config.json").read_text())
+    layers, heads = c["num_hidden_layers"], c["num_attention_heads"]
+    # One latent row per token and layer: the KV latent and the shared rope key.
+    assert r["kv_bytes_per_token"] == layers * (c["kv_lora_rank"] + c["qk_rope_head_dim"]) * 4
+    qk, v = c["qk_nope_head_dim"] + c["qk_rope_head_dim"], c["v_head_dim"]
+    assert r["attention_flops"] == 2 * layers * heads * (qk + v) * 3 * 20 * 21 // 2
+
+
+def test_profile_of_deepseek_v3_shape():
+    """DeepSeek-V3 as published: 671B parameters, about 37B of them used per token."""
+    from transformers import DeepseekV3Config
+
+    cfg = ModelConfig.from_hf({**DeepseekV3Config().to_dict(), "architectures": ["DeepseekV3ForCausalLM"]})
+    profile = config_profile(cfg)
+    hidden, heads, expert = 7168, 128, 3 * 7168 * 2048
+    attention = 7168 * 1536 + 1536 * heads * 192 + 7168 * 576 + 512 * heads * (128 + 128) + heads * 128 * 7168
+    dense, moe = 3 * 7168 * 18432, 256 * hidden + 8 * expert + expert  # router, top-8 routed, one shared
+    assert profile.active_params == 61 * attention + 3 * dense + 58 * moe
+    assert round(profile.total_params / 1e9) == 671
+    assert round((profile.active_params + profile.lm_head_params) / 1e9) == 37
+    assert profile.attention_flops_per_key == 61 * 2 * heads * (192 + 128)

@@ -22,6 +22,7 @@ import pytest
 from batchgen.io import read_output
 from batchgen.io.manifest import PartId, entry_ids
 from batchgen.pipeline.errors import JobError, JobInterrupted
+from batchgen.pipeline.executors import RAY_EXTRA_HINT
 from batchgen.pipeline.runner import run_job
 from batchgen.pipeline.spec import spec_from_dict
 from batchgen.report.data import load_report_data
@@ -30,7 +31,7 @@ from tests.job_helpers import (  # noqa: F401  (fixtures)
 )
 from tests.s3_server import HOST, moto_server, s3  # noqa: F401  (fixtures)
 
-ray = pytest.importorskip("ray")
+ray = pytest.importorskip("ray", reason=RAY_EXTRA_HINT)
 
 from batchgen.pipeline.executors.ray import replica_resources  # noqa: E402
 from batchgen.pipeline.executors.ray_board import board_name  # noqa: E402
@@ -155,12 +156,14 @@ def same_rows(got: list[dict[str, Any]], want: list[dict[str, Any]]) -> None:
     assert by_id(got) == by_id(want)
 
 
-def test_replica_resources_follow_the_cluster(monkeypatch):
+def test_replica_resources_follow_the_cluster():
     spec = spec_from_dict(job("m", "in.jsonl", "out", ray_replicas=None, executor={"kind": "ray"}))
     assert replica_resources(spec, 0.0) == (1, 1.0, 0.0)  # CPU only: one replica
     assert replica_resources(spec, 8.0) == (8, 1.0, 1.0)  # a replica per GPU
-    monkeypatch.setattr("batchgen.pipeline.executors.ray.tensor_parallel_size", lambda spec: 2)
+    spec.model.tensor_parallel_size = 2
     assert replica_resources(spec, 8.0) == (4, 1.0, 2.0)  # a replica per two GPUs
+    spec.model.data_parallel_size = 2
+    assert replica_resources(spec, 8.0) == (2, 1.0, 4.0)  # a replica per engine of 2 x 2 ranks
     spec.executor.num_replicas, spec.executor.num_gpus = 3, 0.5
     assert replica_resources(spec, 8.0) == (3, 1.0, 0.5)
 
@@ -218,7 +221,7 @@ def test_two_replicas_give_the_local_rows(ray_cluster, tmp_path, tiny_model, tin
 def test_a_killed_replica_loses_and_repeats_no_row(ray_cluster, tmp_path, tiny_model, tiny_llm):
     files, ids = job_inputs(tmp_path)
     reference = tmp_path / "reference"
-    slow = {"batching": {"max_batch_tokens": 512, "max_num_seqs": 2, "sort_window": 4,
+    slow = {"batching": {"max_batch_tokens": 512, "max_num_seqs": 2, "sort_window": 2,
                          "kv_cache_memory": 64 << 20}, "sampling": {"max_tokens": 16}}
     run_job(spec_from_dict(job(tiny_model, files, reference, ray_replicas=None, **slow)), llm=tiny_llm, quiet=True)
     out = tmp_path / "out"
@@ -259,7 +262,7 @@ def test_a_killed_replica_loses_and_repeats_no_row(ray_cluster, tmp_path, tiny_m
 def test_an_interrupted_ray_job_resumes_under_ray_and_locally(ray_cluster, tmp_path, tiny_model, tiny_llm,
                                                              engine_calls):
     files, ids = job_inputs(tmp_path)
-    slow = {"batching": {"max_batch_tokens": 512, "max_num_seqs": 2, "sort_window": 4,
+    slow = {"batching": {"max_batch_tokens": 512, "max_num_seqs": 2, "sort_window": 2,
                          "kv_cache_memory": 64 << 20}, "sampling": {"max_tokens": 12}}
     out = tmp_path / "out"
     for sig, code in ((signal.SIGTERM, 143), (signal.SIGINT, 130)):

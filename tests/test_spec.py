@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from batchgen.pipeline.executors import RAY_EXTRA_HINT, ray_available
 from batchgen.pipeline.render import required_columns
 from batchgen.pipeline.spec import JobSpec, SpecError, load_spec, spec_from_dict
 
@@ -44,7 +45,7 @@ def test_minimal_spec_defaults(tmp_path):
     assert spec.input.path == ["data/in.jsonl"]  # relative paths are kept as written
     assert spec.output.path == "out/x/"
     assert spec.prompt.template == "Summarize: {{ text }}\n"
-    assert spec.model.dtype == "bfloat16" and spec.model.device == "auto" and spec.model.max_model_len is None
+    assert spec.model.dtype == "auto" and spec.model.device == "auto" and spec.model.max_model_len is None
     assert spec.sampling.max_tokens == 128 and spec.sampling.temperature == 0.0 and spec.sampling.seed == 0
     b = spec.batching
     assert (b.max_batch_tokens, b.sort_window, b.max_prompt_tokens, b.truncate, b.max_num_seqs, b.sort) == (
@@ -205,7 +206,10 @@ def test_digest_is_stable_and_ignores_only_secrets():
     assert a.digest() != spec_with({**SECRETS, "anon": True}).digest()
 
 
-@pytest.mark.parametrize("job", ["summarize.yaml", "extract.yaml", "summarize-ray.yaml"])
+NEEDS_RAY = pytest.mark.skipif(not ray_available(), reason=RAY_EXTRA_HINT)
+
+
+@pytest.mark.parametrize("job", ["summarize.yaml", "extract.yaml", pytest.param("summarize-ray.yaml", marks=NEEDS_RAY)])
 def test_example_jobs_load_and_fit_their_data(job):
     spec = load_spec(str(JOBS / job), env={})
     if job == "summarize-ray.yaml":  # the same job on Ray
@@ -225,6 +229,7 @@ def test_example_jobs_load_and_fit_their_data(job):
 
 
 def test_executor_section(tmp_path, monkeypatch):
+    monkeypatch.setattr("batchgen.pipeline.spec.ray_available", lambda: True)  # the keys, whether or not it is installed
     assert load_spec(write(tmp_path, MINIMAL), env={}).executor.kind == "local"
     spec = load_spec(write(tmp_path, MINIMAL), ["executor.kind=ray", "executor.num_replicas=2"], env={})
     assert (spec.executor.kind, spec.executor.num_replicas, spec.executor.num_cpus) == ("ray", 2, 1.0)

@@ -6,10 +6,10 @@ from typing import Any
 
 import torch
 
+from batchgen.engine.dtype import DtypeChoice, check_dtype_name, resolve_dtype
 from batchgen.engine.models.registry import UnsupportedModelError, architecture_of  # noqa: F401 (re-export)
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-ROPE_SCALINGS = ("llama3", "linear")
+ROPE_SCALINGS = ("llama3", "linear", "yarn")
 
 
 def _ints(value: Any) -> tuple[int, ...]:
@@ -129,6 +129,8 @@ class ModelConfig:
         rope_theta = float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0)
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         rope_scaling = None if rope_type == "default" else {**rope, "rope_type": rope_type}
+        if rope_type == "yarn":  # transformers' default for the pre-scaling context
+            rope_scaling.setdefault("original_max_position_embeddings", cfg.get("max_position_embeddings", 4096))
         if rope_scaling and rope_type not in ROPE_SCALINGS:
             raise UnsupportedModelError(f"unsupported rope scaling {rope_type!r}; "
                                         f"supported: {', '.join(ROPE_SCALINGS)}")
@@ -161,10 +163,13 @@ class ModelConfig:
 
 @dataclass
 class EngineConfig:
-    """Engine knobs. ``kv_cache_memory`` is the KV budget in bytes (default: 2 GiB on CPU, 90 % of free GPU memory)."""
+    """Engine knobs. ``kv_cache_memory`` is the KV budget in bytes (default: 2 GiB on CPU, 90 % of free GPU memory).
+
+    ``dtype`` "auto" is the fast dtype of the device: see :func:`batchgen.engine.dtype.resolve_dtype`.
+    """
 
     model: str
-    dtype: str = "bfloat16"
+    dtype: str = "auto"
     device: str = "auto"
     max_num_batched_tokens: int = 8192
     max_num_seqs: int = 256
@@ -178,20 +183,44 @@ class EngineConfig:
     # fixed-shape steps run eagerly without capture, so the graph path can be checked on CPU.
     cuda_graphs: str = "auto"
     storage_options: dict = field(default_factory=dict)
+    # Parallelism (vLLM's names): each of data_parallel_size replicas, with its own scheduler and KV cache,
+    # spreads its layers over tensor_parallel_size devices; with enable_expert_parallel a mixture of experts
+    # splits its experts over all of them. More than one device in all runs one worker process per device.
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+    distributed_timeout_s: float = 600.0  # longest wait for a worker's step (and a collective's peers)
+    measure_communication: bool = False  # time collectives on CUDA too (synchronises: benchmarks only)
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        check_dtype_name(self.dtype)
         if self.max_num_batched_tokens < self.block_size:
             raise ValueError("max_num_batched_tokens must be at least block_size")
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be >= 1")
         if self.cuda_graphs not in ("auto", "off", "emulate"):
             raise ValueError(f"cuda_graphs must be 'auto', 'off' or 'emulate', got {self.cuda_graphs!r}")
+        if self.tensor_parallel_size < 1 or self.data_parallel_size < 1:
+            raise ValueError("tensor_parallel_size and data_parallel_size must be >= 1")
+        if self.distributed_timeout_s <= 0:
+            raise ValueError("distributed_timeout_s must be > 0")
+
+    @property
+    def world_size(self) -> int:
+        """Devices (and, above one, worker processes) the engine runs on."""
+        return self.tensor_parallel_size * self.data_parallel_size
+
+    def expert_parallel(self, model: ModelConfig) -> bool:
+        """Whether the model's experts are split over the ranks (only a mixture of experts has any)."""
+        return self.enable_expert_parallel and model.moe is not None
+
+    @property
+    def dtype_choice(self) -> DtypeChoice:
+        return resolve_dtype(self.dtype, self.torch_device())
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        return self.dtype_choice.torch_dtype
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

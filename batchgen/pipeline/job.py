@@ -98,13 +98,15 @@ def plan_run(spec: JobSpec, writer: OutputWriter, files: list[str], carry: list[
 @dataclass
 class Execution:
     """What an executor did: this run's committed counts, the seconds from the first request to the last result,
-    its engine totals (see ``telemetry.engine_summary``), telemetry.json, and how it ran (stats' ``executor``)."""
+    its engine totals (see ``telemetry.engine_summary``), telemetry.json, how it ran (stats' ``executor``) and the
+    dtype the model ran in ("auto" resolved)."""
 
     run: Counts
     generate_s: float
     engine: dict[str, Any]
     telemetry: dict[str, Any]
     executor: dict[str, Any]
+    dtype: str
 
 
 class Executor(Protocol):
@@ -117,4 +119,4 @@ class Executor(Protocol):
         """Runs every row of the plan, or those admitted before ``stop`` is set, committing them all."""
 
     def close(self) -> None:
-        """Releases what ``start`` took."""
+        """Releases what ``start`` took: a model it loaded is closed (its engine's worker processes stop)."""

@@ -92,7 +92,7 @@ def _execute(plan: RunPlan, executor: Executor, writer: OutputWriter) -> dict[st
 def _stats(plan: RunPlan, execution: Execution, totals: Counts, complete: bool) -> dict[str, Any]:
     resolved = plan.spec.resolved()
     return job_stats(totals=totals, run=execution.run, job=plan.spec.name, model=resolved["model"]["path"],
-                     spec=resolved, spec_digest=plan.digest, started_at=plan.started_at,
+                     dtype=execution.dtype, spec=resolved, spec_digest=plan.digest, started_at=plan.started_at,
                      wall_s=time.perf_counter() - plan.wall_start, generate_s=execution.generate_s,
                      resumed=bool(plan.previous), complete=complete, limit=plan.limit, engine=execution.engine,
                      executor=execution.executor)

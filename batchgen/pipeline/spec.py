@@ -11,6 +11,7 @@ from typing import Any, Literal, Mapping, Sequence, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from batchgen.engine.dtype import DtypeName
 from batchgen.io.redaction import redact
 from batchgen.pipeline.executors import RAY_EXTRA_HINT, ray_available
 from batchgen.pipeline.render import check_template
@@ -32,12 +33,22 @@ class _Section(BaseModel):
 
 
 class ModelSpec(_Section):
-    """``path``: a built-in model name, a local folder or .gguf file, or an fsspec URL."""
+    """``path``: a built-in model name, a local folder or .gguf file, or an fsspec URL; ``dtype`` "auto" is
+    the device's fast dtype (bf16 on GPUs and on CPUs with native bf16, else fp32). The parallel sizes are
+    the engine's (vLLM's names): one worker process per device when they ask for more than one."""
 
     path: str = Field(min_length=1)
-    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    dtype: DtypeName = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     max_model_len: int | None = Field(default=None, ge=1)
+    tensor_parallel_size: int = Field(default=1, ge=1)
+    data_parallel_size: int = Field(default=1, ge=1)
+    enable_expert_parallel: bool = False
+
+    @property
+    def world_size(self) -> int:
+        """Devices one engine runs on: tensor-parallel size x data-parallel size."""
+        return self.tensor_parallel_size * self.data_parallel_size
 
 
 class InputSpec(_Section):
@@ -116,8 +127,8 @@ class OutputSpec(_Section):
 class ExecutorSpec(_Section):
     """Where the job runs: ``local``, in this process, or ``ray``, on a Ray cluster at ``address`` (default
     ``RAY_ADDRESS``, else a local Ray started for the job) with ``num_replicas`` engine replicas (default: the
-    cluster's GPUs divided by a replica's tensor-parallel size, or 1 without GPUs), each reserving ``num_cpus``
-    and ``num_gpus`` (default: its tensor-parallel size on a cluster with GPUs, else 0)."""
+    cluster's GPUs divided by a replica's devices, or 1 without GPUs), each reserving ``num_cpus`` and ``num_gpus``
+    (default: its engine's devices, ``model.world_size``, on a cluster with GPUs, else 0)."""
 
     kind: Literal["local", "ray"] = "local"
     address: str | None = None

@@ -196,7 +196,7 @@ def engine_summary(m: EngineMetrics, generate_s: float, token_budget: int, profi
                    peak_flops: float | None = None, engines: int = 1) -> dict[str, Any]:
     """This run's engine totals and what follows from them: rates, budget use, padding and idle shares,
     achieved FLOP/s over the generation time (linear layers and logits, as ``batchgen bench`` counts them)
-    and MFU where the device's peak is known (``gpu_peak_flops``: a GPU from the datasheet table; None on
+    and MFU where the peak is known (``engine_peak_flops``: an engine's GPUs from the datasheet table; None on
     CPU). ``engines`` ran side by side over ``generate_s`` (Ray replicas): their busy time is shared out."""
     steps = m.prefill_steps + m.decode_steps
     busy = m.prefill_time_s + m.decode_time_s

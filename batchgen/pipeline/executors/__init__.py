@@ -9,6 +9,8 @@ import importlib.util
 import logging
 from typing import TYPE_CHECKING
 
+from batchgen.pipeline.errors import JobError
+
 if TYPE_CHECKING:
     from batchgen.engine import LLM
     from batchgen.pipeline.job import Executor
@@ -26,6 +28,8 @@ def ray_available() -> bool:
 def executor_for(spec: JobSpec, llm: LLM | None = None) -> Executor:
     """The executor the spec asks for; ``llm`` (a loaded model) serves a local run only."""
     if spec.executor.kind == "ray":
+        if not ray_available():  # a spec built without load_spec's check
+            raise JobError(RAY_EXTRA_HINT)
         from batchgen.pipeline.executors.ray import RayExecutor
 
         if llm is not None:

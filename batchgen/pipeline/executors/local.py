@@ -8,7 +8,7 @@ from typing import Iterable
 from batchgen.crashpoints import crash_point
 from batchgen.engine import LLM
 from batchgen.io import InputRow, OutputWriter
-from batchgen.bench.flops import gpu_peak_flops
+from batchgen.bench.flops import engine_peak_flops
 from batchgen.pipeline import preflight
 from batchgen.pipeline.interrupt import StopRequest
 from batchgen.pipeline.job import Execution, RunPlan
@@ -50,19 +50,21 @@ def _generate(llm: LLM, spec: JobSpec, rows: Iterable[InputRow], preparer: Prepa
 
 
 class LocalExecutor:
-    """Runs the job in this process on one engine (``llm`` when given: its own engine settings then apply)."""
+    """Runs the job in this process on one engine (``llm`` when given: its own engine settings then apply, and it
+    stays open after the job; a model the executor loads itself is closed with it)."""
 
     def __init__(self, llm: LLM | None = None) -> None:
         self.llm = llm
+        self._own: LLM | None = None
 
     def start(self, spec: JobSpec) -> None:
         if self.llm is None:
-            self.llm = preflight.load_model(spec)
+            self.llm = self._own = preflight.load_model(spec)
 
     def execute(self, plan: RunPlan, writer: OutputWriter, stop: StopRequest) -> Execution:
         llm, spec = self.llm, plan.spec
         assert llm is not None, "start() loads the model"
-        telemetry = Telemetry(llm.config.max_num_batched_tokens, start=plan.wall_start)
+        telemetry = Telemetry(llm.engine.token_budget, start=plan.wall_start)
         telemetry.stages.add("startup", time.perf_counter() - plan.wall_start)
         progress = plan.progress()
         sink = plan.part_sink(writer, on_row=lambda row: (progress.update(row), telemetry.on_row(row)))
@@ -81,10 +83,12 @@ class LocalExecutor:
             progress.close()
         with telemetry.stages.measure("write"):
             sink.flush()
-        engine = engine_summary(telemetry.metrics, generate_s, telemetry.token_budget, llm.engine.runner.profile,
-                                gpu_peak_flops(llm.config.torch_device()))
+        engine = engine_summary(telemetry.metrics, generate_s, telemetry.token_budget, llm.engine.executor.profile,
+                                engine_peak_flops(llm.config))
         return Execution(run=sink.run, generate_s=generate_s, engine=engine, telemetry=telemetry.to_dict(),
-                         executor={"kind": "local"})
+                         executor={"kind": "local"}, dtype=llm.config.dtype_choice.name)
 
     def close(self) -> None:
-        pass
+        if self._own is not None:
+            own, self._own, self.llm = self._own, None, None
+            own.close()

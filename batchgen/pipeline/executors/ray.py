@@ -39,15 +39,11 @@ log = logging.getLogger(__name__)
 _QUIET_LOGGERS = {"ray.data": logging.WARNING, "ray.data._internal.progress": logging.ERROR}
 
 
-def tensor_parallel_size(spec: JobSpec) -> int:
-    return int(getattr(spec.model, "tensor_parallel_size", 1) or 1)
-
-
 def replica_resources(spec: JobSpec, cluster_gpus: float) -> tuple[int, float, float]:
-    """(replicas, CPUs and GPUs of each): by default a replica takes its tensor-parallel size in GPUs, and there
-    are as many as the cluster's GPUs allow (one on a cluster without GPUs)."""
+    """(replicas, CPUs and GPUs of each): by default a replica takes a GPU for each device of its engine (tensor x
+    data parallel), and there are as many as the cluster's GPUs allow (one on a cluster without GPUs)."""
     ex = spec.executor
-    gpus = ex.num_gpus if ex.num_gpus is not None else (float(tensor_parallel_size(spec)) if cluster_gpus else 0.0)
+    gpus = ex.num_gpus if ex.num_gpus is not None else (float(spec.model.world_size) if cluster_gpus else 0.0)
     replicas = ex.num_replicas or (max(1, int(cluster_gpus // gpus)) if gpus else 1)
     if gpus * replicas > cluster_gpus:
         log.warning("%d replicas of %g GPU(s) need more than the cluster's %g GPUs: some wait for GPUs to join",
@@ -240,6 +236,7 @@ class RayExecutor:
             if r["telemetry"]:
                 telemetry.absorb(r["telemetry"])
         first = next((r for r in snapshot["replicas"] if r.get("profile") is not None), {})
+        telemetry.token_budget = first.get("token_budget", telemetry.token_budget)  # data parallel multiplies it
         engine = engine_summary(telemetry.metrics, generate_s, telemetry.token_budget, first.get("profile"),
                                 first.get("peak_flops"), engines=replicas)
         executor = {"kind": "ray", "address": redact(self.address), "run": run_id, "num_replicas": replicas,
@@ -247,7 +244,8 @@ class RayExecutor:
                     "retried_windows": snapshot["retried"],
                     "replicas": [_replica_stats(r) for r in snapshot["replicas"]]}
         return Execution(run=Counts.total(writer.committed_stats(f"{run_id}-")), generate_s=generate_s,
-                         engine=engine, telemetry=telemetry.to_dict(), executor=executor)
+                         engine=engine, telemetry=telemetry.to_dict(), executor=executor,
+                         dtype=first.get("dtype", plan.spec.model.dtype))
 
     def _run(self, plan: RunPlan, shards: ShardPlan, replica_job: ReplicaJob, writer: OutputWriter,
              stop: StopRequest, resources: tuple[int, float, float]) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from batchgen.bench.flops import gpu_peak_flops
+from batchgen.bench.flops import engine_peak_flops
 from batchgen.crashpoints import crash_point
 from batchgen.engine import LLM
 from batchgen.io.committer import PartCommitter
@@ -171,12 +171,12 @@ class EngineReplica:
             job.board.fail.remote(str(e))
             raise
         # the driver's start on this process's clock: step times are perf_counter times
-        self.telemetry = Telemetry(self.llm.config.max_num_batched_tokens,
+        self.telemetry = Telemetry(self.llm.engine.token_budget,
                                    start=time.perf_counter() - (time.time() - job.plan.epoch_start))
         self.telemetry.stages.add("startup", time.perf_counter() - started)
         info = {"node": socket.gethostname(), "pid": os.getpid(), "startup_s": round(time.perf_counter() - started, 3),
-                "profile": self.llm.engine.runner.profile,
-                "peak_flops": gpu_peak_flops(self.llm.config.torch_device())}
+                "profile": self.llm.engine.executor.profile, "peak_flops": engine_peak_flops(self.llm.config),
+                "token_budget": self.llm.engine.token_budget, "dtype": self.llm.config.dtype_choice.name}
         self.link = BoardLink(job.board, info, spec.output.lease_timeout_s)
         self.feed = EngineFeed(self.llm, self.telemetry, self.link.stop)
         fs, root = filesystem(spec.output.path, spec.storage_options)
@@ -228,7 +228,11 @@ class EngineReplica:
         self.telemetry.on_row(row)
         self.link.on_row(row)
 
-    def __del__(self) -> None:
-        for part in ("feed", "link"):
+    def close(self) -> None:
+        """Stops feeding the engine, leaves the board and closes the model (its engine's workers stop)."""
+        for part in ("feed", "link", "llm"):
             if hasattr(self, part):
                 getattr(self, part).close()
+
+    def __del__(self) -> None:  # Ray Data drops the replica when its pool shuts down
+        self.close()
