@@ -70,6 +70,23 @@ def tiny_llm(tiny_model) -> LLM:
                kv_cache_memory=64 << 20)
 
 
+@pytest.fixture
+def engine_calls(tiny_llm, monkeypatch):
+    """Row ids of every request the shared engine is given."""
+    seen: list[str] = []
+    original = tiny_llm.generate_stream
+
+    def spy(requests, max_pending=None):
+        def tap():
+            for item in requests:
+                seen.append(item[0].row_id)
+                yield item
+        return original(tap(), max_pending)
+
+    monkeypatch.setattr(tiny_llm, "generate_stream", spy)
+    return seen
+
+
 TOKEN_KEYS = ("rows", "ok_rows", "error_rows", "prompt_tokens", "completion_tokens")
 
 

@@ -68,7 +68,7 @@ def test_write_resume_overwrite_on_s3(s3, monkeypatch):
     w = OutputWriter(out, storage_options=opts)
     w.write_part(rows(["a", "b"]), stats={"n": 2})
     # an exception while the part is being built publishes nothing (no truncated object)
-    monkeypatch.setattr("batchgen.io.writer.serialize_part", lambda *a, **k: 1 / 0)
+    monkeypatch.setattr("batchgen.io.committer.serialize_part", lambda *a, **k: 1 / 0)
     with pytest.raises(OutputError, match="part-00001"):
         w.write_part(rows(["c"]))
     monkeypatch.undo()

@@ -13,6 +13,9 @@ import pytest
 
 import batchgen.io.store as store_mod
 from batchgen.io import OutputError, OutputWriter, read_output
+from batchgen.io.committer import PartCommitter
+from batchgen.io.lease import LeaseSettings
+from batchgen.io.manifest import PartId
 
 
 def rows(ids, output="out"):
@@ -100,14 +103,14 @@ def test_resume_after_crash(tmp_path, monkeypatch):
     w.write_part(rows(["a", "b"]), stats={"prompt_tokens": 2})
     w.write_part(rows(["c"]), stats={"prompt_tokens": 1})
     # crash between the part and its manifest entry: the part is an orphan
-    real_put = OutputWriter._put
+    real_put = PartCommitter._put
 
     def put_without_manifest(self, name, data):
         if name.startswith("_manifest/"):
             raise KeyboardInterrupt  # the process dies here
         real_put(self, name, data)
 
-    monkeypatch.setattr(OutputWriter, "_put", put_without_manifest)
+    monkeypatch.setattr(PartCommitter, "_put", put_without_manifest)
     with pytest.raises(KeyboardInterrupt):
         w.write_part(rows(["d"]))
     monkeypatch.undo()
@@ -191,3 +194,47 @@ def test_resumed_parts_keep_column_types(tmp_path):
     w.write_part([{"row_id": "b", "score": None, "output": None}])
     first, second = (pq.read_schema(f"{out}/part-0000{i}.parquet") for i in (0, 1))
     assert second.field("score").type == pa.int64() and first.equals(second)
+
+
+def test_part_ids_name_and_order_parts():
+    assert PartId.parse("00012") == PartId("", 12) and PartId("", 12).key == "00012"
+    key = "r1a2b-s00003-w00001-00007"
+    assert PartId.parse(key) == PartId("r1a2b-s00003-w00001", 7) and PartId.parse(key).key == key
+    assert sorted([PartId("b", 0), PartId("", 3), PartId("a", 10), PartId("a", 2)]) == [
+        PartId("", 3), PartId("a", 2), PartId("a", 10), PartId("b", 0)]
+    for bad in ("A", "a_b", "a--b", "-a"):
+        with pytest.raises(ValueError):
+            PartId(bad)
+
+
+def test_scoped_committers_share_the_folder_of_one_writer(tmp_path):
+    """A Ray run: the driver's writer holds the lease, replicas commit the parts of their own scopes beside it."""
+    out = str(tmp_path / "out")
+    w = OutputWriter(out, lease=LeaseSettings())
+    w.write_part(rows(["a"]), stats={"rows": 1})
+    first = PartCommitter.open(out, "parquet", None, "r1-s00000-w00000", fence=w.ensure_held)
+    second = PartCommitter.open(out, "parquet", None, "r1-s00001-w00000", fence=w.ensure_held)
+    assert first.committed == [] and first.next == 0
+    first.write_part(rows(["b", "c"]), stats={"rows": 2})
+    assert second.write_part(rows(["d"]), stats={"rows": 1}).endswith("/part-r1-s00001-w00000-00000.parquet")
+    first.write_part(rows(["e"]), stats={"rows": 1})
+    # the second window's attempt is cut short with a part stored and not committed; its retry reads what
+    # the attempt committed and numbers on after it
+    second.store.put("part-r1-s00001-w00000-00001.parquet", b"orphan")
+    retry = PartCommitter.open(out, "parquet", None, "r1-s00001-w00000")
+    assert retry.next == 1 and [e.row_ids for e in retry.committed] == [["d"]]
+
+    assert w.committed_row_ids() == {"a"}  # until it reads the manifest again
+    w.refresh()
+    assert w.committed_row_ids() == set("abcde") and w.committed_scopes() == {"", "r1-s00000-w00000",
+                                                                               "r1-s00001-w00000"}
+    assert w.committed_stats("r1-") == [{"rows": 2}, {"rows": 1}, {"rows": 1}]
+    assert "part-r1-s00001-w00000-00001.parquet" in listing(out)
+    w.refresh(cleanup=True)  # once no replica writes: the orphan goes
+    assert "part-r1-s00001-w00000-00001.parquet" not in listing(out)
+    assert [r["row_id"] for r in read_output(out)] == ["a", "b", "c", "e", "d"]  # the writer's parts, then by scope
+    w.close()
+
+    rerun = OutputWriter(out)  # a later local run numbers its own parts after its own
+    assert rerun.write_part(rows(["f"])).endswith("/part-00001.parquet")
+    assert rerun.committed_row_ids() == set("abcdef")

@@ -15,25 +15,8 @@ from batchgen.io import OutputWriter
 from batchgen.pipeline.errors import JobInterrupted
 from batchgen.pipeline.runner import run_job
 from tests.job_helpers import (  # noqa: F401
-    check_output, make_spec, manifest_ids, records, spec_dict, tiny_llm, write_jsonl,
+    check_output, engine_calls, make_spec, manifest_ids, records, spec_dict, tiny_llm, write_jsonl,
 )
-
-
-@pytest.fixture
-def engine_calls(tiny_llm, monkeypatch):
-    """Row ids of every request the shared engine is given."""
-    seen: list[str] = []
-    original = tiny_llm.generate_stream
-
-    def spy(requests, max_pending=None):
-        def tap():
-            for item in requests:
-                seen.append(item[0].row_id)
-                yield item
-        return original(tap(), max_pending)
-
-    monkeypatch.setattr(tiny_llm, "generate_stream", spy)
-    return seen
 
 
 def input_rows(n: int) -> list[dict]:

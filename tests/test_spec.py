@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from batchgen.pipeline.executors import RAY_EXTRA_HINT, ray_available
 from batchgen.pipeline.render import required_columns
 from batchgen.pipeline.spec import JobSpec, SpecError, load_spec, spec_from_dict
 
@@ -205,9 +206,15 @@ def test_digest_is_stable_and_ignores_only_secrets():
     assert a.digest() != spec_with({**SECRETS, "anon": True}).digest()
 
 
-@pytest.mark.parametrize("job", ["summarize.yaml", "extract.yaml"])
+NEEDS_RAY = pytest.mark.skipif(not ray_available(), reason=RAY_EXTRA_HINT)
+
+
+@pytest.mark.parametrize("job", ["summarize.yaml", "extract.yaml", pytest.param("summarize-ray.yaml", marks=NEEDS_RAY)])
 def test_example_jobs_load_and_fit_their_data(job):
     spec = load_spec(str(JOBS / job), env={})
+    if job == "summarize-ray.yaml":  # the same job on Ray
+        local = load_spec(str(JOBS / "summarize.yaml"), env={})
+        assert spec.executor.kind == "ray" and local.executor.kind == "local" and spec.digest() == local.digest()
     assert spec.model.path == "smollm2-135m-instruct"
     assert spec.input.path == ["jobs/data/articles.jsonl"]
     assert spec.output.path == f"out/{spec.name}/"
@@ -219,6 +226,26 @@ def test_example_jobs_load_and_fit_their_data(job):
         assert needed <= r.keys()
         assert 150 <= len(r["text"].split()) <= 600, r["id"]
     assert load_spec(str(JOBS / job), env={"BATCHGEN_OUT": "/tmp/o"}).output.path == f"/tmp/o/{spec.name}/"
+
+
+def test_executor_section(tmp_path, monkeypatch):
+    monkeypatch.setattr("batchgen.pipeline.spec.ray_available", lambda: True)  # the keys, whether or not it is installed
+    assert load_spec(write(tmp_path, MINIMAL), env={}).executor.kind == "local"
+    spec = load_spec(write(tmp_path, MINIMAL), ["executor.kind=ray", "executor.num_replicas=2"], env={})
+    assert (spec.executor.kind, spec.executor.num_replicas, spec.executor.num_cpus) == ("ray", 2, 1.0)
+    assert spec.executor.address is None and spec.executor.num_gpus is None
+    # where a job runs is not part of what it computes: a local run resumes a Ray run's output and back
+    assert spec.digest() == load_spec(write(tmp_path, MINIMAL), env={}).digest()
+    assert errors_of(load_spec, write(tmp_path, MINIMAL), ["executor.num_replicas=2"], env={}) == [
+        "executor: num_replicas applies to kind ray only"]
+    assert errors_of(load_spec, write(tmp_path, MINIMAL), ["executor.kind=ray", "executor.num_replicas=0"],
+                     env={}) == ["executor.num_replicas: Input should be greater than or equal to 1 (got 0)"]
+    password = load_spec(write(tmp_path, MINIMAL), ["executor.kind=ray", "executor.address=ray://u:pw@head:10001"],
+                         env={})
+    assert "pw" not in json.dumps(password.resolved())
+    monkeypatch.setattr("batchgen.pipeline.spec.ray_available", lambda: False)  # ray is not installed
+    assert errors_of(load_spec, write(tmp_path, MINIMAL), ["executor.kind=ray"], env={}) == [
+        "executor.kind: executor kind ray needs Ray Data: pip install 'batchgen[ray]'"]
 
 
 def test_yaml_error_names_the_line(tmp_path):

@@ -73,6 +73,32 @@ def test_time_buckets_merge_neighbours():
     assert b.width_s == 8.0 and b.columns["n"] == [14, 0, 1]
 
 
+def test_time_buckets_from_several_processes_add_up():
+    """Ray replicas each keep their own buckets from the job's start; the driver adds them up."""
+    rng = random.Random(3)
+    events = [(rng.uniform(0, 90), rng.randint(1, 5)) for _ in range(400)]
+    whole = TimeBuckets(["n"], max_buckets=8)
+    shares = [TimeBuckets(["n"], max_buckets=8) for _ in range(3)]
+    for i, (t, n) in enumerate(events):
+        whole.add(t, {"n": n})
+        shares[1 + i % 2 if t > 30 else 0].add(t, {"n": n})  # one share sees only the first 30 s: finer buckets
+    assert len({s.width_s for s in shares}) > 1
+    merged = TimeBuckets(["n"], max_buckets=8)
+    for share in shares:
+        merged.merge(TimeBuckets.from_dict(share.to_dict()))
+    assert merged.width_s == whole.width_s and merged.columns == whole.columns
+
+    tel, other = Telemetry(512, clock=FakeClock()), Telemetry(512, clock=FakeClock())
+    record = StepRecord(start_s=0.0, duration_s=0.5, num_seqs=2, prefill_tokens=30, decode_tokens=0,
+                        sampled_tokens=2, token_budget=512)
+    tel.on_step(record)
+    other.on_step(record)
+    other.stages.add("engine", 2.0)
+    tel.absorb(json.loads(json.dumps(other.state())))  # as it crosses processes
+    assert tel.metrics.prompt_tokens_computed == 60 and tel.metrics.prefill_steps == 2
+    assert tel.stages.seconds["engine"] == 2.0 and sum(tel.buckets.columns["steps"]) == 2
+
+
 def test_stage_clock_counts_exclusive_time_per_thread():
     clock = FakeClock()
     stages = StageClock(clock)

@@ -5,7 +5,7 @@ import time
 
 import torch
 
-from batchgen.engine.config import ModelConfig
+from batchgen.engine.config import EngineConfig, ModelConfig
 from batchgen.engine.layers.ops import make_kernel_set
 from batchgen.engine.models.base import ModelProfile
 from batchgen.engine.models.registry import build_model
@@ -54,6 +54,12 @@ def gpu_peak_flops(device: torch.device) -> float | None:
         return None
     name = torch.cuda.get_device_name(device)
     return next((peak for key, peak in GPU_PEAK_BF16.items() if key in name), None)
+
+
+def engine_peak_flops(config: EngineConfig) -> float | None:
+    """The datasheet peak of every GPU one engine runs on (one per rank); None on CPU or an unknown GPU."""
+    peak = gpu_peak_flops(config.torch_device())
+    return peak * config.world_size if peak else None
 
 
 def _sync(device: torch.device) -> None:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from batchgen.bench.flops import attention_flops, gpu_peak_flops, measure_matmul_flops
+from batchgen.bench.flops import attention_flops, engine_peak_flops, measure_matmul_flops
 from batchgen.bench.workload import Workload, synthetic
 from batchgen.engine import LLM, SamplingParams
 from batchgen.engine.dtype import DtypeChoice
@@ -72,9 +72,8 @@ def run_bench(llm: LLM, workload: Workload, cfg: BenchConfig) -> dict:
     matmul = measure_matmul_flops(llm.config.torch_dtype, device) * devices
     executor = llm.engine.executor
     kv_bytes = executor.kv_layout.bytes_per_token(llm.config.torch_dtype)
-    peak = gpu_peak_flops(device)
     return summarize(workload, outputs, metrics, wall, executor.profile, kv_bytes, matmul,
-                     peak * devices if peak else None, cfg, device, llm.config.dtype_choice)
+                     engine_peak_flops(llm.config), cfg, device, llm.config.dtype_choice)
 
 
 def summarize(workload, outputs, m: EngineMetrics, wall: float, profile: ModelProfile, kv_bytes_per_token: int,

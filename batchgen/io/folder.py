@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any, Callable, TypeVar
 
-from batchgen.io.errors import OutputError
+from batchgen.io.errors import OutputError, guard
 from batchgen.io.manifest import ManifestEntry, load_entries
 from batchgen.io.parts import deserialize_rows
 from batchgen.io.paths import filesystem
@@ -27,12 +27,7 @@ class OutputFolder:
         self._entries: list[ManifestEntry] | None = None
 
     def _guard(self, fn: Callable[[], T], action: str) -> T:
-        try:
-            return fn()
-        except OutputError:
-            raise
-        except Exception as exc:
-            raise OutputError(redact(f"cannot {action} output {self.path}: {type(exc).__name__}: {exc}")) from exc
+        return guard(self.path, fn, f"{action} output")
 
     def entries(self) -> list[ManifestEntry]:
         """Manifest entries of the committed parts, in part order."""

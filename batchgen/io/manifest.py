@@ -20,17 +20,42 @@ SUCCESS = "_SUCCESS"
 STATS = "stats.json"
 TELEMETRY = "telemetry.json"
 FORMATS = ("parquet", "jsonl", "openai")
-PART_RE = re.compile(r"^(?:part|errors)-(\d{5,})\.(parquet|jsonl)$")  # any data file of a part
-ENTRY_RE = re.compile(r"^part-(\d{5,})\.json$")
+_KEY = r"(?:[a-z0-9]+-)*\d{5,}"  # a PartId's key: [scope-]number
+PART_RE = re.compile(rf"^(?:part|errors)-({_KEY})\.(parquet|jsonl)$")  # any data file of a part
+ENTRY_RE = re.compile(rf"^part-({_KEY})\.json$")
+SCOPE_RE = re.compile(r"^[a-z0-9]+(?:-[a-z0-9]+)*$")
 TEMP_MARK = ".tmp-"
 
 
-def part_name(number: int, fmt: str) -> str:
-    return f"part-{number:05d}.{'jsonl' if fmt == 'openai' else fmt}"
+@dataclass(frozen=True, order=True)
+class PartId:
+    """Which part: its ``number`` within a ``scope``. A single writer numbers its parts in the empty scope
+    (``part-00012``); writers that commit into one folder side by side each number their own scope
+    (``part-r1a2b-s00003-w00001-00000``), so their names never collide. Parts sort by scope, then number."""
+
+    scope: str = ""
+    number: int = 0
+
+    def __post_init__(self) -> None:
+        if self.scope and not SCOPE_RE.match(self.scope):
+            raise ValueError(f"bad part scope {self.scope!r}: lowercase letters and digits joined by '-'")
+
+    @property
+    def key(self) -> str:
+        return f"{self.scope}-{self.number:05d}" if self.scope else f"{self.number:05d}"
+
+    @classmethod
+    def parse(cls, key: str) -> PartId:
+        scope, _, number = key.rpartition("-")
+        return cls(scope, int(number))
 
 
-def entry_name(number: int) -> str:
-    return f"part-{number:05d}.json"
+def part_name(part: PartId, fmt: str) -> str:
+    return f"part-{part.key}.{'jsonl' if fmt == 'openai' else fmt}"
+
+
+def entry_name(part: PartId) -> str:
+    return f"part-{part.key}.json"
 
 
 def to_json_bytes(obj: Any) -> bytes:
@@ -42,7 +67,7 @@ def to_json_bytes(obj: Any) -> bytes:
 class ManifestEntry:
     """What one committed part holds."""
 
-    number: int
+    id: PartId
     part: str  # file name inside the output folder
     row_ids: list[str]
     stats: dict[str, Any] = field(default_factory=dict)
@@ -60,14 +85,14 @@ class ManifestEntry:
         return json.dumps(doc, ensure_ascii=False, default=str).encode("utf-8")
 
     @classmethod
-    def from_bytes(cls, number: int, data: bytes) -> ManifestEntry:
+    def from_bytes(cls, part_id: PartId, data: bytes) -> ManifestEntry:
         doc = json.loads(data.decode("utf-8"))
         part, row_ids, files = doc["part"], doc["row_ids"], doc.get("files") or [doc["part"]]
         if not all(isinstance(f, str) and PART_RE.match(f) for f in files) or part not in files \
                 or not isinstance(row_ids, list) or doc.get("format", "jsonl") not in FORMATS:
             raise ValueError(f"bad manifest entry for {part!r}")
         stats = dict(doc.get("stats") or {})
-        return cls(number=number, part=part, row_ids=[str(r) for r in row_ids], stats=stats, files=list(files),
+        return cls(id=part_id, part=part, row_ids=[str(r) for r in row_ids], stats=stats, files=list(files),
                    format=doc.get("format", ""))
 
 
@@ -81,18 +106,25 @@ def list_names(fs: fsspec.AbstractFileSystem, folder: str) -> list[str]:
     return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in found)
 
 
-def load_entries(fs: fsspec.AbstractFileSystem, root: str) -> tuple[dict[int, ManifestEntry], list[str]]:
-    """(valid entries by part number, paths of unreadable entry files)."""
+def entry_ids(names: list[str], scope: str | None = None) -> list[PartId]:
+    """The parts whose manifest entries are among ``names`` (only those of ``scope`` when given)."""
+    found = [PartId.parse(m.group(1)) for n in names if (m := ENTRY_RE.match(n))]
+    return [p for p in found if scope is None or p.scope == scope]
+
+
+def load_entries(fs: fsspec.AbstractFileSystem, root: str, scope: str | None = None
+                 ) -> tuple[dict[PartId, ManifestEntry], list[str]]:
+    """(valid entries by part, paths of unreadable entry files); only those of ``scope`` when given."""
     folder = f"{root}/{MANIFEST_DIR}"
-    paths = {f"{folder}/{n}": int(m.group(1)) for n in list_names(fs, folder) if (m := ENTRY_RE.match(n))}
+    paths = {f"{folder}/{entry_name(p)}": p for p in entry_ids(list_names(fs, folder), scope)}
     if not paths:
         return {}, []
     blobs = retry(lambda: fs.cat(list(paths)), what=f"read manifest in {root}")
-    entries: dict[int, ManifestEntry] = {}
+    entries: dict[PartId, ManifestEntry] = {}
     bad: list[str] = []
-    for path, number in paths.items():
+    for path, part_id in paths.items():
         try:
-            entries[number] = ManifestEntry.from_bytes(number, blobs[path])
+            entries[part_id] = ManifestEntry.from_bytes(part_id, blobs[path])
         except (ValueError, KeyError, TypeError) as exc:
             log.warning("ignoring bad manifest entry %s: %s", redact(path), redact(str(exc)))
             bad.append(path)

@@ -239,12 +239,12 @@ def _jsonl(lines: list[dict[str, Any]]) -> bytes:
     return b"".join(json.dumps(line, ensure_ascii=False).encode("utf-8") + b"\n" for line in lines)
 
 
-def serialize_part(rows: list[dict[str, Any]], number: int) -> dict[str, bytes]:
-    """A part's files: ``part-N.jsonl`` with the result lines, ``errors-N.jsonl`` when some rows failed."""
+def serialize_part(rows: list[dict[str, Any]], key: str) -> dict[str, bytes]:
+    """A part's files: ``part-<key>.jsonl`` with the result lines, ``errors-<key>.jsonl`` when some rows failed."""
     created = int(time.time())
     ok = [result_line(r, created) for r in rows if r.get("error") is None]
     failed = [error_line(r) for r in rows if r.get("error") is not None]
-    files = {f"{RESULTS_PREFIX}-{number:05d}.jsonl": _jsonl(ok)}
+    files = {f"{RESULTS_PREFIX}-{key}.jsonl": _jsonl(ok)}
     if failed:
-        files[f"{ERRORS_PREFIX}-{number:05d}.jsonl"] = _jsonl(failed)
+        files[f"{ERRORS_PREFIX}-{key}.jsonl"] = _jsonl(failed)
     return files

@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchgen.io import openai_batch
-from batchgen.io.manifest import part_name
+from batchgen.io.manifest import PartId, part_name
 
 
 def _column_order(rows: list[dict[str, Any]]) -> list[str]:
@@ -66,14 +66,14 @@ def serialize_rows(
 def serialize_part(
     rows: list[dict[str, Any]],
     fmt: str,
-    number: int,
+    part: PartId,
     schema: pa.Schema | None = None,
     known_types: dict[str, pa.DataType] | None = None,
 ) -> dict[str, bytes]:
-    """Every file of part ``number``, by name; the first is the part's main file."""
+    """Every file of ``part``, by name; the first is the part's main file."""
     if fmt == "openai":
-        return openai_batch.serialize_part(rows, number)
-    return {part_name(number, fmt): serialize_rows(rows, fmt, schema, known_types)}
+        return openai_batch.serialize_part(rows, part.key)
+    return {part_name(part, fmt): serialize_rows(rows, fmt, schema, known_types)}
 
 
 def deserialize_rows(data: bytes, fmt: str) -> list[dict[str, Any]]:

@@ -21,7 +21,7 @@ from batchgen.io.errors import InputError
 from batchgen.io.paths import filesystem, redact
 from batchgen.io.retry import is_transient, retry
 
-__all__ = ["InputRow", "read_rows", "read_columns", "count_rows", "detect_format"]
+__all__ = ["InputRow", "read_rows", "read_columns", "count_rows", "detect_format", "row_labels"]
 
 PARQUET_SUFFIXES = (".parquet", ".pq")
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
@@ -68,9 +68,9 @@ def detect_format(url: str, fmt: str = "auto") -> str:
     raise InputError(redact(f"cannot tell the format of {url} from its extension; set the input format"))
 
 
-def _row_names(files: list[str]) -> dict[str, str]:
+def row_labels(files: list[str]) -> dict[str, str]:
     """Stable per-file labels for default row ids: basenames, or paths relative to the common folder
-    when two files share a basename."""
+    when two files share a basename. They depend on the set of files alone, never on reading order."""
     bases = {f: posixpath.basename(f.rstrip("/")) for f in files}
     if len(set(bases.values())) == len(files):
         return bases
@@ -302,6 +302,7 @@ def read_rows(
     id_column: str | None = None,
     batch_rows: int = 1024,
     max_row_bytes: int = DEFAULT_MAX_ROW_BYTES,
+    labels: dict[str, str] | None = None,
 ) -> Iterator[InputRow]:
     """Stream the rows of files in order.
 
@@ -309,9 +310,10 @@ def read_rows(
     raises InputError. Without id_column, row ids are "<file label>:<row index>", where the label is
     the basename (or the path relative to the files' common folder when basenames collide). A row
     whose id_column is missing or null keeps its values, gets the default id and an error; so does a
-    JSONL line or Parquet row over max_row_bytes, which is never parsed.
+    JSONL line or Parquet row over max_row_bytes, which is never parsed. A reader of some of a job's files
+    (a shard) passes ``labels``, the ``row_labels`` of all of them, so that its ids are the job's ids.
     """
-    names = _row_names(list(files))
+    names = labels if labels is not None else row_labels(list(files))
     for url in files:
         kind = detect_format(url, fmt)
         records = (_parquet_records(url, storage_options, batch_rows, max_row_bytes) if kind == "parquet"

@@ -10,14 +10,13 @@ from typing import Any, Callable, TypeVar
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchgen.crashpoints import crash_point
-from batchgen.io.errors import OutputError
+from batchgen.io.committer import PartCommitter
+from batchgen.io.errors import OutputError, guard
 from batchgen.io.lease import Lease, LeaseSettings
 from batchgen.io.manifest import (
-    FORMATS, MANIFEST_DIR, PART_RE, STATS, SUCCESS, TELEMETRY, TEMP_MARK, ManifestEntry, entry_name, list_names,
-    load_entries, part_name, to_json_bytes,
+    FORMATS, MANIFEST_DIR, PART_RE, STATS, SUCCESS, TELEMETRY, TEMP_MARK, ManifestEntry, PartId, entry_name,
+    list_names, load_entries, to_json_bytes,
 )
-from batchgen.io.parts import serialize_part
 from batchgen.io.paths import filesystem
 from batchgen.io.redaction import redact
 from batchgen.io.retry import retry
@@ -35,7 +34,9 @@ class OutputWriter:
     Each part is serialized in memory and stored with one PUT (or fsynced temp file + rename on local
     disks), then recorded by its own manifest entry: a part is committed iff that entry exists.
     Row ids come from row[id_key] unless write_part is given row_ids. With ``lease`` the writer owns
-    the folder (see batchgen.io.lease) from before it touches anything until close().
+    the folder (see batchgen.io.lease) from before it touches anything until close(). The writer's own
+    parts are numbered in the empty scope; other committers (see ``committer``) may add parts of their own
+    scopes while it holds the lease, which ``refresh`` reads.
     """
 
     def __init__(
@@ -71,33 +72,33 @@ class OutputWriter:
     def _open(self, overwrite: bool) -> None:
         if overwrite:
             self._delete_previous()
-        entries, bad = self._guard(lambda: load_entries(self.fs, self.root), "read the manifest of")
-        self._entries: dict[int, ManifestEntry] = entries
-        self._drop_entries(bad)
+        self._entries: dict[PartId, ManifestEntry] = {}
+        self.refresh()
         self._check_resume_format()
         if not overwrite:
             self.cleanup_uncommitted()
-        self._next = max(self._entries, default=-1) + 1
         if self.fmt == "parquet" and self._entries:
             self._seed_types()
+        own = max((p.number for p in self._entries if not p.scope), default=-1) + 1
+        self._committer = PartCommitter(self.store, self.path, self.fmt, first=own, types=self._types,
+                                        fence=self.ensure_held, id_key=self.id_key, schema=self.schema)
 
     # -- storage helpers ------------------------------------------------------------------
 
     def _guard(self, fn: Callable[[], T], action: str) -> T:
-        try:
-            return fn()
-        except OutputError:
-            raise
-        except Exception as exc:
-            raise OutputError(redact(f"cannot {action} {self.path}: {type(exc).__name__}: {exc}")) from exc
+        return guard(self.path, fn, action)
 
     def _full(self, name: str) -> str:
         return self.store.full(name)
 
-    def _put(self, name: str, data: bytes) -> None:
-        """Store name whole or not at all, if this writer still owns the folder."""
+    def ensure_held(self) -> None:
+        """Raises LeaseLost once this writer no longer owns the folder (a no-op without a lease)."""
         if self.lease is not None:
             self.lease.ensure_held()
+
+    def _put(self, name: str, data: bytes) -> None:
+        """Store name whole or not at all, if this writer still owns the folder."""
+        self.ensure_held()
         self.store.put(name, data)
 
     def _delete(self, names: list[str]) -> None:
@@ -161,9 +162,13 @@ class OutputWriter:
         """Row ids covered by committed parts."""
         return {rid for e in self._entries.values() for rid in e.row_ids}
 
-    def committed_stats(self) -> list[dict[str, Any]]:
-        """The stats dicts of committed parts, in part order."""
-        return [self._entries[n].stats for n in sorted(self._entries)]
+    def committed_stats(self, scope_prefix: str = "") -> list[dict[str, Any]]:
+        """The stats dicts of committed parts (those whose scope starts with ``scope_prefix``), in part order."""
+        return [self._entries[p].stats for p in sorted(self._entries) if p.scope.startswith(scope_prefix)]
+
+    def committed_scopes(self) -> set[str]:
+        """The scopes of committed parts ("" for the parts of a single writer)."""
+        return {p.scope for p in self._entries}
 
     def committed_column_types(self) -> dict[str, pa.DataType]:
         """Column types of the last committed Parquet part (empty otherwise), for a consistent schema."""
@@ -174,9 +179,14 @@ class OutputWriter:
         data = self._guard(lambda: retry(lambda: self.fs.cat_file(self._full(SUCCESS))), "read _SUCCESS in")
         return json.loads(data or b"{}")
 
-    def committed_parts(self) -> list[str]:
-        """URLs of committed parts, in order."""
-        return [f"{self.path}/{self._entries[n].part}" for n in sorted(self._entries)]
+    def refresh(self, cleanup: bool = False) -> None:
+        """Reads the manifest again (other committers may have added parts); ``cleanup`` then deletes the files
+        no committed part holds. Only while no other committer is writing: their part in flight would go."""
+        entries, bad = self._guard(lambda: load_entries(self.fs, self.root), "read the manifest of")
+        self._entries = entries
+        self._drop_entries(bad)
+        if cleanup:
+            self.cleanup_uncommitted()
 
     def cleanup_uncommitted(self) -> None:
         """Delete part and temp files that no manifest entry covers (left by a crashed run)."""
@@ -210,34 +220,9 @@ class OutputWriter:
         schema: pa.Schema | None = None,
     ) -> str:
         """Write and commit the next part; returns its URL. Nothing is visible if this raises."""
-        number = self._next
-        name = part_name(number, self.fmt)
-        if row_ids is None:
-            try:
-                row_ids = [str(r[self.id_key]) for r in rows]
-            except KeyError:
-                raise OutputError(f"rows for {name} lack the id key {self.id_key!r}") from None
-        elif len(row_ids) != len(rows):
-            raise OutputError(f"{name}: {len(row_ids)} row ids for {len(rows)} rows")
-        schema = schema or self.schema
-        if not rows and schema is None and self.fmt == "parquet":
-            raise OutputError(f"{name}: an empty Parquet part needs a schema")
-        try:
-            files = serialize_part(rows, self.fmt, number, schema, self._types)
-        except Exception as exc:
-            raise OutputError(redact(f"cannot serialize {name}: {type(exc).__name__}: {exc}")) from exc
-        entry = ManifestEntry(number=number, part=name, row_ids=[str(r) for r in row_ids],
-                              stats=dict(stats or {}), files=list(files), format=self.fmt)
-        crash_point("part.before")
-        for file_name, data in files.items():
-            self._guard(lambda: self._put(file_name, data), f"write {file_name} in")
-        crash_point("part.after")
-        self._guard(lambda: self._put(f"{MANIFEST_DIR}/{entry_name(number)}", entry.to_bytes()),
-                    f"commit {name} in")
-        crash_point("manifest.after")
-        self._entries[number] = entry
-        self._next = number + 1
-        return f"{self.path}/{name}"
+        entry = self._committer.commit(rows, stats, row_ids, schema)
+        self._entries[entry.id] = entry
+        return self._committer.url(entry)
 
     def write_stats(self, stats: dict[str, Any]) -> None:
         """Write stats.json (credentials redacted)."""

@@ -14,9 +14,6 @@ from typing import Any, Iterator
 import fsspec
 import polars as pl
 
-from batchgen.engine.config import ModelConfig
-from batchgen.engine.llm_engine import model_context_len
-from batchgen.engine.loader import load_model_source
 from batchgen.io import OutputError, OutputFolder, redact
 from batchgen.io.paths import storage_options_for
 from batchgen.pipeline import preflight
@@ -60,16 +57,6 @@ def rates_from(path: str, storage_options: dict[str, Any] | None = None) -> Rate
                  source=redact(path))
 
 
-def _model(spec: JobSpec):
-    try:
-        source = load_model_source(spec.model.path, spec.storage_options, weights=False)
-        return source.tokenizer, model_context_len(ModelConfig.from_hf(source.config), spec.model.max_model_len)
-    except Exception as e:  # noqa: BLE001 - bad paths, unsupported architectures, bad tokenizers alike
-        message = " ".join(str(e).split()) or type(e).__name__
-        raise JobError(redact(f"cannot load the tokenizer of {spec.resolved()['model']['path']}: {message}")) \
-            from None
-
-
 def _length_stats(lengths: array) -> dict[str, Any]:
     """Prompt length percentiles and a histogram in power-of-two bins."""
     if not lengths:
@@ -97,7 +84,7 @@ def plan_job(spec: JobSpec, limit: int | None = None, rates: Rates | None = None
         committed, complete = folder.committed_row_ids(), folder.read_json("_SUCCESS") is not None
     except OutputError as e:
         raise JobError(str(e)) from None
-    tokenizer, model_len = _model(spec)
+    tokenizer, model_len = preflight.load_tokenizer(spec)
     preparer = job_preparer(spec, tokenizer, model_len, preflight.carry_columns(spec), committed)
     errors: Counter[str] = Counter()
 

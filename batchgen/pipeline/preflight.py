@@ -8,6 +8,9 @@ from typing import Any
 from jinja2 import Environment, nodes
 
 from batchgen.engine import LLM
+from batchgen.engine.config import ModelConfig
+from batchgen.engine.llm_engine import model_context_len
+from batchgen.engine.loader import load_model_source
 from batchgen.io import InputError, OutputError, OutputWriter, expand_inputs, read_columns, redact
 from batchgen.io.fingerprint import difference, fingerprints
 from batchgen.io.lease import LeaseSettings
@@ -128,6 +131,21 @@ def stored_stats(writer: OutputWriter) -> dict[str, Any]:
         raise JobError(redact(f"cannot read {writer.path}/_SUCCESS: {type(e).__name__}: {e}")) from None
 
 
+def _model_failure(spec: JobSpec, what: str, e: Exception) -> JobError:
+    message = " ".join(str(e).split()) or type(e).__name__
+    return JobError(redact(f"cannot load {what}{spec.resolved()['model']['path']}: {message}"))
+
+
+def load_tokenizer(spec: JobSpec) -> tuple[Any, int]:
+    """(the model's tokenizer, its context length) without loading weights (a remote folder is fetched without
+    its weight files)."""
+    try:
+        source = load_model_source(spec.model.path, spec.storage_options, weights=False)
+        return source.tokenizer, model_context_len(ModelConfig.from_hf(source.config), spec.model.max_model_len)
+    except Exception as e:  # noqa: BLE001 - bad paths, unsupported architectures, bad tokenizers alike
+        raise _model_failure(spec, "the tokenizer of ", e) from None
+
+
 def load_model(spec: JobSpec) -> LLM:
     b, m = spec.batching, spec.model
     try:
@@ -136,5 +154,4 @@ def load_model(spec: JobSpec) -> LLM:
                    storage_options=spec.storage_options, tensor_parallel_size=m.tensor_parallel_size,
                    data_parallel_size=m.data_parallel_size, enable_expert_parallel=m.enable_expert_parallel)
     except Exception as e:  # noqa: BLE001 - bad paths, unsupported architectures, bad weights alike
-        message = " ".join(str(e).split()) or type(e).__name__
-        raise JobError(redact(f"cannot load model {spec.resolved()['model']['path']}: {message}")) from None
+        raise _model_failure(spec, "model ", e) from None

@@ -53,10 +53,14 @@ class Progress:
         return self._counted if self.limit is None else min(self.limit, self._counted)
 
     def update(self, row: ResultRow) -> None:
-        self.prompt_tokens += row.prompt_tokens
-        self.completion_tokens += row.completion_tokens
+        self.advance(1, row.prompt_tokens, row.completion_tokens)
+
+    def advance(self, rows: int, prompt_tokens: int, completion_tokens: int) -> None:
+        """Counts ``rows`` more finished rows holding these tokens (rows finished elsewhere, e.g. by replicas)."""
+        self.prompt_tokens += prompt_tokens
+        self.completion_tokens += completion_tokens
         self._apply_total()
-        self.bar.update(1)
+        self.bar.update(rows)
         if time.perf_counter() - self._last_postfix >= 0.5:
             self._set_postfix()
 

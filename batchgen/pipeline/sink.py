@@ -5,15 +5,26 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
-from batchgen.io import OutputError, OutputWriter
+import pyarrow as pa
+
+from batchgen.io import OutputError, redact
 from batchgen.pipeline.rows import PartSchema, ResultRow
 from batchgen.pipeline.stats import Counts
 
 log = logging.getLogger(__name__)
 
 INPUTS_KEY = "inputs"  # part stats: fingerprints of the input files whose rows it is the first to commit
+
+
+class PartWriter(Protocol):
+    """Where a sink commits its parts: the output's ``OutputWriter``, or a ``PartCommitter`` of one scope."""
+
+    fmt: str
+
+    def write_part(self, rows: list[dict[str, Any]], stats: dict[str, Any] | None = None,
+                   row_ids: list[str] | None = None, schema: pa.Schema | None = None) -> str: ...
 
 
 class PartSink:
@@ -25,7 +36,7 @@ class PartSink:
     have one from an earlier run).
     """
 
-    def __init__(self, writer: OutputWriter, schema: PartSchema, rows_per_part: int, spec_digest: str,
+    def __init__(self, writer: PartWriter, schema: PartSchema, rows_per_part: int, spec_digest: str,
                  on_row: Callable[[ResultRow], None] | None = None,
                  to_record: Callable[[ResultRow], dict[str, Any]] | None = None, max_age_s: float | None = None,
                  inputs: dict[str, dict[str, Any]] | None = None, recorded: set[str] | None = None) -> None:
@@ -69,6 +80,13 @@ class PartSink:
         self._raise_background_failure()
         with self._lock:
             self._flush()
+
+    def save_finished(self) -> None:
+        """Best effort after a failure: commit the rows that did finish, so a rerun need not redo them."""
+        try:
+            self.flush()
+        except Exception as e:  # noqa: BLE001 - the original failure is the one to report
+            log.warning("could not commit %d finished rows: %s", self.buffered, redact(str(e)))
 
     def close(self) -> None:
         """Stops the background flusher (the buffer is left as it is)."""

@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from batchgen.engine.dtype import DtypeName
 from batchgen.io.redaction import redact
+from batchgen.pipeline.executors import RAY_EXTRA_HINT, ray_available
 from batchgen.pipeline.render import check_template
 from batchgen.pipeline.sampling import OneOrMany, SamplingSpec, check_constraints
 
@@ -43,6 +44,11 @@ class ModelSpec(_Section):
     tensor_parallel_size: int = Field(default=1, ge=1)
     data_parallel_size: int = Field(default=1, ge=1)
     enable_expert_parallel: bool = False
+
+    @property
+    def world_size(self) -> int:
+        """Devices one engine runs on: tensor-parallel size x data-parallel size."""
+        return self.tensor_parallel_size * self.data_parallel_size
 
 
 class InputSpec(_Section):
@@ -118,6 +124,26 @@ class OutputSpec(_Section):
         return self
 
 
+class ExecutorSpec(_Section):
+    """Where the job runs: ``local``, in this process, or ``ray``, on a Ray cluster at ``address`` (default
+    ``RAY_ADDRESS``, else a local Ray started for the job) with ``num_replicas`` engine replicas (default: the
+    cluster's GPUs divided by a replica's devices, or 1 without GPUs), each reserving ``num_cpus`` and ``num_gpus``
+    (default: its engine's devices, ``model.world_size``, on a cluster with GPUs, else 0)."""
+
+    kind: Literal["local", "ray"] = "local"
+    address: str | None = None
+    num_replicas: int | None = Field(default=None, ge=1)
+    num_cpus: float = Field(default=1.0, ge=0)
+    num_gpus: float | None = Field(default=None, ge=0)
+
+    @model_validator(mode="after")
+    def _ray_only(self) -> "ExecutorSpec":
+        given = sorted(self.model_fields_set - {"kind"})
+        if self.kind == "local" and given:
+            raise ValueError(f"{given[0]} applies to kind ray only")
+        return self
+
+
 class JobSpec(_Section):
     """A validated job. Relative input/output paths stay relative to the working directory."""
 
@@ -130,6 +156,7 @@ class JobSpec(_Section):
     output: OutputSpec
     storage_options: dict[str, Any] = {}
     max_error_rate: float = Field(default=1.0, ge=0.0, le=1.0)  # above this fraction of error rows, exit 1
+    executor: ExecutorSpec = Field(default_factory=ExecutorSpec)
 
     def resolved(self) -> dict:
         """The spec as plain data, with the credentials in storage_options and in URLs replaced by "***"."""
@@ -138,12 +165,14 @@ class JobSpec(_Section):
         data["model"]["path"] = redact(data["model"]["path"])
         data["input"]["path"] = redact(data["input"]["path"])
         data["output"]["path"] = redact(data["output"]["path"])
+        data["executor"]["address"] = redact(data["executor"]["address"])
         return data
 
     def digest(self) -> str:
-        """sha256 of the canonical JSON of :meth:`resolved`: the redacted form, so the digest is safe to log
-        and two runs that differ only in credentials share it."""
-        canon = json.dumps(self.resolved(), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+        """sha256 of the canonical JSON of :meth:`resolved` but its executor: the redacted form, so the digest is
+        safe to log and two runs that differ only in credentials, or in where they run, share it."""
+        job = {k: v for k, v in self.resolved().items() if k != "executor"}
+        canon = json.dumps(job, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
         return hashlib.sha256(canon.encode()).hexdigest()
 
 
@@ -285,6 +314,8 @@ def spec_from_dict(data: Any, overrides: Sequence[str] = (), env: Mapping[str, s
         if spec.prompt is None and spec.input.format != "openai":
             errors.append("prompt: required key is missing (only OpenAI Batch input brings its own prompts)")
         errors += check_constraints(spec.sampling, spec.storage_options)
+        if spec.executor.kind == "ray" and not ray_available():
+            errors.append(f"executor.kind: {RAY_EXTRA_HINT}")
     if errors or spec is None:
         raise SpecError(errors)
     return spec

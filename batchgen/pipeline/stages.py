@@ -43,6 +43,25 @@ class RowIds:
         self.seen.add(candidate)
         return candidate
 
+    def for_row(self, row: InputRow) -> str:
+        return self.assign(row.row_id)
+
+
+@dataclass
+class PlannedIds:
+    """The ids :class:`RowIds` gave a job's rows, decided beforehand over all of them: ``renamed`` maps
+    (input file, row index) to the id of a later occurrence of an id; every other row keeps its own. A shard of
+    the input then assigns the job's ids on its own."""
+
+    renamed: dict[tuple[str, int], str] = field(default_factory=dict)
+
+    def for_row(self, row: InputRow) -> str:
+        return self.renamed.get((row.source, row.index), row.row_id)
+
+
+class IdAssigner(Protocol):
+    def for_row(self, row: InputRow) -> str: ...
+
 
 class PromptSource(Protocol):
     """Turns a row's values into prompt token ids and the request's sampling; raises RenderError."""
@@ -85,13 +104,13 @@ class Preparer:
     truncate_mode: TruncateMode
     committed: set[str]
     model_len: int | None = None  # the model's context, when it is what limits max_prompt_tokens
-    ids: RowIds = field(default_factory=RowIds)
+    ids: IdAssigner = field(default_factory=RowIds)
     skipped: int = 0  # rows already committed by an earlier run
     truncated: int = 0  # prompts cut to max_prompt_tokens ("left"/"right"; "error" makes them error rows)
 
     def prepare(self, rows: Iterable[InputRow]) -> Iterator[Request | ResultRow]:
         for row in rows:
-            row_id = self.ids.assign(row.row_id)
+            row_id = self.ids.for_row(row)
             if row_id in self.committed:
                 self.skipped += 1
                 continue
@@ -118,12 +137,14 @@ class Preparer:
 
 
 def job_preparer(spec: JobSpec, tokenizer: Tokenizer, model_len: int, carry: list[str],
-                 committed: set[str]) -> Preparer:
+                 committed: set[str], ids: IdAssigner | None = None) -> Preparer:
     """The job's row preparation for a model of context ``model_len``; the run and ``batchgen plan`` both
-    use it, so that the plan's token counts are the run's."""
+    use it, so that the plan's token counts are the run's. ``ids``: see :class:`PlannedIds` (default: assign
+    them in reading order)."""
     max_prompt = min(spec.batching.max_prompt_tokens, model_len - 1)  # room for >= 1 new token
     return Preparer(prompt_source(spec, tokenizer), carry, max_prompt, spec.batching.truncate, committed,
-                    model_len=model_len if max_prompt < spec.batching.max_prompt_tokens else None)
+                    model_len=model_len if max_prompt < spec.batching.max_prompt_tokens else None,
+                    ids=ids or RowIds())
 
 
 def input_rows(spec: JobSpec, files: list[str], limit: int | None) -> Iterator[InputRow]:
@@ -141,6 +162,33 @@ def divert_errors(items: Iterable[Request | ResultRow], on_error: Callable[[Resu
             on_error(item)
         else:
             yield item
+
+
+@dataclass
+class Window:
+    """A sort window's requests, in the order the engine gets them, and the error rows read among them."""
+
+    requests: list[Request]
+    errors: list[ResultRow]
+
+    def __len__(self) -> int:
+        return len(self.requests) + len(self.errors)
+
+
+def windows(items: Iterable[Request | ResultRow], size: int, sort: bool) -> Iterator[Window]:
+    """Prepared rows cut into windows of ``size`` requests, each sorted as ``sorted_requests`` sorts them."""
+    requests: list[Request] = []
+    errors: list[ResultRow] = []
+    for item in items:
+        if isinstance(item, ResultRow):
+            errors.append(item)
+            continue
+        requests.append(item)
+        if len(requests) == size:
+            yield Window(list(sorted_requests(requests, size, sort)), errors)
+            requests, errors = [], []
+    if requests or errors:
+        yield Window(list(sorted_requests(requests, size, sort)), errors)
 
 
 def sorted_requests(requests: Iterable[Request], window: int, enabled: bool) -> Iterator[Request]:

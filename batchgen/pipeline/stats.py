@@ -57,13 +57,15 @@ def _rate(n: int, seconds: float) -> float:
 
 def job_stats(*, totals: Counts, run: Counts, job: str, model: str, dtype: str, spec: dict[str, Any],
               spec_digest: str, started_at: str, wall_s: float, generate_s: float, resumed: bool, complete: bool,
-              limit: int | None, engine: dict[str, Any] | None = None) -> dict[str, Any]:
+              limit: int | None, engine: dict[str, Any] | None = None,
+              executor: dict[str, Any] | None = None) -> dict[str, Any]:
     """The job's stats: totals over every committed part (earlier runs included), rates over this run.
 
     ``wall_s`` is this run from start to finish (model load included); the tokens-per-second rates divide
     this run's tokens by ``generate_s``, the time from the first request to the last result. ``dtype`` is the
     one the model ran in ("auto" resolved); ``engine`` holds this run's engine totals (see
-    ``telemetry.engine_summary``).
+    ``telemetry.engine_summary``), ``executor`` how it ran (its kind and, on Ray, each replica's rows and
+    throughput).
     """
     return {
         "job": job,
@@ -84,5 +86,6 @@ def job_stats(*, totals: Counts, run: Counts, job: str, model: str, dtype: str, 
         "limit": limit,
         "this_run": run.to_dict(),
         "engine": engine or {},
+        "executor": executor or {"kind": "local"},
         "spec": spec,
     }

@@ -4,11 +4,9 @@ from __future__ import annotations
 import threading
 import time
 from contextlib import contextmanager
+from dataclasses import asdict, fields
 from typing import Any, Callable, Iterable, Iterator, TypeVar
 
-import torch
-
-from batchgen.bench.flops import gpu_peak_flops
 from batchgen.engine.metrics import EngineMetrics, StepRecord
 from batchgen.engine.models.base import ModelProfile
 from batchgen.pipeline.rows import ResultRow
@@ -69,6 +67,29 @@ class TimeBuckets:
         return {"bucket_s": self.width_s,
                 "columns": {name: [round(v, 4) if isinstance(v, float) else v for v in column]
                             for name, column in self.columns.items()}}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], max_buckets: int = MAX_BUCKETS) -> TimeBuckets:
+        columns = data["columns"]
+        out = cls(columns, max_buckets, data["bucket_s"])
+        out.columns = {name: list(column) for name, column in columns.items()}
+        out.num_buckets = max((len(c) for c in columns.values()), default=0)
+        return out
+
+    def merge(self, other: TimeBuckets) -> None:
+        """Adds ``other``'s counts, measured from the same start (another process's share of one job)."""
+        other = TimeBuckets.from_dict(other.to_dict(), self.max_buckets)
+        while self.width_s < other.width_s * (1 - 1e-9):
+            self._coarsen()
+        while other.width_s < self.width_s * (1 - 1e-9):
+            other._coarsen()
+        if other.num_buckets > self.num_buckets:
+            for column in self.columns.values():
+                column.extend([0] * (other.num_buckets - self.num_buckets))
+            self.num_buckets = other.num_buckets
+        for name, column in other.columns.items():
+            for i, value in enumerate(column):
+                self.columns[name][i] += value
 
 
 class StageClock:
@@ -154,17 +175,29 @@ class Telemetry:
         return {"time_buckets": self.buckets.to_dict(), "token_budget": self.token_budget,
                 "stages_s": {k: round(v, 4) for k, v in self.stages.seconds.items()}}
 
+    def state(self) -> dict[str, Any]:
+        """What :meth:`absorb` takes: the telemetry and the engine totals (plain data, to cross processes)."""
+        return {**self.to_dict(), "metrics": asdict(self.metrics)}
+
+    def absorb(self, state: dict[str, Any]) -> None:
+        """Adds another process's share of the job (its :meth:`state`, timed from the same start)."""
+        self.buckets.merge(TimeBuckets.from_dict(state["time_buckets"]))
+        for stage, seconds in state["stages_s"].items():
+            self.stages.add(stage, seconds)
+        for f in fields(EngineMetrics):
+            setattr(self.metrics, f.name, getattr(self.metrics, f.name) + state["metrics"][f.name])
+
 
 def _ratio(a: float, b: float, digits: int = 4) -> float | None:
     return round(a / b, digits) if b else None
 
 
 def engine_summary(m: EngineMetrics, generate_s: float, token_budget: int, profile: ModelProfile | None = None,
-                   device: torch.device | None = None, num_devices: int = 1) -> dict[str, Any]:
+                   peak_flops: float | None = None, engines: int = 1) -> dict[str, Any]:
     """This run's engine totals and what follows from them: rates, budget use, padding and idle shares,
     achieved FLOP/s over the generation time (linear layers and logits, as ``batchgen bench`` counts them)
-    and MFU where the device's peak is known (a GPU from the datasheet table, times ``num_devices``;
-    None on CPU)."""
+    and MFU where the peak is known (``engine_peak_flops``: an engine's GPUs from the datasheet table; None on
+    CPU). ``engines`` ran side by side over ``generate_s`` (Ray replicas): their busy time is shared out."""
     steps = m.prefill_steps + m.decode_steps
     busy = m.prefill_time_s + m.decode_time_s
     out: dict[str, Any] = {k: round(v, 4) if isinstance(v, float) else v for k, v in m.as_dict().items()}
@@ -174,14 +207,13 @@ def engine_summary(m: EngineMetrics, generate_s: float, token_budget: int, profi
         decode_tokens_per_s=_ratio(m.decode_tokens, m.decode_time_s, 1),
         token_budget_utilization=_ratio(m.tokens_computed, steps * token_budget),
         padding_share=_ratio(m.padded_tokens, m.tokens_computed + m.padded_tokens),
-        idle_share=round(max(0.0, 1 - busy / generate_s), 4) if generate_s > 0 else None,
+        idle_share=round(max(0.0, 1 - busy / (engines * generate_s)), 4) if generate_s > 0 else None,
         achieved_tflops=None, peak_tflops=None, mfu=None)
     if profile is not None and generate_s > 0:
         flops = 2 * profile.active_params * m.tokens_computed + 2 * profile.lm_head_params * m.tokens_generated
         out["achieved_tflops"] = round(flops / generate_s / 1e12, 6)
-        peak = gpu_peak_flops(device) if device is not None else None
-        if peak:
-            peak *= num_devices
+        if peak_flops:
+            peak = peak_flops * engines
             out["peak_tflops"] = round(peak / 1e12, 1)
             out["mfu"] = round(flops / generate_s / peak, 6)
     return out

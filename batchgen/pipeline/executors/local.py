@@ -1,0 +1,94 @@
+"""The local executor: one lazy chain in this process, read -> render/tokenize -> sort window -> engine -> parts."""
+from __future__ import annotations
+
+import signal
+import time
+from typing import Iterable
+
+from batchgen.crashpoints import crash_point
+from batchgen.engine import LLM
+from batchgen.io import InputRow, OutputWriter
+from batchgen.bench.flops import engine_peak_flops
+from batchgen.pipeline import preflight
+from batchgen.pipeline.interrupt import StopRequest
+from batchgen.pipeline.job import Execution, RunPlan
+from batchgen.pipeline.prefetch import Prefetcher
+from batchgen.pipeline.rows import engine_row
+from batchgen.pipeline.sink import PartSink
+from batchgen.pipeline.spec import JobSpec
+from batchgen.pipeline.stages import Preparer, admit, divert_errors, input_rows, job_preparer, sorted_requests
+from batchgen.pipeline.telemetry import Telemetry, engine_summary
+
+PREFETCH_ROWS = 1024  # prepared rows queued ahead of the sort window
+
+
+def _generate(llm: LLM, spec: JobSpec, rows: Iterable[InputRow], preparer: Preparer, sink: PartSink,
+              stop: StopRequest, telemetry: Telemetry) -> float:
+    """Streams every row through the engine into the sink; returns the seconds it took.
+
+    One lazy chain feeds one ``generate_stream`` call, with reading, rendering and tokenizing in a
+    background thread, so the engine neither drains between sort windows nor waits while one fills. At
+    most the prefetch depth, a sort window and the engine's pending requests are held at once. Each
+    stage's time goes to ``telemetry``.
+    """
+    b, clock = spec.batching, telemetry.stages
+    prepare = clock.timed(preparer.prepare(clock.timed(rows, "read")), "render_tokenize")
+    prepared = Prefetcher(prepare, depth=min(b.sort_window, PREFETCH_ROWS), name="prepare")
+    write = clock.wrap(sink.add, "write")
+    try:
+        requests = clock.timed(sorted_requests(divert_errors(prepared, write), b.sort_window, b.sort),
+                               "queue_wait")
+        start = time.perf_counter()
+        with telemetry.listening(llm.engine.step_listeners):
+            outputs = llm.generate_stream(admit(requests, stop.event))
+            for req, out in clock.timed(outputs, "engine"):
+                crash_point("generate")
+                write(engine_row(req, out, llm.tokenizer))
+        return time.perf_counter() - start
+    finally:
+        prepared.close()
+
+
+class LocalExecutor:
+    """Runs the job in this process on one engine (``llm`` when given: its own engine settings then apply, and it
+    stays open after the job; a model the executor loads itself is closed with it)."""
+
+    def __init__(self, llm: LLM | None = None) -> None:
+        self.llm = llm
+        self._own: LLM | None = None
+
+    def start(self, spec: JobSpec) -> None:
+        if self.llm is None:
+            self.llm = self._own = preflight.load_model(spec)
+
+    def execute(self, plan: RunPlan, writer: OutputWriter, stop: StopRequest) -> Execution:
+        llm, spec = self.llm, plan.spec
+        assert llm is not None, "start() loads the model"
+        telemetry = Telemetry(llm.engine.token_budget, start=plan.wall_start)
+        telemetry.stages.add("startup", time.perf_counter() - plan.wall_start)
+        progress = plan.progress()
+        sink = plan.part_sink(writer, on_row=lambda row: (progress.update(row), telemetry.on_row(row)))
+        preparer = job_preparer(spec, llm.tokenizer, llm.max_model_len, plan.carry, plan.committed)
+        rows = input_rows(spec, plan.files, plan.limit)
+        generate_s = 0.0
+        try:
+            generate_s = _generate(llm, spec, rows, preparer, sink, stop, telemetry)
+        except KeyboardInterrupt:
+            stop.set(signal.SIGINT)
+        except Exception:
+            sink.save_finished()
+            raise
+        finally:
+            sink.close()
+            progress.close()
+        with telemetry.stages.measure("write"):
+            sink.flush()
+        engine = engine_summary(telemetry.metrics, generate_s, telemetry.token_budget, llm.engine.executor.profile,
+                                engine_peak_flops(llm.config))
+        return Execution(run=sink.run, generate_s=generate_s, engine=engine, telemetry=telemetry.to_dict(),
+                         executor={"kind": "local"}, dtype=llm.config.dtype_choice.name)
+
+    def close(self) -> None:
+        if self._own is not None:
+            own, self._own, self.llm = self._own, None, None
+            own.close()
