@@ -1,6 +1,9 @@
 """Writes a Llama-architecture model folder with random bf16 weights, for benchmarks on big shapes.
 
-    python benchmarks/random_llama.py --size 1b --out /tmp/llama-1b [--device cuda]
+    python benchmarks/random_llama.py --size 1b --out /tmp/llama-1b [--device cuda] [--fp8]
+
+``--fp8`` writes the projection weights as FP8 (e4m3) with one scale per 128x128 block, in DeepSeek-V3's
+checkpoint format (``weight_scale_inv`` tensors, ``quantization_config.weight_block_size``).
 
 Sizes follow Llama 3.2 1B and Llama 3.1 8B shapes (GQA 4:1, 128K vocabulary). The tokenizer is a
 tiny byte-level one: benchmarks feed token ids, so only the loader needs it.
@@ -13,6 +16,8 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+
+from batchgen.engine.quantization.checkpoint import quantization_config, quantize_tensor
 
 SIZES = {
     "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
@@ -53,12 +58,15 @@ def main() -> None:
     ap.add_argument("--size", choices=sorted(SIZES), required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--fp8", action="store_true", help="FP8 weights with 128x128 block scales")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256,
            "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "max_position_embeddings": 16384,
            "hidden_act": "silu", "bos_token_id": 0, "eos_token_id": 1, **SIZES[args.size]}
+    if args.fp8:
+        cfg["quantization_config"] = quantization_config("block")
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     gen = torch.Generator(device=args.device).manual_seed(0)
     shard, shard_bytes, index, n = {}, 0, {}, 0
@@ -73,15 +81,18 @@ def main() -> None:
 
     for name, shape in shapes(cfg).items():
         t = torch.randn(shape, generator=gen, device=args.device, dtype=torch.bfloat16) * 0.02
-        shard[name] = t.fill_(1.0) if name.endswith("norm.weight") else t
-        shard_bytes += t.numel() * 2
+        tensors = {name: t.fill_(1.0)} if name.endswith("norm.weight") else {name: t}
+        if args.fp8:
+            tensors = quantize_tensor(name, t, "block")
+        shard.update(tensors)
+        shard_bytes += sum(v.numel() * v.element_size() for v in tensors.values())
         if shard_bytes > 4 << 30:
             flush()
     flush()
     (out / "model.safetensors.index.json").write_text(json.dumps({"weight_map": index}))
     write_tokenizer(out)
     params = sum(torch.Size(s).numel() for s in shapes(cfg).values())
-    print(f"wrote {out}: {params / 1e9:.2f}B parameters")
+    print(f"wrote {out}: {params / 1e9:.2f}B parameters" + (" (FP8, 128x128 block scales)" if args.fp8 else ""))
 
 
 if __name__ == "__main__":

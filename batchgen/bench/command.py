@@ -40,19 +40,21 @@ def _read_texts(path: str, column: str) -> list[str]:
 @click.option("--attention-backend", type=click.Choice(["torch", "triton"]), default=None)
 @click.option("--cuda-graphs", type=click.Choice(["auto", "off"]), default="auto", show_default=True,
               help="Replay captured CUDA graphs for decode and mixed steps (CUDA + Triton only).")
+@click.option("--fp8-weights", type=click.Choice(["auto", "fp8", "dequantize"]), default="auto", show_default=True,
+              help="FP8 checkpoints: keep the weights in FP8 (auto: on GPUs with FP8 tensor cores) or dequantize.")
 @click.option("--json-schema", "json_schema_file", default=None, type=click.Path(dir_okay=False, exists=True),
               help="Also run the workload with every output constrained to this JSON Schema, and compare.")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--output-json", default=None, help="Also write the results to this file.")
 def bench(model, num_prompts, input_len, dataset, column, whole_documents, prefix_len, output_len, dtype,
-          device, max_batch_tokens, max_num_seqs, no_prefix_caching, attention_backend, cuda_graphs, json_schema_file,
-          seed, output_json):
+          device, max_batch_tokens, max_num_seqs, no_prefix_caching, attention_backend, cuda_graphs, fp8_weights,
+          json_schema_file, seed, output_json):
     """Measure prompt (prefill) and output throughput of the engine."""
     logging.basicConfig(level=logging.WARNING)
     cfg = BenchConfig(model=model, dtype=dtype, device=device, output_len=output_len,
                       max_batch_tokens=max_batch_tokens, max_num_seqs=max_num_seqs,
                       enable_prefix_caching=not no_prefix_caching, attention_backend=attention_backend,
-                      cuda_graphs=cuda_graphs)
+                      cuda_graphs=cuda_graphs, fp8_weights=fp8_weights)
     llm = make_llm(cfg)
     if dataset:
         workload = from_documents(_read_texts(dataset, column), llm.tokenizer, num_prompts,
@@ -76,10 +78,11 @@ def bench(model, num_prompts, input_len, dataset, column, whole_documents, prefi
             f.write(text + "\n")
 
 
-SHOWN = ("total_params", "active_params", "kv_bytes_per_token", "prompt_tokens", "wall_s", "requests_per_s",
-         "prompt_tokens_per_s", "output_tokens_per_s", "total_tokens_per_s", "decode_tokens_per_s", "prefix_cache_hit_rate", "roofline_prompt_tokens_per_s",
+SHOWN = ("weight_format", "total_params", "active_params", "kv_bytes_per_token", "prompt_tokens", "wall_s",
+         "requests_per_s", "prompt_tokens_per_s", "output_tokens_per_s", "total_tokens_per_s", "prefill_tokens_per_s",
+         "decode_tokens_per_s", "prefix_cache_hit_rate", "roofline_prompt_tokens_per_s",
          "prompt_tokens_per_s_over_roofline", "mfu_vs_measured_matmul", "mfu_with_attention_vs_measured_matmul",
-         "mfu_vs_gpu_peak", "mfu_with_attention_vs_gpu_peak")
+         "mfu_vs_gpu_peak", "mfu_with_attention_vs_gpu_peak", "prefill_mfu_vs_gpu_peak")
 COMPARED = ("output_tokens", "wall_s", "requests_per_s", "output_tokens_per_s", "decode_tokens_per_s",
             "decode_time_s", "mask_ms_per_step", "grammar_steps")
 

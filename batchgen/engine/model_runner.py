@@ -12,6 +12,7 @@ from batchgen.engine.layers.attention import AttentionMetadata
 from batchgen.engine.layers.ops import default_backend, fused_moe, make_kernel_set
 from batchgen.engine.model_source import ModelSource
 from batchgen.engine.models.registry import build_model
+from batchgen.engine.quantization import choose_weight_methods, load_checkpoint
 from batchgen.engine.sampler import SamplingBatch, TokenBitmask, sample
 from batchgen.engine.scheduler import ScheduledSeq
 
@@ -30,13 +31,15 @@ class ModelRunner:
         self.block_size = engine.block_size
         backend = engine.attention_backend or default_backend(self.device)
         self.kernels = make_kernel_set(backend)
-        self.model = build_model(model_cfg, self.kernels, max_model_len, self.dtype, self.device)
-        self.model.load_weights(source.weights())
+        methods = choose_weight_methods(model_cfg.quantization, self.kernels, self.device, self.dtype,
+                                        engine.fp8_weights)
+        self.model = build_model(model_cfg, self.kernels, max_model_len, self.dtype, self.device, methods)
+        load_checkpoint(self.model, source.weights)
         self.profile = self.model.profile()
         self.kv_layout = self.model.kv_layout()
         self.num_blocks = self._allocate_kv_cache()
-        log.info("model %s: %s on %s, attention backend %s; %s", source.name, engine.dtype, self.device,
-                 backend, self.profile.summary())
+        log.info("model %s: %s on %s, attention backend %s; %s; weights %s", source.name, engine.dtype,
+                 self.device, backend, self.profile.summary(), self.profile.weight_format)
         self.graphs = self._graph_runner(backend, max_model_len)
         self.padded_tokens = 0  # tokens the last step computed only to fit a CUDA graph's shape
 

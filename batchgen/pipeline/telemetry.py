@@ -8,7 +8,7 @@ from typing import Any, Callable, Iterable, Iterator, TypeVar
 
 import torch
 
-from batchgen.bench.flops import gpu_peak_flops
+from batchgen.bench.flops import linear_flops, peak_seconds
 from batchgen.engine.metrics import EngineMetrics, StepRecord
 from batchgen.engine.models.base import ModelProfile
 from batchgen.pipeline.rows import ResultRow
@@ -163,7 +163,8 @@ def engine_summary(m: EngineMetrics, generate_s: float, token_budget: int, profi
                    device: torch.device | None = None) -> dict[str, Any]:
     """This run's engine totals and what follows from them: rates, budget use, padding and idle shares,
     achieved FLOP/s over the generation time (linear layers and logits, as ``batchgen bench`` counts them)
-    and MFU where the device's peak is known (a GPU from the datasheet table; None on CPU)."""
+    and MFU where the device's peak is known (a GPU from the datasheet table, its FP8 peak for FP8 weights;
+    None on CPU)."""
     steps = m.prefill_steps + m.decode_steps
     busy = m.prefill_time_s + m.decode_time_s
     out: dict[str, Any] = {k: round(v, 4) if isinstance(v, float) else v for k, v in m.as_dict().items()}
@@ -176,10 +177,10 @@ def engine_summary(m: EngineMetrics, generate_s: float, token_budget: int, profi
         idle_share=round(max(0.0, 1 - busy / generate_s), 4) if generate_s > 0 else None,
         achieved_tflops=None, peak_tflops=None, mfu=None)
     if profile is not None and generate_s > 0:
-        flops = 2 * profile.active_params * m.tokens_computed + 2 * profile.lm_head_params * m.tokens_generated
+        flops, fp8_flops = linear_flops(profile, m.tokens_computed, m.tokens_generated)
         out["achieved_tflops"] = round(flops / generate_s / 1e12, 6)
-        peak = gpu_peak_flops(device) if device is not None else None
-        if peak:
-            out["peak_tflops"] = round(peak / 1e12, 1)
-            out["mfu"] = round(flops / generate_s / peak, 6)
+        ideal = peak_seconds(flops, fp8_flops, device) if device is not None and flops else None
+        if ideal:
+            out["peak_tflops"] = round(flops / ideal / 1e12, 1)
+            out["mfu"] = round(ideal / generate_s, 6)
     return out

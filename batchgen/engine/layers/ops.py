@@ -73,6 +73,8 @@ class KernelSet:
     apply_rotary: Callable = apply_rotary
     silu_and_mul: Callable = silu_and_mul
     fused_moe: Callable = fused_moe
+    # y = x @ dequant(weight)^T (+ bias) with FP8 weights and scales; None: the set has no FP8 GEMM.
+    fp8_linear: Callable | None = None
 
 
 def make_kernel_set(backend: str) -> KernelSet:

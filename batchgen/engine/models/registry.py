@@ -11,6 +11,7 @@ if TYPE_CHECKING:
     from batchgen.engine.config import ModelConfig
     from batchgen.engine.layers.ops import KernelSet
     from batchgen.engine.models.base import CausalLM
+    from batchgen.engine.quantization import WeightMethods
 
 
 class UnsupportedModelError(ValueError):
@@ -71,15 +72,20 @@ def gguf_architecture(gguf_name: str, has_experts: bool) -> Architecture:
 
 
 def build_model(cfg: "ModelConfig", kernels: "KernelSet", max_positions: int, dtype: torch.dtype,
-                device: torch.device | str) -> "CausalLM":
-    """The model allocated directly in ``dtype`` on ``device`` (no fp32 copy first; "meta" allocates nothing)."""
+                device: torch.device | str, methods: "WeightMethods | None" = None) -> "CausalLM":
+    """The model allocated directly in ``dtype`` on ``device`` (no fp32 copy first; "meta" allocates nothing).
+
+    ``methods`` (from ``quantization.choose_weight_methods``) gives the layers quantized weights.
+    """
+    from batchgen.engine.layers.linear import weight_methods
+
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     device = torch.device(device)
     # Row chunks keep CPU activations in cache; a GPU wants each matmul as large as the step.
     chunk_tokens = 1024 if device.type == "cpu" else 1 << 30
     try:
-        with device:
+        with device, weight_methods(methods):
             model = _BY_NAME[cfg.architecture].model_class()(cfg, kernels, max_positions=max_positions,
                                                               chunk_tokens=chunk_tokens)
     finally:
