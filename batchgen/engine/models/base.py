@@ -218,6 +218,7 @@ class CausalLM(nn.Module):
         )
 
     def weight_format(self, runs_fp8: bool) -> str:
+        """The weights' dtype, or the checkpoint's FP8 format and whether it runs in FP8 or dequantized."""
         dtype = str(self.embed_tokens.weight.dtype).removeprefix("torch.")
         if self.cfg.quantization is None:
             return dtype

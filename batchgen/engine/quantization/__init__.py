@@ -52,9 +52,8 @@ def fp8_tensor_cores(device: torch.device) -> bool:
 
 def choose_weight_methods(config: QuantizationConfig | None, kernels: "KernelSet", device: torch.device,
                           dtype: torch.dtype, mode: str = "auto") -> WeightMethods | None:
-    """The weight methods for a checkpoint quantized as ``config`` (None: unquantized), logging the choice."""
-    if mode not in FP8_WEIGHTS_MODES:
-        raise ValueError(f"fp8_weights must be one of {', '.join(FP8_WEIGHTS_MODES)}, got {mode!r}")
+    """The weight methods for a checkpoint quantized as ``config`` (None: unquantized), logging the choice;
+    ``mode`` is one of ``FP8_WEIGHTS_MODES`` (``EngineConfig.fp8_weights``)."""
     if config is None:
         return None
     from batchgen.engine.quantization.fp8 import Fp8LinearMethod, Fp8MoEMethod, Fp8Scales
