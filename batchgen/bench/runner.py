@@ -13,6 +13,7 @@ from batchgen.bench.flops import (
 )
 from batchgen.bench.workload import Workload, synthetic
 from batchgen.engine import LLM, SamplingParams
+from batchgen.engine.dtype import DtypeChoice
 from batchgen.engine.metrics import EngineMetrics
 from batchgen.engine.models.base import ModelProfile
 
@@ -22,7 +23,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class BenchConfig:
     model: str = "smollm2-135m-instruct"
-    dtype: str = "bfloat16"
+    dtype: str = "auto"
     device: str = "auto"
     output_len: int = 1
     max_batch_tokens: int = 8192
@@ -62,11 +63,12 @@ def run_bench(llm: LLM, workload: Workload, cfg: BenchConfig) -> dict:
     matmul = measure_matmul_flops(llm.config.torch_dtype, device)
     runner = llm.engine.runner
     kv_bytes = runner.kv_layout.bytes_per_token(llm.config.torch_dtype)
-    return summarize(workload, outputs, metrics, wall, runner.profile, kv_bytes, matmul, cfg, device)
+    return summarize(workload, outputs, metrics, wall, runner.profile, kv_bytes, matmul, cfg, device,
+                     llm.config.dtype_choice)
 
 
 def summarize(workload, outputs, m: EngineMetrics, wall: float, profile: ModelProfile, kv_bytes_per_token: int,
-              matmul_flops: float, cfg: BenchConfig, device) -> dict:
+              matmul_flops: float, cfg: BenchConfig, device, choice: DtypeChoice) -> dict:
     # MFU counts the matmul weights each token really uses: for MoE its top-k and shared experts.
     lin = profile.active_params
     prompt_tokens = workload.prompt_tokens
@@ -78,7 +80,8 @@ def summarize(workload, outputs, m: EngineMetrics, wall: float, profile: ModelPr
     prompt_tps = prompt_tokens / wall
     roofline_tps = matmul_flops / (2 * lin)
     result = {
-        "model": cfg.model, "dtype": cfg.dtype, "weight_format": profile.weight_format, "device": str(device),
+        "model": cfg.model, "dtype": choice.name, "dtype_requested": cfg.dtype, "dtype_reason": choice.reason,
+        "weight_format": profile.weight_format, "device": str(device),
         "cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
         "num_prompts": len(workload.prompts), "prompt_tokens": prompt_tokens, "output_tokens": output_tokens,
         "output_len": cfg.output_len, "max_batch_tokens": cfg.max_batch_tokens,

@@ -37,9 +37,10 @@ class ModelRunner:
         load_checkpoint(self.model, source.weights)
         self.profile = self.model.profile()
         self.kv_layout = self.model.kv_layout()
+        self.kernels.prepare_model(self.model)  # after the profile: it may replace modules (prepacking)
         self.num_blocks = self._allocate_kv_cache()
-        log.info("model %s: %s on %s, attention backend %s; %s; weights %s", source.name, engine.dtype,
-                 self.device, backend, self.profile.summary(), self.profile.weight_format)
+        log.info("model %s: %s on %s, attention backend %s; %s; weights %s", source.name, engine.dtype_choice.name,
+                 self.device, self.kernels.attention.name, self.profile.summary(), self.profile.weight_format)
         self.graphs = self._graph_runner(backend, max_model_len)
         self.padded_tokens = 0  # tokens the last step computed only to fit a CUDA graph's shape
 
