@@ -52,7 +52,7 @@ def test_tiny_kv_budget_preempts_and_gives_identical_output(tiny_model):
     prompts = [reference.tokenizer.encode(f"{i} " + TEXT * 3)[:60] for i in range(6)]
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
     expected = [o.token_ids for o in reference.generate(prompts, params)]
-    per_block = reference.engine.runner.kv_layout.bytes_per_block(16, reference.config.torch_dtype)
+    per_block = reference.engine.executor.kv_layout.bytes_per_block(16, reference.config.torch_dtype)
     small = make_llm(tiny_model, budget=256, kv_cache_memory=per_block * 16, enable_prefix_caching=False)
     got = [o.token_ids for o in small.generate(prompts, params)]
     assert small.engine.metrics.preemptions > 0

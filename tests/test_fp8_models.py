@@ -23,6 +23,8 @@ from batchgen.engine.layers.linear import (
 )
 from batchgen.engine.layers.moe import FusedMoE
 from batchgen.engine.layers.ops import make_kernel_set
+from batchgen.engine.parallel.context import ParallelContext
+from batchgen.engine.parallel.group import CommGroup
 from batchgen.engine.quantization import (
     QuantizationConfig, UnsupportedQuantizationError, choose_weight_methods, parse_quantization,
 )
@@ -285,10 +287,10 @@ def test_tensor_parallel_shards_take_their_scales(scheme):
 
     for rank in range(2):
         with fp8_layers(scheme):
-            qkv = QKVParallelLinear(256, 128, 4, 2, tp_rank=rank, tp_size=2)
-            gate_up = MergedColumnParallelLinear(256, [512, 512], tp_rank=rank, tp_size=2)
-            row = RowParallelLinear(512, 256, tp_rank=rank, tp_size=2)
-            moe = FusedMoE(3, 256, 256, make_kernel_set("torch"), tp_rank=rank, tp_size=2)
+            qkv = QKVParallelLinear(256, 128, 4, 2, tp=CommGroup(rank, 2))
+            gate_up = MergedColumnParallelLinear(256, [512, 512], tp=CommGroup(rank, 2))
+            row = RowParallelLinear(512, 256, tp=CommGroup(rank, 2))
+            moe = FusedMoE(3, 256, 256, make_kernel_set("torch"), ParallelContext(tp=CommGroup(rank, 2)))
         for shard, pair in dict(q=q, k=k, v=v).items():
             load(qkv.weight, pair, shard, qkv.weight_scale)
         load(gate_up.weight, gate, 0, gate_up.weight_scale)
@@ -312,9 +314,30 @@ def test_tensor_parallel_shards_take_their_scales(scheme):
             torch.testing.assert_close(moe.down_proj[e], d[:, half], rtol=0, atol=0)
     if scheme == "block":  # a rank boundary inside a 128x128 block cannot take its scales
         with fp8_layers(scheme):
-            layer = ColumnParallelLinear(256, 320, tp_rank=1, tp_size=2)
+            layer = ColumnParallelLinear(256, 320, tp=CommGroup(1, 2))
         with pytest.raises(ValueError, match="shards of block-quantized weights must be multiples of 128"):
             layer.weight_scale.weight_loader(layer.weight_scale, quantized(320, 256, scheme, gen)[1])
+
+
+@pytest.mark.parametrize("scheme", ["block", "tensor"])
+def test_expert_parallel_ranks_take_their_experts_scales(scheme):
+    """Under expert parallelism each rank loads its whole experts and their scales from stacked tensors."""
+    gen = torch.Generator().manual_seed(1)
+    pairs = [quantized(256, 128, scheme, gen) for _ in range(4)]  # per expert: (2I=256, H=128), I=128
+    weights = torch.stack([w for w, _ in pairs])
+    scales = torch.stack([s for _, s in pairs])
+    for rank in range(2):
+        with fp8_layers(scheme):
+            moe = FusedMoE(4, 128, 128, make_kernel_set("torch"),
+                           ParallelContext(dp=CommGroup(rank, 2), expert_parallel=True))
+        moe.gate_up_proj.weight_loader(moe.gate_up_proj, weights)
+        moe.gate_up_proj_scale.weight_loader(moe.gate_up_proj_scale, scales)
+        mine = [dequantize_fp8_weight(*pairs[e], torch.float32) for e in moe.experts]
+        assert len(mine) == moe.gate_up_proj.shape[0] == 2
+        dense = dequantize_fp8_weight(moe.gate_up_proj[0], moe.gate_up_proj_scale[0], torch.float32)
+        torch.testing.assert_close(dense, mine[0], rtol=0, atol=0)
+        dense = dequantize_fp8_weight(moe.gate_up_proj[1], moe.gate_up_proj_scale[1], torch.float32)
+        torch.testing.assert_close(dense, mine[1], rtol=0, atol=0)
 
 
 def compressed_tensors(strategy: str, dynamic: bool | None = True, **weights) -> dict:

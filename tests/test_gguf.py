@@ -30,6 +30,12 @@ LAYER_TO_GGUF = {
     "mlp.gate.weight": "ffn_gate_inp.weight", "block_sparse_moe.gate.weight": "ffn_gate_inp.weight",
     "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
     **{f"mlp.shared_expert.{p}_proj.weight": f"ffn_{p}_shexp.weight" for p in ("gate", "up", "down")},
+    # DeepSeek (deepseek2): latent attention, the V3 expert-choice bias, shared experts
+    "self_attn.q_a_proj.weight": "attn_q_a.weight", "self_attn.q_a_layernorm.weight": "attn_q_a_norm.weight",
+    "self_attn.q_b_proj.weight": "attn_q_b.weight", "self_attn.kv_a_proj_with_mqa.weight": "attn_kv_a_mqa.weight",
+    "self_attn.kv_a_layernorm.weight": "attn_kv_a_norm.weight", "self_attn.kv_b_proj.weight": "attn_kv_b.weight",
+    "mlp.gate.e_score_correction_bias": "exp_probs_b.bias",
+    **{f"mlp.shared_experts.{p}_proj.weight": f"ffn_{p}_shexp.weight" for p in ("gate", "up", "down")},
 }
 # Per-expert HF tensors, which llama.cpp stacks into one blk.N.ffn_{gate,up,down}_exps tensor per layer.
 EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")
@@ -155,7 +161,7 @@ def test_config_builds_the_same_hf_model(tiny_model_factory, tmp_path):
 def test_moe_gguf_runs_like_transformers(tiny_model_factory, tmp_path, arch):
     """The engine on the GGUF file (stacked experts, llama's permuted q/k for Mixtral) against HF on the folder."""
     from batchgen.engine import LLM, SamplingParams
-    from tests.engine_helpers import hf_greedy, hf_logprobs, mixed_prompts
+    from tests.engine_helpers import assert_like_hf, mixed_prompts
 
     folder = tiny_model_factory(arch)
     llm = LLM(str(write_gguf(folder, tmp_path / "m.gguf", arch)), dtype="float32", device="cpu",
@@ -164,11 +170,7 @@ def test_moe_gguf_runs_like_transformers(tiny_model_factory, tmp_path, arch):
     assert llm.engine.model_config.architecture == hf_cfg["architectures"][0]
     prompts = mixed_prompts(llm, repeats=(1, 4))
     outs = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=True))
-    assert len(outs) == len(prompts)
-    for prompt, out in zip(prompts, outs):
-        assert out.token_ids == hf_greedy(str(folder), prompt, 6)
-        ref = hf_logprobs(str(folder), prompt, out.token_ids)
-        assert len(ref) == len(out.logprobs) and max(abs(a - b) for a, b in zip(out.logprobs, ref)) <= 1e-3
+    assert_like_hf(str(folder), prompts, outs)
 
 
 @pytest.mark.parametrize("qtype", [Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1], ids=lambda q: q.name)

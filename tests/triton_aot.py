@@ -188,7 +188,7 @@ def fp8_model_kernel_calls() -> None:
             cfg = ModelConfig.from_hf(dict(shape, vocab_size=1024, num_hidden_layers=1,
                                            quantization_config=quantization_config(scheme)))
             methods = choose_weight_methods(cfg.quantization, kernels, torch.device("meta"), torch.bfloat16, "fp8")
-            model = build_model(cfg, kernels, 16, torch.bfloat16, "meta", methods)
+            model = build_model(cfg, kernels, 16, torch.bfloat16, "meta", methods=methods)
             for module in model.modules():
                 if isinstance(module, LinearBase) and not isinstance(module, TopKRouter):  # routers stay bf16
                     for rows in (1, 8, 24, 512):
@@ -198,12 +198,31 @@ def fp8_model_kernel_calls() -> None:
                         x = torch.zeros(rows, module.hidden_size, dtype=torch.bfloat16, device="meta")
                         ids = torch.zeros(rows, 8, dtype=torch.int64, device="meta")
                         module(x, torch.zeros(rows, 8, device="meta"), ids)
+def mla_kernel_calls() -> None:
+    """Latent attention in DeepSeek-V3's shapes (latent 512 + 64, heads of nope 128 + rope 64, v 128)."""
+    from batchgen.engine.kernels.mla import mla_decode, mla_prefill, store_latent
+    from batchgen.engine.kernels.prefill_attention import prefill_work
+
+    rank, rope, nope, v_dim, heads, tokens = 512, 64, 128, 128, 16, 40
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        cache = torch.zeros(8, 16, rank + rope, dtype=dtype)
+        tables, ctx = torch.zeros(2, 4, dtype=torch.int32), torch.tensor([20, 30], dtype=torch.int32)
+        store_latent(torch.zeros(tokens, rank + rope, dtype=dtype), cache, torch.arange(tokens))
+        for splits in (1, 4):
+            mla_decode(torch.zeros(2, heads, rank + rope, dtype=dtype), cache, ctx, tables, 256, rank, 0.1,
+                       num_splits=splits)
+        kv = torch.zeros(50, heads, nope + v_dim, dtype=dtype)
+        latent = torch.zeros(50, rank + rope, dtype=dtype)
+        mla_prefill(torch.zeros(tokens, heads, nope + rope, dtype=dtype), kv[..., :nope], kv[..., nope:],
+                    latent[:, rank:], torch.tensor([0, 15, tokens], dtype=torch.int32),
+                    torch.tensor([0, 20, 50], dtype=torch.int32), prefill_work([15, 25], [20, 30]), 0.1)
 
 
 def all_kernel_calls() -> None:
     engine_kernel_calls()
     moe_and_fp8_kernel_calls()
     fp8_model_kernel_calls()
+    mla_kernel_calls()
 
 
 @triton.jit

@@ -70,14 +70,15 @@ def linear_flops(profile: ModelProfile, tokens_computed: int, tokens_generated: 
             2 * profile.fp8_active_params * tokens_computed)
 
 
-def peak_seconds(flops: float, fp8_flops: float, device: torch.device) -> float | None:
-    """Seconds the device's datasheet peaks need for ``flops``, ``fp8_flops`` of them at the FP8 peak and
-    the rest at the bf16 peak (MFU = this / the time taken); None where a peak is unknown."""
+def peak_seconds(flops: float, fp8_flops: float, device: torch.device, devices: int = 1) -> float | None:
+    """Seconds ``devices`` of the device's kind at their datasheet peaks need for ``flops``, ``fp8_flops`` of
+    them at the FP8 peak and the rest at the bf16 peak (MFU = this / the time taken); None where a peak is
+    unknown."""
     peak = gpu_peak_flops(device)
     fp8_peak = gpu_peak_flops(device, fp8=True) if fp8_flops else peak
     if not peak or not fp8_peak:
         return None
-    return (flops - fp8_flops) / peak + fp8_flops / fp8_peak
+    return ((flops - fp8_flops) / peak + fp8_flops / fp8_peak) / devices
 
 
 def _sync(device: torch.device) -> None:

@@ -33,13 +33,24 @@ class BenchConfig:
     cuda_graphs: str = "auto"
     warmup_prompts: int = 2
     json_schema: dict | None = None  # constrain every output to this JSON Schema
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    enable_expert_parallel: bool = False
     fp8_weights: str = "auto"  # FP8 checkpoints: see EngineConfig.fp8_weights
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.data_parallel_size
 
 
 def make_llm(cfg: BenchConfig) -> LLM:
+    # Several devices: time the collectives, on CUDA too (it synchronises around each one).
     return LLM(cfg.model, dtype=cfg.dtype, device=cfg.device, max_num_batched_tokens=cfg.max_batch_tokens,
                max_num_seqs=cfg.max_num_seqs, enable_prefix_caching=cfg.enable_prefix_caching,
-               attention_backend=cfg.attention_backend, cuda_graphs=cfg.cuda_graphs, fp8_weights=cfg.fp8_weights)
+               attention_backend=cfg.attention_backend, cuda_graphs=cfg.cuda_graphs,
+               tensor_parallel_size=cfg.tensor_parallel_size, data_parallel_size=cfg.data_parallel_size,
+               enable_expert_parallel=cfg.enable_expert_parallel, measure_communication=cfg.world_size > 1,
+               fp8_weights=cfg.fp8_weights)
 
 
 def run_bench(llm: LLM, workload: Workload, cfg: BenchConfig) -> dict:
@@ -60,15 +71,17 @@ def run_bench(llm: LLM, workload: Workload, cfg: BenchConfig) -> dict:
     wall = time.perf_counter() - start
     metrics = llm.engine.metrics
     device = llm.config.torch_device()
-    matmul = measure_matmul_flops(llm.config.torch_dtype, device)
-    runner = llm.engine.runner
-    kv_bytes = runner.kv_layout.bytes_per_token(llm.config.torch_dtype)
-    return summarize(workload, outputs, metrics, wall, runner.profile, kv_bytes, matmul, cfg, device,
+    # One GPU per rank; CPU ranks share the cores this process measures.
+    devices = cfg.world_size if device.type == "cuda" else 1
+    matmul = measure_matmul_flops(llm.config.torch_dtype, device) * devices
+    executor = llm.engine.executor
+    kv_bytes = executor.kv_layout.bytes_per_token(llm.config.torch_dtype)
+    return summarize(workload, outputs, metrics, wall, executor.profile, kv_bytes, matmul, cfg, device, devices,
                      llm.config.dtype_choice)
 
 
 def summarize(workload, outputs, m: EngineMetrics, wall: float, profile: ModelProfile, kv_bytes_per_token: int,
-              matmul_flops: float, cfg: BenchConfig, device, choice: DtypeChoice) -> dict:
+              matmul_flops: float, cfg: BenchConfig, device, devices: int, choice: DtypeChoice) -> dict:
     # MFU counts the matmul weights each token really uses: for MoE its top-k and shared experts.
     lin = profile.active_params
     prompt_tokens = workload.prompt_tokens
@@ -86,6 +99,8 @@ def summarize(workload, outputs, m: EngineMetrics, wall: float, profile: ModelPr
         "num_prompts": len(workload.prompts), "prompt_tokens": prompt_tokens, "output_tokens": output_tokens,
         "output_len": cfg.output_len, "max_batch_tokens": cfg.max_batch_tokens,
         "prefix_caching": cfg.enable_prefix_caching,
+        "tensor_parallel_size": cfg.tensor_parallel_size, "data_parallel_size": cfg.data_parallel_size,
+        "expert_parallel": cfg.enable_expert_parallel,
         "wall_s": round(wall, 3),
         "requests_per_s": round(len(outputs) / wall, 3),
         "prompt_tokens_per_s": round(prompt_tps, 1),
@@ -98,6 +113,7 @@ def summarize(workload, outputs, m: EngineMetrics, wall: float, profile: ModelPr
         "prompt_tokens_computed": m.prompt_tokens_computed,
         "prefix_cache_hit_rate": round(m.prefix_cache_hit_rate, 4),
         "preemptions": m.preemptions,
+        **step_times(m),
         "total_params": profile.total_params, "active_params": lin, "fp8_active_params": profile.fp8_active_params,
         "kv_bytes_per_token": kv_bytes_per_token, "linear_flops": flops, "fp8_linear_flops": fp8_flops,
         "attention_flops": attn,
@@ -112,17 +128,31 @@ def summarize(workload, outputs, m: EngineMetrics, wall: float, profile: ModelPr
     if m.grammar_steps:
         result["grammar_steps"] = m.grammar_steps
         result["mask_ms_per_step"] = round(1e3 * m.grammar_mask_time_s / m.grammar_steps, 3)
-    ideal = peak_seconds(flops, fp8_flops, device)
+    ideal = peak_seconds(flops, fp8_flops, device, devices)
     if ideal:  # FP8 matmuls against the FP8 peak, the others (and attention) against the bf16 peak
-        result["gpu_peak_tflops"] = gpu_peak_flops(device) / 1e12
+        result["gpu_peak_tflops"] = devices * gpu_peak_flops(device) / 1e12
         if fp8_flops:
-            result["gpu_peak_fp8_tflops"] = gpu_peak_flops(device, fp8=True) / 1e12
+            result["gpu_peak_fp8_tflops"] = devices * gpu_peak_flops(device, fp8=True) / 1e12
         result["mfu_vs_gpu_peak"] = round(ideal / wall, 4)
-        result["mfu_with_attention_vs_gpu_peak"] = round(peak_seconds(flops + attn, fp8_flops, device) / wall, 4)
+        result["mfu_with_attention_vs_gpu_peak"] = round(
+            peak_seconds(flops + attn, fp8_flops, device, devices) / wall, 4)
         if m.prefill_time_s:  # the linear layers over the prompt tokens, in the steps that computed them
-            prefill = peak_seconds(*linear_flops(profile, m.prompt_tokens_computed, 0), device)
+            prefill = peak_seconds(*linear_flops(profile, m.prompt_tokens_computed, 0), device, devices)
             result["prefill_mfu_vs_gpu_peak"] = round(prefill / m.prefill_time_s, 4)
     return result
+
+
+def step_times(m: EngineMetrics) -> dict:
+    """Milliseconds per step in collectives between devices and in everything else, and each replica's tokens."""
+    steps = m.prefill_steps + m.decode_steps
+    if not steps:
+        return {}
+    busy = m.prefill_time_s + m.decode_time_s
+    out = {"steps": steps, "comm_ms_per_step": round(1e3 * m.comm_time_s / steps, 3),
+           "compute_ms_per_step": round(1e3 * (busy - m.comm_time_s) / steps, 3)}
+    if m.replica_tokens:
+        out["replica_tokens"] = list(m.replica_tokens)
+    return out
 
 
 def _sync(llm: LLM) -> None:

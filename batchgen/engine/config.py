@@ -10,7 +10,7 @@ from batchgen.engine.dtype import DtypeChoice, check_dtype_name, resolve_dtype
 from batchgen.engine.models.registry import UnsupportedModelError, architecture_of  # noqa: F401 (re-export)
 from batchgen.engine.quantization import FP8_WEIGHTS_MODES, QuantizationConfig, parse_quantization
 
-ROPE_SCALINGS = ("llama3", "linear")
+ROPE_SCALINGS = ("llama3", "linear", "yarn")
 
 
 def _ints(value: Any) -> tuple[int, ...]:
@@ -131,6 +131,8 @@ class ModelConfig:
         rope_theta = float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0)
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         rope_scaling = None if rope_type == "default" else {**rope, "rope_type": rope_type}
+        if rope_type == "yarn":  # transformers' default for the pre-scaling context
+            rope_scaling.setdefault("original_max_position_embeddings", cfg.get("max_position_embeddings", 4096))
         if rope_scaling and rope_type not in ROPE_SCALINGS:
             raise UnsupportedModelError(f"unsupported rope scaling {rope_type!r}; "
                                         f"supported: {', '.join(ROPE_SCALINGS)}")
@@ -188,6 +190,14 @@ class EngineConfig:
     # "dequantize" always dequantizes. Unquantized checkpoints ignore it.
     fp8_weights: str = "auto"
     storage_options: dict = field(default_factory=dict)
+    # Parallelism (vLLM's names): each of data_parallel_size replicas, with its own scheduler and KV cache,
+    # spreads its layers over tensor_parallel_size devices; with enable_expert_parallel a mixture of experts
+    # splits its experts over all of them. More than one device in all runs one worker process per device.
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+    distributed_timeout_s: float = 600.0  # longest wait for a worker's step (and a collective's peers)
+    measure_communication: bool = False  # time collectives on CUDA too (synchronises: benchmarks only)
 
     def __post_init__(self) -> None:
         check_dtype_name(self.dtype)
@@ -199,6 +209,19 @@ class EngineConfig:
             raise ValueError(f"cuda_graphs must be 'auto', 'off' or 'emulate', got {self.cuda_graphs!r}")
         if self.fp8_weights not in FP8_WEIGHTS_MODES:
             raise ValueError(f"fp8_weights must be one of {', '.join(FP8_WEIGHTS_MODES)}, got {self.fp8_weights!r}")
+        if self.tensor_parallel_size < 1 or self.data_parallel_size < 1:
+            raise ValueError("tensor_parallel_size and data_parallel_size must be >= 1")
+        if self.distributed_timeout_s <= 0:
+            raise ValueError("distributed_timeout_s must be > 0")
+
+    @property
+    def world_size(self) -> int:
+        """Devices (and, above one, worker processes) the engine runs on."""
+        return self.tensor_parallel_size * self.data_parallel_size
+
+    def expert_parallel(self, model: ModelConfig) -> bool:
+        """Whether the model's experts are split over the ranks (only a mixture of experts has any)."""
+        return self.enable_expert_parallel and model.moe is not None
 
     @property
     def dtype_choice(self) -> DtypeChoice:

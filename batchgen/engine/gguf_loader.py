@@ -34,24 +34,36 @@ _LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    # DeepSeek's latent attention (llama.cpp's deepseek2)
+    "attn_q_a.weight": "self_attn.q_a_proj.weight",
+    "attn_q_a.bias": "self_attn.q_a_proj.bias",
+    "attn_q_a_norm.weight": "self_attn.q_a_layernorm.weight",
+    "attn_q_b.weight": "self_attn.q_b_proj.weight",
+    "attn_kv_a_mqa.weight": "self_attn.kv_a_proj_with_mqa.weight",
+    "attn_kv_a_mqa.bias": "self_attn.kv_a_proj_with_mqa.bias",
+    "attn_kv_a_norm.weight": "self_attn.kv_a_layernorm.weight",
+    "attn_kv_b.weight": "self_attn.kv_b_proj.weight",
 }
-# The router and the shared expert, under the layer's MoE module ({moe}).
+# The router and the shared expert ({shared}), under the layer's MoE module ({moe}).
 _MOE_LAYER_NAMES = {
     "ffn_gate_inp.weight": "{moe}.gate.weight",
+    "exp_probs_b.bias": "{moe}.gate.e_score_correction_bias",
     "ffn_gate_inp_shexp.weight": "{moe}.shared_expert_gate.weight",
-    "ffn_gate_shexp.weight": "{moe}.shared_expert.gate_proj.weight",
-    "ffn_up_shexp.weight": "{moe}.shared_expert.up_proj.weight",
-    "ffn_down_shexp.weight": "{moe}.shared_expert.down_proj.weight",
+    "ffn_gate_shexp.weight": "{moe}.{shared}.gate_proj.weight",
+    "ffn_up_shexp.weight": "{moe}.{shared}.up_proj.weight",
+    "ffn_down_shexp.weight": "{moe}.{shared}.down_proj.weight",
 }
 # How HF names a layer's MoE module and its experts' (gate, up, down) projections, by model_type.
 _MOE_HF_NAMES = {"mixtral": ("block_sparse_moe", ("w1", "w3", "w2"))}
 _MOE_HF_DEFAULT = ("mlp", ("gate_proj", "up_proj", "down_proj"))
+_SHARED_EXPERT_NAMES = {"deepseek_v2": "shared_experts", "deepseek_v3": "shared_experts"}
 # Routing llama.cpp hard-codes for an architecture when the file does not say (expert_weights_norm).
 _GGUF_DEFAULTS = {"qwen3moe": {"norm_topk_prob": True}}
 # Tensors llama.cpp needs but an HF model does not (precomputed rope frequency factors).
 _SKIPPED = {"rope_freqs.weight"}
 _BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
 _EXPERTS = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down|gate_up)_exps\.weight")
+_SPLIT_KV_B = re.compile(r"blk\.(\d+)\.attn_(k|v)_b\.weight")
 
 
 def hf_tensor_name(gguf_name: str, model_type: str = "llama") -> str | None:
@@ -65,7 +77,9 @@ def hf_tensor_name(gguf_name: str, model_type: str = "llama") -> str | None:
         return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
     if m and m.group(2) in _MOE_LAYER_NAMES:
         moe = _MOE_HF_NAMES.get(model_type, _MOE_HF_DEFAULT)[0]
-        return f"model.layers.{m.group(1)}.{_MOE_LAYER_NAMES[m.group(2)].format(moe=moe)}"
+        shared = _SHARED_EXPERT_NAMES.get(model_type, "shared_expert")
+        name = _MOE_LAYER_NAMES[m.group(2)].format(moe=moe, shared=shared)
+        return f"model.layers.{m.group(1)}.{name}"
     raise ValueError(f"GGUF tensor {gguf_name!r} has no known Hugging Face equivalent")
 
 
@@ -134,6 +148,9 @@ def gguf_config(fields: Mapping[str, Any], tensors: Mapping[str, Any]) -> dict:
     if registered.moe:
         config.update(_GGUF_DEFAULTS.get(arch, {}))
         config.update(_moe_config(get, tensors, config["num_hidden_layers"]))
+    if arch == "deepseek2":
+        config.pop("partial_rotary_factor", None)  # key_length is not a rotary head's width here
+        config.update(_deepseek2_config(get, heads, tensors))
     for key, meta in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                       ("pad_token_id", "padding_token_id")):
         value = field_value(fields, f"tokenizer.ggml.{meta}")
@@ -165,6 +182,52 @@ def _moe_config(get: Any, tensors: Mapping[str, Any], num_layers: int) -> dict[s
     return config
 
 
+def _deepseek2_config(get: Any, heads: int, tensors: Mapping[str, Any]) -> dict[str, Any]:
+    """DeepSeek-V2/V3 keys: latent attention sizes, routing (sigmoid gating is V3's), YaRN.
+
+    Newer files describe the absorbed form (one KV head of key_length = kv_lora_rank + rope) and put
+    the per-head sizes in key_length_mla / value_length_mla; older ones have only the latter's values.
+    """
+    def integer(key: str, default: int | None = None) -> int | None:
+        return _as_int(get(key, default), key)
+
+    rope = integer("rope.dimension_count")
+    qk_dim = integer("attention.key_length_mla") or integer("attention.key_length")
+    v3 = integer("expert_gating_func") == 2
+    n_group = integer("expert_group_count") or 1
+    config: dict[str, Any] = {
+        "architectures": ["DeepseekV3ForCausalLM" if v3 else "DeepseekV2ForCausalLM"],
+        "model_type": "deepseek_v3" if v3 else "deepseek_v2",
+        "num_key_value_heads": heads, "head_dim": rope, "q_lora_rank": integer("attention.q_lora_rank"),
+        "attention_bias": "blk.0.attn_kv_a_mqa.bias" in tensors,
+        "kv_lora_rank": integer("attention.kv_lora_rank"), "qk_nope_head_dim": qk_dim - rope,
+        "qk_rope_head_dim": rope,
+        "v_head_dim": integer("attention.value_length_mla") or integer("attention.value_length"),
+        "n_routed_experts": integer("expert_count"), "n_shared_experts": integer("expert_shared_count", 0),
+        "first_k_dense_replace": integer("leading_dense_block_count", 0), "mlp_only_layers": [],  # not a list
+        "routed_scaling_factor": float(get("expert_weights_scale", 1.0)),
+        "norm_topk_prob": bool(get("expert_weights_norm", False)), "n_group": n_group,
+        "topk_group": integer("expert_group_used_count") or 1, "rope_interleave": True,
+    }
+    if not v3:  # V3 always routes by groups
+        config["topk_method"] = "group_limited_greedy" if n_group > 1 else "greedy"
+    log_multiplier = get("rope.scaling.yarn_log_multiplier")
+    if get("rope.scaling.type") == "yarn" and log_multiplier is not None:
+        # llama.cpp keeps cos/sin unscaled and scales the softmax by (1 + log_mul * ln factor)^2: in HF
+        # terms mscale = mscale_all_dim = log_mul / 0.1.
+        mscale = float(log_multiplier) / 0.1
+        original = integer("rope.scaling.original_context_length")
+        config["rope_scaling"] = {"rope_type": "yarn", "factor": float(get("rope.scaling.factor")),
+                                  "original_max_position_embeddings": original,
+                                  "mscale": mscale, "mscale_all_dim": mscale}
+    return config
+
+
+def _merge_kv_b(k_b: torch.Tensor, v_b: torch.Tensor) -> torch.Tensor:
+    """kv_b_proj (H * (nope + v), rank) from llama.cpp's split attn_k_b (H, rank, nope), attn_v_b (H, v, rank)."""
+    return torch.cat((k_b.transpose(1, 2), v_b), dim=1).flatten(0, 1)
+
+
 def _unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     """Undoes llama.cpp's Q/K row interleaving (its rotary pairs adjacent dims, HF's pairs halves)."""
     rows = w.shape[0]
@@ -192,9 +255,17 @@ def iter_gguf_weights(reader: Any, config: dict, gguf_arch: str) -> Iterator[tup
     """Yields ``(hf_name, float32 tensor)``, dequantizing one tensor at a time (stacked experts split per expert)."""
     unpermute = gguf_arch == "llama"
     model_type = config["model_type"]
+    split_kv_b: dict[str, dict[str, torch.Tensor]] = {}  # layer -> its attn_k_b / attn_v_b, until both are read
     for tensor in reader.tensors:
         if _EXPERTS.fullmatch(tensor.name):
             yield from expert_tensors(tensor.name, dequantize_tensor(tensor), model_type)
+            continue
+        if m := _SPLIT_KV_B.fullmatch(tensor.name):
+            pair = split_kv_b.setdefault(m[1], {})
+            pair[m[2]] = dequantize_tensor(tensor)
+            if len(pair) == 2:
+                yield f"model.layers.{m[1]}.self_attn.kv_b_proj.weight", _merge_kv_b(pair["k"], pair["v"])
+                del split_kv_b[m[1]]
             continue
         name = hf_tensor_name(tensor.name, model_type)
         if name is None:
@@ -207,6 +278,8 @@ def iter_gguf_weights(reader: Any, config: dict, gguf_arch: str) -> Iterator[tup
         elif name.endswith("shared_expert_gate.weight"):  # llama.cpp stores the (1, H) gate as (H,)
             weight = weight.reshape(1, -1)
         yield name, weight
+    if split_kv_b:
+        raise ValueError(f"GGUF layers {sorted(split_kv_b)} have only one of attn_k_b and attn_v_b")
 
 
 def load_gguf(path: str) -> ModelSource:

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from batchgen.engine.layers.linear import UNQUANTIZED, LinearBase, ParallelLMHead
+from batchgen.engine.layers.linear import UNQUANTIZED, LinearBase, ParallelLMHead, RowParallelLinear
 
 log = logging.getLogger(__name__)
 
@@ -48,10 +48,14 @@ def prepacking_works() -> bool:
         return False
 
 
+# Projections whose forward is y = x W^T (+ b) and nothing else once unsplit (a router also selects experts).
+_PLAIN_FORWARDS = (LinearBase.forward, RowParallelLinear.forward, ParallelLMHead.forward)
+
+
 def packable(module: nn.Module) -> bool:
     """A whole (not tensor-parallel) bf16 projection or LM head on CPU that multiplies with ``F.linear``
     (FP8 layers kept quantized own their weight and scales; dequantized ones are plain by now)."""
-    if not isinstance(module, (LinearBase, ParallelLMHead)) or getattr(module, "tp_size", 1) != 1:
+    if type(module).forward not in _PLAIN_FORWARDS or getattr(module, "tp_size", 1) != 1:
         return False
     if getattr(module, "quant_method", UNQUANTIZED) is not UNQUANTIZED:
         return False

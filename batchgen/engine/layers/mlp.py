@@ -6,15 +6,16 @@ from torch import nn
 
 from batchgen.engine.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from batchgen.engine.layers.ops import KernelSet
+from batchgen.engine.parallel.group import SINGLE, CommGroup
 
 
 class GatedMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, kernels: KernelSet, tp_rank: int = 0,
-                 tp_size: int = 1):
+    """Column-parallel gate|up, row-parallel down: one all-reduce under tensor parallelism."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, kernels: KernelSet, tp: CommGroup = SINGLE):
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, tp_rank=tp_rank,
-                                                       tp_size=tp_size)
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, tp_rank=tp_rank, tp_size=tp_size)
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, tp=tp)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, tp=tp)
         self.kernels = kernels
 
     def activation_values_per_token(self) -> int:

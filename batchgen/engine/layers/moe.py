@@ -8,7 +8,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from batchgen.engine.layers.linear import (
@@ -16,7 +15,9 @@ from batchgen.engine.layers.linear import (
     param_shape, param_span,
 )
 from batchgen.engine.layers.ops import KernelSet
-from batchgen.engine.model_source import Weight, as_tensor
+from batchgen.engine.model_source import Weight
+from batchgen.engine.parallel.context import SINGLE_PROCESS, ParallelContext
+from batchgen.engine.parallel.expert import TokenExchange
 
 EXPERT_SHARDS = ("gate", "up", "down")
 
@@ -49,9 +50,9 @@ class TopKRouter(ReplicatedLinear):
 
 
 def expert_parameter(moe: "FusedMoE", shape: tuple[int, ...], projection: str, dtype: torch.dtype) -> nn.Parameter:
-    """A stacked (E, ...) parameter of the experts' ``projection`` ("gate_up" or "down"), or of its scales."""
-    experts = range(moe.num_experts)
-    shards = tuple((e, s) for e in experts for s in (("gate", "up") if projection == "gate_up" else ("down",)))
+    """A stacked (local experts, ...) parameter of the experts' ``projection`` ("gate_up" or "down"), or of
+    its scales."""
+    shards = tuple((e, s) for e in moe.experts for s in (("gate", "up") if projection == "gate_up" else ("down",)))
     param = new_parameter(shape, moe.weight_loader, dtype, shard_ids=shards)
     param.projection = projection
     return param
@@ -63,13 +64,15 @@ class MoEMethod:
     computes_in_fp8 = False
 
     def create_weights(self, moe: "FusedMoE") -> None:
-        e, size, hidden = moe.num_experts, moe.local_size, moe.hidden_size
+        e, size, hidden = len(moe.experts), moe.local_size, moe.hidden_size
         moe.gate_up_proj = expert_parameter(moe, (e, 2 * size, hidden), "gate_up", moe.params_dtype)
         moe.down_proj = expert_parameter(moe, (e, hidden, size), "down", moe.params_dtype)
 
-    def apply(self, moe: "FusedMoE", x: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor) -> torch.Tensor:
-        return moe.kernels.fused_moe(x, moe.gate_up_proj, moe.down_proj, topk_weights, topk_ids)
+    def apply(self, moe: "FusedMoE", x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+              skip_negative: bool = False) -> torch.Tensor:
+        """``topk_ids`` index the local experts; -1 (with ``skip_negative``) marks another rank's pairs."""
+        return moe.kernels.fused_moe(x, moe.gate_up_proj, moe.down_proj, topk_weights, topk_ids,
+                                     skip_negative=skip_negative)
 
     def finish_loading(self, moe: nn.Module) -> None:
         """Runs once every checkpoint tensor is in place."""
@@ -83,17 +86,20 @@ class FusedMoE(nn.Module):
     ``down_proj`` (E, H, I), as transformers >= 5 holds them.
 
     Checkpoints store a tensor per expert and projection: the loader stacks them (shard
-    ``(expert, "gate" | "up" | "down")``), or takes the stacked tensors whole (shard None). With
-    tensor parallelism each rank holds a slice of I and the partial outputs are summed. The
-    ``quant_method`` decides how the weights are held (FP8 experts add ``*_scale`` parameters).
+    ``(expert, "gate" | "up" | "down")``), or takes the stacked tensors whole (shard None). Under
+    tensor parallelism each rank holds a slice of every expert's I; under expert parallelism it holds
+    whole experts, ``parallel.local_experts``, and the pairs routed elsewhere are skipped. Either way
+    the tensor-parallel ranks' partial outputs are summed. The ``quant_method`` decides how the weights
+    are held (FP8 experts add ``*_scale`` parameters, sliced by the same loader).
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, kernels: KernelSet,
-                 tp_rank: int = 0, tp_size: int = 1, tp_group: Any = None):
+                 parallel: ParallelContext = SINGLE_PROCESS):
         super().__init__()
         self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
-        self.tp_rank, self.tp_size, self.tp_group = tp_rank, tp_size, tp_group
-        self.local_size = divide(intermediate_size, tp_size, "expert intermediate size")
+        self.tp, self.split = parallel.tp, parallel.expert_tp
+        self.experts = parallel.local_experts(num_experts)
+        self.local_size = divide(intermediate_size, self.split.size, "expert intermediate size")
         self.params_dtype = torch.get_default_dtype()
         self.kernels = kernels
         methods = current_weight_methods()
@@ -111,22 +117,24 @@ class FusedMoE(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: Weight, shard_id: Any = None) -> None:
         size, hidden, local = self.intermediate_size, self.hidden_size, self.local_size
         gate_up = param.projection == "gate_up"
-        if shard_id is None:  # stacked in the checkpoint: load expert by expert
+        if shard_id is None:  # stacked in the checkpoint: load this rank's experts one by one
             per_expert = (2 * size, hidden) if gate_up else (hidden, size)
             check_shape(loaded, (self.num_experts, *param_shape(param, per_expert)))
-            stacked = as_tensor(loaded)
-            for e in range(self.num_experts):
+            for e in self.experts:
+                expert = loaded.select(0, e)
                 if gate_up:
                     for start, kind in ((0, "gate"), (size, "up")):
-                        self.weight_loader(param, stacked[e].narrow(0, *param_span(param, 0, start, size, 2 * size)),
+                        self.weight_loader(param, expert.narrow(0, *param_span(param, 0, start, size, 2 * size)),
                                            (e, kind))
                 else:
-                    self.weight_loader(param, stacked[e], (e, "down"))
+                    self.weight_loader(param, expert, (e, "down"))
             return
         expert, kind = shard_id
         if not 0 <= expert < self.num_experts or kind not in EXPERT_SHARDS:
             raise ValueError(f"no expert shard {shard_id!r} among {self.num_experts} experts")
-        start, target = self.tp_rank * local, param.data[expert]
+        if expert not in self.experts:  # another expert-parallel rank's: not even read
+            return
+        start, target = self.split.rank * local, param.data[expert - self.experts.start]
         if kind == "down":
             check_shape(loaded, param_shape(param, (hidden, size)))
             copy_weight(target, loaded.narrow(1, *param_span(param, 1, start, local, size)))
@@ -136,23 +144,34 @@ class FusedMoE(nn.Module):
             copy_weight(rows, loaded.narrow(0, *param_span(param, 0, start, local, size)))
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        out = self.quant_method.apply(self, x, topk_weights, topk_ids)
-        if self.tp_size > 1:
-            dist.all_reduce(out, group=self.tp_group)
-        return out
+        if len(self.experts) == self.num_experts:
+            out = self.quant_method.apply(self, x, topk_weights, topk_ids)
+        else:  # local indices; -1 for the pairs another rank computes
+            local = topk_ids - self.experts.start
+            local.masked_fill_((local < 0) | (local >= len(self.experts)), -1)
+            out = self.quant_method.apply(self, x, topk_weights, local, skip_negative=True)
+        return self.tp.all_reduce(out)
 
 
 class SparseMoeBlock(nn.Module):
     """Routed experts plus optional shared ones: ``experts(x) + [sigmoid(shared_expert_gate(x)) *] shared_expert(x)``.
 
     Module names follow the checkpoints (``gate``, ``experts``, ``shared_expert``, ``shared_expert_gate``).
+    With an active ``exchange`` (expert parallelism over data-parallel replicas) the routed experts see
+    every replica's tokens; the shared experts only this replica's.
     """
 
     def __init__(self, gate: TopKRouter, experts: FusedMoE, shared_expert: nn.Module | None = None,
-                 shared_expert_gate: nn.Module | None = None):
+                 shared_expert_gate: nn.Module | None = None, exchange: TokenExchange | None = None):
         super().__init__()
         self.gate, self.experts = gate, experts
         self.shared_expert, self.shared_expert_gate = shared_expert, shared_expert_gate
+        self.exchange = exchange or TokenExchange()
+
+    @property
+    def step_wide(self) -> bool:
+        """Whether the block must see the whole step at once: each call is one collective exchange."""
+        return self.exchange.active
 
     def active_params(self, fp8_only: bool = False) -> int:
         """The router, a token's top-k experts and the shared experts (what each token multiplies by);
@@ -163,14 +182,16 @@ class SparseMoeBlock(nn.Module):
         return matmul_params(self.gate, fp8_only) + self.gate.top_k * routed + shared
 
     def activation_values_per_token(self) -> int:
-        # Per routed copy of a token: its gathered row, gate|up and SiLU outputs, expert and weighted outputs.
+        # Per routed copy of a token: its gathered row, gate|up and SiLU outputs, expert and weighted outputs;
+        # under the exchange a rank routes every replica's tokens.
         k, size, hidden = self.gate.top_k, self.experts.local_size, self.experts.hidden_size
         shared = getattr(self.shared_expert, "activation_values_per_token", lambda: 0)()
-        return k * (3 * size + 3 * hidden) + shared
+        return self.exchange.dp.size * k * (3 * size + 3 * hidden) + shared
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        topk_weights, topk_ids = self.gate(x)
-        out = self.experts(x, topk_weights, topk_ids)
+        tokens = self.exchange.dispatch(x)
+        topk_weights, topk_ids = self.gate(tokens)
+        out = self.exchange.combine(self.experts(tokens, topk_weights, topk_ids))
         if self.shared_expert is not None:
             shared = self.shared_expert(x)
             if self.shared_expert_gate is not None:

@@ -73,7 +73,8 @@ def choose_weight_methods(config: QuantizationConfig | None, kernels: "KernelSet
 
 
 def load_checkpoint(model: "CausalLM", weights: Callable[[], Iterable[tuple[str, "Weight"]]]) -> None:
-    """Loads every checkpoint tensor into ``model`` and finishes its quantized layers.
+    """Loads every checkpoint tensor into ``model``, finishes its quantized layers, then calls the
+    ``after_loading()`` of modules that derive tensors from their layers' weights (latent attention).
 
     ``weights`` is called twice for a quantized checkpoint: first only for the tensor names (lazy
     safetensors read nothing), to return the layers stored without scales to the model dtype.
@@ -89,6 +90,9 @@ def load_checkpoint(model: "CausalLM", weights: Callable[[], Iterable[tuple[str,
         method = getattr(module, "quant_method", None)
         if method is not None:
             method.finish_loading(module)
+    for module in model.modules():  # then what modules derive from their layers' final weights
+        if callable(after := getattr(module, "after_loading", None)):
+            after()
 
 
 def _scaled_modules(model: "CausalLM", names: Iterable[str]) -> set[str]:

@@ -93,11 +93,14 @@ class Fp8LinearMethod(LinearMethod):
             layer.quant_method = UNQUANTIZED
 
     def unquantize(self, layer: LinearBase) -> None:
-        """The checkpoint stores this layer unquantized (a router, an ignored module): back to the model dtype."""
+        """The checkpoint stores this layer unquantized (a router, an ignored module): back to the model dtype,
+        with the loader its weight had (a model may have wrapped it, e.g. to reorder rows)."""
         del layer.weight_scale
         layer.quant_method = UNQUANTIZED
+        loader = layer.weight.weight_loader
         with layer.weight.device:
             UNQUANTIZED.create_weights(layer)
+        layer.weight.weight_loader = loader
 
 
 class Fp8MoEMethod(MoEMethod):
@@ -108,7 +111,7 @@ class Fp8MoEMethod(MoEMethod):
         self.computes_in_fp8 = keep
 
     def create_weights(self, moe: FusedMoE) -> None:
-        e, size, hidden = moe.num_experts, moe.local_size, moe.hidden_size
+        e, size, hidden = len(moe.experts), moe.local_size, moe.hidden_size
         for name, rows, cols, projection in (("gate_up_proj", 2 * size, hidden, "gate_up"),
                                              ("down_proj", hidden, size, "down")):
             setattr(moe, name, expert_parameter(moe, (e, rows, cols), projection, FP8_DTYPE))
@@ -126,10 +129,11 @@ class Fp8MoEMethod(MoEMethod):
                 moe.weight_loader(param, self.scales.fit(loaded, moe.shard_size(shard_id)), shard_id)
         return load
 
-    def apply(self, moe: FusedMoE, x: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor) -> torch.Tensor:
+    def apply(self, moe: FusedMoE, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+              skip_negative: bool = False) -> torch.Tensor:
         return moe.kernels.fused_moe(x, moe.gate_up_proj, moe.down_proj, topk_weights, topk_ids,
-                                     w13_scale=moe.gate_up_proj_scale, w2_scale=moe.down_proj_scale)
+                                     w13_scale=moe.gate_up_proj_scale, w2_scale=moe.down_proj_scale,
+                                     skip_negative=skip_negative)
 
     def finish_loading(self, moe: FusedMoE) -> None:
         if self.keep:
