@@ -37,6 +37,11 @@ from tests.tiny_models import build_tiny_model
 # the K of every projection that reads the hidden state.
 DENSE = dict(hidden=320, heads=4, kv_heads=2, head_dim=64)
 MOE = dict(DENSE, config=dict(moe_intermediate_size=128, num_experts=4))
+# DeepSeek-V3's latent attention with 128-multiple LoRA ranks; each head's 16 rope rows (reordered at
+# load) stay inside one 128-row scale block, as DeepSeek-V3's 64 do.
+DEEPSEEK = dict(hidden=320, heads=4, kv_heads=4, config=dict(
+    q_lora_rank=128, kv_lora_rank=128, qk_nope_head_dim=32, qk_rope_head_dim=16, head_dim=16, v_head_dim=32,
+    moe_intermediate_size=128, n_routed_experts=8, num_hidden_layers=2))
 KW = dict(dtype="float32", device="cpu", max_num_batched_tokens=64, kv_cache_memory=16 << 20)
 PARAMS = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=True)
 # Keep-FP8 against the twin, relative L2 error of each logits row: activations are e4m3 too (3 mantissa
@@ -94,7 +99,8 @@ def checkpoints(tmp_path_factory):
     def make(arch: str = "llama", scheme: str = "block") -> tuple[Path, Path]:
         if (arch, scheme) not in built:
             if arch not in sources:
-                sources[arch] = build(tmp_path_factory, arch, MOE if "moe" in arch else DENSE)
+                spec = DEEPSEEK if arch.startswith("deepseek") else MOE if "moe" in arch else DENSE
+                sources[arch] = build(tmp_path_factory, arch, spec)
             fp8 = convert_folder(sources[arch], tmp_path_factory.mktemp(f"fp8-{arch}-{scheme}"), scheme)
             built[arch, scheme] = fp8, dequantized_twin(fp8, tmp_path_factory.mktemp(f"twin-{arch}-{scheme}") / "m")
         return built[arch, scheme]
@@ -141,6 +147,23 @@ def test_block_fp8_checkpoint_dequantized_at_load_matches_its_twin(checkpoints, 
     assert all(p.dtype == torch.float32 for p in model.parameters())
     assert not any(name.endswith("_scale") for name, _ in model.named_parameters())
     assert "dequantized to float32" in llm.engine.runner.profile.weight_format
+
+
+@pytest.mark.parametrize("scheme", ["block", "channel"])
+def test_deepseek_v3_fp8_checkpoint_dequantized_at_load_matches_its_twin(checkpoints, scheme):
+    """DeepSeek-V3's FP8 layout (latent attention projections and experts in FP8, router in fp32): the
+    rope rows reordered at load take their per-row scales along, and W_UK/W_UV come from the final weight."""
+    fp8, twin = checkpoints("deepseek-v3", scheme)
+    stored = fp8_tensors(fp8)
+    assert {"model.layers.0.self_attn.kv_b_proj.weight", "model.layers.0.self_attn.q_b_proj.weight",
+            "model.layers.1.mlp.experts.7.down_proj.weight"} <= set(stored)
+    llm = LLM(str(fp8), **KW)
+    prompts = mixed_prompts(llm, repeats=(1, 3))
+    got = llm.generate(prompts, PARAMS)
+    _, _, expected = generate(twin, prompts)
+    assert_same_outputs(got, expected, bound=1e-6)
+    attn = llm.engine.runner.model.layers[0].self_attn
+    assert attn.w_uk.dtype == torch.float32 and attn.w_uk.data_ptr() == attn.kv_b_proj.weight.data_ptr()
 
 
 @pytest.mark.parametrize("scheme", ["channel", "tensor"])
