@@ -75,11 +75,32 @@ def bench(model, num_prompts, input_len, dataset, column, whole_documents, prefi
             f.write(text + "\n")
 
 
+def _bench(llm, cfg: BenchConfig, dataset, column, whole_documents, num_prompts, input_len, prefix_len, seed,
+           json_schema_file) -> dict:
+    """Runs the workload (twice, free and constrained, with a schema) and prints the figures."""
+    if dataset:
+        workload = from_documents(_read_texts(dataset, column), llm.tokenizer, num_prompts,
+                                  None if whole_documents else input_len, seed=seed, prefix_len=prefix_len)
+    else:
+        workload = synthetic(num_prompts, input_len, llm.engine.model_config.vocab_size, seed=seed,
+                             prefix_len=prefix_len)
+    result = run_bench(llm, workload, cfg)
+    if not json_schema_file:
+        _print(result)
+        return result
+    with open(json_schema_file, encoding="utf-8") as f:
+        schema = json.load(f)
+    constrained = run_bench(llm, workload, dataclasses.replace(cfg, json_schema=schema))
+    _print_side_by_side(result, constrained)
+    return {"unconstrained": result, "json_schema": constrained}
+
+
 SHOWN = ("dtype", "weight_format", "total_params", "active_params", "kv_bytes_per_token", "prompt_tokens",
          "wall_s", "requests_per_s", "prompt_tokens_per_s", "output_tokens_per_s", "total_tokens_per_s",
-         "prefill_tokens_per_s", "decode_tokens_per_s", "prefix_cache_hit_rate", "roofline_prompt_tokens_per_s",
-         "prompt_tokens_per_s_over_roofline", "mfu_vs_measured_matmul", "mfu_with_attention_vs_measured_matmul",
-         "mfu_vs_gpu_peak", "mfu_with_attention_vs_gpu_peak", "prefill_mfu_vs_gpu_peak")
+         "prefill_tokens_per_s", "decode_tokens_per_s", "prefix_cache_hit_rate", "compute_ms_per_step",
+         "comm_ms_per_step", "replica_tokens", "roofline_prompt_tokens_per_s", "prompt_tokens_per_s_over_roofline",
+         "mfu_vs_measured_matmul", "mfu_with_attention_vs_measured_matmul", "mfu_vs_gpu_peak",
+         "mfu_with_attention_vs_gpu_peak", "prefill_mfu_vs_gpu_peak")
 COMPARED = ("output_tokens", "wall_s", "requests_per_s", "output_tokens_per_s", "decode_tokens_per_s",
             "decode_time_s", "mask_ms_per_step", "grammar_steps")
 
