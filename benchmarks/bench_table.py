@@ -12,7 +12,7 @@ import json
 import sys
 from pathlib import Path
 
-COLUMNS = (("run", "{}"), ("total_params", "{:.3g}"), ("active_params", "{:.3g}"), ("kv_bytes_per_token", "{}"),
+COLUMNS = (("run", "{}"), ("weight_format", "{}"), ("total_params", "{:.3g}"), ("active_params", "{:.3g}"), ("kv_bytes_per_token", "{}"),
            ("prompt_tokens", "{}"), ("prompt_tokens_per_s", "{:.0f}"), ("mfu", "{:.3f}"),
            ("mfu_with_attention", "{:.3f}"))
 

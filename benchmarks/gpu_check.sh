@@ -3,7 +3,10 @@
 # on random-weight Llama models of ~1B and ~8B parameters (8 prompts x 2K tokens, 64 x 8K tokens),
 # and decode at batch 64 with and without CUDA graphs; then prefill on a random DeepSeek-V3-shaped
 # mixture of experts (latent attention, 64 routed + 1 shared experts, top-6; 2.9B parameters, 0.3B
-# active), and a table of the prefill runs side by side (MFU on active parameters).
+# active), and a table of the prefill runs side by side (MFU on active parameters). FP8: the 8B and the
+# DeepSeek-V3-shaped model also run as FP8 checkpoints (128x128 block scales, weights kept FP8 on sm_89+),
+# 64 prompts x 2K tokens each, in the same table (its weight_format column; MFU of FP8 matmuls against
+# the FP8 peak).
 # With more than one GPU: the 8B model with tensor parallel and data parallel over all of them, and a
 # random Qwen3-MoE model with data + expert parallel (DEP) and with tensor parallel; each prints
 # communication next to compute per step.
@@ -18,6 +21,7 @@ fi
 export TRITON_INTERPRET=0
 out=${OUT:-/tmp/gpu_check}
 mkdir -p "$out"
+rm -f "$out"/bench-*.json
 nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$out/gpu.txt"
 ngpu=$(python -c "import torch; print(torch.cuda.device_count())")
 
@@ -32,7 +36,7 @@ parallel_runs() {
             --output-len 128 $flags --output-json "$out/bench-$(basename "$model")-decode$tag.json" | head -16
     done
 }
-timeout 300 python -m pytest -q tests/test_kernels.py tests/test_mla.py tests/test_triton_model.py "$@" 2>&1 | tail -5 | tee "$out/kernels.txt" || true
+timeout 300 python -m pytest -q tests/test_kernels.py tests/test_mla.py tests/test_triton_model.py tests/test_fp8.py "$@" 2>&1 | tail -5 | tee "$out/kernels.txt" || true
 for size in 1b 8b; do
     python benchmarks/random_llama.py --size "$size" --out "/tmp/llama-$size"
     batchgen bench --model "/tmp/llama-$size" --device cuda --num-prompts 8 --input-len 2048 \
@@ -48,6 +52,10 @@ for size in 1b 8b; do
     fi
     rm -rf "/tmp/llama-$size"
 done
+python benchmarks/random_llama.py --size 8b --fp8 --out /tmp/llama-8b-fp8
+batchgen bench --model /tmp/llama-8b-fp8 --device cuda --num-prompts 64 --input-len 2048 \
+    --output-json "$out/bench-8b-fp8-64x2k.json" | head -12
+rm -rf /tmp/llama-8b-fp8
 if [ "$ngpu" -gt 1 ]; then
     python benchmarks/random_llama.py --size moe --out /tmp/qwen3-moe
     parallel_runs /tmp/qwen3-moe "--dp $ngpu --ep" "--tp $ngpu"
@@ -56,5 +64,8 @@ fi
 python benchmarks/random_deepseek.py --size v3-small --out /tmp/deepseek-v3-small
 batchgen bench --model /tmp/deepseek-v3-small --device cuda --num-prompts 32 --input-len 2048 \
     --output-json "$out/bench-deepseek-v3-small-32x2k.json" | head -12
-rm -rf /tmp/deepseek-v3-small
+python -m batchgen.engine.quantization.checkpoint /tmp/deepseek-v3-small /tmp/deepseek-v3-small-fp8
+batchgen bench --model /tmp/deepseek-v3-small-fp8 --device cuda --num-prompts 32 --input-len 2048 \
+    --output-json "$out/bench-deepseek-v3-small-fp8-32x2k.json" | head -12
+rm -rf /tmp/deepseek-v3-small /tmp/deepseek-v3-small-fp8
 python benchmarks/bench_table.py "$out"/bench-*k.json | tee "$out/prefill.txt"

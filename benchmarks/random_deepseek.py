@@ -1,12 +1,13 @@
 """Writes a DeepSeek-V3-architecture model folder with random bf16 weights, for benchmarks on big shapes.
 
-    python benchmarks/random_deepseek.py --size v3-small --out /tmp/deepseek-v3-small [--device cuda]
+    python benchmarks/random_deepseek.py --size v3-small --out /tmp/deepseek-v3-small [--device cuda] [--fp8]
 
 ``v3-small`` keeps DeepSeek-V3's attention and routing (multi-head latent attention with a
 512 + 64 latent, heads of nope 128 + rope 64 and v 128, q LoRA 1536, YaRN; sigmoid routing with
 expert bias over 8 groups, top-4 groups) with fewer layers, heads and experts: 64 routed experts +
 1 shared, top-6, about 2.9B parameters (5.8 GB), 0.3B active per token. ``tiny`` is the same shape
-in miniature, to check scripts on CPU.
+in miniature, to check scripts on CPU. ``--fp8`` writes DeepSeek-V3's FP8 checkpoint format
+(projections in e4m3 with ``weight_scale_inv`` per 128x128 block; routers, norms, embeddings as they are).
 """
 from __future__ import annotations
 
@@ -64,7 +65,7 @@ def main() -> None:
            "rope_scaling": {"type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
                             "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
            "rope_theta": 10000.0, **SIZES[args.size]}
-    write_random_model(Path(args.out), cfg, shapes(cfg), args.device)
+    write_random_model(Path(args.out), cfg, shapes(cfg), args.device, args.fp8)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,9 @@
 """Writes a Llama-architecture model folder with random bf16 weights, for benchmarks on big shapes.
 
-    python benchmarks/random_llama.py --size 1b --out /tmp/llama-1b [--device cuda]
+    python benchmarks/random_llama.py --size 1b --out /tmp/llama-1b [--device cuda] [--fp8]
+
+``--fp8`` writes the projection weights as FP8 (e4m3) with one scale per 128x128 block, in DeepSeek-V3's
+checkpoint format (``weight_scale_inv`` tensors, ``quantization_config.weight_block_size``).
 
 Sizes follow Llama 3.2 1B and Llama 3.1 8B shapes (GQA 4:1, 128K vocabulary); ``moe`` is a
 Qwen3-MoE model of 16 layers with 64 experts (8 per token, 768 features each), ~5B parameters of
@@ -15,6 +18,8 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+
+from batchgen.engine.quantization.checkpoint import quantization_config, quantize_tensor
 
 SIZES = {
     "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
@@ -62,10 +67,14 @@ def write_tokenizer(out: Path) -> None:
     tok.save(str(out / "tokenizer.json"))
 
 
-def write_random_model(out: Path, cfg: dict, shapes: dict[str, tuple[int, ...]], device: str) -> None:
+def write_random_model(out: Path, cfg: dict, shapes: dict[str, tuple[int, ...]], device: str,
+                       fp8: bool = False) -> None:
     """config.json, random bf16 weights (std 0.02, norms 1) in safetensors shards of about 4 GiB with an
-    index, and a byte-level tokenizer; generated on ``device``, which is much faster on a GPU."""
+    index, and a byte-level tokenizer; generated on ``device``, which is much faster on a GPU. ``fp8``:
+    the projection weights in FP8 with 128x128 block scales."""
     out.mkdir(parents=True, exist_ok=True)
+    if fp8:
+        cfg = {**cfg, "quantization_config": quantization_config("block")}
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     gen = torch.Generator(device=device).manual_seed(0)
     shard, shard_bytes, index, n = {}, 0, {}, 0
@@ -80,23 +89,27 @@ def write_random_model(out: Path, cfg: dict, shapes: dict[str, tuple[int, ...]],
 
     for name, shape in shapes.items():
         t = torch.randn(shape, generator=gen, device=device, dtype=torch.bfloat16) * 0.02
-        shard[name] = t.fill_(1.0) if name.endswith("norm.weight") else t
-        shard_bytes += t.numel() * 2
+        tensors = {name: t.fill_(1.0)} if name.endswith("norm.weight") else {name: t}
+        if fp8:
+            tensors = quantize_tensor(name, t, "block")
+        shard.update(tensors)
+        shard_bytes += sum(v.numel() * v.element_size() for v in tensors.values())
         if shard_bytes > 4 << 30:
             flush()
     flush()
     (out / "model.safetensors.index.json").write_text(json.dumps({"weight_map": index}))
     write_tokenizer(out)
     params = sum(torch.Size(s).numel() for s in shapes.values())
-    print(f"wrote {out}: {params / 1e9:.2f}B parameters")
+    print(f"wrote {out}: {params / 1e9:.2f}B parameters" + (" (FP8, 128x128 block scales)" if fp8 else ""))
 
 
 def parse_args(doc: str, sizes: dict) -> argparse.Namespace:
-    """--size (a key of sizes), --out, --device (the GPU when there is one)."""
+    """--size (a key of sizes), --out, --device (the GPU when there is one), --fp8."""
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", choices=sorted(sizes), required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--fp8", action="store_true", help="FP8 weights with 128x128 block scales")
     return ap.parse_args()
 
 
@@ -105,7 +118,7 @@ def main() -> None:
     cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256,
            "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "max_position_embeddings": 16384,
            "hidden_act": "silu", "bos_token_id": 0, "eos_token_id": 1, **SIZES[args.size]}
-    write_random_model(Path(args.out), cfg, shapes(cfg), args.device)
+    write_random_model(Path(args.out), cfg, shapes(cfg), args.device, args.fp8)
 
 
 if __name__ == "__main__":

@@ -89,6 +89,37 @@ def test_attention_flops_count_keys_per_position():
     assert attention_flops(profile, 5, 5) == 0
 
 
+def test_gpu_peaks_and_fp8_flops_share(monkeypatch):
+    """Names match their longest datasheet key; FP8 FLOPs are timed at the FP8 peak, the rest at bf16."""
+    import torch
+
+    from batchgen.bench.flops import GPU_PEAK_BF16, GPU_PEAK_FP8, datasheet_peak, peak_seconds
+
+    assert datasheet_peak("NVIDIA L40S", GPU_PEAK_BF16) == 362e12
+    assert datasheet_peak("NVIDIA L4", GPU_PEAK_BF16) == 121e12
+    assert datasheet_peak("NVIDIA A100-SXM4-80GB", GPU_PEAK_FP8) is None  # no FP8 tensor cores
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    cuda = torch.device("cuda")
+    assert peak_seconds(3e15, 0, cuda) == 3e15 / 989e12
+    assert peak_seconds(3e15, 2e15, cuda) == 1e15 / 989e12 + 2e15 / 1979e12
+    assert peak_seconds(3e15, 0, torch.device("cpu")) is None
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    assert peak_seconds(3e15, 2e15, cuda) is None and peak_seconds(3e15, 0, cuda) == 3e15 / 312e12
+
+
+def test_bench_reports_the_weight_format_of_an_fp8_checkpoint(tiny_model, tmp_path):
+    from batchgen.engine.quantization.checkpoint import convert_folder
+
+    fp8 = convert_folder(tiny_model, tmp_path / "fp8", "channel")
+    args = ["--num-prompts", "2", "--input-len", "16", "--dtype", "float32"]
+    r = run_bench(["--model", str(fp8), *args], tmp_path)
+    plain = run_bench(["--model", str(tiny_model), *args], tmp_path)
+    assert r["weight_format"] == "fp8 e4m3, per-channel scales, dequantized to float32"
+    assert plain["weight_format"] == "float32"
+    # Dequantized on CPU: the same FLOPs as the unquantized model, none of them in FP8.
+    assert r["fp8_active_params"] == 0 and r["fp8_linear_flops"] == 0
+    assert r["active_params"] == plain["active_params"] and r["linear_flops"] == plain["linear_flops"]
+    assert r["total_params"] == plain["total_params"]
 def test_bench_latent_attention_figures(tiny_model_factory, tmp_path):
     folder = tiny_model_factory("deepseek-v3")
     r = run_bench(["--model", str(folder), "--num-prompts", "3", "--input-len", "20", "--dtype", "float32"],

@@ -20,6 +20,7 @@ def test_kernels_compile_for_sm90_and_sm100():
                           capture_output=True, cwd=Path(__file__).resolve().parents[1], timeout=1500)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     count = int(re.search(r"compiled (\d+) kernel launches", proc.stdout).group(1))
-    # 12 kernels across dtypes, head dims, tile sizes, scale layouts and causal/prefix/split variants.
-    assert count >= 2 * 75
+    # 12 kernels across dtypes, head dims, tile sizes, scale layouts and causal/prefix/split variants, and
+    # the FP8 launches of real-shaped FP8 models (tests/triton_aot.py: fp8_model_kernel_calls).
+    assert count >= 2 * 95
     assert "skipped" not in proc.stdout  # both targets have FP8 tensor cores

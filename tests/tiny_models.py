@@ -77,14 +77,15 @@ def build_tokenizer(out_dir: Path) -> int:
 
 def build_tiny_model(out_dir: Path | str, arch: str = "llama", seed: int = 0, num_layers: int = 2,
                      hidden: int = 64, heads: int = 4, kv_heads: int = 2, head_dim: int | None = None,
-                     init_std: float = 0.1, max_position_embeddings: int = 2048) -> Path:
-    """Writes config.json, model.safetensors, tokenizer files and generation_config.json to ``out_dir``."""
+                     init_std: float = 0.1, max_position_embeddings: int = 2048, **config: object) -> Path:
+    """Writes config.json, model.safetensors, tokenizer files and generation_config.json to ``out_dir``;
+    ``config`` overrides config.json keys (sizes of the architecture's spec, ...)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     vocab = build_tokenizer(out_dir)
-    spec = dict(ARCH_CONFIGS[arch])
+    spec = {**ARCH_CONFIGS[arch], **config, **({"head_dim": head_dim} if head_dim else {})}
     model_type = spec.pop("model_type")
     im_end = SPECIAL_TOKENS.index("<|im_end|>")
     shape = dict(vocab_size=vocab + 16, hidden_size=hidden, intermediate_size=2 * hidden,

@@ -157,6 +157,47 @@ def moe_and_fp8_kernel_calls() -> None:
     w8a8_matmul(a, a_scale, w, block_scale, torch.bfloat16, bias=torch.zeros(n, dtype=torch.bfloat16))
 
 
+# FP8 checkpoints in real shapes: Llama-3.1-8B with 128x128 blocks and per channel, Qwen2-7B (q/k/v biases),
+# Qwen3-30B-A3B (128 experts, top-8). Sizes follow the models' config.json.
+FP8_MODELS = (
+    (dict(architectures=["LlamaForCausalLM"], hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+          num_key_value_heads=8), ("block", "channel")),
+    (dict(architectures=["Qwen2ForCausalLM"], hidden_size=3584, intermediate_size=18944, num_attention_heads=28,
+          num_key_value_heads=4), ("block",)),
+    (dict(architectures=["Qwen3MoeForCausalLM"], hidden_size=2048, intermediate_size=6144, num_attention_heads=32,
+          num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+          norm_topk_prob=True), ("block", "channel")),
+)
+
+
+def fp8_model_kernel_calls() -> None:
+    """The FP8 launches of the model path: each FP8 linear and expert layer of one decoder layer of
+    ``FP8_MODELS``, in bf16, at decode (1, 8, 24 rows) and prefill (512, 2048 rows) sizes. The layers
+    are built on the meta device: shapes, dtypes and strides as on the GPU, no memory."""
+    from batchgen.engine.config import ModelConfig
+    from batchgen.engine.layers.linear import LinearBase
+    from batchgen.engine.layers.moe import FusedMoE, TopKRouter
+    from batchgen.engine.layers.ops import make_kernel_set
+    from batchgen.engine.models.registry import build_model
+    from batchgen.engine.quantization import choose_weight_methods
+    from batchgen.engine.quantization.checkpoint import quantization_config
+
+    kernels = make_kernel_set("triton")
+    for shape, schemes in FP8_MODELS:
+        for scheme in schemes:
+            cfg = ModelConfig.from_hf(dict(shape, vocab_size=1024, num_hidden_layers=1,
+                                           quantization_config=quantization_config(scheme)))
+            methods = choose_weight_methods(cfg.quantization, kernels, torch.device("meta"), torch.bfloat16, "fp8")
+            model = build_model(cfg, kernels, 16, torch.bfloat16, "meta", methods=methods)
+            for module in model.modules():
+                if isinstance(module, LinearBase) and not isinstance(module, TopKRouter):  # routers stay bf16
+                    for rows in (1, 8, 24, 512):
+                        module(torch.zeros(rows, module.input_size, dtype=torch.bfloat16, device="meta"))
+                elif isinstance(module, FusedMoE):
+                    for rows in (1, 512, 2048):
+                        x = torch.zeros(rows, module.hidden_size, dtype=torch.bfloat16, device="meta")
+                        ids = torch.zeros(rows, 8, dtype=torch.int64, device="meta")
+                        module(x, torch.zeros(rows, 8, device="meta"), ids)
 def mla_kernel_calls() -> None:
     """Latent attention in DeepSeek-V3's shapes (latent 512 + 64, heads of nope 128 + rope 64, v 128)."""
     from batchgen.engine.kernels.mla import mla_decode, mla_prefill, store_latent
@@ -180,6 +221,7 @@ def mla_kernel_calls() -> None:
 def all_kernel_calls() -> None:
     engine_kernel_calls()
     moe_and_fp8_kernel_calls()
+    fp8_model_kernel_calls()
     mla_kernel_calls()
 
 

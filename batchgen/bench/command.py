@@ -42,6 +42,8 @@ def _read_texts(path: str, column: str) -> list[str]:
               help="Default: triton on CUDA, cpu (fused C++ kernels) on CPU.")
 @click.option("--cuda-graphs", type=click.Choice(["auto", "off"]), default="auto", show_default=True,
               help="Replay captured CUDA graphs for decode and mixed steps (CUDA + Triton only).")
+@click.option("--fp8-weights", type=click.Choice(["auto", "fp8", "dequantize"]), default="auto", show_default=True,
+              help="FP8 checkpoints: keep the weights in FP8 (auto: on GPUs with FP8 tensor cores) or dequantize.")
 @click.option("--json-schema", "json_schema_file", default=None, type=click.Path(dir_okay=False, exists=True),
               help="Also run the workload with every output constrained to this JSON Schema, and compare.")
 @click.option("--tp", "tensor_parallel_size", default=1, show_default=True, type=click.IntRange(min=1),
@@ -53,15 +55,16 @@ def _read_texts(path: str, column: str) -> list[str]:
 @click.option("--seed", default=0, show_default=True)
 @click.option("--output-json", default=None, help="Also write the results to this file.")
 def bench(model, num_prompts, input_len, dataset, column, whole_documents, prefix_len, output_len, dtype,
-          device, max_batch_tokens, max_num_seqs, no_prefix_caching, attention_backend, cuda_graphs, json_schema_file,
-          tensor_parallel_size, data_parallel_size, enable_expert_parallel, seed, output_json):
+          device, max_batch_tokens, max_num_seqs, no_prefix_caching, attention_backend, cuda_graphs, fp8_weights,
+          json_schema_file, tensor_parallel_size, data_parallel_size, enable_expert_parallel, seed, output_json):
     """Measure prompt (prefill) and output throughput of the engine."""
     logging.basicConfig(level=logging.WARNING)
     cfg = BenchConfig(model=model, dtype=dtype, device=device, output_len=output_len,
                       max_batch_tokens=max_batch_tokens, max_num_seqs=max_num_seqs,
                       enable_prefix_caching=not no_prefix_caching, attention_backend=attention_backend,
                       cuda_graphs=cuda_graphs, tensor_parallel_size=tensor_parallel_size,
-                      data_parallel_size=data_parallel_size, enable_expert_parallel=enable_expert_parallel)
+                      data_parallel_size=data_parallel_size, enable_expert_parallel=enable_expert_parallel,
+                      fp8_weights=fp8_weights)
     with make_llm(cfg) as llm:
         result = _bench(llm, cfg, dataset, column, whole_documents, num_prompts, input_len, prefix_len, seed,
                         json_schema_file)
@@ -92,11 +95,12 @@ def _bench(llm, cfg: BenchConfig, dataset, column, whole_documents, num_prompts,
     return {"unconstrained": result, "json_schema": constrained}
 
 
-SHOWN = ("dtype", "total_params", "active_params", "kv_bytes_per_token", "prompt_tokens", "wall_s", "requests_per_s",
-         "prompt_tokens_per_s", "output_tokens_per_s", "total_tokens_per_s", "decode_tokens_per_s",
-         "prefix_cache_hit_rate", "compute_ms_per_step", "comm_ms_per_step", "replica_tokens",
-         "roofline_prompt_tokens_per_s", "prompt_tokens_per_s_over_roofline", "mfu_vs_measured_matmul",
-         "mfu_with_attention_vs_measured_matmul", "mfu_vs_gpu_peak", "mfu_with_attention_vs_gpu_peak")
+SHOWN = ("dtype", "weight_format", "total_params", "active_params", "kv_bytes_per_token", "prompt_tokens",
+         "wall_s", "requests_per_s", "prompt_tokens_per_s", "output_tokens_per_s", "total_tokens_per_s",
+         "prefill_tokens_per_s", "decode_tokens_per_s", "prefix_cache_hit_rate", "compute_ms_per_step",
+         "comm_ms_per_step", "replica_tokens", "roofline_prompt_tokens_per_s", "prompt_tokens_per_s_over_roofline",
+         "mfu_vs_measured_matmul", "mfu_with_attention_vs_measured_matmul", "mfu_vs_gpu_peak",
+         "mfu_with_attention_vs_gpu_peak", "prefill_mfu_vs_gpu_peak")
 COMPARED = ("output_tokens", "wall_s", "requests_per_s", "output_tokens_per_s", "decode_tokens_per_s",
             "decode_time_s", "mask_ms_per_step", "grammar_steps")
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from batchgen.bench.flops import attention_flops, engine_peak_flops, measure_matmul_flops
+from batchgen.bench.flops import PeakFlops, attention_flops, engine_peak_flops, linear_flops, measure_matmul_flops
 from batchgen.bench.workload import Workload, synthetic
 from batchgen.engine import LLM, SamplingParams
 from batchgen.engine.dtype import DtypeChoice
@@ -34,6 +34,7 @@ class BenchConfig:
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     enable_expert_parallel: bool = False
+    fp8_weights: str = "auto"  # FP8 checkpoints: see EngineConfig.fp8_weights
 
     @property
     def world_size(self) -> int:
@@ -46,7 +47,8 @@ def make_llm(cfg: BenchConfig) -> LLM:
                max_num_seqs=cfg.max_num_seqs, enable_prefix_caching=cfg.enable_prefix_caching,
                attention_backend=cfg.attention_backend, cuda_graphs=cfg.cuda_graphs,
                tensor_parallel_size=cfg.tensor_parallel_size, data_parallel_size=cfg.data_parallel_size,
-               enable_expert_parallel=cfg.enable_expert_parallel, measure_communication=cfg.world_size > 1)
+               enable_expert_parallel=cfg.enable_expert_parallel, measure_communication=cfg.world_size > 1,
+               fp8_weights=cfg.fp8_weights)
 
 
 def run_bench(llm: LLM, workload: Workload, cfg: BenchConfig) -> dict:
@@ -77,12 +79,12 @@ def run_bench(llm: LLM, workload: Workload, cfg: BenchConfig) -> dict:
 
 
 def summarize(workload, outputs, m: EngineMetrics, wall: float, profile: ModelProfile, kv_bytes_per_token: int,
-              matmul_flops: float, peak: float | None, cfg: BenchConfig, device, choice: DtypeChoice) -> dict:
+              matmul_flops: float, peak: PeakFlops | None, cfg: BenchConfig, device, choice: DtypeChoice) -> dict:
     # MFU counts the matmul weights each token really uses: for MoE its top-k and shared experts.
-    lin, head = profile.active_params, profile.lm_head_params
+    lin = profile.active_params
     prompt_tokens = workload.prompt_tokens
     output_tokens = sum(len(o.token_ids) for o in outputs)
-    flops = 2 * lin * m.tokens_computed + 2 * head * m.tokens_generated
+    flops, fp8_flops = linear_flops(profile, m.tokens_computed, m.tokens_generated)
     # Positions each request computed: its uncached prompt, then every generated token but the last.
     attn = sum(attention_flops(profile, o.num_cached_tokens,
                                len(o.prompt_token_ids) + max(len(o.token_ids) - 1, 0)) for o in outputs)
@@ -90,7 +92,7 @@ def summarize(workload, outputs, m: EngineMetrics, wall: float, profile: ModelPr
     roofline_tps = matmul_flops / (2 * lin)
     result = {
         "model": cfg.model, "dtype": choice.name, "dtype_requested": cfg.dtype, "dtype_reason": choice.reason,
-        "device": str(device),
+        "weight_format": profile.weight_format, "device": str(device),
         "cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
         "num_prompts": len(workload.prompts), "prompt_tokens": prompt_tokens, "output_tokens": output_tokens,
         "output_len": cfg.output_len, "max_batch_tokens": cfg.max_batch_tokens,
@@ -103,13 +105,16 @@ def summarize(workload, outputs, m: EngineMetrics, wall: float, profile: ModelPr
         "output_tokens_per_s": round(output_tokens / wall, 1),
         "total_tokens_per_s": round((prompt_tokens + output_tokens) / wall, 1),
         "decode_tokens_per_s": round(m.decode_tokens / m.decode_time_s, 1) if m.decode_time_s else None,
+        # Prompt tokens over the time of the steps that computed them (decode-only steps aside).
+        "prefill_tokens_per_s": round(m.prompt_tokens_computed / m.prefill_time_s, 1) if m.prefill_time_s else None,
         "prefill_time_s": round(m.prefill_time_s, 3), "decode_time_s": round(m.decode_time_s, 3),
         "prompt_tokens_computed": m.prompt_tokens_computed,
         "prefix_cache_hit_rate": round(m.prefix_cache_hit_rate, 4),
         "preemptions": m.preemptions,
         **step_times(m),
-        "total_params": profile.total_params, "active_params": lin, "kv_bytes_per_token": kv_bytes_per_token,
-        "linear_flops": flops, "attention_flops": attn,
+        "total_params": profile.total_params, "active_params": lin, "fp8_active_params": profile.fp8_active_params,
+        "kv_bytes_per_token": kv_bytes_per_token, "linear_flops": flops, "fp8_linear_flops": fp8_flops,
+        "attention_flops": attn,
         "matmul_tflops_measured": round(matmul_flops / 1e12, 4),
         "achieved_tflops": round(flops / wall / 1e12, 4),
         "mfu_vs_measured_matmul": round(flops / wall / matmul_flops, 4),
@@ -121,10 +126,16 @@ def summarize(workload, outputs, m: EngineMetrics, wall: float, profile: ModelPr
     if m.grammar_steps:
         result["grammar_steps"] = m.grammar_steps
         result["mask_ms_per_step"] = round(1e3 * m.grammar_mask_time_s / m.grammar_steps, 3)
-    if peak:
-        result["gpu_peak_tflops"] = peak / 1e12
-        result["mfu_vs_gpu_peak"] = round(flops / wall / peak, 4)
-        result["mfu_with_attention_vs_gpu_peak"] = round((flops + attn) / wall / peak, 4)
+    ideal = peak.seconds(flops, fp8_flops) if peak else None
+    if ideal:  # FP8 matmuls against the FP8 peak, the others (and attention) against the bf16 peak
+        result["gpu_peak_tflops"] = peak.bf16 / 1e12
+        if fp8_flops:
+            result["gpu_peak_fp8_tflops"] = peak.fp8 / 1e12
+        result["mfu_vs_gpu_peak"] = round(ideal / wall, 4)
+        result["mfu_with_attention_vs_gpu_peak"] = round(peak.seconds(flops + attn, fp8_flops) / wall, 4)
+        if m.prefill_time_s:  # the linear layers over the prompt tokens, in the steps that computed them
+            prefill = peak.seconds(*linear_flops(profile, m.prompt_tokens_computed, 0))
+            result["prefill_mfu_vs_gpu_peak"] = round(prefill / m.prefill_time_s, 4)
     return result
 
 

@@ -8,6 +8,7 @@ import torch
 
 from batchgen.engine.dtype import DtypeChoice, check_dtype_name, resolve_dtype
 from batchgen.engine.models.registry import UnsupportedModelError, architecture_of  # noqa: F401 (re-export)
+from batchgen.engine.quantization import FP8_WEIGHTS_MODES, QuantizationConfig, parse_quantization
 
 ROPE_SCALINGS = ("llama3", "linear", "yarn")
 
@@ -113,6 +114,7 @@ class ModelConfig:
     rotary_dim: int = 0  # leading dims of each head that rotary rotates (partial_rotary_factor); 0: head_dim
     moe: MoEConfig | None = None
     mla: MLAConfig | None = None
+    quantization: QuantizationConfig | None = None  # how the checkpoint's weights are quantized (FP8)
     hf: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -157,6 +159,7 @@ class ModelConfig:
             rotary_dim=int(head_dim * rotary_factor),
             moe=MoEConfig.from_hf(cfg),
             mla=MLAConfig.from_hf(cfg),
+            quantization=parse_quantization(cfg),
             hf=cfg,
         )
 
@@ -182,6 +185,10 @@ class EngineConfig:
     # "auto": CUDA graphs on CUDA with the Triton backend; "off"; "emulate": the same padded
     # fixed-shape steps run eagerly without capture, so the graph path can be checked on CPU.
     cuda_graphs: str = "auto"
+    # FP8 checkpoints: "auto" keeps the weights FP8 on GPUs with FP8 tensor cores (sm_89+) and dequantizes
+    # them at load elsewhere; "fp8" always keeps them (Triton kernel set; under the interpreter on CPU);
+    # "dequantize" always dequantizes. Unquantized checkpoints ignore it.
+    fp8_weights: str = "auto"
     storage_options: dict = field(default_factory=dict)
     # Parallelism (vLLM's names): each of data_parallel_size replicas, with its own scheduler and KV cache,
     # spreads its layers over tensor_parallel_size devices; with enable_expert_parallel a mixture of experts
@@ -200,6 +207,8 @@ class EngineConfig:
             raise ValueError("max_num_seqs must be >= 1")
         if self.cuda_graphs not in ("auto", "off", "emulate"):
             raise ValueError(f"cuda_graphs must be 'auto', 'off' or 'emulate', got {self.cuda_graphs!r}")
+        if self.fp8_weights not in FP8_WEIGHTS_MODES:
+            raise ValueError(f"fp8_weights must be one of {', '.join(FP8_WEIGHTS_MODES)}, got {self.fp8_weights!r}")
         if self.tensor_parallel_size < 1 or self.data_parallel_size < 1:
             raise ValueError("tensor_parallel_size and data_parallel_size must be >= 1")
         if self.distributed_timeout_s <= 0:

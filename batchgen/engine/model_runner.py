@@ -15,6 +15,7 @@ from batchgen.engine.layers.ops import default_backend, fused_moe, make_kernel_s
 from batchgen.engine.model_source import ModelSource
 from batchgen.engine.models.registry import build_model
 from batchgen.engine.parallel.context import SINGLE_PROCESS, ParallelContext
+from batchgen.engine.quantization import choose_weight_methods, load_checkpoint
 from batchgen.engine.sampler import sample
 
 if TYPE_CHECKING:
@@ -38,16 +39,22 @@ class ModelRunner:
         self.block_size, self.max_model_len = engine.block_size, max_model_len
         self.backend = engine.attention_backend or default_backend(self.device)
         self.kernels = make_kernel_set(self.backend)
-        self.model = build_model(model_cfg, self.kernels, max_model_len, self.dtype, self.device, parallel)
-        self.model.load_weights(source.weights())
+        self.model = build_model(model_cfg, self.kernels, max_model_len, self.dtype, self.device, parallel,
+                                 self.weight_methods())
+        load_checkpoint(self.model, source.weights)
         self.profile = self.model.profile()
         self.kv_layout = self.model.kv_layout()
         self.kernels.prepare_model(self.model)  # after the profile: it may replace modules (prepacking)
-        log.info("model %s: %s on %s, attention backend %s; %s", source.name, engine.dtype_choice.name,
-                 self.device, self.kernels.attention.name, self.profile.summary())
+        log.info("model %s: %s on %s, attention backend %s; %s; weights %s", source.name, engine.dtype_choice.name,
+                 self.device, self.kernels.attention.name, self.profile.summary(), self.profile.weight_format)
         self.num_blocks = 0
         self.graphs: GraphRunner | None = None
         self.samples = parallel.tp.is_first  # the first tensor-parallel rank gathers the logits and samples
+
+    def weight_methods(self):
+        """How the layers hold a quantized checkpoint's weights on this device (None: unquantized)."""
+        return choose_weight_methods(self.model_cfg.quantization, self.kernels, self.device, self.dtype,
+                                     self.engine.fp8_weights)
 
     def kv_blocks_available(self) -> int:
         """KV blocks the memory budget leaves on this rank's device."""

@@ -7,6 +7,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, fields
 from typing import Any, Callable, Iterable, Iterator, TypeVar
 
+from batchgen.bench.flops import PeakFlops, linear_flops
 from batchgen.engine.metrics import EngineMetrics, StepRecord
 from batchgen.engine.models.base import ModelProfile
 from batchgen.pipeline.rows import ResultRow
@@ -193,11 +194,11 @@ def _ratio(a: float, b: float, digits: int = 4) -> float | None:
 
 
 def engine_summary(m: EngineMetrics, generate_s: float, token_budget: int, profile: ModelProfile | None = None,
-                   peak_flops: float | None = None, engines: int = 1) -> dict[str, Any]:
+                   peak: PeakFlops | None = None, engines: int = 1) -> dict[str, Any]:
     """This run's engine totals and what follows from them: rates, budget use, padding and idle shares,
     achieved FLOP/s over the generation time (linear layers and logits, as ``batchgen bench`` counts them)
-    and MFU where the peak is known (``engine_peak_flops``: an engine's GPUs from the datasheet table; None on
-    CPU). ``engines`` ran side by side over ``generate_s`` (Ray replicas): their busy time is shared out."""
+    and MFU where the peak is known (``engine_peak_flops``: an engine's GPUs from the datasheet table, the FP8
+    peak for FP8 matmuls; None on CPU). ``engines`` ran side by side over ``generate_s`` (Ray replicas): their busy time is shared out."""
     steps = m.prefill_steps + m.decode_steps
     busy = m.prefill_time_s + m.decode_time_s
     out: dict[str, Any] = {k: round(v, 4) if isinstance(v, float) else v for k, v in m.as_dict().items()}
@@ -210,10 +211,10 @@ def engine_summary(m: EngineMetrics, generate_s: float, token_budget: int, profi
         idle_share=round(max(0.0, 1 - busy / (engines * generate_s)), 4) if generate_s > 0 else None,
         achieved_tflops=None, peak_tflops=None, mfu=None)
     if profile is not None and generate_s > 0:
-        flops = 2 * profile.active_params * m.tokens_computed + 2 * profile.lm_head_params * m.tokens_generated
+        flops, fp8_flops = linear_flops(profile, m.tokens_computed, m.tokens_generated)
         out["achieved_tflops"] = round(flops / generate_s / 1e12, 6)
-        if peak_flops:
-            peak = peak_flops * engines
-            out["peak_tflops"] = round(peak / 1e12, 1)
-            out["mfu"] = round(flops / generate_s / peak, 6)
+        ideal = peak.times(engines).seconds(flops, fp8_flops) if peak and flops else None
+        if ideal:
+            out["peak_tflops"] = round(flops / ideal / 1e12, 1)
+            out["mfu"] = round(ideal / generate_s, 6)
     return out

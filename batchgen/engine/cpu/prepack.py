@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from batchgen.engine.layers.linear import LinearBase, ParallelLMHead, RowParallelLinear
+from batchgen.engine.layers.linear import UNQUANTIZED, LinearBase, ParallelLMHead, RowParallelLinear
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +53,11 @@ _PLAIN_FORWARDS = (LinearBase.forward, RowParallelLinear.forward, ParallelLMHead
 
 
 def packable(module: nn.Module) -> bool:
-    """A whole (not tensor-parallel) bf16 projection or LM head on CPU."""
+    """A whole (not tensor-parallel) bf16 projection or LM head on CPU that multiplies with ``F.linear``
+    (FP8 layers kept quantized own their weight and scales; dequantized ones are plain by now)."""
     if type(module).forward not in _PLAIN_FORWARDS or getattr(module, "tp_size", 1) != 1:
+        return False
+    if getattr(module, "quant_method", UNQUANTIZED) is not UNQUANTIZED:
         return False
     weight = module.weight
     return weight.dim() == 2 and weight.dtype == torch.bfloat16 and weight.device.type == "cpu"

@@ -25,11 +25,12 @@ import torch
 from batchgen.engine.config import EngineConfig, ModelConfig
 from batchgen.engine.executor.step import StepInput, StepOutput
 from batchgen.engine.executor.worker import WorkerSpec, receive, worker_main
-from batchgen.engine.layers.ops import make_kernel_set
+from batchgen.engine.layers.ops import default_backend, make_kernel_set
 from batchgen.engine.models.registry import build_model
 from batchgen.engine.parallel.context import ParallelContext
 from batchgen.engine.parallel.distributed import free_port
 from batchgen.engine.parallel.group import CommGroup
+from batchgen.engine.quantization import choose_weight_methods
 
 log = logging.getLogger(__name__)
 
@@ -64,12 +65,17 @@ class MultiprocExecutor:
                              f"{self.dp}) need as many GPUs; {torch.cuda.device_count()} visible")
         # Profile and layout of the whole model (all ranks together), built without allocating anything; then
         # the first rank's share, so that a model that cannot be split fails here, before any process starts.
-        kernels = make_kernel_set("torch")
-        whole = build_model(model_cfg, kernels, max_model_len, config.torch_dtype, "meta")
+        # (torch's ops stand in for the CPU kernels, which need not be built here; FP8 checkpoints: the
+        # workers' choice between FP8 and dequantized weights.)
+        backend = config.attention_backend or default_backend(device)
+        kernels = make_kernel_set("torch" if backend == "cpu" else backend)
+        methods = choose_weight_methods(model_cfg.quantization, kernels, device, config.torch_dtype,
+                                        config.fp8_weights)
+        whole = build_model(model_cfg, kernels, max_model_len, config.torch_dtype, "meta", methods=methods)
         self.profile, self.kv_layout = whole.profile(), whole.kv_layout()
         shape_only = ParallelContext(tp=CommGroup(0, self.tp), dp=CommGroup(0, self.dp),
                                      expert_parallel=config.expert_parallel(model_cfg))
-        build_model(model_cfg, kernels, max_model_len, config.torch_dtype, "meta", shape_only)
+        build_model(model_cfg, kernels, max_model_len, config.torch_dtype, "meta", shape_only, methods)
         self.procs, self.conns = self._spawn(config, model_path, max_model_len)
         # Stopped when the executor is collected or shut down, or at exit before multiprocessing's own exit
         # handler (which would wait for them forever: workers ignore SIGTERM).

@@ -5,6 +5,7 @@ import torch
 
 from batchgen.engine.kernels.activation import silu_and_mul
 from batchgen.engine.kernels.decode_attention import decode_attention
+from batchgen.engine.kernels.fp8.gemm import fp8_linear
 from batchgen.engine.kernels.fused_moe import fused_moe
 from batchgen.engine.kernels.kv_store import store_kv
 from batchgen.engine.kernels.mla import mla_decode, mla_prefill, store_latent
@@ -61,4 +62,4 @@ class TritonMLABackend:
 def triton_kernels() -> dict[str, object]:
     """The Triton implementations of the kernel set's fields (the torch ones fill the rest)."""
     return dict(attention=TritonAttentionBackend(), rms_norm=rms_norm, apply_rotary=apply_rotary,
-                silu_and_mul=silu_and_mul, fused_moe=fused_moe, mla=TritonMLABackend())
+                silu_and_mul=silu_and_mul, fused_moe=fused_moe, fp8_linear=fp8_linear, mla=TritonMLABackend())

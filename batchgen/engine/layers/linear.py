@@ -5,10 +5,18 @@ tensor (whole, or one shard of a fused projection) into its place, reading only 
 rank's slice. Parameters of fused projections list the ``shard_ids`` a checkpoint must provide. Layers
 take their tensor-parallel group as ``tp``; with the default group of one nothing is split and no
 collective runs.
+
+How a layer holds and multiplies its weight is its ``quant_method``: ``LinearMethod`` (one weight in the
+model dtype) unless the model is built inside ``weight_methods(...)`` (see ``engine/quantization``).
+A scale parameter says with ``group`` how many weight rows and columns one of its values covers
+(None: the whole dimension), and the same loaders slice it: a tensor-parallel or fused shard of a
+128x128-blocked weight takes the matching block rows, so its boundaries must fall on multiples of 128.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Any, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -24,10 +32,40 @@ def check_shape(loaded: Weight, expected: Sequence[int]) -> None:
         raise ValueError(f"shape {tuple(loaded.shape)} does not fit the parameter's {tuple(expected)}")
 
 
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
 def copy_weight(target: torch.Tensor, loaded: Weight) -> None:
-    """Copies ``loaded`` into ``target``; shapes must agree."""
+    """Copies ``loaded`` into ``target``; shapes must agree, and FP8 values never lose their scale."""
     check_shape(loaded, target.shape)
+    if loaded.dtype in FP8_DTYPES and target.dtype not in FP8_DTYPES:
+        raise ValueError(f"the checkpoint stores it in {loaded.dtype} but has no scale tensor for it "
+                         "(or no quantization_config)")
     target.copy_(as_tensor(loaded))
+
+
+def param_span(param: nn.Parameter, dim: int, start: int, length: int, total: int) -> tuple[int, int]:
+    """Weight rows (or columns) [start, start + length) of ``total``, as (start, length) in ``param``'s values.
+
+    A weight's values are its elements; a scale's values cover ``param.group[dim]`` elements each
+    (None: one value for the whole dimension), so a shard must start on a group boundary and end on
+    one or at the end.
+    """
+    group = getattr(param, "group", (1, 1))[dim]
+    if group is None:
+        return 0, 1
+    if group == 1:
+        return start, length
+    if start % group or (length % group and start + length != total):
+        raise ValueError(f"a shard of rows/columns {start}..{start + length} of {total} does not align to the "
+                         f"{group}-element scale blocks: fused and tensor-parallel shards of block-quantized "
+                         f"weights must be multiples of {group}")
+    return start // group, -(-length // group)
+
+
+def param_shape(param: nn.Parameter, weight_shape: Sequence[int]) -> tuple[int, ...]:
+    """The shape ``param`` has for a weight (part) of ``weight_shape`` (scales: one value per group)."""
+    return tuple(param_span(param, d, 0, n, n)[1] for d, n in enumerate(weight_shape))
 
 
 def default_weight_loader(param: nn.Parameter, loaded: Weight, shard_id: Any = None) -> None:
@@ -43,12 +81,53 @@ def divide(size: int, parts: int, what: str) -> int:
     return size // parts
 
 
+_WEIGHT_METHODS: ContextVar[Any] = ContextVar("weight_methods", default=None)
+
+
+@contextmanager
+def weight_methods(methods: Any) -> Iterator[None]:
+    """Layers built inside take their quant methods from ``methods.linear`` / ``methods.moe`` (None: unquantized)."""
+    token = _WEIGHT_METHODS.set(methods)
+    try:
+        yield
+    finally:
+        _WEIGHT_METHODS.reset(token)
+
+
+def current_weight_methods() -> Any:
+    return _WEIGHT_METHODS.get()
+
+
 def new_parameter(shape: Sequence[int], loader, dtype: torch.dtype | None = None,
                   shard_ids: tuple = ()) -> nn.Parameter:
     param = nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
     param.weight_loader = loader
     param.shard_ids = shard_ids
     return param
+
+
+class LinearMethod:
+    """An unquantized linear layer: one ``weight`` in the model dtype, multiplied with ``F.linear``."""
+
+    computes_in_fp8 = False
+
+    def create_weights(self, layer: "LinearBase") -> None:
+        layer.weight = new_parameter((layer.local_out, layer.local_in), layer.weight_loader, layer.params_dtype,
+                                     layer.shard_ids)
+        layer.weight.tp_dim = layer.tp_dim
+
+    def apply(self, layer: "LinearBase", x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return F.linear(x.to(layer.weight.dtype), layer.weight, bias)
+
+    def dense_weight(self, layer: "LinearBase") -> torch.Tensor:
+        """The weight in the model dtype, for code that reads it directly (e.g. MLA absorbing kv_b_proj)."""
+        return layer.weight
+
+    def finish_loading(self, layer: nn.Module) -> None:
+        """Runs once every checkpoint tensor is in place."""
+
+
+UNQUANTIZED = LinearMethod()
 
 
 class LinearBase(nn.Module):
@@ -63,11 +142,13 @@ class LinearBase(nn.Module):
         self.tp = tp
         self.tp_rank, self.tp_size = tp.rank, tp.size
         self.local_out, self.local_in = self.local_shape()
-        self.weight = new_parameter((self.local_out, self.local_in), self.weight_loader, params_dtype, shard_ids)
-        self.weight.tp_dim = self.tp_dim
+        self.params_dtype, self.shard_ids = params_dtype or torch.get_default_dtype(), shard_ids
+        methods = current_weight_methods()
+        self.quant_method: LinearMethod = methods.linear if methods is not None else UNQUANTIZED
+        self.quant_method.create_weights(self)
         self.bias = None
         if bias:
-            self.bias = new_parameter((self.local_out,), self.weight_loader, params_dtype, shard_ids)
+            self.bias = new_parameter((self.local_out,), self.weight_loader, self.params_dtype, shard_ids)
             self.bias.tp_dim = 0 if self.tp_dim == 0 else None
 
     def local_shape(self) -> tuple[int, int]:
@@ -79,30 +160,36 @@ class LinearBase(nn.Module):
             inp = divide(inp, self.tp_size, "input size")
         return out, inp
 
-    def weight_loader(self, param: nn.Parameter, loaded: Weight, shard_id: Any = None) -> None:
+    def shard_size(self, shard_id: Any) -> int:
+        """Output rows of the whole (unsplit) weight, or of one of its fused shards."""
         if shard_id is not None:
             raise ValueError(f"{type(self).__name__} has no shard {shard_id!r}")
+        return self.output_size
+
+    def weight_loader(self, param: nn.Parameter, loaded: Weight, shard_id: Any = None) -> None:
+        self.shard_size(shard_id)  # no shards here
+        full = (self.output_size, self.input_size)[: param.dim()]  # a bias has output rows only
+        check_shape(loaded, param_shape(param, full))
         if param.tp_dim is not None:
-            size = param.shape[param.tp_dim]
-            full = list(param.shape)
-            full[param.tp_dim] *= self.tp_size
-            check_shape(loaded, full)
-            loaded = loaded.narrow(param.tp_dim, self.tp_rank * size, size)
+            dim = param.tp_dim
+            local = (self.local_out, self.local_in)[dim]
+            loaded = loaded.narrow(dim, *param_span(param, dim, self.tp_rank * local, local, full[dim]))
         copy_weight(param.data, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x.to(self.weight.dtype), self.weight, self.bias)
+        return self.quant_method.apply(self, x, self.bias)
 
 
-def matmul_params(module: nn.Module) -> int:
+def matmul_params(module: nn.Module, fp8_only: bool = False) -> int:
     """Matmul weights a token passes through in ``module`` (whole layers, all ranks); a module may
-    answer itself with ``active_params()`` (a mixture of experts counts only the experts a token uses)."""
+    answer itself with ``active_params(fp8_only)`` (a mixture of experts counts only the experts a token
+    uses). ``fp8_only``: only the weights multiplied in FP8."""
     own = getattr(module, "active_params", None)
     if callable(own):
-        return own()
+        return own(fp8_only)
     if isinstance(module, LinearBase):
-        return module.input_size * module.output_size
-    return sum(matmul_params(child) for child in module.children())
+        return 0 if fp8_only and not module.quant_method.computes_in_fp8 else module.input_size * module.output_size
+    return sum(matmul_params(child, fp8_only) for child in module.children())
 
 
 class ReplicatedLinear(LinearBase):
@@ -121,7 +208,7 @@ class RowParallelLinear(LinearBase):
     tp_dim = 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x.to(self.weight.dtype), self.weight, self.bias if self.tp_rank == 0 else None)
+        y = self.quant_method.apply(self, x, self.bias if self.tp_rank == 0 else None)
         return self.tp.all_reduce(y)
 
 
@@ -141,19 +228,26 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         local = [divide(s, self.tp_size, "output size") for s in self.output_sizes]
         return sum(local[:shard_id]), local[shard_id], self.tp_rank * local[shard_id]
 
-    def weight_loader(self, param: nn.Parameter, loaded: Weight, shard_id: Any = None) -> None:
-        if shard_id is None:  # the checkpoint stores the fused projection: load it shard by shard
-            check_shape(loaded, (self.output_size, *param.shape[1:]))
-            start = 0
-            for sid, size in zip(self.shard_names(), self.output_sizes):
-                self.weight_loader(param, loaded.narrow(0, start, size), sid)
-                start += size
-            return
+    def shard_size(self, shard_id: Any) -> int:
+        if shard_id is None:
+            return self.output_size
         if shard_id not in self.shard_names():
             raise ValueError(f"{type(self).__name__} has no shard {shard_id!r}")
-        check_shape(loaded, (self.output_sizes[self.shard_names().index(shard_id)], *param.shape[1:]))
+        return self.output_sizes[self.shard_names().index(shard_id)]
+
+    def weight_loader(self, param: nn.Parameter, loaded: Weight, shard_id: Any = None) -> None:
+        if shard_id is None:  # the checkpoint stores the fused projection: load it shard by shard
+            check_shape(loaded, (param_shape(param, (self.output_size,))[0], *param.shape[1:]))
+            start = 0
+            for sid, size in zip(self.shard_names(), self.output_sizes):
+                self.weight_loader(param, loaded.narrow(0, *param_span(param, 0, start, size, self.output_size)), sid)
+                start += size
+            return
+        size = self.shard_size(shard_id)
+        check_shape(loaded, (param_shape(param, (size,))[0], *param.shape[1:]))
         offset, rows, source_offset = self.shard_layout(shard_id)
-        copy_weight(param.data.narrow(0, offset, rows), loaded.narrow(0, source_offset, rows))
+        copy_weight(param.data.narrow(0, *param_span(param, 0, offset, rows, self.local_out)),
+                    loaded.narrow(0, *param_span(param, 0, source_offset, rows, size)))
 
 
 class QKVParallelLinear(MergedColumnParallelLinear):

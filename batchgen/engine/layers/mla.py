@@ -123,11 +123,27 @@ class MLABackend(Protocol):
 
 
 def _reorder_rows_on_load(param: nn.Parameter, order: torch.Tensor) -> None:
-    """Checkpoint rows are permuted by ``order`` before the parameter's own loader takes them."""
+    """Checkpoint rows are permuted by ``order`` before the parameter's own loader takes them.
+
+    A scale parameter of an FP8 weight follows: per-row scales are permuted alike; a per-tensor one
+    needs nothing; 128-row block scales need nothing when the permutation keeps every row in its block
+    (DeepSeek's rope rows, 64 aligned, do), and cannot be loaded otherwise.
+    """
+    group = getattr(param, "group", (1, 1))[0]
+    if group is None:
+        return
+    if group > 1:
+        rows = torch.arange(order.numel())
+        if not torch.equal(order // group, rows // group):
+            raise ValueError(f"the rotary rows of this latent attention cross the {group}-row blocks of its FP8 "
+                             "weight scales; such a checkpoint cannot be loaded")
+        return
     load = param.weight_loader
 
     def loader(p: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
         tensor = as_tensor(loaded)
+        if tensor.dim() == 0 or (tensor.numel() == 1 and hasattr(p, "group")):  # a per-tensor scale
+            return load(p, tensor, shard_id)
         if tensor.shape[0] != order.numel():
             raise ValueError(f"shape {tuple(tensor.shape)} does not fit the parameter's {order.numel()} rows")
         load(p, tensor[order], shard_id)
@@ -160,9 +176,9 @@ class MLAAttention(nn.Module):
         self.kv_b_proj = ColumnParallelLinear(mla.kv_lora_rank, heads * (self.nope_dim + self.v_dim))
         # W_UK (H, nope, R) and W_UV (H, v, R) for the absorbed decode: views of kv_b_proj's weight, which
         # loads in place; they stay valid when a kernel set swaps kv_b_proj for a repacked layer.
-        w = self.kv_b_proj.weight.view(heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
-        self.register_buffer("w_uk", w[:, : self.nope_dim], persistent=False)
-        self.register_buffer("w_uv", w[:, self.nope_dim:], persistent=False)
+        self.register_buffer("w_uk", None, persistent=False)
+        self.register_buffer("w_uv", None, persistent=False)
+        self._bind_absorbed_weights(self.kv_b_proj.weight)
         self.o_proj = RowParallelLinear(heads * self.v_dim, hidden, bias=bias)
         self.scale = self.qk_dim ** -0.5 * yarn_softmax_scale(cfg.rope_scaling)
         self.kernels, self.backend = kernels, kernels.mla
@@ -177,10 +193,22 @@ class MLAAttention(nn.Module):
             q_rows = (torch.arange(self.num_heads)[:, None] * self.qk_dim + head).flatten()
             latent = torch.cat((torch.arange(self.kv_lora_rank), self.kv_lora_rank + half_order))
         q_proj = self.q_proj if self.q_lora_rank is None else self.q_b_proj
-        _reorder_rows_on_load(q_proj.weight, q_rows)
-        for param in (self.kv_a_proj_with_mqa.weight, self.kv_a_proj_with_mqa.bias):
+        for param in (q_proj.weight, getattr(q_proj, "weight_scale", None)):
+            if param is not None:
+                _reorder_rows_on_load(param, q_rows)
+        kv_a = self.kv_a_proj_with_mqa
+        for param in (kv_a.weight, kv_a.bias, getattr(kv_a, "weight_scale", None)):
             if param is not None:
                 _reorder_rows_on_load(param, latent)
+
+    def after_loading(self) -> None:
+        """W_UK and W_UV from kv_b_proj's weight as loaded: still views of it when it is in the model dtype,
+        a dequantized copy when it stays FP8 (or was dequantized into a new tensor)."""
+        self._bind_absorbed_weights(self.kv_b_proj.quant_method.dense_weight(self.kv_b_proj))
+
+    def _bind_absorbed_weights(self, weight: torch.Tensor) -> None:
+        w = weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
+        self.w_uk, self.w_uv = w[:, : self.nope_dim], w[:, self.nope_dim:]
 
     # ---- the paged-cache layer interface -----------------------------------------------------------
     def cache_token_shapes(self) -> tuple[tuple[int, ...], ...]:

@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from batchgen.engine.layers.linear import (
-    ReplicatedLinear, check_shape, copy_weight, divide, matmul_params, new_parameter,
+    ReplicatedLinear, check_shape, copy_weight, current_weight_methods, divide, matmul_params, new_parameter,
+    param_shape, param_span,
 )
 from batchgen.engine.layers.ops import KernelSet
 from batchgen.engine.model_source import Weight
@@ -48,6 +49,38 @@ class TopKRouter(ReplicatedLinear):
         return self.select(super().forward(x))
 
 
+def expert_parameter(moe: "FusedMoE", shape: tuple[int, ...], projection: str, dtype: torch.dtype) -> nn.Parameter:
+    """A stacked (local experts, ...) parameter of the experts' ``projection`` ("gate_up" or "down"), or of
+    its scales."""
+    shards = tuple((e, s) for e in moe.experts for s in (("gate", "up") if projection == "gate_up" else ("down",)))
+    param = new_parameter(shape, moe.weight_loader, dtype, shard_ids=shards)
+    param.projection = projection
+    return param
+
+
+class MoEMethod:
+    """Unquantized experts: ``gate_up_proj`` and ``down_proj`` in the model dtype, through ``kernels.fused_moe``."""
+
+    computes_in_fp8 = False
+
+    def create_weights(self, moe: "FusedMoE") -> None:
+        e, size, hidden = len(moe.experts), moe.local_size, moe.hidden_size
+        moe.gate_up_proj = expert_parameter(moe, (e, 2 * size, hidden), "gate_up", moe.params_dtype)
+        moe.down_proj = expert_parameter(moe, (e, hidden, size), "down", moe.params_dtype)
+
+    def apply(self, moe: "FusedMoE", x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+              skip_negative: bool = False) -> torch.Tensor:
+        """``topk_ids`` index the local experts; -1 (with ``skip_negative``) marks another rank's pairs."""
+        return moe.kernels.fused_moe(x, moe.gate_up_proj, moe.down_proj, topk_weights, topk_ids,
+                                     skip_negative=skip_negative)
+
+    def finish_loading(self, moe: nn.Module) -> None:
+        """Runs once every checkpoint tensor is in place."""
+
+
+UNQUANTIZED_MOE = MoEMethod()
+
+
 class FusedMoE(nn.Module):
     """The routed experts' SwiGLU weights stacked: ``gate_up_proj`` (E, 2I, H), gate rows first, and
     ``down_proj`` (E, H, I), as transformers >= 5 holds them.
@@ -56,7 +89,8 @@ class FusedMoE(nn.Module):
     ``(expert, "gate" | "up" | "down")``), or takes the stacked tensors whole (shard None). Under
     tensor parallelism each rank holds a slice of every expert's I; under expert parallelism it holds
     whole experts, ``parallel.local_experts``, and the pairs routed elsewhere are skipped. Either way
-    the tensor-parallel ranks' partial outputs are summed.
+    the tensor-parallel ranks' partial outputs are summed. The ``quant_method`` decides how the weights
+    are held (FP8 experts add ``*_scale`` parameters, sliced by the same loader).
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, kernels: KernelSet,
@@ -66,27 +100,32 @@ class FusedMoE(nn.Module):
         self.tp, self.split = parallel.tp, parallel.expert_tp
         self.experts = parallel.local_experts(num_experts)
         self.local_size = divide(intermediate_size, self.split.size, "expert intermediate size")
-        local = len(self.experts)
-        self.gate_up_proj = new_parameter((local, 2 * self.local_size, hidden_size), self.weight_loader,
-                                          shard_ids=tuple((e, s) for e in self.experts for s in ("gate", "up")))
-        self.down_proj = new_parameter((local, hidden_size, self.local_size), self.weight_loader,
-                                       shard_ids=tuple((e, "down") for e in self.experts))
+        self.params_dtype = torch.get_default_dtype()
         self.kernels = kernels
+        methods = current_weight_methods()
+        self.quant_method: MoEMethod = methods.moe if methods is not None else UNQUANTIZED_MOE
+        self.quant_method.create_weights(self)
 
     def expert_params(self) -> int:
         """Parameters of one whole expert (all ranks)."""
         return 3 * self.hidden_size * self.intermediate_size
 
+    def shard_size(self, shard_id: Any) -> int:
+        """Rows of one expert's checkpoint tensor for ``shard_id`` (all ranks)."""
+        return self.hidden_size if shard_id[1] == "down" else self.intermediate_size
+
     def weight_loader(self, param: nn.Parameter, loaded: Weight, shard_id: Any = None) -> None:
-        size, hidden = self.intermediate_size, self.hidden_size
+        size, hidden, local = self.intermediate_size, self.hidden_size, self.local_size
+        gate_up = param.projection == "gate_up"
         if shard_id is None:  # stacked in the checkpoint: load this rank's experts one by one
-            gate_up = param is self.gate_up_proj
-            check_shape(loaded, (self.num_experts, 2 * size, hidden) if gate_up else (self.num_experts, hidden, size))
+            per_expert = (2 * size, hidden) if gate_up else (hidden, size)
+            check_shape(loaded, (self.num_experts, *param_shape(param, per_expert)))
             for e in self.experts:
                 expert = loaded.select(0, e)
                 if gate_up:
-                    self.weight_loader(param, expert.narrow(0, 0, size), (e, "gate"))
-                    self.weight_loader(param, expert.narrow(0, size, size), (e, "up"))
+                    for start, kind in ((0, "gate"), (size, "up")):
+                        self.weight_loader(param, expert.narrow(0, *param_span(param, 0, start, size, 2 * size)),
+                                           (e, kind))
                 else:
                     self.weight_loader(param, expert, (e, "down"))
             return
@@ -95,23 +134,22 @@ class FusedMoE(nn.Module):
             raise ValueError(f"no expert shard {shard_id!r} among {self.num_experts} experts")
         if expert not in self.experts:  # another expert-parallel rank's: not even read
             return
-        index, local, start = expert - self.experts.start, self.local_size, self.split.rank * self.local_size
+        start, target = self.split.rank * local, param.data[expert - self.experts.start]
         if kind == "down":
-            check_shape(loaded, (hidden, size))
-            copy_weight(self.down_proj.data[index], loaded.narrow(1, start, local))
+            check_shape(loaded, param_shape(param, (hidden, size)))
+            copy_weight(target, loaded.narrow(1, *param_span(param, 1, start, local, size)))
         else:
-            check_shape(loaded, (size, hidden))
-            rows = self.gate_up_proj.data[index].narrow(0, 0 if kind == "gate" else local, local)
-            copy_weight(rows, loaded.narrow(0, start, local))
+            check_shape(loaded, param_shape(param, (size, hidden)))
+            rows = target.narrow(0, *param_span(param, 0, 0 if kind == "gate" else local, local, 2 * local))
+            copy_weight(rows, loaded.narrow(0, *param_span(param, 0, start, local, size)))
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         if len(self.experts) == self.num_experts:
-            out = self.kernels.fused_moe(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
+            out = self.quant_method.apply(self, x, topk_weights, topk_ids)
         else:  # local indices; -1 for the pairs another rank computes
             local = topk_ids - self.experts.start
             local.masked_fill_((local < 0) | (local >= len(self.experts)), -1)
-            out = self.kernels.fused_moe(x, self.gate_up_proj, self.down_proj, topk_weights, local,
-                                         skip_negative=True)
+            out = self.quant_method.apply(self, x, topk_weights, local, skip_negative=True)
         return self.tp.all_reduce(out)
 
 
@@ -135,10 +173,13 @@ class SparseMoeBlock(nn.Module):
         """Whether the block must see the whole step at once: each call is one collective exchange."""
         return self.exchange.active
 
-    def active_params(self) -> int:
-        """The router, a token's top-k experts and the shared experts (what each token multiplies by)."""
-        shared = sum(matmul_params(m) for m in (self.shared_expert, self.shared_expert_gate) if m is not None)
-        return matmul_params(self.gate) + self.gate.top_k * self.experts.expert_params() + shared
+    def active_params(self, fp8_only: bool = False) -> int:
+        """The router, a token's top-k experts and the shared experts (what each token multiplies by);
+        ``fp8_only``: those multiplied in FP8."""
+        shared = sum(matmul_params(m, fp8_only) for m in (self.shared_expert, self.shared_expert_gate)
+                     if m is not None)
+        routed = 0 if fp8_only and not self.experts.quant_method.computes_in_fp8 else self.experts.expert_params()
+        return matmul_params(self.gate, fp8_only) + self.gate.top_k * routed + shared
 
     def activation_values_per_token(self) -> int:
         # Per routed copy of a token: its gathered row, gate|up and SiLU outputs, expert and weighted outputs;

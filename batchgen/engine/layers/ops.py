@@ -87,6 +87,8 @@ class KernelSet:
     silu_and_mul: Callable = silu_and_mul
     fused_moe: Callable = fused_moe
     prepare_model: Callable[[nn.Module], None] = keep_weights
+    # y = x @ dequant(weight)^T (+ bias) with FP8 weights and scales; None: the set has no FP8 GEMM.
+    fp8_linear: Callable | None = None
     mla: Any = field(default_factory=TorchMLABackend)  # latent attention (layers.mla.MLABackend)
 
 

@@ -63,6 +63,8 @@ class ModelProfile:
     lm_head_params: int
     attention_flops_per_key: int  # QK^T + PV FLOPs of one query and one key, summed over layers
     activation_values_per_token: int  # widest per-token intermediate of an MLP or MoE layer
+    fp8_active_params: int = 0  # the part of active_params multiplied in FP8 (FP8 weights kept as such)
+    weight_format: str = ""  # the weights as they run: a dtype, or the checkpoint's FP8 format and how it runs
 
     def summary(self) -> str:
         return f"{_count(self.total_params)} parameters, {_count(self.active_params)} active per token"
@@ -163,7 +165,16 @@ class CausalLM(nn.Module):
 
     # ---- checkpoint loading ------------------------------------------------------------------------
     def checkpoint_target(self, hf_name: str) -> tuple[str, Any] | None:
-        """The (parameter name, shard id) a checkpoint tensor loads into, or None to skip it."""
+        """The (parameter name, shard id) a checkpoint tensor loads into, or None to skip it.
+
+        A quantized weight's scale goes where its weight goes, to the parameter named ``<weight>_scale``.
+        """
+        role = self.cfg.quantization.tensor_role(hf_name) if self.cfg.quantization else None
+        if role == "unused":
+            return None
+        if role == "scale":
+            target = self.checkpoint_target(hf_name.rsplit(".", 1)[0] + ".weight")
+            return None if target is None else (target[0] + "_scale", target[1])
         name = hf_name.removeprefix("model.")
         if "rotary_emb" in name or (name == "lm_head.weight" and self.cfg.tie_word_embeddings):
             return None
@@ -209,13 +220,23 @@ class CausalLM(nn.Module):
     def profile(self) -> ModelProfile:
         widths = [m.activation_values_per_token() for m in self.modules()
                   if callable(getattr(m, "activation_values_per_token", None))]
+        fp8 = matmul_params(self.layers, fp8_only=True)
         return ModelProfile(
-            total_params=sum(p.numel() for p in self.parameters()),
+            total_params=sum(p.numel() for p in self.parameters() if not hasattr(p, "group")),  # scales aside
             active_params=matmul_params(self.layers),
             lm_head_params=self.lm_head.num_embeddings * self.lm_head.embedding_dim,
             attention_flops_per_key=sum(layer.flops_per_key() for layer in self.cache_layers()),
             activation_values_per_token=max(widths, default=self.cfg.hidden_size),
+            fp8_active_params=fp8,
+            weight_format=self.weight_format(fp8 > 0),
         )
+
+    def weight_format(self, runs_fp8: bool) -> str:
+        """The weights' dtype, or the checkpoint's FP8 format and whether it runs in FP8 or dequantized."""
+        dtype = str(self.embed_tokens.weight.dtype).removeprefix("torch.")
+        if self.cfg.quantization is None:
+            return dtype
+        return f"{self.cfg.quantization.describe()}, " + ("run in FP8" if runs_fp8 else f"dequantized to {dtype}")
 
 
 def missing_weights(params: dict[str, nn.Parameter], loaded: set[tuple[str, Any]]) -> list[str]:

@@ -12,6 +12,7 @@ if TYPE_CHECKING:
     from batchgen.engine.config import ModelConfig
     from batchgen.engine.layers.ops import KernelSet
     from batchgen.engine.models.base import CausalLM
+    from batchgen.engine.quantization import WeightMethods
     from batchgen.engine.parallel.context import ParallelContext
 
 
@@ -76,9 +77,13 @@ def gguf_architecture(gguf_name: str, has_experts: bool) -> Architecture:
 
 
 def build_model(cfg: "ModelConfig", kernels: "KernelSet", max_positions: int, dtype: torch.dtype,
-                device: torch.device | str, parallel: "ParallelContext | None" = None) -> "CausalLM":
+                device: torch.device | str, parallel: "ParallelContext | None" = None,
+                methods: "WeightMethods | None" = None) -> "CausalLM":
     """The model allocated directly in ``dtype`` on ``device`` (no fp32 copy first; "meta" allocates nothing),
-    holding this rank's share of the weights under ``parallel``."""
+    holding this rank's share of the weights under ``parallel``; ``methods`` (from
+    ``quantization.choose_weight_methods``) gives its layers quantized weights."""
+    from batchgen.engine.layers.linear import weight_methods
+
     cls = _BY_NAME[cfg.architecture].model_class()
     extra = {}
     if parallel is not None and (parallel.tp.size > 1 or parallel.ep_size > 1):
@@ -91,7 +96,7 @@ def build_model(cfg: "ModelConfig", kernels: "KernelSet", max_positions: int, dt
     # Row chunks keep CPU activations in cache; a GPU wants each matmul as large as the step.
     chunk_tokens = 1024 if device.type == "cpu" else 1 << 30
     try:
-        with device:
+        with device, weight_methods(methods):
             model = cls(cfg, kernels, max_positions=max_positions, chunk_tokens=chunk_tokens, **extra)
     finally:
         torch.set_default_dtype(default)
