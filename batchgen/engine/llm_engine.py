@@ -28,10 +28,8 @@ GRAMMAR_WAIT_S = 0.05  # how long an idle step waits for a grammar to compile be
 
 
 def model_context_len(cfg: ModelConfig, requested: int | None = None) -> int:
-    """The longest sequence the engine runs: the model's context (and sliding window), or ``requested``."""
+    """The longest sequence the engine runs: the model's context, or ``requested``."""
     limit = cfg.max_position_embeddings
-    if cfg.sliding_window:
-        limit = min(limit, cfg.sliding_window)  # within the window, attention is plain causal
     if requested is not None:
         if requested > limit:
             raise ValueError(f"max_model_len {requested} exceeds the model's limit of {limit} tokens")
@@ -58,7 +56,7 @@ class LLMEngine:
                         self.runner.kv_capacity_tokens, self.max_model_len)
             self.max_model_len = self.runner.kv_capacity_tokens
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size,
-                                          config.enable_prefix_caching)
+                                          config.enable_prefix_caching, window=self.runner.kv_layout.window)
         self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs)
         self.eos_ids = frozenset(self._eos_ids(source))
         self._ids = itertools.count()

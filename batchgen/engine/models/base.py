@@ -77,15 +77,18 @@ class DecoderLayer(nn.Module):
 
     Token-wise work runs in chunks of ``chunk_tokens`` rows so activations stay in cache on CPU;
     attention sees the whole step. ``self_attn`` provides ``project(h, positions, cos_sin)`` (rows of
-    ``project_width`` values per token), ``attend(rows, meta)`` and ``o_proj``.
+    ``project_width`` values per token), ``attend(rows, meta)`` and ``o_proj``. The layer returns its
+    output and the residual stream before they are added: the next norm adds them (fused).
     """
+
+    norm_class: ClassVar[type[nn.Module]] = RMSNorm
 
     def __init__(self, self_attn: nn.Module, mlp: nn.Module, cfg: ModelConfig, kernels: KernelSet,
                  chunk_tokens: int):
         super().__init__()
         self.self_attn, self.mlp = self_attn, mlp
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
+        self.input_layernorm = self.norm_class(cfg.hidden_size, cfg.rms_norm_eps, kernels)
+        self.post_attention_layernorm = self.norm_class(cfg.hidden_size, cfg.rms_norm_eps, kernels)
         self.chunk_tokens = chunk_tokens
 
     def forward(self, x, residual, positions, cos_sin, meta):
@@ -102,9 +105,13 @@ class DecoderLayer(nn.Module):
         o = attn.attend(rows, meta)
         out = torch.empty_like(x)
         for c in chunks:
-            h, new_residual[c] = self.post_attention_layernorm(attn.o_proj(o[c]), new_residual[c])
-            out[c] = self.mlp(h)
+            out[c], new_residual[c] = self.after_attention(attn.o_proj(o[c]), new_residual[c])
         return out, new_residual
+
+    def after_attention(self, attn_out: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(MLP output, residual) for one chunk, from the attention output and the residual before it."""
+        h, residual = self.post_attention_layernorm(attn_out, residual)
+        return self.mlp(h), residual
 
 
 class CausalLM(nn.Module):
@@ -112,21 +119,40 @@ class CausalLM(nn.Module):
 
     # Defaults for config.json keys this architecture's transformers class defaults differently.
     config_defaults: ClassVar[dict[str, Any]] = {}
+    # The MLP activations (config.json's hidden_activation / hidden_act) this architecture implements.
+    activations: ClassVar[tuple[str, ...]] = ("silu",)
     # Checkpoint name -> (parameter, shard); the first matching rule wins, unmatched names load as-is.
     weight_rules: ClassVar[tuple[WeightRule, ...]] = ()
+    decoder_layer: ClassVar[type[DecoderLayer]] = DecoderLayer
 
     def __init__(self, cfg: ModelConfig, kernels: KernelSet, max_positions: int, chunk_tokens: int = 1024):
         super().__init__()
         self.cfg, self.kernels = cfg, kernels
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(self.make_attention(i), self.make_mlp(i), cfg, kernels, chunk_tokens)
+            self.decoder_layer(self.make_attention(i), self.make_mlp(i), cfg, kernels, chunk_tokens)
             for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
+        self.norm = self.decoder_layer.norm_class(cfg.hidden_size, cfg.rms_norm_eps, kernels)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("cos_sin", self.rotary_table(max_positions), persistent=False)
+
+    @classmethod
+    def hf_config(cls, cfg: dict[str, Any]) -> dict[str, Any]:
+        """The config.json dict in the shape ``ModelConfig`` parses, under ``config_defaults``."""
+        return {**cls.config_defaults, **cfg}
+
+    def sliding_window(self, layer: int) -> int | None:
+        """How many of the latest keys layer ``layer`` attends to (None: all). config.json's
+        ``layer_types`` says which layers are local when it is there, else ``is_local``."""
+        window, types = self.cfg.sliding_window, self.cfg.hf.get("layer_types")
+        local = types[layer] == "sliding_attention" if types else self.is_local(layer)
+        return window if local else None
+
+    def is_local(self, layer: int) -> bool:
+        """Whether layer ``layer`` is a sliding-window layer when the model has a window (default: all)."""
+        return True
 
     def make_attention(self, layer: int) -> nn.Module:
         raise NotImplementedError
@@ -138,14 +164,24 @@ class CausalLM(nn.Module):
         c = self.cfg
         return cos_sin_cache(c.rotary_dim, c.rope_theta, c.rope_scaling, max_positions)
 
+    def layer_cos_sin(self, layer: int) -> torch.Tensor:
+        """The rotary table of layer ``layer`` (one for all layers unless a model says otherwise)."""
+        return self.cos_sin
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 logits_indices: torch.Tensor) -> torch.Tensor:
-        x, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
-            x, residual = layer(x, residual, positions, self.cos_sin, meta)
+        x, residual = self.embed(input_ids), None
+        for i, layer in enumerate(self.layers):
+            x, residual = layer(x, residual, positions, self.layer_cos_sin(i), meta)
         # Only the rows that produce a next token go through the final norm and the vocabulary matmul.
         x = self.norm(x[logits_indices], residual[logits_indices])[0]
-        return self.lm_head(x)
+        return self.compute_logits(x)
 
     # ---- checkpoint loading ------------------------------------------------------------------------
     def checkpoint_target(self, hf_name: str) -> tuple[str, Any] | None:
@@ -183,7 +219,10 @@ class CausalLM(nn.Module):
         return [m for m in self.modules() if callable(getattr(m, "cache_token_shapes", None))]
 
     def kv_layout(self) -> KVLayout:
-        return KVLayout(tuple(tuple(layer.cache_token_shapes()) for layer in self.cache_layers()))
+        layers = self.cache_layers()
+        windows = [getattr(layer, "sliding_window", None) for layer in layers]
+        return KVLayout(tuple(tuple(layer.cache_token_shapes()) for layer in layers),
+                        window=max(windows) if windows and None not in windows else None)
 
     def bind_kv_cache(self, caches: Sequence[Sequence[torch.Tensor]]) -> None:
         layers = self.cache_layers()
