@@ -111,35 +111,25 @@ def test_quantized_round_trip(tiny_model_factory, tmp_path, qtype):
         assert (loaded[name] - tensor).abs().max() <= step * tensor.abs().max(), name
 
 
-@pytest.mark.parametrize("qtype", [Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.Q8_0], ids=lambda q: q.name)
-def test_dequantize_matches_transformers_kernels(tmp_path, qtype):
-    """Random blocks (gguf can't quantize K-quants) decoded by us and by transformers' own torch code."""
-    from transformers.integrations.gguf.dequant import dequantize as hf_dequantize
+@pytest.mark.parametrize("arch,layers,scalar", [("gemma2", 26, 256), ("gemma2", 46, 144), ("gemma3", 34, 256),
+                                                ("gemma3", 62, 168)])
+def test_gemma_attention_scale_follows_llama_cpp(tmp_path, arch, layers, scalar):
+    """Files carry no query_pre_attn_scalar: the 27B models use hidden / heads, the others head_dim."""
+    from batchgen.engine.gguf_loader import gguf_config
 
-    block, size = gguf.GGML_QUANT_SIZES[qtype]
-    rng = np.random.default_rng(int(qtype))
-    raw = rng.integers(0, 256, size=(3, 2 * size), dtype=np.uint8)
-    raw[:, 1::2] &= 0x3B  # keeps any fp16 scale finite and modest, wherever the format puts it
-    path = tmp_path / "q.gguf"
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_tensor("blk.0.ffn_down.weight", raw, raw_dtype=qtype)
+    hidden, heads = {("gemma2", 46): (4608, 32), ("gemma3", 62): (5376, 32)}.get((arch, layers), (2304, 8))
+    w = gguf.GGUFWriter(str(tmp_path / "g.gguf"), arch)
+    for add, value in ((w.add_block_count, layers), (w.add_embedding_length, hidden), (w.add_head_count, heads),
+                       (w.add_head_count_kv, heads // 2), (w.add_key_length, 128 if scalar == 144 else 256),
+                       (w.add_feed_forward_length, 4 * hidden), (w.add_sliding_window, 4096)):
+        add(value)
+    w.add_tensor("token_embd.weight", np.zeros((4, hidden), dtype=np.float32))
     w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
-    ours = dequantize_tensor(gguf.GGUFReader(str(path)).tensors[0])
-    assert ours.shape == (3, 2 * block) and ours.dtype == torch.float32
-    ref = hf_dequantize(torch.from_numpy(raw.copy()), int(qtype)).reshape(3, 2 * block)
-    assert torch.isfinite(ref).all()
-    torch.testing.assert_close(ours, ref, rtol=1e-6, atol=1e-6)
-
-
-@pytest.mark.parametrize("qtype", [Q.Q8_1, Q.I32], ids=lambda q: q.name)
-def test_unsupported_tensor_type_is_a_clear_error(tmp_path, qtype):
-    reader_path = tmp_path / "bad.gguf"
-    w = gguf.GGUFWriter(str(reader_path), "llama")
-    block, size = gguf.GGML_QUANT_SIZES[qtype]
-    w.add_tensor("blk.0.ffn_up.weight", np.zeros((4, size * 64 // block), dtype=np.uint8), raw_dtype=qtype)
-    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
-    with pytest.raises(ValueError, match=rf"blk\.0\.ffn_up\.weight.*{qtype.name}"):
-        dequantize_tensor(gguf.GGUFReader(str(reader_path)).tensors[0])
+    reader = gguf.GGUFReader(str(tmp_path / "g.gguf"))
+    config = gguf_config(reader.fields, {t.name: t for t in reader.tensors})
+    assert config["query_pre_attn_scalar"] == scalar and config["sliding_window"] == 4096
+    assert config["hidden_activation"] == "gelu_pytorch_tanh"
+    assert ("rope_local_base_freq" in config) == (arch == "gemma3")
 
 
 def test_unknown_architecture_and_tensor(tiny_model, tmp_path):

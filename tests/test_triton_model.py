@@ -17,7 +17,9 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cpu" if INTERPRET else "cuda"
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "qwen3-moe"])  # q/k norm, GQA 2:1; with experts in layers 1-2
+# q/k norm, GQA 2:1; with experts in layers 1-2; soft caps, GeGLU and local/global layers; windows on
+# every layer, whose out-of-window blocks are freed (-1 in the block table) as sequences run.
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3-moe", "gemma2", "phi3"])
 def test_triton_backend_matches_torch_logprobs(tiny_model_factory, arch):
     path = str(tiny_model_factory(arch))
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=True)
