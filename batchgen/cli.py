@@ -100,6 +100,9 @@ def run_options(command):
             set_option, limit_option,
             click.option("--overwrite", is_flag=True,
                          help="Delete earlier output in the output folder and start over."),
+            click.option("--force-unlock", is_flag=True,
+                         help="Take the output folder even if another run holds its lease (only when that run "
+                              "is gone)."),
             click.option("--quiet", "-q", is_flag=True, help="No progress bar, warnings and errors only."),
             click.option("--verbose", "-v", is_flag=True, help="Debug logging and tracebacks."))):
         command = option(command)
@@ -109,10 +112,11 @@ def run_options(command):
 @main.command()
 @click.argument("job", type=click.Path(dir_okay=False))
 @run_options
-def run(job: str, overrides: tuple[str, ...], limit: int | None, overwrite: bool, quiet: bool,
-        verbose: bool) -> None:
-    """Run the job spec JOB (YAML); rerunning an interrupted job resumes it."""
-    _run(_load(job, overrides), limit, overwrite, quiet, verbose)
+def run(job: str, overrides: tuple[str, ...], limit: int | None, overwrite: bool, force_unlock: bool,
+        quiet: bool, verbose: bool) -> None:
+    """Run the job spec JOB (YAML); rerunning an interrupted job resumes it. One run at a time may write
+    an output folder: a second one fails at once, naming the host and pid that holds it."""
+    _run(_load(job, overrides), limit, overwrite, force_unlock, quiet, verbose)
 
 
 @main.command("openai-batch")
@@ -122,7 +126,7 @@ def run(job: str, overrides: tuple[str, ...], limit: int | None, overwrite: bool
 @click.option("--model", required=True, help="Built-in name, model folder, .gguf file, or URL.")
 @run_options
 def openai_batch(input_path: str, output_path: str, model: str, overrides: tuple[str, ...], limit: int | None,
-                 overwrite: bool, quiet: bool, verbose: bool) -> None:
+                 overwrite: bool, force_unlock: bool, quiet: bool, verbose: bool) -> None:
     """Run an OpenAI Batch request file; writes result lines (part-N.jsonl) and error lines (errors-N.jsonl).
 
     Each line's own settings apply. Lines that leave them out get the API's defaults (temperature 1, top_p 1)
@@ -136,14 +140,15 @@ def openai_batch(input_path: str, output_path: str, model: str, overrides: tuple
         spec = spec_from_dict(data, overrides)
     except SpecError as e:
         _spec_errors(e)
-    _run(spec, limit, overwrite, quiet, verbose)
+    _run(spec, limit, overwrite, force_unlock, quiet, verbose)
 
 
-def _run(spec: JobSpec, limit: int | None, overwrite: bool, quiet: bool, verbose: bool) -> None:
+def _run(spec: JobSpec, limit: int | None, overwrite: bool, force_unlock: bool, quiet: bool,
+         verbose: bool) -> None:
     from batchgen.pipeline.runner import run_job  # the engine's imports are slow: only when running
 
     with _job_failures(spec, verbose), _logging(verbose, quiet):
-        stats = run_job(spec, limit=limit, overwrite=overwrite, quiet=quiet)
+        stats = run_job(spec, limit=limit, overwrite=overwrite, quiet=quiet, force_unlock=force_unlock)
     click.echo(_summary(stats))
 
 

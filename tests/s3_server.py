@@ -50,6 +50,7 @@ class _Fault:
     kind: str
     remaining: int
     method: str | None
+    path: str | None = None
 
 
 class FaultProxy:
@@ -59,7 +60,8 @@ class FaultProxy:
     inject("reset", n): reset the connection on the next n requests, before any response;
     inject("reset_mid_response", n): send half of the next n responses, then reset;
     inject("slowdown", n) / inject("error500", n): answer 503 SlowDown / 500 InternalError.
-    method= limits a fault to requests with that HTTP method ("GET", "PUT", ...).
+    method= limits a fault to requests with that HTTP method ("GET", "PUT", ...), path= to requests whose
+    path contains that text ("part-", "models/").
     """
 
     def __init__(self, upstream_port: int) -> None:
@@ -92,17 +94,19 @@ class FaultProxy:
                                         daemon=True, name="s3-fault-proxy")
         self._thread.start()
 
-    def inject(self, kind: str, n: int = 1, method: str | None = None) -> None:
+    def inject(self, kind: str, n: int = 1, method: str | None = None, path: str | None = None) -> None:
         if kind not in FAULT_KINDS:
             raise ValueError(f"unknown fault {kind!r}")
         with self._lock:
-            self._faults.append(_Fault(kind, n, method))
+            self._faults.append(_Fault(kind, n, method, path))
 
-    def take(self, kind: str | None, method: str | None) -> str | None:
-        """Consume one pending fault of kind (any request-level kind when None) matching method."""
+    def take(self, kind: str | None, method: str | None, path: str | None = None) -> str | None:
+        """Consume one pending fault of kind (any request-level kind when None) matching method and path."""
         with self._lock:
             for f in self._faults:
                 if f.remaining <= 0 or (f.method and f.method != method):
+                    continue
+                if f.path and (path is None or f.path not in path):
                     continue
                 if (kind is None and f.kind != "drop") or f.kind == kind:
                     f.remaining -= 1
@@ -183,7 +187,7 @@ class _ProxyHandler(BaseHTTPRequestHandler):
         body = self._read_body()
         with self.owner._lock:
             self.owner.requests += 1
-        kind = self.owner.take(None, self.command)
+        kind = self.owner.take(None, self.command, self.path)
         if kind == "reset":
             self.close_connection = True
             _abort(self.connection)

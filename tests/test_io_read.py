@@ -254,9 +254,9 @@ def test_stream_resumes_after_transient_error(tmp_path, monkeypatch):
     real_open = readers._open
     opened: list[str] = []
 
-    def flaky_open(url, storage_options, compression=None):
+    def flaky_open(url, storage_options, compression=None, **kwargs):
         opened.append(url)
-        f = real_open(url, storage_options, compression)
+        f = real_open(url, storage_options, compression, **kwargs)
         return FlakyFile(f, budget=2000) if opened.count(url) == 1 else f
 
     monkeypatch.setattr(readers, "_open", flaky_open)

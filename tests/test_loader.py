@@ -209,22 +209,35 @@ def test_s3_folder_with_storage_options(tiny_model, cache, s3):  # noqa: F811
 def test_interrupted_remote_download_is_not_cached(tiny_model, cache, monkeypatch):
     from fsspec.implementations.memory import MemoryFileSystem
 
+    from batchgen.io import InputError
+
     fs = fsspec.filesystem("memory")
     fs.put(str(tiny_model), "/flaky/tiny", recursive=True)
-    real_get_file, calls = MemoryFileSystem.get_file, []
+    real_get_file, calls, broken = MemoryFileSystem.get_file, [], {"on": False}
 
     def flaky_get_file(self, rpath, lpath, **kwargs):
         calls.append(rpath)
-        if len(calls) == 3:
+        real_get_file(self, rpath, lpath, **kwargs)
+        if broken["on"] and rpath.endswith("model.safetensors") or len(calls) == 2:
+            with open(lpath, "r+b") as f:  # the connection died half way: a short file
+                f.truncate(max(0, f.seek(0, 2) // 2))
             raise ConnectionResetError("connection reset by peer")
-        return real_get_file(self, rpath, lpath, **kwargs)
 
+    monkeypatch.setattr("batchgen.io.retry._sleep", lambda s: None)
     try:
         monkeypatch.setattr(MemoryFileSystem, "get_file", flaky_get_file)
-        with pytest.raises(ConnectionResetError):
-            hub.resolve_model_path("memory://flaky/tiny")
-        assert not [p for p in cache.rglob("*") if p.name not in (".lock",) and p.is_file()]
-        local = Path(hub.resolve_model_path("memory://flaky/tiny"))  # a clean retry completes
+        # one reset is retried: the download completes
+        local = Path(hub.resolve_model_path("memory://flaky/tiny"))
         assert sorted(p.name for p in local.iterdir()) == sorted(p.name for p in tiny_model.iterdir())
+        assert (local / "model.safetensors").read_bytes() == (tiny_model / "model.safetensors").read_bytes()
+        shutil.rmtree(local)
+        # a file that keeps failing fails the download, and leaves nothing in the cache
+        broken["on"] = True
+        with pytest.raises(InputError, match="cannot download memory://flaky/tiny.*ConnectionResetError"):
+            hub.resolve_model_path("memory://flaky/tiny")
+        assert not [p for p in cache.rglob("*") if p.name != ".lock" and not p.is_dir()]
+        broken["on"] = False  # a retry once the fault clears completes it
+        local = Path(hub.resolve_model_path("memory://flaky/tiny"))
+        assert (local / "model.safetensors").read_bytes() == (tiny_model / "model.safetensors").read_bytes()
     finally:
         fs.rm("/flaky", recursive=True)

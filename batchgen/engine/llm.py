@@ -65,21 +65,25 @@ class LLM:
         source = iter(requests)
         keys: dict[int, Any] = {}
         exhausted = False
-        while True:
-            while not exhausted and self.engine.num_unfinished < limit:
-                item = next(source, None)
-                if item is None:
-                    exhausted = True
-                    break
-                key, prompt, params = item
-                added = self.engine.add_request(self._token_ids(prompt), params)
-                if isinstance(added, RequestOutput):
-                    yield key, added
-                else:
-                    keys[added.seq_id] = key
-            if not self.engine.has_unfinished():
-                if exhausted:
-                    return
-                continue
-            for out in self.engine.step():
-                yield keys.pop(out.request_id), out
+        try:
+            while True:
+                while not exhausted and self.engine.num_unfinished < limit:
+                    item = next(source, None)
+                    if item is None:
+                        exhausted = True
+                        break
+                    key, prompt, params = item
+                    added = self.engine.add_request(self._token_ids(prompt), params)
+                    if isinstance(added, RequestOutput):
+                        yield key, added
+                    else:
+                        keys[added.seq_id] = key
+                if not self.engine.has_unfinished():
+                    if exhausted:
+                        return
+                    continue
+                for out in self.engine.step():
+                    yield keys.pop(out.request_id), out
+        finally:
+            if keys:  # the caller stopped early or a step failed: leave the engine empty for the next stream
+                self.engine.abort_all()

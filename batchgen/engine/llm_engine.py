@@ -98,6 +98,10 @@ class LLMEngine:
             self._grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_ids)
         return self._grammars
 
+    def abort_all(self) -> int:
+        """Drops every unfinished request (a caller that stopped reading their outputs)."""
+        return self.scheduler.abort_all()
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 

@@ -137,3 +137,13 @@ class Scheduler:
 
     def drop_finished(self) -> None:
         self.running = [s for s in self.running if not s.is_finished]
+
+    def abort_all(self) -> int:
+        """Drops every unfinished request and frees its blocks; returns how many there were."""
+        seqs = self.running + list(self.waiting) + self.waiting_for_grammar
+        for seq in self.running:
+            self.block_manager.free_seq(seq)
+        for seq in seqs:
+            seq.status = SequenceStatus.FINISHED
+        self.running, self.waiting, self.waiting_for_grammar = [], deque(), []
+        return len(seqs)

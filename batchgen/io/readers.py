@@ -11,9 +11,12 @@ from contextlib import closing
 from dataclasses import dataclass
 from typing import Any, Callable, Generator, Iterator
 
+import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from fsspec.utils import infer_compression
 
+from batchgen.crashpoints import crash_point
 from batchgen.io.errors import InputError
 from batchgen.io.paths import filesystem, redact
 from batchgen.io.retry import is_transient, retry
@@ -28,6 +31,12 @@ _FORMAT_ALIASES = {"parquet": "parquet", "pq": "parquet",
 _STREAM_ATTEMPTS = 4
 _COLUMN_SAMPLE_OBJECTS = 100
 _COLUMN_SAMPLE_LINES = 1000
+DEFAULT_MAX_ROW_BYTES = 32 << 20
+_READ_CHUNK = 1 << 20  # JSONL read size
+# Parquet row groups up to this many compressed bytes are read whole (few requests); larger ones are
+# streamed a few MiB per column at a time, so memory does not grow with the row group.
+_PREBUFFER_LIMIT = 64 << 20
+_STREAM_BUFFER = 4 << 20
 
 
 @dataclass
@@ -76,10 +85,18 @@ def _backoff(attempt: int) -> None:
     time.sleep(min(5.0, 0.2 * 2 ** attempt) * (0.5 + random.random() / 2))
 
 
-def _open(url: str, storage_options: dict | None, compression: str | None = None):
+@dataclass
+class Oversized:
+    """A JSONL line or Parquet row over the byte limit, skipped without being held in memory."""
+
+    size: int
+    limit: int
+
+
+def _open(url: str, storage_options: dict | None, compression: str | None = None, **kwargs: Any):
     fs, path = filesystem(url, storage_options)
     try:
-        return retry(lambda: fs.open(path, "rb", compression=compression), what=f"open {url}")
+        return retry(lambda: fs.open(path, "rb", compression=compression, **kwargs), what=f"open {url}")
     except FileNotFoundError:
         raise InputError(redact(f"input file not found: {url}")) from None
     except Exception as exc:
@@ -104,25 +121,61 @@ def _resumable(url: str, produce: Callable[[int], Iterator[Any]], what: str) -> 
             attempt += 1
 
 
-def _jsonl_lines(url: str, storage_options: dict | None) -> Generator[bytes, None, None]:
+def bounded_lines(f: Any, max_bytes: int) -> Iterator[bytes | Oversized]:
+    """The lines of a binary file, each one held whole only up to max_bytes: a longer line is read past in
+    chunks and comes out as Oversized. Memory: max_bytes plus about two read chunks."""
+    buf = bytearray()
+    over = 0  # bytes seen so far of a line over the limit
+    while chunk := f.read(_READ_CHUNK):
+        view, start = memoryview(chunk), 0
+        while start < len(chunk):
+            newline = chunk.find(b"\n", start)
+            end = newline + 1 if newline >= 0 else len(chunk)
+            begin, start = start, end
+            if over or len(buf) + end - begin > max_bytes:
+                over += len(buf) + end - begin
+                buf.clear()
+            elif newline >= 0 and not buf:
+                yield chunk[begin:end]  # the common case: a whole line inside one chunk
+                continue
+            else:
+                buf += view[begin:end]
+            if newline >= 0:
+                yield Oversized(over, max_bytes) if over else bytes(buf)
+                over = 0
+                buf.clear()
+    if over:
+        yield Oversized(over, max_bytes)
+    elif buf:
+        yield bytes(buf)
+
+
+def _jsonl_lines(url: str, storage_options: dict | None, max_bytes: int
+                 ) -> Generator[bytes | Oversized, None, None]:
     """Every raw line of a (possibly compressed) JSONL file, blank and malformed ones included."""
     compression = infer_compression(url)
 
-    def produce(skip: int) -> Iterator[bytes]:
+    def produce(skip: int) -> Iterator[bytes | Oversized]:
         with _open(url, storage_options, compression) as f:
-            for lineno, raw in enumerate(f):
+            for lineno, raw in enumerate(bounded_lines(f, max_bytes)):
                 if lineno >= skip:
                     yield raw
 
     return _resumable(url, produce, "JSONL file")
 
 
+def _too_long(what: str, big: Oversized) -> str:
+    return f"{what} is {big.size} bytes, more than the limit of {big.limit} (max_row_bytes); it was not read"
+
+
 def _decode(raw: bytes, lineno: int) -> str:
     return raw.decode("utf-8-sig" if lineno == 0 else "utf-8")
 
 
-def _is_blank(raw: bytes, lineno: int) -> bool:
+def _is_blank(raw: bytes | Oversized, lineno: int) -> bool:
     """A line with nothing but whitespace (Unicode spaces and a leading BOM included): not a row."""
+    if isinstance(raw, Oversized):
+        return False
     stripped = raw.strip()
     if not stripped:
         return True
@@ -134,11 +187,13 @@ def _is_blank(raw: bytes, lineno: int) -> bool:
         return False
 
 
-def _parse_line(raw: bytes, url: str, lineno: int) -> tuple[dict | None, str | None]:
+def _parse_line(raw: bytes | Oversized, url: str, lineno: int) -> tuple[dict | None, str | None]:
     """(object, None), (None, error) or (None, None) for a blank line."""
     if _is_blank(raw, lineno):
         return None, None
     where = f"{redact(url)} line {lineno + 1}"
+    if isinstance(raw, Oversized):
+        return None, f"{where}: {_too_long('the line', raw)}"
     try:
         text = _decode(raw, lineno)
     except UnicodeDecodeError as exc:
@@ -152,23 +207,62 @@ def _parse_line(raw: bytes, url: str, lineno: int) -> tuple[dict | None, str | N
     return obj, None
 
 
-def _jsonl_records(url: str, storage_options: dict | None) -> Iterator[tuple[int, dict, str | None]]:
-    for lineno, raw in enumerate(_jsonl_lines(url, storage_options)):
+def _jsonl_records(url: str, storage_options: dict | None, max_bytes: int
+                   ) -> Iterator[tuple[int, dict, str | None]]:
+    for lineno, raw in enumerate(_jsonl_lines(url, storage_options, max_bytes)):
         obj, error = _parse_line(raw, url, lineno)
         if obj is not None or error is not None:
             yield lineno, obj or {}, error
 
 
-def _parquet_records(url: str, storage_options: dict | None, batch_rows: int
+def _row_sizes(batch: pa.RecordBatch) -> list[int]:
+    """Approximate bytes per row: exact for string/binary columns, the column average for the others."""
+    sizes = [0] * batch.num_rows
+    for column in batch.columns:
+        t = column.type
+        if pa.types.is_string(t) or pa.types.is_binary(t) or pa.types.is_large_string(t) \
+                or pa.types.is_large_binary(t):
+            lengths = pc.binary_length(column).fill_null(0).to_pylist()
+        else:
+            lengths = [column.nbytes // max(1, batch.num_rows)] * batch.num_rows
+        sizes = [a + b for a, b in zip(sizes, lengths)]
+    return sizes
+
+
+def _batch_rows(batch: pa.RecordBatch, max_bytes: int) -> Iterator[dict | Oversized]:
+    """The rows of a record batch as dicts; those over max_bytes as Oversized, never converted."""
+    if batch.nbytes <= max_bytes:
+        yield from batch.to_pylist()
+        return
+    sizes = _row_sizes(batch)
+    keep = [size <= max_bytes for size in sizes]
+    small = iter(batch.filter(pa.array(keep)).to_pylist())
+    for size, ok in zip(sizes, keep):
+        yield next(small) if ok else Oversized(size, max_bytes)
+
+
+def _parquet_file(f: Any, url: str) -> pq.ParquetFile:
+    """A ParquetFile that reads row groups whole when they are small and streams the large ones."""
+    try:
+        pf = pq.ParquetFile(f)
+    except Exception as exc:
+        if is_transient(exc):
+            raise
+        raise InputError(redact(f"corrupt or unreadable Parquet file {url}: {exc}")) from exc
+    md = pf.metadata
+    largest = max((sum(md.row_group(g).column(c).total_compressed_size for c in range(md.num_columns))
+                   for g in range(md.num_row_groups)), default=0)
+    if largest <= _PREBUFFER_LIMIT:
+        return pf
+    return pq.ParquetFile(f, metadata=md, pre_buffer=False, buffer_size=_STREAM_BUFFER)
+
+
+def _parquet_records(url: str, storage_options: dict | None, batch_rows: int, max_bytes: int
                      ) -> Iterator[tuple[int, dict, str | None]]:
-    def produce(skip: int) -> Iterator[dict]:
-        with _open(url, storage_options) as f:
-            try:
-                pf = pq.ParquetFile(f)
-            except Exception as exc:
-                if is_transient(exc):
-                    raise
-                raise InputError(redact(f"corrupt or unreadable Parquet file {url}: {exc}")) from exc
+    def produce(skip: int) -> Iterator[dict | Oversized]:
+        # no read-ahead cache: streamed columns read from far-apart offsets in turn
+        with _open(url, storage_options, cache_type="none") as f:
+            pf = _parquet_file(f, url)
             first, start = 0, 0
             while first < pf.num_row_groups and start + pf.metadata.row_group(first).num_rows <= skip:
                 start += pf.metadata.row_group(first).num_rows
@@ -183,41 +277,13 @@ def _parquet_records(url: str, storage_options: dict | None, batch_rows: int
                     continue
                 if to_skip:
                     batch, to_skip = batch.slice(to_skip), 0
-                yield from batch.to_pylist()
+                yield from _batch_rows(batch, max_bytes)
 
     for index, values in enumerate(_resumable(url, produce, "Parquet file")):
-        yield index, values, None
-
-
-def read_rows(
-    files: list[str],
-    fmt: str = "auto",
-    storage_options: dict | None = None,
-    id_column: str | None = None,
-    batch_rows: int = 1024,
-) -> Iterator[InputRow]:
-    """Stream the rows of files in order.
-
-    Unparseable JSONL lines become error rows and the stream goes on; a missing or corrupt file
-    raises InputError. Without id_column, row ids are "<file label>:<row index>", where the label is
-    the basename (or the path relative to the files' common folder when basenames collide). A row
-    whose id_column is missing or null keeps its values, gets the default id and an error.
-    """
-    names = _row_names(list(files))
-    for url in files:
-        kind = detect_format(url, fmt)
-        records = (_parquet_records(url, storage_options, batch_rows) if kind == "parquet"
-                   else _jsonl_records(url, storage_options))
-        for index, values, error in records:
-            row_id = f"{names[url]}:{index}"
-            if error is None and id_column is not None:
-                value = values.get(id_column)
-                if value is None:
-                    where = f"line {index + 1}" if kind == "jsonl" else f"row {index}"
-                    error = f"{redact(url)} {where}: id column {id_column!r} is missing or null"
-                else:
-                    row_id = str(value)
-            yield InputRow(row_id=row_id, values=values, source=url, index=index, error=error)
+        if isinstance(values, Oversized):
+            yield index, {}, f"{redact(url)} row {index}: {_too_long('the row', values)}"
+        else:
+            yield index, values, None
 
 
 def _parquet_footer(url: str, storage_options: dict | None) -> pq.FileMetaData:
@@ -229,6 +295,40 @@ def _parquet_footer(url: str, storage_options: dict | None) -> pq.FileMetaData:
             raise InputError(redact(f"corrupt or unreadable Parquet file {url}: {exc}")) from exc
 
 
+def read_rows(
+    files: list[str],
+    fmt: str = "auto",
+    storage_options: dict | None = None,
+    id_column: str | None = None,
+    batch_rows: int = 1024,
+    max_row_bytes: int = DEFAULT_MAX_ROW_BYTES,
+) -> Iterator[InputRow]:
+    """Stream the rows of files in order.
+
+    Unparseable JSONL lines become error rows and the stream goes on; a missing or corrupt file
+    raises InputError. Without id_column, row ids are "<file label>:<row index>", where the label is
+    the basename (or the path relative to the files' common folder when basenames collide). A row
+    whose id_column is missing or null keeps its values, gets the default id and an error; so does a
+    JSONL line or Parquet row over max_row_bytes, which is never parsed.
+    """
+    names = _row_names(list(files))
+    for url in files:
+        kind = detect_format(url, fmt)
+        records = (_parquet_records(url, storage_options, batch_rows, max_row_bytes) if kind == "parquet"
+                   else _jsonl_records(url, storage_options, max_row_bytes))
+        for index, values, error in records:
+            crash_point("read_row")
+            row_id = f"{names[url]}:{index}"
+            if error is None and id_column is not None:
+                value = values.get(id_column)
+                if value is None:
+                    where = f"line {index + 1}" if kind == "jsonl" else f"row {index}"
+                    error = f"{redact(url)} {where}: id column {id_column!r} is missing or null"
+                else:
+                    row_id = str(value)
+            yield InputRow(row_id=row_id, values=values, source=url, index=index, error=error)
+
+
 def read_columns(files: list[str], fmt: str = "auto", storage_options: dict | None = None) -> set[str]:
     """Column names available across files: Parquet schemas, keys of the first JSONL objects."""
     columns: set[str] = set()
@@ -237,7 +337,7 @@ def read_columns(files: list[str], fmt: str = "auto", storage_options: dict | No
             columns.update(_parquet_footer(url, storage_options).schema.to_arrow_schema().names)
             continue
         seen = 0
-        with closing(_jsonl_lines(url, storage_options)) as lines:
+        with closing(_jsonl_lines(url, storage_options, DEFAULT_MAX_ROW_BYTES)) as lines:
             for lineno, raw in enumerate(lines):
                 obj, _ = _parse_line(raw, url, lineno)
                 if obj is not None:
@@ -258,7 +358,7 @@ def count_rows(files: list[str], fmt: str = "auto", storage_options: dict | None
         if detect_format(url, fmt) == "parquet":
             total += _parquet_footer(url, storage_options).num_rows
             continue
-        with closing(_jsonl_lines(url, storage_options)) as lines:
+        with closing(_jsonl_lines(url, storage_options, DEFAULT_MAX_ROW_BYTES)) as lines:
             for lineno, raw in enumerate(lines):
                 total += not _is_blank(raw, lineno)
                 if cancel is not None and lineno % 4096 == 0 and cancel.is_set():

@@ -1,4 +1,9 @@
-"""Redaction of credentials in dicts and strings before they reach logs, errors or output files."""
+"""Redaction of credentials in dicts and strings before they reach logs, errors or output files.
+
+The only place that knows what a credential looks like: option names of s3fs, gcsfs and adlfs (and
+HTTP headers), URL passwords, signed-URL parameters, connection strings, bearer tokens, PEM keys, AWS
+access key ids, and every value registered with :func:`remember_secret`.
+"""
 
 from __future__ import annotations
 
@@ -8,33 +13,47 @@ from typing import Any
 
 MASK = "***"
 
-# Matched against keys lowercased with '-' turned into '_'.
+# Option and header names that hold a credential, matched after normalize_key().
 SECRET_KEYS = frozenset({
-    "key", "secret", "token", "password", "passwd", "pwd",
+    # generic
+    "key", "secret", "token", "password", "passwd", "pwd", "auth", "authorization", "cookie",
+    "credential", "credentials", "private_key", "private_key_id", "api_key", "apikey", "api_token",
+    "access_token", "refresh_token", "id_token", "auth_token", "bearer_token", "session_token",
+    "security_token", "client_secret", "hf_token", "use_auth_token",
+    # s3fs / botocore (storage_options, client_kwargs, s3_additional_kwargs) and AWS env names
     "aws_access_key_id", "aws_secret_access_key", "aws_session_token", "aws_security_token",
-    "access_key", "access_key_id", "secret_key", "secret_access_key", "session_token",
-    "security_token", "access_token", "refresh_token", "id_token", "auth_token", "bearer_token",
-    "api_key", "apikey", "api_token", "hf_token", "client_secret", "private_key",
-    "account_key", "sas_token", "credential", "credentials", "authorization", "auth",
-    "connection_string",
+    "access_key", "access_key_id", "secret_key", "secret_access_key", "sse_customer_key",
+    "x_amz_signature", "x_amz_credential", "x_amz_security_token",
+    # adlfs (Azure): account key, SAS, connection string, service principal secret
+    "account_key", "sas_token", "connection_string", "shared_access_signature", "sig",
 })
 _SECRET_SUFFIXES = ("_secret", "_password", "_secret_key", "_access_key", "_api_key", "_private_key")
+_CAMEL = re.compile(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])")
 
-_NAMES = (r"(?:aws_secret_access_key|aws_session_token|aws_security_token|aws_access_key_id|"
-          r"secret_access_key|session_token|access_token|refresh_token|api_key|client_secret|"
-          r"password|secret|token|key)")
-_PATTERNS = [
+
+def normalize_key(name: str) -> str:
+    """``SSECustomerKey``, ``x-amz-signature``, ``AccountKey`` -> ``sse_customer_key`` style."""
+    return _CAMEL.sub("_", name).lower().replace("-", "_")
+
+
+def is_secret_key(name: Any) -> bool:
+    """True when a mapping key, header or ``name=value`` name holds a credential."""
+    if not isinstance(name, str):
+        return False
+    norm = normalize_key(name)
+    return norm in SECRET_KEYS or norm.endswith(_SECRET_SUFFIXES)
+
+
+_NAME = r"[A-Za-z_][\w\-]*"
+_QUOTED = re.compile(r"(?P<head>(?P<q>['\"]?)(?P<name>" + _NAME + r")(?P=q)\s*[:=]\s*)"
+                     r"(?P<v>['\"])(?P<val>(?:(?!(?P=v)).)*)(?P=v)")
+_BARE = re.compile(r"(?P<head>(?<![\w\-])(?P<name>" + _NAME + r")=)(?P<val>[^\s'\",&;]+)")
+_FIXED = [
     # scheme://user:password@host
     (re.compile(r"(\b[a-zA-Z][a-zA-Z0-9+.\-]*://)[^/\s:@]+:[^/\s@]+@"), r"\1" + MASK + ":" + MASK + "@"),
-    # presigned URL and similar query parameters
-    (re.compile(r"([?&](?:X-Amz-Signature|X-Amz-Credential|X-Amz-Security-Token|Signature|sig|"
-                r"token|access_token|key|secret|password)=)[^&\s'\"]+", re.IGNORECASE), r"\1" + MASK),
-    # name=value / name: value, quoted as in a dict repr or bare as in env dumps
-    (re.compile(r"(['\"]?\b" + _NAMES + r"['\"]?\s*[:=]\s*)(['\"])(?:(?!\2).)*\2", re.IGNORECASE),
-     r"\1\2" + MASK + r"\2"),
-    (re.compile(r"(\b(?:aws_secret_access_key|aws_session_token|aws_security_token|password)\s*=\s*)"
-                r"[^\s'\",&]+", re.IGNORECASE), r"\1" + MASK),
-    # AWS access key ids
+    (re.compile(r"\b(Bearer|Basic)\s+[A-Za-z0-9._~+/=\-]{8,}"), r"\1 " + MASK),
+    (re.compile(r"-----BEGIN [A-Z ]*PRIVATE KEY-----.*?(?:-----END [A-Z ]*PRIVATE KEY-----|$)", re.DOTALL),
+     MASK),
     (re.compile(r"\b(?:AKIA|ASIA)[0-9A-Z]{16}\b"), MASK),
 ]
 
@@ -49,12 +68,11 @@ def remember_secret(value: Any) -> None:
             _known.add(value)
 
 
-def is_secret_key(name: Any) -> bool:
-    """True when a mapping key names a credential."""
-    if not isinstance(name, str):
-        return False
-    norm = name.lower().replace("-", "_")
-    return norm in SECRET_KEYS or norm.endswith(_SECRET_SUFFIXES)
+def _mask_named(m: re.Match) -> str:
+    if not is_secret_key(m.group("name")):
+        return m.group(0)
+    quote = m.groupdict().get("v") or ""
+    return f"{m.group('head')}{quote}{MASK}{quote}"
 
 
 def _redact_str(text: str) -> str:
@@ -63,13 +81,17 @@ def _redact_str(text: str) -> str:
     for value in known:
         if value in text:
             text = text.replace(value, MASK)
-    for pattern, repl in _PATTERNS:
+    for pattern, repl in _FIXED:
         text = pattern.sub(repl, text)
-    return text
+    return _BARE.sub(_mask_named, _QUOTED.sub(_mask_named, text))
 
 
 def redact(obj: Any) -> Any:
-    """Return a copy of obj with credentials replaced by "***" (dicts, lists, tuples, strings)."""
+    """A copy of obj with credentials replaced by "***" (dicts, lists, tuples, strings, exceptions).
+
+    A value under a secret key is masked whole, whatever its type (gcsfs takes a service-account
+    dict as ``token``, adlfs a credential object as ``credential``).
+    """
     if isinstance(obj, str):
         return _redact_str(obj)
     if isinstance(obj, dict):
@@ -84,7 +106,18 @@ def redact(obj: Any) -> Any:
 def remember_secrets_in(options: dict[str, Any]) -> None:
     """Register every credential value found under secret-named keys of options (recursively)."""
     for k, v in options.items():
-        if isinstance(v, dict):
+        if is_secret_key(k):
+            _remember_all(v)
+        elif isinstance(v, dict):
             remember_secrets_in(v)
-        elif is_secret_key(k):
-            remember_secret(v)
+
+
+def _remember_all(value: Any) -> None:
+    if isinstance(value, dict):
+        for v in value.values():
+            _remember_all(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _remember_all(v)
+    else:
+        remember_secret(value)

@@ -12,6 +12,7 @@ from batchgen.io.redaction import redact
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
+_sleep = time.sleep  # tests replace it to retry without waiting
 
 _PERMANENT_TYPES = (
     FileNotFoundError,
@@ -87,5 +88,5 @@ def retry(
             delay = min(max_delay, base_delay * 2 ** (attempt - 1)) * (0.5 + random.random() / 2)
             log.warning("transient error in %s (attempt %d/%d), retrying in %.2fs: %s",
                         redact(what), attempt, attempts, delay, redact(str(exc)))
-            time.sleep(delay)
+            _sleep(delay)
     raise AssertionError("unreachable")

@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import posixpath
 import uuid
 from typing import Any, Callable, TypeVar
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-from fsspec.implementations.local import LocalFileSystem
 
+from batchgen.crashpoints import crash_point
 from batchgen.io.errors import OutputError
+from batchgen.io.lease import Lease, LeaseSettings
 from batchgen.io.manifest import (
     FORMATS, MANIFEST_DIR, PART_RE, STATS, SUCCESS, TELEMETRY, TEMP_MARK, ManifestEntry, entry_name, list_names,
     load_entries, part_name, to_json_bytes,
@@ -22,6 +21,7 @@ from batchgen.io.parts import serialize_part
 from batchgen.io.paths import filesystem
 from batchgen.io.redaction import redact
 from batchgen.io.retry import retry
+from batchgen.io.store import Store
 
 __all__ = ["OutputWriter"]
 
@@ -32,9 +32,10 @@ T = TypeVar("T")
 class OutputWriter:
     """Writes part files into an output folder so that a crashed job can resume where it stopped.
 
-    Each part is serialized in memory and stored with one PUT (or temp file + rename on local
+    Each part is serialized in memory and stored with one PUT (or fsynced temp file + rename on local
     disks), then recorded by its own manifest entry: a part is committed iff that entry exists.
-    Row ids come from row[id_key] unless write_part is given row_ids.
+    Row ids come from row[id_key] unless write_part is given row_ids. With ``lease`` the writer owns
+    the folder (see batchgen.io.lease) from before it touches anything until close().
     """
 
     def __init__(
@@ -45,6 +46,7 @@ class OutputWriter:
         overwrite: bool = False,
         schema: pa.Schema | None = None,
         id_key: str = "row_id",
+        lease: LeaseSettings | None = None,
     ) -> None:
         if fmt not in FORMATS:
             raise OutputError(f"unknown output format {fmt!r}; use one of {', '.join(FORMATS)}")
@@ -53,10 +55,20 @@ class OutputWriter:
         self.schema = schema
         self.id_key = id_key
         self._types: dict[str, pa.DataType] = {}
-        self.fs, self.root = self._guard(lambda: filesystem(path, storage_options), "open output")
-        self.root = self.root.rstrip("/")
-        self._local = isinstance(self.fs, LocalFileSystem)
+        fs, root = self._guard(lambda: filesystem(path, storage_options), "open output")
+        self.store = Store(fs, root)
+        self.fs, self.root = fs, self.store.root
         self._check_writable()
+        self.lease = Lease(self.store, self.path, lease) if lease is not None else None
+        if self.lease is not None:
+            self._guard(self.lease.acquire, "take the lease of")
+        try:
+            self._open(overwrite)
+        except BaseException:
+            self.close()
+            raise
+
+    def _open(self, overwrite: bool) -> None:
         if overwrite:
             self._delete_previous()
         entries, bad = self._guard(lambda: load_entries(self.fs, self.root), "read the manifest of")
@@ -80,37 +92,22 @@ class OutputWriter:
             raise OutputError(redact(f"cannot {action} {self.path}: {type(exc).__name__}: {exc}")) from exc
 
     def _full(self, name: str) -> str:
-        return f"{self.root}/{name}"
+        return self.store.full(name)
 
     def _put(self, name: str, data: bytes) -> None:
-        """Store name whole or not at all."""
-        target = self._full(name)
-        if self._local:
-            folder = posixpath.dirname(target)
-            os.makedirs(folder, exist_ok=True)
-            tmp = f"{folder}/.{posixpath.basename(target)}{TEMP_MARK}{uuid.uuid4().hex}"
-            try:
-                with open(tmp, "wb") as f:
-                    f.write(data)
-                os.replace(tmp, target)
-            finally:
-                if os.path.exists(tmp):
-                    os.remove(tmp)
-        else:
-            retry(lambda: self.fs.pipe_file(target, data), what=f"write {redact(target)}")
+        """Store name whole or not at all, if this writer still owns the folder."""
+        if self.lease is not None:
+            self.lease.ensure_held()
+        self.store.put(name, data)
 
     def _delete(self, names: list[str]) -> None:
-        if names:
-            paths = [self._full(n) for n in names]
-            retry(lambda: self.fs.rm(paths), what=f"delete in {redact(self.path)}")
+        self.store.delete(names)
 
     def _check_writable(self) -> None:
         probe = f".probe{TEMP_MARK}{uuid.uuid4().hex}"
 
         def probe_once() -> None:
-            if self._local:
-                os.makedirs(self.root, exist_ok=True)
-            self._put(probe, b"")
+            self.store.put(probe, b"")
             self._delete([probe])
 
         try:
@@ -231,10 +228,13 @@ class OutputWriter:
             raise OutputError(redact(f"cannot serialize {name}: {type(exc).__name__}: {exc}")) from exc
         entry = ManifestEntry(number=number, part=name, row_ids=[str(r) for r in row_ids],
                               stats=dict(stats or {}), files=list(files), format=self.fmt)
+        crash_point("part.before")
         for file_name, data in files.items():
             self._guard(lambda: self._put(file_name, data), f"write {file_name} in")
+        crash_point("part.after")
         self._guard(lambda: self._put(f"{MANIFEST_DIR}/{entry_name(number)}", entry.to_bytes()),
                     f"commit {name} in")
+        crash_point("manifest.after")
         self._entries[number] = entry
         self._next = number + 1
         return f"{self.path}/{name}"
@@ -250,3 +250,15 @@ class OutputWriter:
     def commit(self, stats: dict[str, Any]) -> None:
         """Mark the job finished: write _SUCCESS, holding the job's stats, last."""
         self._guard(lambda: self._put(SUCCESS, to_json_bytes(stats)), "write _SUCCESS in")
+
+    def close(self) -> None:
+        """Give up the folder's lease (a no-op without one)."""
+        if self.lease is not None:
+            self.lease.release()
+
+    def __enter__(self) -> OutputWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+

@@ -16,12 +16,20 @@ def default_url(chat: bool) -> str:
     return CHAT_URL if chat else COMPLETIONS_URL
 
 
+def prompt_chars(messages: list[dict[str, str]] | None, prompt: str | list[int] | None) -> int:
+    """Characters of a request's text: its messages' contents, or its prompt string (token ids: 0)."""
+    if messages is not None:
+        return sum(len(m.get("content") or "") for m in messages)
+    return len(prompt) if isinstance(prompt, str) else 0
+
+
 class OpenAIPrompts:
     """Each line's messages (through the chat template) or prompt, with its settings over the spec's sampling."""
 
-    def __init__(self, tokenizer: Tokenizer, sampling: SamplingSpec) -> None:
+    def __init__(self, tokenizer: Tokenizer, sampling: SamplingSpec, max_chars: int) -> None:
         self.tokenizer = tokenizer
         self.sampling = sampling
+        self.max_chars = max_chars  # longer prompts are refused before they are tokenized
 
     def build(self, values: Mapping[str, Any]) -> tuple[list[int], SamplingParams]:
         try:
@@ -37,6 +45,10 @@ class OpenAIPrompts:
             params = self.sampling.params(**request.sampling)
         except ValueError as e:
             raise RenderError("invalid_request", str(e)) from None
+        size = prompt_chars(request.messages, request.prompt)
+        if size > self.max_chars:
+            raise RenderError("prompt_too_long", f"prompt has {size} characters > max {self.max_chars} "
+                                                 f"(batching.max_prompt_chars)")
         try:
             if request.messages is not None:
                 ids = self.tokenizer.apply_chat_template(request.messages, add_generation_prompt=True)

@@ -9,10 +9,13 @@ from jinja2 import Environment, nodes
 
 from batchgen.engine import LLM
 from batchgen.io import InputError, OutputError, OutputWriter, expand_inputs, read_columns, redact
+from batchgen.io.fingerprint import difference, fingerprints
+from batchgen.io.lease import LeaseSettings
 from batchgen.pipeline.errors import JobError
 from batchgen.pipeline.openai_requests import CARRY_COLUMNS as OPENAI_CARRY
 from batchgen.pipeline.render import required_columns
 from batchgen.pipeline.rows import RESULT_COLUMNS
+from batchgen.pipeline.sink import INPUTS_KEY
 from batchgen.pipeline.spec import JobSpec, SpecError
 
 log = logging.getLogger(__name__)
@@ -78,13 +81,43 @@ def check_inputs(spec: JobSpec) -> list[str]:
     return files
 
 
-def open_output(spec: JobSpec, overwrite: bool) -> OutputWriter:
-    """Opens the output folder (checking that it is writable); ``overwrite`` deletes earlier output."""
+def open_output(spec: JobSpec, overwrite: bool, force_unlock: bool = False) -> OutputWriter:
+    """Takes the output folder's lease and opens it (checking that it is writable); ``overwrite`` deletes
+    earlier output; ``force_unlock`` takes the lease even from a live run."""
+    lease = LeaseSettings(timeout_s=spec.output.lease_timeout_s, force=force_unlock)
     try:
         return OutputWriter(spec.output.path, spec.output.format, spec.storage_options, overwrite=overwrite,
-                            id_key=spec.input.id_column or "id")
+                            id_key=spec.input.id_column or "id", lease=lease)
     except OutputError as e:
         raise JobError(str(e)) from None
+
+
+def _recorded_inputs(writer: OutputWriter) -> dict[str, dict[str, Any]]:
+    """{redacted input URL: fingerprint} as recorded when the file's rows were first committed."""
+    recorded: dict[str, dict[str, Any]] = {}
+    for stats in writer.committed_stats():
+        for item in stats.get(INPUTS_KEY) or []:
+            if isinstance(item, dict) and "file" in item:
+                recorded.setdefault(str(item["file"]), item)
+    return recorded
+
+
+def check_inputs_unchanged(writer: OutputWriter, files: list[str], storage_options: dict[str, Any]
+                           ) -> tuple[dict[str, dict[str, Any]], set[str]]:
+    """(fingerprint of each input file now, files whose fingerprint earlier parts already hold); warns,
+    naming the file, about each input whose committed rows came from other content."""
+    current, recorded = fingerprints(files, storage_options), _recorded_inputs(writer)
+    for url, now in current.items():
+        before = recorded.get(redact(url))
+        change = difference(before, now) if before else None
+        if change:
+            log.warning("input file %s changed since its rows were first committed (%s); the committed rows "
+                        "are kept as they are, the others are read from the file as it is now (use "
+                        "--overwrite to recompute them all)", redact(url), change)
+    named = {redact(url) for url in current}
+    for name in sorted(set(recorded) - named):
+        log.warning("input file %s, whose rows were committed, is no longer among the inputs", name)
+    return current, {url for url in current if redact(url) in recorded}
 
 
 def stored_stats(writer: OutputWriter) -> dict[str, Any]:
@@ -100,7 +133,8 @@ def load_model(spec: JobSpec) -> LLM:
     try:
         return LLM(spec.model.path, dtype=spec.model.dtype, device=spec.model.device,
                    max_num_batched_tokens=b.max_batch_tokens, max_num_seqs=b.max_num_seqs,
-                   max_model_len=spec.model.max_model_len, storage_options=spec.storage_options)
+                   max_model_len=spec.model.max_model_len, kv_cache_memory=b.kv_cache_memory,
+                   storage_options=spec.storage_options)
     except Exception as e:  # noqa: BLE001 - bad paths, unsupported architectures, bad weights alike
         message = " ".join(str(e).split()) or type(e).__name__
         raise JobError(redact(f"cannot load model {spec.resolved()['model']['path']}: {message}")) from None

@@ -86,7 +86,10 @@ class PromptRenderer:
 
     def render(self, row: Mapping[str, Any]) -> list[int]:
         """Token ids of the row's prompt, chat-wrapped when ``chat`` is set."""
-        text = self.render_text(row)
+        return self.encode(self.render_text(row))
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of a rendered prompt, chat-wrapped when ``chat`` is set."""
         try:
             if self.chat:
                 ids = self.tokenizer.apply_chat_template(self.messages(text), add_generation_prompt=True)
@@ -95,6 +98,20 @@ class PromptRenderer:
         except Exception as e:  # noqa: BLE001 - e.g. a character the tokenizer cannot handle
             raise RenderError("tokenizer_error", f"{type(e).__name__}: {e}") from None
         return list(ids)
+
+
+def fit_chars(text: str, max_chars: int, mode: TruncateMode) -> str:
+    """Bounds a rendered prompt before it is tokenized (tokenizing costs ~150 MB per million characters).
+
+    "error" raises ``prompt_too_long``; "left" keeps the last ``max_chars`` characters, "right" the first,
+    so that the token-level truncation after it keeps the same end of the prompt.
+    """
+    if len(text) <= max_chars:
+        return text
+    if mode == "error":
+        raise RenderError("prompt_too_long", f"prompt has {len(text)} characters > max {max_chars} "
+                                             f"(batching.max_prompt_chars)")
+    return text[len(text) - max_chars:] if mode == "left" else text[:max_chars]
 
 
 def truncate(ids: Sequence[int], max_prompt_tokens: int, mode: TruncateMode) -> list[int]:

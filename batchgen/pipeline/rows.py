@@ -8,6 +8,7 @@ from typing import Any, Mapping
 import pyarrow as pa
 
 from batchgen.engine import RequestOutput, SamplingParams
+from batchgen.io import redact
 from batchgen.pipeline.sampling import output_problem
 
 log = logging.getLogger(__name__)
@@ -31,11 +32,13 @@ class Request:
     carried: dict[str, Any]
     prompt_ids: list[int]
     params: SamplingParams
+    source: str = ""  # the input file
 
 
 @dataclass
 class ResultRow:
-    """One finished row; ``cached_tokens`` only feeds the part stats, it is not a column."""
+    """One finished row; ``cached_tokens`` and ``source`` (its input file) feed the part stats, they are not
+    columns."""
 
     row_id: str
     carried: dict[str, Any]
@@ -46,6 +49,7 @@ class ResultRow:
     error: dict[str, str] | None = None
     cached_tokens: int = 0
     logprobs: list[dict[str, Any]] | None = None  # [{token, logprob}] when the request asked for them
+    source: str = ""
 
     @property
     def ok(self) -> bool:
@@ -64,24 +68,25 @@ def carried_values(values: dict[str, Any], columns: list[str]) -> dict[str, Any]
     return {c: values.get(c) for c in columns}
 
 
-def error_row(row_id: str, carried: dict[str, Any], code: str, message: str) -> ResultRow:
+def error_row(row_id: str, carried: dict[str, Any], code: str, message: str, source: str = "") -> ResultRow:
     """A row that failed; its token counts are 0 since the engine did no work for it."""
-    return ResultRow(row_id, carried, None, 0, 0, "error", {"code": code, "message": message})
+    return ResultRow(row_id, carried, None, 0, 0, "error", {"code": code, "message": redact(message)},
+                     source=source)
 
 
 def engine_row(req: Request, out: RequestOutput, tokenizer: Any) -> ResultRow:
     """The result of one engine request; a constrained output cut short or off its schema is an error row."""
     if out.finish_reason == "error":
         message = out.error or "the engine failed this request"
-        return error_row(req.row_id, req.carried, "engine_error", message)
+        return error_row(req.row_id, req.carried, "engine_error", message, req.source)
     problem = output_problem(req.params, out.text, out.grammar_complete)
     if problem is not None:
-        return error_row(req.row_id, req.carried, *problem)
+        return error_row(req.row_id, req.carried, *problem, source=req.source)
     logprobs = None
     if out.logprobs is not None:
         logprobs = [{"token": tokenizer.decode([t]), "logprob": lp} for t, lp in zip(out.token_ids, out.logprobs)]
     return ResultRow(req.row_id, req.carried, out.text, len(out.prompt_token_ids), len(out.token_ids),
-                     out.finish_reason or "stop", None, out.num_cached_tokens, logprobs)
+                     out.finish_reason or "stop", None, out.num_cached_tokens, logprobs, req.source)
 
 
 def openai_record(row: ResultRow, model: str, default_url: str) -> dict[str, Any]:

@@ -6,8 +6,9 @@ import signal
 import time
 from typing import Any, Callable, Iterable
 
+from batchgen.crashpoints import crash_point
 from batchgen.engine import LLM
-from batchgen.io import InputError, InputRow, OutputError, count_rows, redact
+from batchgen.io import InputError, InputRow, OutputError, OutputWriter, count_rows, redact
 from batchgen.pipeline import preflight
 from batchgen.pipeline.errors import JobError, JobInterrupted
 from batchgen.pipeline.interrupt import StopRequest, stop_on_signals
@@ -72,6 +73,7 @@ def _generate(llm: LLM, spec: JobSpec, rows: Iterable[InputRow], preparer: Prepa
         with telemetry.listening(llm.engine.step_listeners):
             outputs = llm.generate_stream(admit(requests, stop.event))
             for req, out in clock.timed(outputs, "engine"):
+                crash_point("generate")
                 write(engine_row(req, out, llm.tokenizer))
         return time.perf_counter() - start
     finally:
@@ -87,19 +89,27 @@ def _progress(spec: JobSpec, files: list[str], committed: int, limit: int | None
 
 
 def run_job(spec: JobSpec, *, limit: int | None = None, overwrite: bool = False, quiet: bool = False,
-            llm: LLM | None = None) -> dict[str, Any]:
+            llm: LLM | None = None, force_unlock: bool = False) -> dict[str, Any]:
     """Runs ``spec`` and returns its stats (also written to stats.json and _SUCCESS).
 
     Rows committed by an earlier run of the same output folder are skipped; a finished folder makes this a
     no-op unless ``overwrite``. ``limit`` takes the first N input rows. ``llm`` reuses a loaded model (its
-    own engine settings then apply). Raises :class:`JobError` when the job cannot run or fails, and
-    :class:`JobInterrupted` after SIGINT/SIGTERM, once the finished rows are committed.
+    own engine settings then apply). The run owns the output folder (its lease) from before it touches it
+    until it returns; ``force_unlock`` takes it even from a live run. Raises :class:`JobError` when the job
+    cannot run or fails (another run owning the folder included), and :class:`JobInterrupted` after
+    SIGINT/SIGTERM, once the finished rows are committed.
     """
     wall_start, started_at = time.perf_counter(), utc_now()
-    resolved, digest = spec.resolved(), spec.digest()
     carry = preflight.carry_columns(spec)
     files = preflight.check_inputs(spec)
-    writer = preflight.open_output(spec, overwrite)
+    with preflight.open_output(spec, overwrite, force_unlock) as writer:
+        return _run(spec, writer, files, carry, limit=limit, quiet=quiet, llm=llm, wall_start=wall_start,
+                    started_at=started_at)
+
+
+def _run(spec: JobSpec, writer: OutputWriter, files: list[str], carry: list[str], *, limit: int | None,
+         quiet: bool, llm: LLM | None, wall_start: float, started_at: str) -> dict[str, Any]:
+    resolved, digest = spec.resolved(), spec.digest()
     if writer.is_complete():
         stored = preflight.stored_stats(writer)
         log.info("%s: already complete in %s; nothing to do (use --overwrite to run it again)",
@@ -112,6 +122,7 @@ def run_job(spec: JobSpec, *, limit: int | None = None, overwrite: bool = False,
         llm = preflight.load_model(spec)
     committed, previous = writer.committed_row_ids(), writer.committed_stats()
     _warn_if_spec_changed(previous, digest)
+    inputs, recorded = preflight.check_inputs_unchanged(writer, files, spec.storage_options)
     log.info("%s: %d input file(s) -> %s%s", spec.name, len(files), resolved["output"]["path"],
              f" (resuming: {len(committed)} rows already committed)" if committed else "")
 
@@ -122,7 +133,8 @@ def run_job(spec: JobSpec, *, limit: int | None = None, overwrite: bool = False,
     progress = _progress(spec, files, len(committed), limit, quiet)
     sink = PartSink(writer, schema, spec.output.rows_per_part, digest,
                     on_row=lambda row: (progress.update(row), telemetry.on_row(row)),
-                    to_record=row_writer(spec, schema))
+                    to_record=row_writer(spec, schema), max_age_s=spec.output.max_part_age_s, inputs=inputs,
+                    recorded=recorded)
     preparer = job_preparer(spec, llm.tokenizer, llm.max_model_len, carry, committed)
     rows = input_rows(spec, files, limit)
 
@@ -138,6 +150,7 @@ def run_job(spec: JobSpec, *, limit: int | None = None, overwrite: bool = False,
                 _save_finished(sink)
                 raise
             finally:
+                sink.close()
                 progress.close()
             with telemetry.stages.measure("write"):
                 sink.flush()
@@ -148,8 +161,10 @@ def run_job(spec: JobSpec, *, limit: int | None = None, overwrite: bool = False,
                           resumed=bool(previous), complete=not stop.is_set(), limit=limit,
                           engine=engine_summary(telemetry.metrics, generate_s, telemetry.token_budget,
                                                 llm.engine.runner.profile, llm.config.torch_device()))
+        crash_point("stats.before")
         writer.write_stats(stats)
         writer.write_telemetry(telemetry.to_dict())
+        crash_point("stats.after")
         if stop.is_set():
             assert stop.signum is not None
             log.warning("%s: stopped by %s with %d rows committed; rerun the same command to resume",

@@ -11,6 +11,7 @@ from typing import Any, Literal, Mapping, Sequence, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from batchgen.io.redaction import redact
 from batchgen.pipeline.render import check_template
 from batchgen.pipeline.sampling import OneOrMany, SamplingSpec, check_constraints
 
@@ -48,6 +49,7 @@ class InputSpec(_Section):
     path: OneOrMany = Field(min_length=1)
     format: Literal["auto", "parquet", "jsonl", "openai"] = "auto"
     id_column: str | None = None
+    max_row_bytes: int = Field(default=32 << 20, ge=1)  # a longer JSONL line or Parquet row is an error row
 
     @model_validator(mode="after")
     def _openai_ids(self) -> "InputSpec":
@@ -81,6 +83,13 @@ class BatchingSpec(_Section):
     truncate: Literal["error", "left", "right"] = "error"
     max_num_seqs: int = Field(default=256, ge=1)
     sort: bool = True
+    # rendered prompts longer than this are cut (truncate left/right) or error rows before tokenizing;
+    # None: 32 characters per token of max_prompt_tokens
+    max_prompt_chars: int | None = Field(default=None, ge=1)
+    kv_cache_memory: int | None = Field(default=None, ge=1)  # KV cache bytes; None: the engine's default
+
+    def prompt_chars(self) -> int:
+        return self.max_prompt_chars or 32 * self.max_prompt_tokens
 
 
 class OutputSpec(_Section):
@@ -93,30 +102,14 @@ class OutputSpec(_Section):
     format: Literal["parquet", "jsonl", "openai"] = "parquet"
     carry_columns: OneOrMany = []
     rows_per_part: int = Field(default=512, ge=1)  # finished rows per part file, the unit of resume
+    max_part_age_s: float = Field(default=180.0, gt=0)  # ...or fewer, once the oldest has waited this long
+    lease_timeout_s: float = Field(default=120.0, ge=1)  # a run silent this long no longer owns the folder
 
     @model_validator(mode="after")
     def _openai_columns(self) -> "OutputSpec":
         if self.format == "openai" and self.carry_columns:
             raise ValueError("format openai writes OpenAI Batch lines, which have no room for carry_columns")
         return self
-
-
-_SECRET_KEY = re.compile(r"^key$|secret|token|password|passwd|credential|private_key|api_key", re.IGNORECASE)
-_URL_PASSWORD = re.compile(r"(?P<head>[a-zA-Z][\w+.-]*://[^/:@\s]*:)[^/@\s]+(?=@)")
-
-
-def _redact(value: Any, key: str = "") -> Any:
-    if key and _SECRET_KEY.search(key) and value is not None:
-        return "***"  # whole value: e.g. gcsfs takes a service-account dict as `token`
-    if isinstance(value, dict):
-        return {k: _redact(v, str(k)) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_redact(v) for v in value]
-    return value
-
-
-def _redact_url(url: str) -> str:
-    return _URL_PASSWORD.sub(r"\g<head>***", url)
 
 
 class JobSpec(_Section):
@@ -133,12 +126,12 @@ class JobSpec(_Section):
     max_error_rate: float = Field(default=1.0, ge=0.0, le=1.0)  # above this fraction of error rows, exit 1
 
     def resolved(self) -> dict:
-        """The spec as plain data, with credentials in storage_options and in URL passwords replaced by "***"."""
+        """The spec as plain data, with the credentials in storage_options and in URLs replaced by "***"."""
         data = self.model_dump(mode="json")
-        data["storage_options"] = _redact(data["storage_options"])
-        data["model"]["path"] = _redact_url(data["model"]["path"])
-        data["input"]["path"] = [_redact_url(p) for p in data["input"]["path"]]
-        data["output"]["path"] = _redact_url(data["output"]["path"])
+        data["storage_options"] = redact(data["storage_options"])
+        data["model"]["path"] = redact(data["model"]["path"])
+        data["input"]["path"] = redact(data["input"]["path"])
+        data["output"]["path"] = redact(data["output"]["path"])
         return data
 
     def digest(self) -> str:

@@ -11,7 +11,7 @@ from batchgen.io import InputRow, read_rows, redact
 from batchgen.pipeline.batching import prompt_sort_key, sort_window
 from batchgen.pipeline.errors import JobError
 from batchgen.pipeline.openai_requests import OpenAIPrompts
-from batchgen.pipeline.render import PromptRenderer, RenderError, Tokenizer, TruncateMode, truncate
+from batchgen.pipeline.render import PromptRenderer, RenderError, Tokenizer, TruncateMode, fit_chars, truncate
 from batchgen.pipeline.rows import Request, ResultRow, carried_values, error_row
 from batchgen.pipeline.spec import JobSpec
 
@@ -53,25 +53,30 @@ class PromptSource(Protocol):
 
 @dataclass
 class TemplatePrompts:
-    """The spec's prompt template, with the spec's sampling for every row."""
+    """The spec's prompt template, with the spec's sampling for every row; a rendered prompt over
+    ``max_chars`` is cut (or refused, see render.fit_chars) before it is tokenized."""
 
     renderer: PromptRenderer
     params: SamplingParams
+    max_chars: int
+    truncate_mode: TruncateMode
 
     def build(self, values: Mapping[str, Any]) -> tuple[list[int], SamplingParams]:
-        return self.renderer.render(values), self.params
+        text = fit_chars(self.renderer.render_text(values), self.max_chars, self.truncate_mode)
+        return self.renderer.encode(text), self.params
 
 
 def prompt_source(spec: JobSpec, tokenizer: Tokenizer) -> PromptSource:
     """OpenAI Batch lines bring their own prompts and settings; other inputs go through the spec's template."""
     if spec.input.format == "openai":
-        return OpenAIPrompts(tokenizer, spec.sampling)
+        return OpenAIPrompts(tokenizer, spec.sampling, spec.batching.prompt_chars())
     p = spec.prompt
     assert p is not None  # the spec requires it for every other input format
     if p.chat and getattr(tokenizer, "chat_template", None) is None:
         raise JobError("prompt.chat is true but the model has no chat template (a base model?); set "
                        "prompt.chat: false to send the rendered prompt as it is")
-    return TemplatePrompts(PromptRenderer(p.template, p.system, p.chat, tokenizer), spec.sampling.params())
+    return TemplatePrompts(PromptRenderer(p.template, p.system, p.chat, tokenizer), spec.sampling.params(),
+                           spec.batching.prompt_chars(), spec.batching.truncate)
 
 
 @dataclass
@@ -98,9 +103,9 @@ class Preparer:
             if row_id != row.row_id:
                 yield error_row(row_id, carried, "duplicate_id",
                                 f"id {row.row_id!r} appeared earlier in the input; this occurrence "
-                                f"(row {row.index} of {redact(row.source)}) is not run")
+                                f"(row {row.index} of {redact(row.source)}) is not run", row.source)
             elif row.error is not None:
-                yield error_row(row_id, carried, "invalid_input", row.error)
+                yield error_row(row_id, carried, "invalid_input", row.error, row.source)
             else:
                 try:
                     ids, params = self.prompts.build(row.values)
@@ -111,9 +116,9 @@ class Preparer:
                     message = e.message
                     if e.code == "prompt_too_long" and self.model_len is not None:
                         message += f" (the model's context is {self.model_len} tokens, one kept for output)"
-                    yield error_row(row_id, carried, e.code, message)
+                    yield error_row(row_id, carried, e.code, message, row.source)
                     continue
-                yield Request(row_id, carried, ids, params)
+                yield Request(row_id, carried, ids, params, row.source)
 
 
 def job_preparer(spec: JobSpec, tokenizer: Tokenizer, model_len: int, carry: list[str],
@@ -127,7 +132,8 @@ def job_preparer(spec: JobSpec, tokenizer: Tokenizer, model_len: int, carry: lis
 
 def input_rows(spec: JobSpec, files: list[str], limit: int | None) -> Iterator[InputRow]:
     """The job's input rows in reading order, the first ``limit`` only when given."""
-    rows = read_rows(files, spec.input.format, spec.storage_options, spec.input.id_column)
+    rows = read_rows(files, spec.input.format, spec.storage_options, spec.input.id_column,
+                     max_row_bytes=spec.input.max_row_bytes)
     return islice(rows, limit) if limit is not None else rows
 
 

@@ -5,6 +5,7 @@ import torch
 
 from batchgen.engine.kernels.activation import gelu_tanh_and_mul, silu_and_mul
 from batchgen.engine.kernels.decode_attention import decode_attention
+from batchgen.engine.kernels.fused_moe import fused_moe
 from batchgen.engine.kernels.kv_store import store_kv
 from batchgen.engine.kernels.norm import rms_norm
 from batchgen.engine.kernels.prefill_attention import prefill_attention, prefill_work
@@ -42,4 +43,4 @@ class TritonAttentionBackend:
 def triton_kernels() -> dict[str, object]:
     """The Triton implementations of the kernel set's fields (the torch ones fill the rest)."""
     return dict(attention=TritonAttentionBackend(), rms_norm=rms_norm, apply_rotary=apply_rotary,
-                silu_and_mul=silu_and_mul, gelu_tanh_and_mul=gelu_tanh_and_mul)
+                silu_and_mul=silu_and_mul, gelu_tanh_and_mul=gelu_tanh_and_mul, fused_moe=fused_moe)

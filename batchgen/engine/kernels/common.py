@@ -1,4 +1,4 @@
-"""Pieces shared by the attention kernels: matmul wrapper, online-softmax step, paged K/V loads."""
+"""Pieces shared by the kernels: matmul wrapper, GEMM tile loop, online-softmax step, paged K/V loads."""
 from __future__ import annotations
 
 import os
@@ -31,6 +31,50 @@ def mma(a, b, PREC: tl.constexpr, UPCAST: tl.constexpr):
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     else:
         return tl.dot(a, b, input_precision=PREC, out_dtype=tl.float32)
+
+
+@triton.jit
+def grouped_tile_order(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """(pid_m, pid_n) of program pid, walking GROUP_M row tiles per column so B tiles stay in L2."""
+    width = GROUP_M * num_pid_n
+    first_m = (pid // width) * GROUP_M
+    group_size = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % group_size
+    pid_n = (pid % width) // group_size
+    return pid_m, pid_n
+
+
+@triton.jit
+def gemm_tile(A, B, AScale, BScale, a_rows, row_mask, b_cols, K, stride_am, stride_bn,
+              stride_asm, stride_ask, stride_bsn, stride_bsk,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              GROUP_N: tl.constexpr, SCALED: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """A[a_rows, :K] @ B[b_cols, :K]^T as a (BLOCK_M, BLOCK_N) fp32 tile; rows off row_mask read as 0.
+
+    A and B are row-major with unit K stride; a_rows are int64, b_cols in range. SCALED (FP8): A
+    row r, K tile t is scaled by AScale[r * stride_asm + t * stride_ask] and B row n by
+    BScale[(n // GROUP_N) * stride_bsn + t * stride_bsk], so BLOCK_K must be the scale group along K.
+    """
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = A + a_rows[:, None] * stride_am + offs_k[None, :]
+    b_ptrs = B + b_cols[None, :].to(tl.int64) * stride_bn + offs_k[:, None]
+    if SCALED:
+        a_scale_ptrs = AScale + a_rows * stride_asm
+        b_scale_ptrs = BScale + (b_cols // GROUP_N) * stride_bsn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for t in range(0, tl.cdiv(K, BLOCK_K)):
+        k_left = K - t * BLOCK_K
+        a = tl.load(a_ptrs, mask=row_mask[:, None] & (offs_k[None, :] < k_left), other=0.0)
+        b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+        if SCALED:
+            a_scale = tl.load(a_scale_ptrs + t * stride_ask, mask=row_mask, other=0.0)
+            b_scale = tl.load(b_scale_ptrs + t * stride_bsk)
+            acc += mma(a, b, PREC, UPCAST) * a_scale[:, None] * b_scale[None, :]
+        else:
+            acc += mma(a, b, PREC, UPCAST)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    return acc
 
 
 @triton.jit
