@@ -32,6 +32,18 @@ def test_logprobs_and_greedy_match_hf(tiny_model_any):
         assert out.finish_reason == "length"
 
 
+def test_language_model_of_a_vision_checkpoint_matches_hf(tiny_model_factory):
+    """Gemma3ForConditionalGeneration: the text model's weights under model.language_model, the vision tower
+    skipped; transformers runs the whole checkpoint on text alone."""
+    path = tiny_model_factory("gemma3-vlm")
+    llm = make_llm(path)
+    prompts = mixed_prompts(llm, repeats=(1, 3))
+    for prompt, out in zip(prompts, llm.generate(prompts, GREEDY), strict=True):
+        assert out.token_ids == hf_greedy(str(path), prompt, 12)
+        ref = hf_logprobs(str(path), prompt, out.token_ids)
+        assert len(ref) == len(out.logprobs) and max(abs(a - b) for a, b in zip(out.logprobs, ref)) <= 1e-3
+
+
 def test_sampled_logprobs_are_raw_and_match_hf(tiny_model):
     llm = make_llm(tiny_model)
     prompts = mixed_prompts(llm)

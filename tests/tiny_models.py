@@ -38,7 +38,7 @@ ARCH_CONFIGS = {
     "gemma2": dict(architectures=["Gemma2ForCausalLM"], model_type="gemma2", num_hidden_layers=3, head_dim=24,
                    sliding_window=24, query_pre_attn_scalar=32, attn_logit_softcapping=1.5,
                    final_logit_softcapping=6.0),
-    "gemma3": dict(architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", num_hidden_layers=7,
+    "gemma3": dict(architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", num_hidden_layers=6,
                    head_dim=24, sliding_window=24, query_pre_attn_scalar=32,
                    rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
                                     "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
@@ -60,6 +60,7 @@ ARCH_CONFIGS = {
                       mlp_only_layers=[0], norm_topk_prob=True),
 }
 MOE_ARCHS = ("mixtral", "qwen2-moe", "qwen3-moe")
+VISION_ARCHS = ("gemma3-vlm",)  # the language model of a vision checkpoint: its own, shorter parity test
 
 
 def build_tokenizer(out_dir: Path) -> int:

@@ -68,7 +68,8 @@ class PagedCacheLayer(Protocol):
 
     It declares the per-token shape of each cache tensor it needs; the model runner allocates
     them as (num_blocks, block_size, *shape) and binds them. Prefix caching, chunked prefill and
-    preemption see only blocks, so any layout works with them unchanged.
+    preemption see only blocks, so any layout works with them unchanged. A layer that reads only its
+    latest keys says so in a ``sliding_window`` attribute (absent or None: all of them).
     """
 
     def cache_token_shapes(self) -> tuple[tuple[int, ...], ...]: ...

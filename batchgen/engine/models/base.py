@@ -60,8 +60,10 @@ class ModelProfile:
     active_params: int  # matmul weights one token passes through in the layers: attention, dense MLPs,
     #                     routers, its top-k routed and the shared experts (no embedding, no LM head)
     lm_head_params: int
-    attention_flops_per_key: int  # QK^T + PV FLOPs of one query and one key, summed over layers
+    attention_flops_per_key: int  # QK^T + PV FLOPs of one query and one key, summed over full-attention layers
     activation_values_per_token: int  # widest per-token intermediate of an MLP or MoE layer
+    # (window, FLOPs per key summed over the layers with that sliding window): they see at most window keys
+    windowed_attention_flops: tuple[tuple[int, int], ...] = ()
 
     def summary(self) -> str:
         return f"{_count(self.total_params)} parameters, {_count(self.active_params)} active per token"
@@ -234,12 +236,18 @@ class CausalLM(nn.Module):
     def profile(self) -> ModelProfile:
         widths = [m.activation_values_per_token() for m in self.modules()
                   if callable(getattr(m, "activation_values_per_token", None))]
+        windowed: dict[int, int] = {}
+        for layer in self.cache_layers():
+            if getattr(layer, "sliding_window", None) is not None:
+                windowed[layer.sliding_window] = windowed.get(layer.sliding_window, 0) + layer.flops_per_key()
         return ModelProfile(
             total_params=sum(p.numel() for p in self.parameters()),
             active_params=matmul_params(self.layers),
             lm_head_params=self.lm_head.num_embeddings * self.lm_head.embedding_dim,
-            attention_flops_per_key=sum(layer.flops_per_key() for layer in self.cache_layers()),
+            attention_flops_per_key=sum(layer.flops_per_key() for layer in self.cache_layers()
+                                        if getattr(layer, "sliding_window", None) is None),
             activation_values_per_token=max(widths, default=self.cfg.hidden_size),
+            windowed_attention_flops=tuple(sorted(windowed.items())),
         )
 
 

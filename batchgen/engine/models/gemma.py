@@ -62,7 +62,8 @@ class Gemma2ForCausalLM(CausalLM):
     def __init__(self, cfg: ModelConfig, kernels: KernelSet, max_positions: int, chunk_tokens: int = 1024):
         super().__init__(cfg, kernels, max_positions, chunk_tokens)
         # transformers rounds sqrt(hidden) to the weights' dtype before scaling the embeddings.
-        self.embed_scale = float(torch.tensor(cfg.hidden_size ** 0.5, dtype=self.embed_tokens.weight.dtype))
+        self.embed_scale = float(torch.tensor(cfg.hidden_size ** 0.5, dtype=self.embed_tokens.weight.dtype,
+                                              device="cpu"))
         self.final_softcap = cfg.hf.get("final_logit_softcapping")
 
     @classmethod
