@@ -12,6 +12,15 @@ import pytest  # noqa: E402
 from tests.tiny_models import ARCH_CONFIGS, MOE_ARCHS, VISION_ARCHS, build_tiny_model  # noqa: E402
 
 
+@pytest.fixture(scope="session", autouse=True)
+def cpu_kernels_loaded():
+    """The fused CPU kernels built (once per machine) and loaded from the real batchgen cache before any
+    test points BATCHGEN_CACHE elsewhere; where they cannot be built, the engine's fallback applies."""
+    from batchgen.engine.cpu.build import load_kernels
+
+    load_kernels()
+
+
 @pytest.fixture(scope="session")
 def tiny_model_factory(tmp_path_factory):
     """Returns build(arch) -> folder of a tiny random model, built once per architecture."""

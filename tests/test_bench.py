@@ -24,6 +24,7 @@ def test_bench_prefill_only_figures(tiny_model, tmp_path):
     r = run_bench(["--model", str(tiny_model), "--num-prompts", "6", "--input-len", "40",
                    "--dtype", "float32", "--max-batch-tokens", "64"], tmp_path)
     assert r["num_prompts"] == 6 and r["prompt_tokens"] == 6 * 40
+    assert r["dtype"] == r["dtype_requested"] == "float32" and r["dtype_reason"] == "requested"
     assert r["output_tokens"] == 6 and r["prompt_tokens_computed"] == r["prompt_tokens"]
     # Parameter counts and FLOPs against the HF model's own parameters and config.
     hf = AutoModelForCausalLM.from_pretrained(tiny_model)

@@ -36,7 +36,7 @@ def test_jsonl_in_parquet_out(tmp_path, tiny_model, tiny_llm):
 
     success = json.loads((out / "_SUCCESS").read_text())
     assert success == json.loads((out / "stats.json").read_text()) == json.loads(json.dumps(stats))
-    assert stats["job"] == "test-job" and stats["model"] == str(tiny_model)
+    assert stats["job"] == "test-job" and stats["model"] == str(tiny_model) and stats["dtype"] == "float32"
     assert stats["resumed"] is False and stats["complete"] is True
     assert stats["spec"]["output"]["rows_per_part"] == 6 and len(stats["spec_digest"]) == 64
     assert stats["started_at"].endswith("Z") and stats["finished_at"] >= stats["started_at"]

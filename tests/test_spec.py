@@ -44,7 +44,7 @@ def test_minimal_spec_defaults(tmp_path):
     assert spec.input.path == ["data/in.jsonl"]  # relative paths are kept as written
     assert spec.output.path == "out/x/"
     assert spec.prompt.template == "Summarize: {{ text }}\n"
-    assert spec.model.dtype == "bfloat16" and spec.model.device == "auto" and spec.model.max_model_len is None
+    assert spec.model.dtype == "auto" and spec.model.device == "auto" and spec.model.max_model_len is None
     assert spec.sampling.max_tokens == 128 and spec.sampling.temperature == 0.0 and spec.sampling.seed == 0
     b = spec.batching
     assert (b.max_batch_tokens, b.sort_window, b.max_prompt_tokens, b.truncate, b.max_num_seqs, b.sort) == (

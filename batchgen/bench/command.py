@@ -9,6 +9,7 @@ import click
 
 from batchgen.bench.runner import BenchConfig, make_llm, run_bench
 from batchgen.bench.workload import from_documents, synthetic
+from batchgen.engine.dtype import DTYPE_NAMES
 
 
 def _read_texts(path: str, column: str) -> list[str]:
@@ -31,13 +32,14 @@ def _read_texts(path: str, column: str) -> list[str]:
 @click.option("--whole-documents", is_flag=True, help="With --dataset: one whole document per prompt.")
 @click.option("--prefix-len", default=0, show_default=True, help="Tokens of a prefix shared by all prompts.")
 @click.option("--output-len", default=1, show_default=True, help="Generated tokens (1 = prefill only).")
-@click.option("--dtype", default="bfloat16", show_default=True,
-              type=click.Choice(["bfloat16", "float16", "float32"]))
+@click.option("--dtype", default="auto", show_default=True, type=click.Choice(DTYPE_NAMES),
+              help="auto: bf16 where the device computes it natively, else fp32 (fp16 on GPUs without bf16).")
 @click.option("--device", default="auto", show_default=True)
 @click.option("--max-batch-tokens", default=8192, show_default=True)
 @click.option("--max-num-seqs", default=256, show_default=True)
 @click.option("--no-prefix-caching", is_flag=True)
-@click.option("--attention-backend", type=click.Choice(["torch", "triton"]), default=None)
+@click.option("--attention-backend", type=click.Choice(["torch", "cpu", "triton"]), default=None,
+              help="Default: triton on CUDA, cpu (fused C++ kernels) on CPU.")
 @click.option("--cuda-graphs", type=click.Choice(["auto", "off"]), default="auto", show_default=True,
               help="Replay captured CUDA graphs for decode and mixed steps (CUDA + Triton only).")
 @click.option("--json-schema", "json_schema_file", default=None, type=click.Path(dir_okay=False, exists=True),
@@ -76,7 +78,7 @@ def bench(model, num_prompts, input_len, dataset, column, whole_documents, prefi
             f.write(text + "\n")
 
 
-SHOWN = ("total_params", "active_params", "kv_bytes_per_token", "prompt_tokens", "wall_s", "requests_per_s",
+SHOWN = ("dtype", "total_params", "active_params", "kv_bytes_per_token", "prompt_tokens", "wall_s", "requests_per_s",
          "prompt_tokens_per_s", "output_tokens_per_s", "total_tokens_per_s", "decode_tokens_per_s", "prefix_cache_hit_rate", "roofline_prompt_tokens_per_s",
          "prompt_tokens_per_s_over_roofline", "mfu_vs_measured_matmul", "mfu_with_attention_vs_measured_matmul",
          "mfu_vs_gpu_peak", "mfu_with_attention_vs_gpu_peak")

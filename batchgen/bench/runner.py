@@ -11,6 +11,7 @@ import torch
 from batchgen.bench.flops import attention_flops, gpu_peak_flops, measure_matmul_flops
 from batchgen.bench.workload import Workload, synthetic
 from batchgen.engine import LLM, SamplingParams
+from batchgen.engine.dtype import DtypeChoice
 from batchgen.engine.metrics import EngineMetrics
 from batchgen.engine.models.base import ModelProfile
 
@@ -20,7 +21,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class BenchConfig:
     model: str = "smollm2-135m-instruct"
-    dtype: str = "bfloat16"
+    dtype: str = "auto"
     device: str = "auto"
     output_len: int = 1
     max_batch_tokens: int = 8192
@@ -60,11 +61,11 @@ def run_bench(llm: LLM, workload: Workload, cfg: BenchConfig) -> dict:
     runner = llm.engine.runner
     kv_bytes = runner.kv_layout.bytes_per_token(llm.config.torch_dtype)
     return summarize(workload, outputs, metrics, wall, runner.profile, kv_bytes, matmul, gpu_peak_flops(device),
-                     cfg, device)
+                     cfg, device, llm.config.dtype_choice)
 
 
 def summarize(workload, outputs, m: EngineMetrics, wall: float, profile: ModelProfile, kv_bytes_per_token: int,
-              matmul_flops: float, peak: float | None, cfg: BenchConfig, device) -> dict:
+              matmul_flops: float, peak: float | None, cfg: BenchConfig, device, choice: DtypeChoice) -> dict:
     # MFU counts the matmul weights each token really uses: for MoE its top-k and shared experts.
     lin, head = profile.active_params, profile.lm_head_params
     prompt_tokens = workload.prompt_tokens
@@ -76,7 +77,8 @@ def summarize(workload, outputs, m: EngineMetrics, wall: float, profile: ModelPr
     prompt_tps = prompt_tokens / wall
     roofline_tps = matmul_flops / (2 * lin)
     result = {
-        "model": cfg.model, "dtype": cfg.dtype, "device": str(device),
+        "model": cfg.model, "dtype": choice.name, "dtype_requested": cfg.dtype, "dtype_reason": choice.reason,
+        "device": str(device),
         "cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
         "num_prompts": len(workload.prompts), "prompt_tokens": prompt_tokens, "output_tokens": output_tokens,
         "output_len": cfg.output_len, "max_batch_tokens": cfg.max_batch_tokens,

@@ -6,9 +6,9 @@ from typing import Any
 
 import torch
 
+from batchgen.engine.dtype import DtypeChoice, check_dtype_name, resolve_dtype
 from batchgen.engine.models.registry import UnsupportedModelError, architecture_of  # noqa: F401 (re-export)
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 ROPE_SCALINGS = ("llama3", "linear", "longrope", "frequency_factors")  # the last: from GGUF files
 _ROPE_ALIASES = {"su": "longrope"}  # early Phi-3 configs name LongRoPE "su"
 
@@ -179,10 +179,13 @@ class ModelConfig:
 
 @dataclass
 class EngineConfig:
-    """Engine knobs. ``kv_cache_memory`` is the KV budget in bytes (default: 2 GiB on CPU, 90 % of free GPU memory)."""
+    """Engine knobs. ``kv_cache_memory`` is the KV budget in bytes (default: 2 GiB on CPU, 90 % of free GPU memory).
+
+    ``dtype`` "auto" is the fast dtype of the device: see :func:`batchgen.engine.dtype.resolve_dtype`.
+    """
 
     model: str
-    dtype: str = "bfloat16"
+    dtype: str = "auto"
     device: str = "auto"
     max_num_batched_tokens: int = 8192
     max_num_seqs: int = 256
@@ -198,8 +201,7 @@ class EngineConfig:
     storage_options: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        check_dtype_name(self.dtype)
         if self.max_num_batched_tokens < self.block_size:
             raise ValueError("max_num_batched_tokens must be at least block_size")
         if self.max_num_seqs < 1:
@@ -208,8 +210,12 @@ class EngineConfig:
             raise ValueError(f"cuda_graphs must be 'auto', 'off' or 'emulate', got {self.cuda_graphs!r}")
 
     @property
+    def dtype_choice(self) -> DtypeChoice:
+        return resolve_dtype(self.dtype, self.torch_device())
+
+    @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        return self.dtype_choice.torch_dtype
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

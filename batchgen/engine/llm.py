@@ -16,11 +16,14 @@ Prompt = str | list[int]
 class LLM:
     """Offline generation over a model folder, a GGUF file or a built-in name.
 
-    >>> llm = LLM("smollm2-135m-instruct", dtype="bfloat16", device="cpu")
+    ``dtype="auto"`` runs bf16 where the hardware computes it natively and fp32 on CPUs that would
+    emulate bf16 (fp16 on GPUs without bf16); ``llm.config.dtype_choice`` says which and why.
+
+    >>> llm = LLM("smollm2-135m-instruct", device="cpu")
     >>> llm.generate(["Hello"], SamplingParams(max_tokens=8, temperature=0))[0].text
     """
 
-    def __init__(self, model: str, dtype: str = "bfloat16", device: str = "auto",
+    def __init__(self, model: str, dtype: str = "auto", device: str = "auto",
                  max_num_batched_tokens: int = 8192, max_num_seqs: int = 256,
                  max_model_len: int | None = None, **engine_options: Any):
         self.config = EngineConfig(model=model, dtype=dtype, device=device,

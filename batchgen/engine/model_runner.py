@@ -34,9 +34,10 @@ class ModelRunner:
         self.model.load_weights(source.weights())
         self.profile = self.model.profile()
         self.kv_layout = self.model.kv_layout()
+        self.kernels.prepare_model(self.model)  # after the profile: it may replace modules (prepacking)
         self.num_blocks = self._allocate_kv_cache()
-        log.info("model %s: %s on %s, attention backend %s; %s", source.name, engine.dtype, self.device,
-                 backend, self.profile.summary())
+        log.info("model %s: %s on %s, attention backend %s; %s", source.name, engine.dtype_choice.name,
+                 self.device, self.kernels.attention.name, self.profile.summary())
         self.graphs = self._graph_runner(backend, max_model_len)
         self.padded_tokens = 0  # tokens the last step computed only to fit a CUDA graph's shape
 

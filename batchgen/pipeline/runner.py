@@ -156,8 +156,8 @@ def _run(spec: JobSpec, writer: OutputWriter, files: list[str], carry: list[str]
                 sink.flush()
         totals = Counts.total(writer.committed_stats())
         stats = job_stats(totals=totals, run=sink.run, job=spec.name, model=resolved["model"]["path"],
-                          spec=resolved, spec_digest=digest, started_at=started_at,
-                          wall_s=time.perf_counter() - wall_start, generate_s=generate_s,
+                          dtype=llm.config.dtype_choice.name, spec=resolved, spec_digest=digest,
+                          started_at=started_at, wall_s=time.perf_counter() - wall_start, generate_s=generate_s,
                           resumed=bool(previous), complete=not stop.is_set(), limit=limit,
                           engine=engine_summary(telemetry.metrics, generate_s, telemetry.token_budget,
                                                 llm.engine.runner.profile, llm.config.torch_device()))

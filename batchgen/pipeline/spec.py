@@ -11,6 +11,7 @@ from typing import Any, Literal, Mapping, Sequence, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from batchgen.engine.dtype import DtypeName
 from batchgen.io.redaction import redact
 from batchgen.pipeline.render import check_template
 from batchgen.pipeline.sampling import OneOrMany, SamplingSpec, check_constraints
@@ -31,10 +32,11 @@ class _Section(BaseModel):
 
 
 class ModelSpec(_Section):
-    """``path``: a built-in model name, a local folder or .gguf file, or an fsspec URL."""
+    """``path``: a built-in model name, a local folder or .gguf file, or an fsspec URL; ``dtype`` "auto" is
+    the device's fast dtype (bf16 on GPUs and on CPUs with native bf16, else fp32)."""
 
     path: str = Field(min_length=1)
-    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    dtype: DtypeName = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     max_model_len: int | None = Field(default=None, ge=1)
 

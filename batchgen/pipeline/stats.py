@@ -55,18 +55,20 @@ def _rate(n: int, seconds: float) -> float:
     return round(n / seconds, 2) if seconds > 0 else 0.0
 
 
-def job_stats(*, totals: Counts, run: Counts, job: str, model: str, spec: dict[str, Any], spec_digest: str,
-              started_at: str, wall_s: float, generate_s: float, resumed: bool, complete: bool,
+def job_stats(*, totals: Counts, run: Counts, job: str, model: str, dtype: str, spec: dict[str, Any],
+              spec_digest: str, started_at: str, wall_s: float, generate_s: float, resumed: bool, complete: bool,
               limit: int | None, engine: dict[str, Any] | None = None) -> dict[str, Any]:
     """The job's stats: totals over every committed part (earlier runs included), rates over this run.
 
     ``wall_s`` is this run from start to finish (model load included); the tokens-per-second rates divide
-    this run's tokens by ``generate_s``, the time from the first request to the last result. ``engine``
-    holds this run's engine totals (see ``telemetry.engine_summary``).
+    this run's tokens by ``generate_s``, the time from the first request to the last result. ``dtype`` is the
+    one the model ran in ("auto" resolved); ``engine`` holds this run's engine totals (see
+    ``telemetry.engine_summary``).
     """
     return {
         "job": job,
         "model": model,
+        "dtype": dtype,
         **totals.to_dict(),
         "prefix_cache_hit_rate": round(totals.cached_prompt_tokens / totals.prompt_tokens, 4)
         if totals.prompt_tokens else 0.0,

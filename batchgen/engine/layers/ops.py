@@ -6,6 +6,7 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from batchgen.engine.layers.attention import AttentionBackend
 
@@ -70,9 +71,14 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     return out.index_add_(0, tokens, weighted).to(x.dtype)
 
 
+def keep_weights(model: nn.Module) -> None:
+    """The default ``KernelSet.prepare_model``: weights stay as loaded."""
+
+
 @dataclass
 class KernelSet:
-    """The implementations a model calls; torch everywhere, or Triton kernels on the GPU path."""
+    """The implementations a model calls; torch everywhere, fused C++ on CPU, or Triton kernels on the GPU
+    path. ``prepare_model`` runs once after the weights are loaded (e.g. to prepack them)."""
 
     attention: AttentionBackend
     rms_norm: Callable = rms_norm
@@ -80,25 +86,31 @@ class KernelSet:
     silu_and_mul: Callable = silu_and_mul
     gelu_tanh_and_mul: Callable = gelu_tanh_and_mul
     fused_moe: Callable = fused_moe
+    prepare_model: Callable[[nn.Module], None] = keep_weights
 
 
 def make_kernel_set(backend: str) -> KernelSet:
-    """Build the kernel set for ``backend``: "torch" or "triton"."""
+    """Build the kernel set for ``backend``: "torch", "cpu" (fused C++ kernels; torch's ops where they
+    cannot be built) or "triton"."""
     if backend == "torch":
         from batchgen.engine.layers.torch_attention import TorchAttentionBackend
         return KernelSet(attention=TorchAttentionBackend())
+    if backend == "cpu":
+        from batchgen.engine.cpu.kernels import cpu_kernels
+        kernels = cpu_kernels()
+        return KernelSet(**kernels) if kernels else make_kernel_set("torch")
     if backend == "triton":
         from batchgen.engine.kernels.backend import triton_kernels
         return KernelSet(**triton_kernels())
-    raise ValueError(f"unknown attention_backend {backend!r}; expected 'torch' or 'triton'")
+    raise ValueError(f"unknown attention_backend {backend!r}; expected 'torch', 'cpu' or 'triton'")
 
 
 def default_backend(device: torch.device) -> str:
-    """Triton on CUDA when it is installed, torch otherwise."""
+    """Triton on CUDA when it is installed, the fused CPU kernels on CPU, torch otherwise."""
     if device.type == "cuda":
         try:
             import triton  # noqa: F401
             return "triton"
         except ImportError:
             return "torch"
-    return "torch"
+    return "cpu" if device.type == "cpu" else "torch"

@@ -1,0 +1,80 @@
+// Vector helpers shared by the kernels: fp32 math on bf16 or fp32 data, 2 * Vec::size() elements a step,
+// with AVX-512 (and AVX512-BF16) instructions where the build targets them, at::vec's portable ones else.
+#pragma once
+
+#include <ATen/cpu/vec/vec.h>
+
+#include <cstdint>
+#include <tuple>
+#include <type_traits>
+
+#if defined(CPU_CAPABILITY_AVX512)
+#include <immintrin.h>
+#endif
+
+namespace batchgen_cpu {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t kStep = 2 * Vec::size();  // one Vectorized<BFloat16>, two of float
+
+#if defined(CPU_CAPABILITY_AVX512)
+inline __m512 bf16x16_to_ps(const void* p) {  // bf16 is the top half of an fp32
+  __m256i raw = _mm256_loadu_si256(static_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+#endif
+
+template <typename T>
+inline void load2(const T* p, Vec& lo, Vec& hi) {
+  if constexpr (std::is_same_v<T, float>) {
+    lo = Vec::loadu(p);
+    hi = Vec::loadu(p + Vec::size());
+  } else {
+#if defined(CPU_CAPABILITY_AVX512)
+    lo = Vec(bf16x16_to_ps(p));
+    hi = Vec(bf16x16_to_ps(p + 16));
+#else
+    std::tie(lo, hi) = at::vec::convert_to_float<T>(at::vec::Vectorized<T>::loadu(p));
+#endif
+  }
+}
+
+template <typename T>
+inline void store2(T* p, const Vec& lo, const Vec& hi) {
+  if constexpr (std::is_same_v<T, float>) {
+    lo.store(p);
+    hi.store(p + Vec::size());
+  } else {
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+    _mm512_storeu_si512(p, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));  // round to nearest even, as c10 does
+#else
+    at::vec::convert_from_float<T>(lo, hi).store(p);
+#endif
+  }
+}
+
+#if defined(CPU_CAPABILITY_AVX512)
+// 2^x: x = n + f with f in [-0.5, 0.5]; 2^f by its Taylor series in f ln2 (degree 6: ~1e-7 relative, as
+// fp32 needs; degree 5: ~3e-6, far below bf16's rounding); 2^n exactly with scalef.
+template <int Degree>
+inline __m512 exp2_ps(__m512 x) {
+  constexpr float c[7] = {1.f, 0.693147181f, 0.240226507f, 0.0555041087f, 0.00961812911f, 0.00133335581f,
+                          0.000154035304f};
+  __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 f = _mm512_sub_ps(x, n);
+  __m512 poly = _mm512_set1_ps(c[Degree]);
+  for (int k = Degree - 1; k >= 0; --k) poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(c[k]));
+  return _mm512_scalef_ps(poly, n);
+}
+
+// 1 / x to ~1e-8 relative: the 14-bit estimate and one Newton step.
+inline __m512 reciprocal_ps(__m512 x) {
+  __m512 r = _mm512_rcp14_ps(x);
+  return _mm512_mul_ps(r, _mm512_fnmadd_ps(x, r, _mm512_set1_ps(2.f)));
+}
+#endif
+
+template <typename T>
+constexpr int kExpDegree = std::is_same_v<T, float> ? 6 : 5;
+
+}  // namespace batchgen_cpu

@@ -1,0 +1,139 @@
+"""Dtype names, and what ``"auto"`` resolves to here: the dtype this machine's hardware computes fast."""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from batchgen.engine.cpu.features import CpuFeatures, cpu_features
+
+log = logging.getLogger(__name__)
+
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
+}
+DTYPE_NAMES: tuple[str, ...] = ("auto", *TORCH_DTYPES)
+DtypeName = Literal[DTYPE_NAMES]  # type: ignore[valid-type]  # the spec's field type, built from the names
+
+# bf16 must beat fp32 on a representative matmul by this factor to be picked where the flags allow it.
+BF16_MIN_SPEEDUP = 1.0
+MATMUL_SHAPE = (256, 576, 1536)  # tokens x hidden @ hidden x ffn of a small model
+
+
+@dataclass(frozen=True)
+class DtypeChoice:
+    """The dtype a model runs in, and why."""
+
+    name: str
+    reason: str
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return TORCH_DTYPES[self.name]
+
+
+def check_dtype_name(name: str) -> None:
+    if name not in DTYPE_NAMES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPE_NAMES)}, got {name!r}")
+
+
+_choices: dict[tuple[str, str], DtypeChoice] = {}
+
+
+def resolve_dtype(requested: str, device: torch.device) -> DtypeChoice:
+    """``requested`` as a concrete dtype on ``device``; "auto" picks, anything else is honoured.
+
+    The choice and its reason are logged once per process; an explicit dtype this CPU computes slowly
+    gets a warning.
+    """
+    check_dtype_name(requested)
+    key = (requested, device.type)
+    if key not in _choices:
+        if requested == "auto":
+            choice = auto_dtype(device)
+            log.info("dtype auto -> %s on %s: %s", choice.name, device.type, choice.reason)
+        else:
+            choice = DtypeChoice(requested, "requested")
+            slow = _slow_on_cpu(requested) if device.type == "cpu" else None
+            if slow:
+                log.warning("dtype %s is slow on this CPU (%s); dtype auto would pick float32", requested, slow)
+        _choices[key] = choice
+    return _choices[key]
+
+
+def auto_dtype(device: torch.device) -> DtypeChoice:
+    if device.type == "cuda":
+        if torch.cuda.is_bf16_supported():
+            return DtypeChoice("bfloat16", "the GPU computes bf16 natively")
+        return DtypeChoice("float16", "the GPU lacks bf16")
+    if device.type != "cpu":
+        return DtypeChoice("float32", f"no reduced-precision rule for device {device.type!r}")
+    slow = _slow_on_cpu("bfloat16")
+    if slow:
+        return DtypeChoice("float32", slow)
+    return DtypeChoice("bfloat16", f"native bf16 ({cpu_features().describe()})")
+
+
+def _slow_on_cpu(name: str) -> str | None:
+    """Why ``name`` is slow on this CPU, or None when it is fast (fp32 always is)."""
+    features = cpu_features()
+    if name == "float16":
+        return None if features.native_fp16 else f"no native fp16 ({features.describe()})"
+    if name != "bfloat16":
+        return None
+    if not features.native_bf16:
+        return f"no native bf16, torch would emulate it ({features.describe()})"
+    rates = matmul_rates(features)
+    if rates["bfloat16"] < BF16_MIN_SPEEDUP * rates["float32"]:
+        return (f"a bf16 matmul measured {rates['bfloat16']:.0f} GFLOP/s against {rates['float32']:.0f} "
+                f"in fp32 ({features.describe()})")
+    return None
+
+
+def matmul_rates(features: CpuFeatures) -> dict[str, float]:
+    """GFLOP/s of a small matmul in bf16 and fp32, measured once per machine and cached on disk."""
+    from batchgen.engine.hub import cache_dir
+
+    path = cache_dir() / "cpu" / f"matmul-{features.key()}-torch{torch.__version__}.json"
+    try:
+        rates = json.loads(path.read_text())
+        if {"bfloat16", "float32"} <= set(rates):
+            return rates
+    except (OSError, ValueError):
+        pass
+    rates = {name: measure_matmul_gflops(TORCH_DTYPES[name]) for name in ("bfloat16", "float32")}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{id(rates)}")
+        tmp.write_text(json.dumps(rates))
+        tmp.replace(path)
+    except OSError as e:  # a read-only cache only costs the measurement next time
+        log.debug("cannot cache matmul rates in %s: %s", path, e)
+    return rates
+
+
+def measure_matmul_gflops(dtype: torch.dtype, shape: tuple[int, int, int] = MATMUL_SHAPE, repeats: int = 5) -> float:
+    """Best-of-``repeats`` rate of one matmul on one thread: what one core computes, which is what decides
+    the dtype; one thread and the best run are what other processes on the cores skew least."""
+    m, k, n = shape
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(m, k, generator=gen).to(dtype), torch.randn(k, n, generator=gen).to(dtype)
+    out = torch.empty(m, n, dtype=dtype)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for _ in range(2):
+            torch.mm(a, b, out=out)
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            for _ in range(4):
+                torch.mm(a, b, out=out)
+            best = min(best, (time.perf_counter() - start) / 4)
+    finally:
+        torch.set_num_threads(threads)
+    return 2 * m * k * n / best / 1e9
