@@ -133,7 +133,7 @@ def main() -> None:
 
     device = torch.device("cpu")
     rates = {name: measure_matmul_flops(getattr(torch, name), device) for name in ("bfloat16", "float32")}
-    cfg = llm.engine.runner.profile
+    cfg = llm.engine.executor.profile
     roof_linear = roofline_tok_s(cfg, prompts, rates[ours_dtype.name] if ours_dtype.name in rates
                                  else measure_matmul_flops(ours_dtype.torch_dtype, device), False)
     roof_attn = roof_linear * roofline_tok_s(cfg, prompts, 1.0, True) / roofline_tok_s(cfg, prompts, 1.0, False)

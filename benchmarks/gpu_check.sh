@@ -1,7 +1,12 @@
 #!/usr/bin/env bash
 # One GPU check: the Triton kernel tests compiled for the device, then prefill-only `batchgen bench`
 # on random-weight Llama models of ~1B and ~8B parameters (8 prompts x 2K tokens, 64 x 8K tokens),
-# and decode at batch 64 with and without CUDA graphs.
+# and decode at batch 64 with and without CUDA graphs; then prefill on a random DeepSeek-V3-shaped
+# mixture of experts (latent attention, 64 routed + 1 shared experts, top-6; 2.9B parameters, 0.3B
+# active), and a table of the prefill runs side by side (MFU on active parameters).
+# With more than one GPU: the 8B model with tensor parallel and data parallel over all of them, and a
+# random Qwen3-MoE model with data + expert parallel (DEP) and with tensor parallel; each prints
+# communication next to compute per step.
 # Results go to $OUT (default /tmp/gpu_check). TRITON_INTERPRET is set to 0 rather than unset:
 # tests/conftest.py defaults it to 1.
 set -euo pipefail
@@ -14,7 +19,20 @@ export TRITON_INTERPRET=0
 out=${OUT:-/tmp/gpu_check}
 mkdir -p "$out"
 nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$out/gpu.txt"
-timeout 300 python -m pytest -q tests/test_kernels.py tests/test_triton_model.py "$@" 2>&1 | tail -5 | tee "$out/kernels.txt" || true
+ngpu=$(python -c "import torch; print(torch.cuda.device_count())")
+
+# parallel_runs MODEL FLAGS...: prefill (64 x 2K tokens) and decode (batch 64 per replica) for each set of flags.
+parallel_runs() {
+    local model=$1; shift
+    for flags in "$@"; do
+        local tag=${flags// /}
+        batchgen bench --model "$model" --device cuda --num-prompts 64 --input-len 2048 $flags \
+            --output-json "$out/bench-$(basename "$model")-prefill$tag.json" | head -16
+        batchgen bench --model "$model" --device cuda --num-prompts $((64 * ngpu)) --input-len 512 \
+            --output-len 128 $flags --output-json "$out/bench-$(basename "$model")-decode$tag.json" | head -16
+    done
+}
+timeout 300 python -m pytest -q tests/test_kernels.py tests/test_mla.py tests/test_triton_model.py "$@" 2>&1 | tail -5 | tee "$out/kernels.txt" || true
 for size in 1b 8b; do
     python benchmarks/random_llama.py --size "$size" --out "/tmp/llama-$size"
     batchgen bench --model "/tmp/llama-$size" --device cuda --num-prompts 8 --input-len 2048 \
@@ -25,5 +43,18 @@ for size in 1b 8b; do
         batchgen bench --model "/tmp/llama-$size" --device cuda --num-prompts 64 --input-len 512 \
             --output-len 128 --cuda-graphs "$graphs" --output-json "$out/bench-$size-decode-graphs-$graphs.json" | head -12
     done
+    if [ "$size" = 8b ] && [ "$ngpu" -gt 1 ]; then
+        parallel_runs "/tmp/llama-$size" "--tp $ngpu" "--dp $ngpu"
+    fi
     rm -rf "/tmp/llama-$size"
 done
+if [ "$ngpu" -gt 1 ]; then
+    python benchmarks/random_llama.py --size moe --out /tmp/qwen3-moe
+    parallel_runs /tmp/qwen3-moe "--dp $ngpu --ep" "--tp $ngpu"
+    rm -rf /tmp/qwen3-moe
+fi
+python benchmarks/random_deepseek.py --size v3-small --out /tmp/deepseek-v3-small
+batchgen bench --model /tmp/deepseek-v3-small --device cuda --num-prompts 32 --input-len 2048 \
+    --output-json "$out/bench-deepseek-v3-small-32x2k.json" | head -12
+rm -rf /tmp/deepseek-v3-small
+python benchmarks/bench_table.py "$out"/bench-*k.json | tee "$out/prefill.txt"

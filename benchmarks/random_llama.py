@@ -2,8 +2,10 @@
 
     python benchmarks/random_llama.py --size 1b --out /tmp/llama-1b [--device cuda]
 
-Sizes follow Llama 3.2 1B and Llama 3.1 8B shapes (GQA 4:1, 128K vocabulary). The tokenizer is a
-tiny byte-level one: benchmarks feed token ids, so only the loader needs it.
+Sizes follow Llama 3.2 1B and Llama 3.1 8B shapes (GQA 4:1, 128K vocabulary); ``moe`` is a
+Qwen3-MoE model of 16 layers with 64 experts (8 per token, 768 features each), ~5B parameters of
+which ~0.8B are active. The tokenizer is a tiny byte-level one: benchmarks feed token ids, so only
+the loader needs it.
 """
 from __future__ import annotations
 
@@ -19,6 +21,10 @@ SIZES = {
                num_key_value_heads=8, head_dim=64, tie_word_embeddings=True),
     "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                num_key_value_heads=8, head_dim=128, tie_word_embeddings=False),
+    "moe": dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=2048,
+                intermediate_size=6144, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=4,
+                head_dim=128, tie_word_embeddings=False, num_experts=64, num_experts_per_tok=8,
+                moe_intermediate_size=768, norm_topk_prob=True),
 }
 
 
@@ -32,9 +38,17 @@ def shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
         p = f"model.layers.{n}."
         out.update({p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
                     p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
-                    p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
-                    p + "mlp.down_proj.weight": (h, i), p + "input_layernorm.weight": (h,),
-                    p + "post_attention_layernorm.weight": (h,)})
+                    p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)})
+        if "num_experts" not in cfg:
+            out.update({p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
+                        p + "mlp.down_proj.weight": (h, i)})
+            continue
+        e = cfg["moe_intermediate_size"]
+        out.update({p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,),
+                    p + "mlp.gate.weight": (cfg["num_experts"], h)})
+        for x in range(cfg["num_experts"]):
+            out.update({f"{p}mlp.experts.{x}.gate_proj.weight": (e, h), f"{p}mlp.experts.{x}.up_proj.weight": (e, h),
+                        f"{p}mlp.experts.{x}.down_proj.weight": (h, e)})
     return out
 
 
@@ -48,19 +62,12 @@ def write_tokenizer(out: Path) -> None:
     tok.save(str(out / "tokenizer.json"))
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--size", choices=sorted(SIZES), required=True)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    args = ap.parse_args()
-    out = Path(args.out)
+def write_random_model(out: Path, cfg: dict, shapes: dict[str, tuple[int, ...]], device: str) -> None:
+    """config.json, random bf16 weights (std 0.02, norms 1) in safetensors shards of about 4 GiB with an
+    index, and a byte-level tokenizer; generated on ``device``, which is much faster on a GPU."""
     out.mkdir(parents=True, exist_ok=True)
-    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256,
-           "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "max_position_embeddings": 16384,
-           "hidden_act": "silu", "bos_token_id": 0, "eos_token_id": 1, **SIZES[args.size]}
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
-    gen = torch.Generator(device=args.device).manual_seed(0)
+    gen = torch.Generator(device=device).manual_seed(0)
     shard, shard_bytes, index, n = {}, 0, {}, 0
 
     def flush():
@@ -71,8 +78,8 @@ def main() -> None:
             index.update({k: name for k in shard})
             shard, shard_bytes, n = {}, 0, n + 1
 
-    for name, shape in shapes(cfg).items():
-        t = torch.randn(shape, generator=gen, device=args.device, dtype=torch.bfloat16) * 0.02
+    for name, shape in shapes.items():
+        t = torch.randn(shape, generator=gen, device=device, dtype=torch.bfloat16) * 0.02
         shard[name] = t.fill_(1.0) if name.endswith("norm.weight") else t
         shard_bytes += t.numel() * 2
         if shard_bytes > 4 << 30:
@@ -80,8 +87,25 @@ def main() -> None:
     flush()
     (out / "model.safetensors.index.json").write_text(json.dumps({"weight_map": index}))
     write_tokenizer(out)
-    params = sum(torch.Size(s).numel() for s in shapes(cfg).values())
+    params = sum(torch.Size(s).numel() for s in shapes.values())
     print(f"wrote {out}: {params / 1e9:.2f}B parameters")
+
+
+def parse_args(doc: str, sizes: dict) -> argparse.Namespace:
+    """--size (a key of sizes), --out, --device (the GPU when there is one)."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size", choices=sorted(sizes), required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    return ap.parse_args()
+
+
+def main() -> None:
+    args = parse_args(__doc__, SIZES)
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256,
+           "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "max_position_embeddings": 16384,
+           "hidden_act": "silu", "bos_token_id": 0, "eos_token_id": 1, **SIZES[args.size]}
+    write_random_model(Path(args.out), cfg, shapes(cfg), args.device)
 
 
 if __name__ == "__main__":

@@ -38,3 +38,12 @@ def hf_greedy(path: str, prompt: list[int], max_new_tokens: int) -> list[int]:
     out = hf_model(path).generate(ids, max_new_tokens=max_new_tokens, do_sample=False,
                                   eos_token_id=None, pad_token_id=0)
     return out[0, len(prompt):].tolist()
+
+
+def assert_like_hf(path: str, prompts: list[list[int]], outs: list, tol: float = 1e-3) -> None:
+    """Every output's greedy tokens are HF's, and its logprobs within ``tol`` of HF's for those tokens."""
+    assert len(outs) == len(prompts)
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == hf_greedy(path, prompt, len(out.token_ids))
+        ref = hf_logprobs(path, prompt, out.token_ids)
+        assert len(ref) == len(out.logprobs) and max(abs(a - b) for a, b in zip(out.logprobs, ref)) <= tol

@@ -30,6 +30,12 @@ LAYER_TO_GGUF = {
     "mlp.gate.weight": "ffn_gate_inp.weight", "block_sparse_moe.gate.weight": "ffn_gate_inp.weight",
     "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
     **{f"mlp.shared_expert.{p}_proj.weight": f"ffn_{p}_shexp.weight" for p in ("gate", "up", "down")},
+    # DeepSeek (deepseek2): latent attention, the V3 expert-choice bias, shared experts
+    "self_attn.q_a_proj.weight": "attn_q_a.weight", "self_attn.q_a_layernorm.weight": "attn_q_a_norm.weight",
+    "self_attn.q_b_proj.weight": "attn_q_b.weight", "self_attn.kv_a_proj_with_mqa.weight": "attn_kv_a_mqa.weight",
+    "self_attn.kv_a_layernorm.weight": "attn_kv_a_norm.weight", "self_attn.kv_b_proj.weight": "attn_kv_b.weight",
+    "mlp.gate.e_score_correction_bias": "exp_probs_b.bias",
+    **{f"mlp.shared_experts.{p}_proj.weight": f"ffn_{p}_shexp.weight" for p in ("gate", "up", "down")},
 }
 # Where an architecture's names differ: Gemma's four norms per layer, Phi-3's fused projections.
 GEMMA_LAYER_TO_GGUF = {"post_attention_layernorm.weight": "post_attention_norm.weight",
@@ -82,6 +88,21 @@ def rope_settings(cfg: dict) -> dict:
     return rope.get("full_attention", rope)
 
 
+def new_writer(out: Path, kind: str, cfg: dict, hf_dir: Path) -> gguf.GGUFWriter:
+    """A GGUF writer for llama.cpp architecture ``kind`` holding the keys every architecture has, and the
+    tokenizer of ``hf_dir``."""
+    w = gguf.GGUFWriter(str(out), kind)
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_rope_freq_base(rope_settings(cfg)["rope_theta"])
+    write_tokenizer_metadata(w, hf_dir)
+    return w
+
+
 def _write_arch_metadata(w: gguf.GGUFWriter, cfg: dict, arch: str) -> None:
     """The keys llama.cpp's converter adds for windows, soft caps, rope scaling and experts."""
     kind = GGUF_ARCH[arch]
@@ -119,20 +140,11 @@ def _write_arch_metadata(w: gguf.GGUFWriter, cfg: dict, arch: str) -> None:
 def write_gguf(hf_dir: Path, out: Path, arch: str, qtype: Q = Q.F32, overrides: dict | None = None) -> Path:
     """Converts a tiny HF folder to GGUF the way llama.cpp lays it out; 2-D weights stored as ``qtype``."""
     cfg = json.loads((hf_dir / "config.json").read_text())
-    kind = GGUF_ARCH[arch]
-    w = gguf.GGUFWriter(str(out), kind)
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(cfg["num_attention_heads"])
+    w = new_writer(out, GGUF_ARCH[arch], cfg, hf_dir)
     w.add_head_count_kv(cfg["num_key_value_heads"])
     if "head_dim" in cfg:
         w.add_key_length(cfg["head_dim"])
         w.add_value_length(cfg["head_dim"])
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    w.add_rope_freq_base(rope_settings(cfg)["rope_theta"])
-    write_tokenizer_metadata(w, hf_dir)
     _write_arch_metadata(w, cfg, arch)
 
     def add(name: str, array: np.ndarray, hf_name: str = "") -> None:

@@ -100,3 +100,30 @@ def test_attention_flops_of_sliding_window_layers_stop_growing_at_the_window():
     # Positions 1..5 see 2, 3, 4, 5, 6 keys in the global layer and 2, 3, 3, 3, 3 in a local one.
     assert attention_flops(profile, 1, 6) == per_layer * (2 + 3 + 4 + 5 + 6) + 2 * per_layer * (2 + 3 + 3 + 3 + 3)
     assert attention_flops(profile, 4, 6) == per_layer * (5 + 6) + 2 * per_layer * (3 + 3)
+
+
+def test_bench_latent_attention_figures(tiny_model_factory, tmp_path):
+    folder = tiny_model_factory("deepseek-v3")
+    r = run_bench(["--model", str(folder), "--num-prompts", "3", "--input-len", "20", "--dtype", "float32"],
+                  tmp_path)
+    c = json.loads((folder / "config.json").read_text())
+    layers, heads = c["num_hidden_layers"], c["num_attention_heads"]
+    # One latent row per token and layer: the KV latent and the shared rope key.
+    assert r["kv_bytes_per_token"] == layers * (c["kv_lora_rank"] + c["qk_rope_head_dim"]) * 4
+    qk, v = c["qk_nope_head_dim"] + c["qk_rope_head_dim"], c["v_head_dim"]
+    assert r["attention_flops"] == 2 * layers * heads * (qk + v) * 3 * 20 * 21 // 2
+
+
+def test_profile_of_deepseek_v3_shape():
+    """DeepSeek-V3 as published: 671B parameters, about 37B of them used per token."""
+    from transformers import DeepseekV3Config
+
+    cfg = ModelConfig.from_hf({**DeepseekV3Config().to_dict(), "architectures": ["DeepseekV3ForCausalLM"]})
+    profile = config_profile(cfg)
+    hidden, heads, expert = 7168, 128, 3 * 7168 * 2048
+    attention = 7168 * 1536 + 1536 * heads * 192 + 7168 * 576 + 512 * heads * (128 + 128) + heads * 128 * 7168
+    dense, moe = 3 * 7168 * 18432, 256 * hidden + 8 * expert + expert  # router, top-8 routed, one shared
+    assert profile.active_params == 61 * attention + 3 * dense + 58 * moe
+    assert round(profile.total_params / 1e9) == 671
+    assert round((profile.active_params + profile.lm_head_params) / 1e9) == 37
+    assert profile.attention_flops_per_key == 61 * 2 * heads * (192 + 128)

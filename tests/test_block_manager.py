@@ -52,7 +52,7 @@ def test_freed_blocks_are_reclaimed_by_hash_until_reused():
 
 def test_no_blocks_leak_after_preemption_and_sharing(tiny_model):
     probe = LLM(str(tiny_model), dtype="float32", device="cpu", kv_cache_memory=1 << 20)
-    per_block = probe.engine.runner.kv_layout.bytes_per_block(16, probe.config.torch_dtype)
+    per_block = probe.engine.executor.kv_layout.bytes_per_block(16, probe.config.torch_dtype)
     llm = LLM(str(tiny_model), dtype="float32", device="cpu", max_num_batched_tokens=64,
               kv_cache_memory=per_block * 16)
     shared = llm.tokenizer.encode(TEXT * 2)[:48]

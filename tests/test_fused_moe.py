@@ -67,6 +67,22 @@ def test_align_groups_pairs_by_expert_in_padded_runs(tokens, num_experts, top_k,
     assert torch.equal(torch.bincount(tile_experts, minlength=num_experts), (counts + block_m - 1) // block_m)
 
 
+def test_pairs_of_other_expert_parallel_ranks_are_skipped():
+    tokens, num_experts, top_k = 29, 8, 3
+    w13, w2 = experts(num_experts, 64, 32)
+    x = torch.randn(tokens, 64, device=DEVICE)
+    weights, ids = route(tokens, num_experts, top_k)
+    elsewhere = torch.rand(tokens, top_k, device=DEVICE) < 0.6
+    elsewhere[0] = True  # a token none of whose experts is here
+    align = moe_align_block_size(ids.masked_fill(elsewhere, -1), num_experts, 16, skip_negative=True)
+    rows = align.sorted_ids[:int(align.num_padded)].cpu()
+    assert sorted(rows[rows < tokens * top_k].tolist()) == (~elsewhere).flatten().nonzero().flatten().tolist()
+    out = fused_moe(x, w13, w2, weights, ids.masked_fill(elsewhere, -1), skip_negative=True)
+    expected = reference_moe(x, w13, w2, weights.masked_fill(elsewhere, 0.0), ids)
+    torch.testing.assert_close(out, expected, **TOL[F32])
+    assert torch.equal(out[0], torch.zeros_like(out[0]))
+
+
 # --- float experts --------------------------------------------------------------------------
 
 @pytest.mark.parametrize("tokens,num_experts,top_k,dtype", [

@@ -84,7 +84,7 @@ def test_gguf_runs_like_transformers(tiny_model_factory, tmp_path, arch):
     rope_freqs, Mistral's window in a llama file, Phi-3's fused projections and LongRoPE factors,
     Gemma's norms stored as 1 + weight, windows, soft caps and attention scale."""
     from batchgen.engine import LLM, SamplingParams
-    from tests.engine_helpers import hf_greedy, hf_logprobs, mixed_prompts
+    from tests.engine_helpers import assert_like_hf, mixed_prompts
 
     folder = tiny_model_factory(arch)
     llm = LLM(str(write_gguf(folder, tmp_path / "m.gguf", arch)), dtype="float32", device="cpu",
@@ -94,11 +94,7 @@ def test_gguf_runs_like_transformers(tiny_model_factory, tmp_path, arch):
     assert llm.engine.model_config.architecture == expected_arch
     prompts = mixed_prompts(llm, repeats=(1, 4))
     outs = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=True))
-    assert len(outs) == len(prompts)
-    for prompt, out in zip(prompts, outs):
-        assert out.token_ids == hf_greedy(str(folder), prompt, 6)
-        ref = hf_logprobs(str(folder), prompt, out.token_ids)
-        assert len(ref) == len(out.logprobs) and max(abs(a - b) for a, b in zip(out.logprobs, ref)) <= 1e-3
+    assert_like_hf(str(folder), prompts, outs)
 
 
 @pytest.mark.parametrize("qtype", [Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1], ids=lambda q: q.name)

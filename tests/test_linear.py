@@ -12,6 +12,7 @@ from batchgen.engine.layers.linear import (
     RowParallelLinear, VocabParallelEmbedding,
 )
 from batchgen.engine.model_source import LazyTensor
+from batchgen.engine.parallel import CommGroup
 
 
 def load(layer, name: str, tensor: torch.Tensor, shard=None) -> None:
@@ -48,8 +49,8 @@ def test_column_and_row_parallel_shards_rebuild_the_full_layer(lazy):
     stored = lazy(w1=w1, b1=b1, w2=w2)
     parts, partial_sums = [], torch.zeros(3, 6)
     for rank in range(2):
-        col = ColumnParallelLinear(6, 8, bias=True, tp_rank=rank, tp_size=2)
-        row = RowParallelLinear(8, 6, tp_rank=rank, tp_size=2)
+        col = ColumnParallelLinear(6, 8, bias=True, tp=CommGroup(rank, 2))
+        row = RowParallelLinear(8, 6, tp=CommGroup(rank, 2))
         load(col, "weight", stored["w1"])
         load(col, "bias", stored["b1"])
         load(row, "weight", stored["w2"])
@@ -70,7 +71,7 @@ def test_merged_gate_up_from_separate_and_from_fused_checkpoints():
     load(sep, "weight", up, 1)
     assert torch.equal(sep.weight, torch.cat([gate, up]))
     for rank in range(2):  # a fused checkpoint tensor, split per rank shard by shard
-        fused = MergedColumnParallelLinear(4, [6, 6], tp_rank=rank, tp_size=2)
+        fused = MergedColumnParallelLinear(4, [6, 6], tp=CommGroup(rank, 2))
         g, u = torch.randn(6, 4), torch.randn(6, 4)
         load(fused, "weight", torch.cat([g, u]))
         assert torch.equal(fused.weight, torch.cat([g[3 * rank:3 * rank + 3], u[3 * rank:3 * rank + 3]]))
@@ -80,7 +81,7 @@ def test_merged_gate_up_from_separate_and_from_fused_checkpoints():
     with pytest.raises(ValueError, match=r"\(4, 4\) does not fit .*\(5, 4\)"):
         load(sep, "weight", torch.randn(4, 4), 0)
     with pytest.raises(ValueError, match=r"\(9, 4\) does not fit .*\(8, 4\)"):  # never silently truncated
-        load(ColumnParallelLinear(4, 8, tp_size=2), "weight", torch.randn(9, 4))
+        load(ColumnParallelLinear(4, 8, tp=CommGroup(0, 2)), "weight", torch.randn(9, 4))
 
 
 @pytest.mark.parametrize("tp_size", [1, 2, 4])
@@ -88,7 +89,7 @@ def test_qkv_shards_heads_and_replicates_kv_heads(tp_size):
     heads, kv_heads, d, hidden = 4, 2, 3, 5
     q, k, v = torch.randn(heads * d, hidden), torch.randn(kv_heads * d, hidden), torch.randn(kv_heads * d, hidden)
     for rank in range(tp_size):
-        layer = QKVParallelLinear(hidden, d, heads, kv_heads, bias=True, tp_rank=rank, tp_size=tp_size)
+        layer = QKVParallelLinear(hidden, d, heads, kv_heads, bias=True, tp=CommGroup(rank, tp_size))
         for shard, w in zip("qkv", (q, k, v)):
             load(layer, "weight", w, shard)
             load(layer, "bias", w[:, 0], shard)
@@ -108,8 +109,8 @@ def test_vocab_parallel_embedding_and_lm_head_pad_the_last_rank():
     x = torch.randn(2, dim)
     rows, logits = torch.zeros(4, dim), []
     for rank in range(2):
-        emb = VocabParallelEmbedding(vocab, dim, tp_rank=rank, tp_size=2)
-        head = ParallelLMHead(vocab, dim, tp_rank=rank, tp_size=2)
+        emb = VocabParallelEmbedding(vocab, dim, tp=CommGroup(rank, 2))
+        head = ParallelLMHead(vocab, dim, tp=CommGroup(rank, 2))
         load(emb, "weight", table)
         load(head, "weight", table)
         assert emb.weight.shape == (4, dim)  # ceil(7 / 2) rows, the last one padding on rank 1
@@ -132,4 +133,4 @@ def test_replicated_linear_keeps_its_own_dtype():
     assert router(x).dtype == torch.float32
     torch.testing.assert_close(router(x), F.linear(x.float(), router.weight))
     with pytest.raises(ValueError, match="not divisible by the tensor-parallel size 2"):
-        ColumnParallelLinear(4, 3, tp_size=2)
+        ColumnParallelLinear(4, 3, tp=CommGroup(0, 2))

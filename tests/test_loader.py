@@ -81,6 +81,10 @@ def test_safetensors_weights_are_read_lazily_and_by_slice(tiny_model):
     assert part.shape == (32, 32) and torch.equal(part.load(), stored[name][32:64, 16:48])
     with pytest.raises(IndexError, match="out of range"):
         lazy.narrow(0, 100, 100)
+    # One row, dimension dropped (an expert of a stacked tensor), then narrowed along what was dim 1.
+    row = lazy.select(0, 5).narrow(0, 8, 4)
+    assert row.shape == (4,) and torch.equal(row.load(), stored[name][5, 8:12])
+    assert torch.equal(lazy.select(1, -1).load(), stored[name][:, -1])
 
 
 def test_sharded_index_with_missing_shard(tiny_model, tmp_path):

@@ -17,8 +17,9 @@ from batchgen.engine.layers.moe import FusedMoE, TopKRouter
 from batchgen.engine.layers.ops import fused_moe, make_kernel_set
 from batchgen.engine.models.qwen_moe import QwenMoeRouter
 from batchgen.engine.models.registry import build_model
+from batchgen.engine.parallel import CommGroup, ParallelContext
 from tests.job_helpers import check_output, records, spec_dict, write_jsonl
-from tests.tiny_models import MOE_ARCHS
+from tests.tiny_models import MLA_ARCHS, MOE_ARCHS
 
 
 def naive_moe(x, w13, w2, weights, ids) -> torch.Tensor:
@@ -52,6 +53,11 @@ def test_fused_moe_matches_a_per_token_reference(dtype, num_experts, top_k, rout
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(out.double(), naive_moe(x, w13, w2, weights, ids), **tol)
     assert fused_moe(x[:0], w13, w2, weights[:0], ids[:0]).shape == (0, hidden)
+    # Pairs marked -1 belong to another expert-parallel rank: they add nothing.
+    elsewhere = torch.rand(tokens, top_k, generator=gen) < 0.5
+    kept = weights.masked_fill(elsewhere, 0.0)
+    skipped = fused_moe(x, w13, w2, weights, ids.masked_fill(elsewhere, -1), skip_negative=True)
+    torch.testing.assert_close(skipped.double(), naive_moe(x, w13, w2, kept, ids), **tol)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -92,7 +98,7 @@ def test_expert_loaders_stack_slice_and_take_stacked_checkpoints():
     x, weights, ids = torch.randn(5, 4), torch.rand(5, 2), torch.randint(0, 3, (5, 2))
     partial = torch.zeros(5, 4)
     for rank in range(2):  # each rank holds half of every expert's intermediate; the outputs add up
-        shard = FusedMoE(3, 4, 8, kernels, tp_rank=rank, tp_size=2)
+        shard = FusedMoE(3, 4, 8, kernels, ParallelContext(tp=CommGroup(rank, 2)))
         for e in range(3):
             for kind, t in (("gate", gate), ("up", up), ("down", down)):
                 shard.weight_loader(shard.gate_up_proj if kind != "down" else shard.down_proj, t[e], (e, kind))
@@ -103,6 +109,43 @@ def test_expert_loaders_stack_slice_and_take_stacked_checkpoints():
         whole.weight_loader(whole.down_proj, down[0], (3, "down"))
     with pytest.raises(ValueError, match=r"shape \(8, 4\) does not fit"):
         whole.weight_loader(whole.down_proj, gate[0], (0, "down"))
+
+
+def test_expert_parallel_ranks_read_only_their_experts(tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from batchgen.engine.model_source import LazyTensor
+
+    kernels = make_kernel_set("torch")
+    gate_up, down = torch.randn(4, 16, 4), torch.randn(4, 4, 8)
+    save_file({"gate_up": gate_up, "down": down}, str(tmp_path / "w.safetensors"))
+    handle = safe_open(str(tmp_path / "w.safetensors"), framework="pt", device="cpu")
+    reads = []
+
+    class Counted(LazyTensor):
+        def load(self):
+            reads.append(self.shape.numel())
+            return super().load()
+
+    whole = FusedMoE(4, 4, 8, kernels)
+    whole.weight_loader(whole.gate_up_proj, gate_up)
+    whole.weight_loader(whole.down_proj, down)
+    x, weights, ids = torch.randn(6, 4), torch.rand(6, 2), torch.randint(0, 4, (6, 2))
+    total = torch.zeros(6, 4)
+    for rank in range(2):  # experts 0-1 on rank 0, 2-3 on rank 1, from the stacked tensors
+        shard = FusedMoE(4, 4, 8, kernels, ParallelContext(dp=CommGroup(rank, 2), expert_parallel=True))
+        shard.weight_loader(shard.gate_up_proj, Counted(handle.get_slice("gate_up")))
+        shard.weight_loader(shard.down_proj, Counted(handle.get_slice("down")))
+        assert shard.experts == range(2 * rank, 2 * rank + 2) and shard.gate_up_proj.shape == (2, 16, 4)
+        assert torch.equal(shard.down_proj, down[2 * rank:2 * rank + 2])
+        shard.weight_loader(shard.down_proj, Counted(handle.get_slice("down")).select(0, 3 - 2 * rank),
+                            (3 - 2 * rank, "down"))  # another rank's expert: skipped, not read
+        total += shard(x, weights, ids)
+    assert sum(reads) == gate_up.numel() + down.numel()
+    torch.testing.assert_close(total, whole(x, weights, ids))
+    with pytest.raises(ValueError, match="cannot be split evenly over 2"):
+        FusedMoE(3, 4, 8, kernels, ParallelContext(dp=CommGroup(0, 2), expert_parallel=True))
 
 
 def test_missing_expert_is_named(tiny_model_factory):
@@ -127,14 +170,15 @@ def test_profile_counts_active_experts_like_transformers(tiny_model_factory, arc
                 and ".experts." not in n)
     experts = sum(p.numel() for n, p in named.items() if ".experts." in n)
     moe = llm.engine.model_config.moe
-    profile = llm.engine.runner.profile
+    profile = llm.engine.executor.profile
     assert profile.active_params == dense + experts * moe.top_k // moe.num_experts
     assert profile.total_params == sum(p.numel() for p in hf.parameters())
     assert profile.active_params < profile.total_params - hf.lm_head.weight.numel() - experts // 2
 
 
-def test_job_runs_end_to_end_on_a_moe_folder(tiny_model_factory, tmp_path):
-    folder = tiny_model_factory("qwen2-moe")
+@pytest.mark.parametrize("arch", ["qwen2-moe", "deepseek-v3"])
+def test_job_runs_end_to_end_on_a_moe_folder(tiny_model_factory, tmp_path, arch):
+    folder = tiny_model_factory(arch)
     spec = spec_dict(folder, write_jsonl(tmp_path / "in.jsonl", records(6)), tmp_path / "out")
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(spec))
     res = CliRunner().invoke(main, ["run", str(tmp_path / "job.yaml"), "--quiet"], catch_exceptions=False)

@@ -127,7 +127,7 @@ def test_stream_abandoned_midway_leaves_the_engine_empty(llm):
     next(stream)
     stream.close()  # e.g. the job consuming it failed
     assert not llm.engine.has_unfinished()
-    assert llm.engine.block_manager.num_free_blocks == llm.engine.runner.num_blocks
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.executor.num_blocks
     alone = llm.generate([TEXT], params)[0]  # a later stream on the same LLM works
     again = dict(llm.generate_stream([("k", TEXT, params)]))
     assert again["k"].token_ids == alone.token_ids

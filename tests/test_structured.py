@@ -83,7 +83,7 @@ def test_preemption_in_the_middle_of_constrained_requests(tiny_model, llm):
     schema = SCHEMAS[1]
     params = SamplingParams(max_tokens=120, temperature=0, json_schema=schema)
     expected = llm.generate(prompts, params)
-    per_block = llm.engine.runner.kv_layout.bytes_per_block(16, llm.config.torch_dtype)
+    per_block = llm.engine.executor.kv_layout.bytes_per_block(16, llm.config.torch_dtype)
     small = LLM(str(tiny_model), dtype="float32", device="cpu", max_num_batched_tokens=256,
                 kv_cache_memory=per_block * 12, enable_prefix_caching=False)
     got = small.generate(prompts, params)

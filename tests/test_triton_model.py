@@ -18,8 +18,9 @@ DEVICE = "cpu" if INTERPRET else "cuda"
 
 
 # q/k norm, GQA 2:1; with experts in layers 1-2; soft caps, GeGLU and local/global layers; windows on
-# every layer, whose out-of-window blocks are freed (-1 in the block table) as sequences run.
-@pytest.mark.parametrize("arch", ["qwen3", "qwen3-moe", "gemma2", "phi3"])
+# every layer, whose out-of-window blocks are freed (-1 in the block table) as sequences run; latent
+# attention (absorbed decode, expanded prefill).
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3-moe", "gemma2", "phi3", "deepseek-v3"])
 def test_triton_backend_matches_torch_logprobs(tiny_model_factory, arch):
     path = str(tiny_model_factory(arch))
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=True)
@@ -30,7 +31,8 @@ def test_triton_backend_matches_torch_logprobs(tiny_model_factory, arch):
     assert max(map(len, prompts)) > 40, "needs a chunked prefill that reads a cached prefix"
     expected = torch_llm.generate(prompts, params)
     got = triton_llm.generate(prompts, params)
-    assert triton_llm.engine.runner.kernels.attention.name != "torch"
+    assert triton_llm.engine.executor.runner.kernels.attention.name != "torch"
+    assert len(got) == len(expected)
     for a, b in zip(got, expected):
         assert a.token_ids == b.token_ids
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) <= 1e-3
@@ -41,31 +43,45 @@ def test_backend_choice():
     assert default_backend(torch.device("cuda")) == "triton"
 
 
+def graphed_and_eager(path: str, repeats: tuple[int, ...], max_tokens: int):
+    """The same prompts through the engine with emulated CUDA-graph steps and eagerly; the outputs must
+    agree. Returns the graph runner."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=True)
+    kw = dict(dtype="float32", device=DEVICE, max_num_batched_tokens=40, max_num_seqs=4,
+              kv_cache_memory=8 << 20, attention_backend="triton")
+    eager = LLM(path, cuda_graphs="off", **kw)
+    graphed = LLM(path, cuda_graphs="emulate", **kw)
+    prompts = mixed_prompts(eager, repeats=repeats)
+    expected = eager.generate(prompts, params)
+    got = graphed.generate(prompts, params)
+    assert len(got) == len(expected) == len(prompts)
+    for a, b in zip(got, expected):
+        assert a.token_ids == b.token_ids
+        assert len(a.logprobs) == len(b.logprobs)
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) <= 1e-4
+    return graphed.engine.runner.graphs
+
+
 @pytest.mark.filterwarnings("ignore:overflow encountered")  # padded rows hold uninitialized values
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3-moe"])  # padded tokens also route through the experts
 def test_padded_graph_steps_match_eager(tiny_model_factory, arch):
     """The fixed-shape steps CUDA graphs replay (padded batch, padded tokens, padded sequences),
     run here without capture, give the eager engine's tokens and logprobs."""
-    path = str(tiny_model_factory(arch))
-    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=True)
-    kw = dict(dtype="float32", device=DEVICE, max_num_batched_tokens=40, max_num_seqs=4,
-              kv_cache_memory=8 << 20, attention_backend="triton")
-    eager = LLM(path, cuda_graphs="off", **kw)
-    graphed = LLM(path, cuda_graphs="emulate", **kw)
-    runner = graphed.engine.runner.graphs
+    # 5 prompts > max_num_seqs
+    runner = graphed_and_eager(str(tiny_model_factory(arch)), repeats=(1, 2, 1, 3, 1), max_tokens=4)
     assert runner.decode_sizes == [1, 2, 4] and runner.mixed_sizes == [16, 32, 40]
-    prompts = mixed_prompts(eager, repeats=(1, 2, 1, 3, 1))  # 5 prompts > max_num_seqs
-    expected = eager.generate(prompts, params)
-    got = graphed.generate(prompts, params)
-    assert len(got) == len(expected)
-    for a, b in zip(got, expected):
-        assert a.token_ids == b.token_ids
-        assert len(a.logprobs) == len(b.logprobs)
-        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) <= 1e-4
     kinds = {kind for kind, _ in runner.replays}
     assert kinds == {"decode", "mixed"}, runner.replays
     padded = [size for (kind, size) in runner.replays if kind == "mixed"]
     assert any(size in (16, 32) for size in padded), "expected a step padded to a smaller graph"
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered")
+def test_latent_attention_replays_decode_steps_only(tiny_model_factory):
+    """MLA sizes a prefill's expansion on the host: its mixed steps run eagerly, its decode steps replay."""
+    runner = graphed_and_eager(str(tiny_model_factory("deepseek-v3")), repeats=(1, 2), max_tokens=3)
+    assert runner.decode_sizes == [1, 2, 4] and runner.mixed_sizes == []
+    assert {kind for kind, _ in runner.replays} == {"decode"}
 
 
 def test_graph_modes_need_triton(tiny_model_factory):
@@ -91,4 +107,4 @@ def test_captured_cuda_graphs_match_eager(tiny_model_factory):
         assert a.token_ids == b.token_ids
         assert len(a.logprobs) == len(b.logprobs)
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) <= 1e-3
-    assert {kind for kind, _ in graphed.engine.runner.graphs.replays} == {"decode", "mixed"}
+    assert {kind for kind, _ in graphed.engine.executor.runner.graphs.replays} == {"decode", "mixed"}

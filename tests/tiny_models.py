@@ -58,9 +58,26 @@ ARCH_CONFIGS = {
     "qwen3-moe": dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_hidden_layers=3,
                       head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                       mlp_only_layers=[0], norm_topk_prob=True),
+    # Multi-head latent attention; layer 0 dense (first_k_dense_replace), layers 1-2 routed + shared experts.
+    "deepseek-v2": dict(architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2", num_hidden_layers=3,
+                        num_key_value_heads=4,
+                        q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, head_dim=8,
+                        v_head_dim=16, n_routed_experts=8, n_shared_experts=2, num_experts_per_tok=2,
+                        moe_intermediate_size=32, first_k_dense_replace=1, topk_method="group_limited_greedy",
+                        n_group=4, topk_group=2, routed_scaling_factor=1.5),
+    "deepseek-v3": dict(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", num_hidden_layers=3,
+                        num_key_value_heads=4,
+                        q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, head_dim=8,
+                        v_head_dim=16, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=3,
+                        moe_intermediate_size=32, first_k_dense_replace=1, n_group=4, topk_group=2,
+                        routed_scaling_factor=2.5, norm_topk_prob=True, rope_interleave=True,
+                        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                         "original_max_position_embeddings": 512, "beta_fast": 32.0,
+                                         "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.8}),
 }
 MOE_ARCHS = ("mixtral", "qwen2-moe", "qwen3-moe")
 VISION_ARCHS = ("gemma3-vlm",)  # the language model of a vision checkpoint: its own, shorter parity test
+MLA_ARCHS = ("deepseek-v2", "deepseek-v3")
 
 
 def build_tokenizer(out_dir: Path) -> int:
@@ -111,6 +128,9 @@ def build_tiny_model(out_dir: Path | str, arch: str = "llama", seed: int = 0, nu
                 p.uniform_(0.5, 1.5)
             elif name.endswith(".bias"):
                 p.normal_(0, init_std)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3 expert choice bias
+                b.uniform_(-0.2, 0.2)
     model.save_pretrained(str(out_dir))
     (out_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [im_end]}))
     return out_dir

@@ -163,9 +163,30 @@ def moe_and_fp8_kernel_calls() -> None:
     w8a8_matmul(a, a_scale, w, block_scale, torch.bfloat16, bias=torch.zeros(n, dtype=torch.bfloat16))
 
 
+def mla_kernel_calls() -> None:
+    """Latent attention in DeepSeek-V3's shapes (latent 512 + 64, heads of nope 128 + rope 64, v 128)."""
+    from batchgen.engine.kernels.mla import mla_decode, mla_prefill, store_latent
+    from batchgen.engine.kernels.prefill_attention import prefill_work
+
+    rank, rope, nope, v_dim, heads, tokens = 512, 64, 128, 128, 16, 40
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        cache = torch.zeros(8, 16, rank + rope, dtype=dtype)
+        tables, ctx = torch.zeros(2, 4, dtype=torch.int32), torch.tensor([20, 30], dtype=torch.int32)
+        store_latent(torch.zeros(tokens, rank + rope, dtype=dtype), cache, torch.arange(tokens))
+        for splits in (1, 4):
+            mla_decode(torch.zeros(2, heads, rank + rope, dtype=dtype), cache, ctx, tables, 256, rank, 0.1,
+                       num_splits=splits)
+        kv = torch.zeros(50, heads, nope + v_dim, dtype=dtype)
+        latent = torch.zeros(50, rank + rope, dtype=dtype)
+        mla_prefill(torch.zeros(tokens, heads, nope + rope, dtype=dtype), kv[..., :nope], kv[..., nope:],
+                    latent[:, rank:], torch.tensor([0, 15, tokens], dtype=torch.int32),
+                    torch.tensor([0, 20, 50], dtype=torch.int32), prefill_work([15, 25], [20, 30]), 0.1)
+
+
 def all_kernel_calls() -> None:
     engine_kernel_calls()
     moe_and_fp8_kernel_calls()
+    mla_kernel_calls()
 
 
 @triton.jit

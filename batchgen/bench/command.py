@@ -44,33 +44,27 @@ def _read_texts(path: str, column: str) -> list[str]:
               help="Replay captured CUDA graphs for decode and mixed steps (CUDA + Triton only).")
 @click.option("--json-schema", "json_schema_file", default=None, type=click.Path(dir_okay=False, exists=True),
               help="Also run the workload with every output constrained to this JSON Schema, and compare.")
+@click.option("--tp", "tensor_parallel_size", default=1, show_default=True, type=click.IntRange(min=1),
+              help="tensor_parallel_size: devices (worker processes) each replica's layers are split over.")
+@click.option("--dp", "data_parallel_size", default=1, show_default=True, type=click.IntRange(min=1),
+              help="data_parallel_size: engine replicas, each with its own scheduler and KV cache.")
+@click.option("--ep", "enable_expert_parallel", is_flag=True,
+              help="enable_expert_parallel: split a mixture of experts' experts over all tp x dp devices.")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--output-json", default=None, help="Also write the results to this file.")
 def bench(model, num_prompts, input_len, dataset, column, whole_documents, prefix_len, output_len, dtype,
           device, max_batch_tokens, max_num_seqs, no_prefix_caching, attention_backend, cuda_graphs, json_schema_file,
-          seed, output_json):
+          tensor_parallel_size, data_parallel_size, enable_expert_parallel, seed, output_json):
     """Measure prompt (prefill) and output throughput of the engine."""
     logging.basicConfig(level=logging.WARNING)
     cfg = BenchConfig(model=model, dtype=dtype, device=device, output_len=output_len,
                       max_batch_tokens=max_batch_tokens, max_num_seqs=max_num_seqs,
                       enable_prefix_caching=not no_prefix_caching, attention_backend=attention_backend,
-                      cuda_graphs=cuda_graphs)
-    llm = make_llm(cfg)
-    if dataset:
-        workload = from_documents(_read_texts(dataset, column), llm.tokenizer, num_prompts,
-                                  None if whole_documents else input_len, seed=seed, prefix_len=prefix_len)
-    else:
-        workload = synthetic(num_prompts, input_len, llm.engine.model_config.vocab_size, seed=seed,
-                             prefix_len=prefix_len)
-    result = run_bench(llm, workload, cfg)
-    if json_schema_file:
-        with open(json_schema_file, encoding="utf-8") as f:
-            schema = json.load(f)
-        constrained = run_bench(llm, workload, dataclasses.replace(cfg, json_schema=schema))
-        _print_side_by_side(result, constrained)
-        result = {"unconstrained": result, "json_schema": constrained}
-    else:
-        _print(result)
+                      cuda_graphs=cuda_graphs, tensor_parallel_size=tensor_parallel_size,
+                      data_parallel_size=data_parallel_size, enable_expert_parallel=enable_expert_parallel)
+    with make_llm(cfg) as llm:
+        result = _bench(llm, cfg, dataset, column, whole_documents, num_prompts, input_len, prefix_len, seed,
+                        json_schema_file)
     text = json.dumps(result, indent=2)
     click.echo(text)
     if output_json:
@@ -78,10 +72,31 @@ def bench(model, num_prompts, input_len, dataset, column, whole_documents, prefi
             f.write(text + "\n")
 
 
+def _bench(llm, cfg: BenchConfig, dataset, column, whole_documents, num_prompts, input_len, prefix_len, seed,
+           json_schema_file) -> dict:
+    """Runs the workload (twice, free and constrained, with a schema) and prints the figures."""
+    if dataset:
+        workload = from_documents(_read_texts(dataset, column), llm.tokenizer, num_prompts,
+                                  None if whole_documents else input_len, seed=seed, prefix_len=prefix_len)
+    else:
+        workload = synthetic(num_prompts, input_len, llm.engine.model_config.vocab_size, seed=seed,
+                             prefix_len=prefix_len)
+    result = run_bench(llm, workload, cfg)
+    if not json_schema_file:
+        _print(result)
+        return result
+    with open(json_schema_file, encoding="utf-8") as f:
+        schema = json.load(f)
+    constrained = run_bench(llm, workload, dataclasses.replace(cfg, json_schema=schema))
+    _print_side_by_side(result, constrained)
+    return {"unconstrained": result, "json_schema": constrained}
+
+
 SHOWN = ("dtype", "total_params", "active_params", "kv_bytes_per_token", "prompt_tokens", "wall_s", "requests_per_s",
-         "prompt_tokens_per_s", "output_tokens_per_s", "total_tokens_per_s", "decode_tokens_per_s", "prefix_cache_hit_rate", "roofline_prompt_tokens_per_s",
-         "prompt_tokens_per_s_over_roofline", "mfu_vs_measured_matmul", "mfu_with_attention_vs_measured_matmul",
-         "mfu_vs_gpu_peak", "mfu_with_attention_vs_gpu_peak")
+         "prompt_tokens_per_s", "output_tokens_per_s", "total_tokens_per_s", "decode_tokens_per_s",
+         "prefix_cache_hit_rate", "compute_ms_per_step", "comm_ms_per_step", "replica_tokens",
+         "roofline_prompt_tokens_per_s", "prompt_tokens_per_s_over_roofline", "mfu_vs_measured_matmul",
+         "mfu_with_attention_vs_measured_matmul", "mfu_vs_gpu_peak", "mfu_with_attention_vs_gpu_peak")
 COMPARED = ("output_tokens", "wall_s", "requests_per_s", "output_tokens_per_s", "decode_tokens_per_s",
             "decode_time_s", "mask_ms_per_step", "grammar_steps")
 

@@ -31,12 +31,22 @@ class BenchConfig:
     cuda_graphs: str = "auto"
     warmup_prompts: int = 2
     json_schema: dict | None = None  # constrain every output to this JSON Schema
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.data_parallel_size
 
 
 def make_llm(cfg: BenchConfig) -> LLM:
+    # Several devices: time the collectives, on CUDA too (it synchronises around each one).
     return LLM(cfg.model, dtype=cfg.dtype, device=cfg.device, max_num_batched_tokens=cfg.max_batch_tokens,
                max_num_seqs=cfg.max_num_seqs, enable_prefix_caching=cfg.enable_prefix_caching,
-               attention_backend=cfg.attention_backend, cuda_graphs=cfg.cuda_graphs)
+               attention_backend=cfg.attention_backend, cuda_graphs=cfg.cuda_graphs,
+               tensor_parallel_size=cfg.tensor_parallel_size, data_parallel_size=cfg.data_parallel_size,
+               enable_expert_parallel=cfg.enable_expert_parallel, measure_communication=cfg.world_size > 1)
 
 
 def run_bench(llm: LLM, workload: Workload, cfg: BenchConfig) -> dict:
@@ -57,11 +67,14 @@ def run_bench(llm: LLM, workload: Workload, cfg: BenchConfig) -> dict:
     wall = time.perf_counter() - start
     metrics = llm.engine.metrics
     device = llm.config.torch_device()
-    matmul = measure_matmul_flops(llm.config.torch_dtype, device)
-    runner = llm.engine.runner
-    kv_bytes = runner.kv_layout.bytes_per_token(llm.config.torch_dtype)
-    return summarize(workload, outputs, metrics, wall, runner.profile, kv_bytes, matmul, gpu_peak_flops(device),
-                     cfg, device, llm.config.dtype_choice)
+    # One GPU per rank; CPU ranks share the cores this process measures.
+    devices = cfg.world_size if device.type == "cuda" else 1
+    matmul = measure_matmul_flops(llm.config.torch_dtype, device) * devices
+    executor = llm.engine.executor
+    kv_bytes = executor.kv_layout.bytes_per_token(llm.config.torch_dtype)
+    peak = gpu_peak_flops(device)
+    return summarize(workload, outputs, metrics, wall, executor.profile, kv_bytes, matmul,
+                     peak * devices if peak else None, cfg, device, llm.config.dtype_choice)
 
 
 def summarize(workload, outputs, m: EngineMetrics, wall: float, profile: ModelProfile, kv_bytes_per_token: int,
@@ -83,6 +96,8 @@ def summarize(workload, outputs, m: EngineMetrics, wall: float, profile: ModelPr
         "num_prompts": len(workload.prompts), "prompt_tokens": prompt_tokens, "output_tokens": output_tokens,
         "output_len": cfg.output_len, "max_batch_tokens": cfg.max_batch_tokens,
         "prefix_caching": cfg.enable_prefix_caching,
+        "tensor_parallel_size": cfg.tensor_parallel_size, "data_parallel_size": cfg.data_parallel_size,
+        "expert_parallel": cfg.enable_expert_parallel,
         "wall_s": round(wall, 3),
         "requests_per_s": round(len(outputs) / wall, 3),
         "prompt_tokens_per_s": round(prompt_tps, 1),
@@ -93,6 +108,7 @@ def summarize(workload, outputs, m: EngineMetrics, wall: float, profile: ModelPr
         "prompt_tokens_computed": m.prompt_tokens_computed,
         "prefix_cache_hit_rate": round(m.prefix_cache_hit_rate, 4),
         "preemptions": m.preemptions,
+        **step_times(m),
         "total_params": profile.total_params, "active_params": lin, "kv_bytes_per_token": kv_bytes_per_token,
         "linear_flops": flops, "attention_flops": attn,
         "matmul_tflops_measured": round(matmul_flops / 1e12, 4),
@@ -111,6 +127,19 @@ def summarize(workload, outputs, m: EngineMetrics, wall: float, profile: ModelPr
         result["mfu_vs_gpu_peak"] = round(flops / wall / peak, 4)
         result["mfu_with_attention_vs_gpu_peak"] = round((flops + attn) / wall / peak, 4)
     return result
+
+
+def step_times(m: EngineMetrics) -> dict:
+    """Milliseconds per step in collectives between devices and in everything else, and each replica's tokens."""
+    steps = m.prefill_steps + m.decode_steps
+    if not steps:
+        return {}
+    busy = m.prefill_time_s + m.decode_time_s
+    out = {"steps": steps, "comm_ms_per_step": round(1e3 * m.comm_time_s / steps, 3),
+           "compute_ms_per_step": round(1e3 * (busy - m.comm_time_s) / steps, 3)}
+    if m.replica_tokens:
+        out["replica_tokens"] = list(m.replica_tokens)
+    return out
 
 
 def _sync(llm: LLM) -> None:

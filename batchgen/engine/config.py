@@ -7,9 +7,10 @@ from typing import Any
 import torch
 
 from batchgen.engine.dtype import DtypeChoice, check_dtype_name, resolve_dtype
+from batchgen.engine.layers.rotary import SCALINGS
 from batchgen.engine.models.registry import UnsupportedModelError, architecture_of  # noqa: F401 (re-export)
 
-ROPE_SCALINGS = ("llama3", "linear", "longrope", "frequency_factors")  # the last: from GGUF files
+ROPE_SCALINGS = tuple(SCALINGS)
 _ROPE_ALIASES = {"su": "longrope"}  # early Phi-3 configs name LongRoPE "su"
 
 
@@ -102,6 +103,8 @@ def _rope(cfg: dict[str, Any]) -> tuple[float, dict | None]:
     scaling = {**rope, "rope_type": kind}
     if cfg.get("original_max_position_embeddings"):  # older configs keep it at the top level
         scaling.setdefault("original_max_position_embeddings", int(cfg["original_max_position_embeddings"]))
+    if kind == "yarn":  # transformers' default for the pre-scaling context
+        scaling.setdefault("original_max_position_embeddings", int(cfg.get("max_position_embeddings", 4096)))
     if kind == "longrope" and not scaling.get("factor"):  # transformers' default: the context extension
         scaling["factor"] = int(cfg["max_position_embeddings"]) / scaling["original_max_position_embeddings"]
     return theta, scaling
@@ -199,6 +202,14 @@ class EngineConfig:
     # fixed-shape steps run eagerly without capture, so the graph path can be checked on CPU.
     cuda_graphs: str = "auto"
     storage_options: dict = field(default_factory=dict)
+    # Parallelism (vLLM's names): each of data_parallel_size replicas, with its own scheduler and KV cache,
+    # spreads its layers over tensor_parallel_size devices; with enable_expert_parallel a mixture of experts
+    # splits its experts over all of them. More than one device in all runs one worker process per device.
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+    distributed_timeout_s: float = 600.0  # longest wait for a worker's step (and a collective's peers)
+    measure_communication: bool = False  # time collectives on CUDA too (synchronises: benchmarks only)
 
     def __post_init__(self) -> None:
         check_dtype_name(self.dtype)
@@ -208,6 +219,19 @@ class EngineConfig:
             raise ValueError("max_num_seqs must be >= 1")
         if self.cuda_graphs not in ("auto", "off", "emulate"):
             raise ValueError(f"cuda_graphs must be 'auto', 'off' or 'emulate', got {self.cuda_graphs!r}")
+        if self.tensor_parallel_size < 1 or self.data_parallel_size < 1:
+            raise ValueError("tensor_parallel_size and data_parallel_size must be >= 1")
+        if self.distributed_timeout_s <= 0:
+            raise ValueError("distributed_timeout_s must be > 0")
+
+    @property
+    def world_size(self) -> int:
+        """Devices (and, above one, worker processes) the engine runs on."""
+        return self.tensor_parallel_size * self.data_parallel_size
+
+    def expert_parallel(self, model: ModelConfig) -> bool:
+        """Whether the model's experts are split over the ranks (only a mixture of experts has any)."""
+        return self.enable_expert_parallel and model.moe is not None
 
     @property
     def dtype_choice(self) -> DtypeChoice:

@@ -78,17 +78,18 @@ class GraphRunner:
     """Replays a captured forward for every step that fits a captured size; the caller runs the rest eagerly.
 
     Decode steps pad the batch to the next decode size; other steps pad the tokens to the next
-    mixed size and the sequences to ``max_num_seqs``. Padded tokens write no KV (slot -1), padded
-    sequences have no keys and no query tiles, and their logits rows are dropped.
+    mixed size and the sequences to ``max_num_seqs`` (with ``mixed=False`` they run eagerly). Padded
+    tokens write no KV (slot -1), padded sequences have no keys and no query tiles, and their logits
+    rows are dropped.
     """
 
     def __init__(self, model: Callable, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-                 block_size: int, device: torch.device, capture: bool):
+                 block_size: int, device: torch.device, capture: bool, mixed: bool = True):
         self.model, self.max_model_len, self.max_num_seqs = model, max_model_len, max_num_seqs
         self.decode_sizes = decode_graph_sizes(max_num_seqs)
-        self.mixed_sizes = mixed_graph_sizes(max_num_batched_tokens)
+        self.mixed_sizes = mixed_graph_sizes(max_num_batched_tokens) if mixed else []
         max_blocks = -(-max_model_len // block_size)
-        max_tokens = max(self.mixed_sizes[-1], self.decode_sizes[-1])
+        max_tokens = max(self.mixed_sizes[-1:] + self.decode_sizes[-1:])
         self.buf = _StaticInputs.allocate(max_tokens, max_num_seqs, max_blocks, device)
         # A decode step's query offsets and logits rows are 0..batch whatever the batch holds.
         self.decode_rows = torch.arange(self.decode_sizes[-1] + 1, device=device)
@@ -129,7 +130,7 @@ class GraphRunner:
             sizes, need, kind = self.decode_sizes, meta.num_seqs, "decode"
         else:
             sizes, need, kind = self.mixed_sizes, num_tokens, "mixed"
-        if need > sizes[-1]:  # the scheduler never exceeds max_num_seqs
+        if not sizes or need > sizes[-1]:  # the scheduler never exceeds max_num_seqs
             return None
         return kind, next(s for s in sizes if s >= need)
 

@@ -91,6 +91,49 @@ def _phi3_config(get: Getter, tensors: Mapping[str, Any], config: dict) -> dict:
     return out
 
 
+def _deepseek2_config(get: Getter, tensors: Mapping[str, Any], config: dict) -> dict:
+    """DeepSeek-V2/V3 keys: latent attention sizes, routing (sigmoid gating is V3's), YaRN.
+
+    Newer files describe the absorbed form (one KV head of key_length = kv_lora_rank + rope) and put
+    the per-head sizes in key_length_mla / value_length_mla; older ones have only the latter's values.
+    """
+    def integer(key: str, default: int | None = None) -> int | None:
+        return as_int(get(key, default), key)
+
+    rope = integer("rope.dimension_count")
+    qk_dim = integer("attention.key_length_mla") or integer("attention.key_length")
+    v3 = integer("expert_gating_func") == 2
+    n_group = integer("expert_group_count") or 1
+    out: dict[str, Any] = {
+        "architectures": ["DeepseekV3ForCausalLM" if v3 else "DeepseekV2ForCausalLM"],
+        "model_type": "deepseek_v3" if v3 else "deepseek_v2",
+        "num_key_value_heads": config["num_attention_heads"], "head_dim": rope,
+        "partial_rotary_factor": 1.0,  # key_length is not a rotary head's width here
+        "q_lora_rank": integer("attention.q_lora_rank"),
+        "attention_bias": "blk.0.attn_kv_a_mqa.bias" in tensors,
+        "kv_lora_rank": integer("attention.kv_lora_rank"), "qk_nope_head_dim": qk_dim - rope,
+        "qk_rope_head_dim": rope,
+        "v_head_dim": integer("attention.value_length_mla") or integer("attention.value_length"),
+        "n_routed_experts": integer("expert_count"), "n_shared_experts": integer("expert_shared_count", 0),
+        "first_k_dense_replace": integer("leading_dense_block_count", 0), "mlp_only_layers": [],  # not a list
+        "routed_scaling_factor": float(get("expert_weights_scale", 1.0)),
+        "norm_topk_prob": bool(get("expert_weights_norm", False)), "n_group": n_group,
+        "topk_group": integer("expert_group_used_count") or 1, "rope_interleave": True,
+    }
+    if not v3:  # V3 always routes by groups
+        out["topk_method"] = "group_limited_greedy" if n_group > 1 else "greedy"
+    log_multiplier = get("rope.scaling.yarn_log_multiplier")
+    if get("rope.scaling.type") == "yarn" and log_multiplier is not None:
+        # llama.cpp keeps cos/sin unscaled and scales the softmax by (1 + log_mul * ln factor)^2: in HF
+        # terms mscale = mscale_all_dim = log_mul / 0.1.
+        mscale = float(log_multiplier) / 0.1
+        original = integer("rope.scaling.original_context_length")
+        out["rope_scaling"] = {"rope_type": "yarn", "factor": float(get("rope.scaling.factor")),
+                               "original_max_position_embeddings": original,
+                               "mscale": mscale, "mscale_all_dim": mscale}
+    return out
+
+
 _GEMMA = dict(layer_names={"post_attention_norm.weight": "post_attention_layernorm.weight",
                            "ffn_norm.weight": "pre_feedforward_layernorm.weight",
                            "post_ffw_norm.weight": "post_feedforward_layernorm.weight"},
@@ -104,6 +147,17 @@ GGUF_ARCHS = {
                                   "ffn_up.weight": "mlp.gate_up_proj.weight"},
                      config=_phi3_config,
                      config_tensors=frozenset({"rope_factors_long.weight", "rope_factors_short.weight"})),
+    # DeepSeek's latent attention (split attn_k_b / attn_v_b are merged by the loader)
+    "deepseek2": GGUFArch(layer_names={
+        "attn_q_a.weight": "self_attn.q_a_proj.weight",
+        "attn_q_a.bias": "self_attn.q_a_proj.bias",
+        "attn_q_a_norm.weight": "self_attn.q_a_layernorm.weight",
+        "attn_q_b.weight": "self_attn.q_b_proj.weight",
+        "attn_kv_a_mqa.weight": "self_attn.kv_a_proj_with_mqa.weight",
+        "attn_kv_a_mqa.bias": "self_attn.kv_a_proj_with_mqa.bias",
+        "attn_kv_a_norm.weight": "self_attn.kv_a_layernorm.weight",
+        "attn_kv_b.weight": "self_attn.kv_b_proj.weight",
+    }, config=_deepseek2_config),
 }
 
 

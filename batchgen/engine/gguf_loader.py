@@ -36,21 +36,24 @@ _LAYER_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
-# The router and the shared expert, under the layer's MoE module ({moe}).
+# The router and the shared expert ({shared}), under the layer's MoE module ({moe}).
 _MOE_LAYER_NAMES = {
     "ffn_gate_inp.weight": "{moe}.gate.weight",
+    "exp_probs_b.bias": "{moe}.gate.e_score_correction_bias",
     "ffn_gate_inp_shexp.weight": "{moe}.shared_expert_gate.weight",
-    "ffn_gate_shexp.weight": "{moe}.shared_expert.gate_proj.weight",
-    "ffn_up_shexp.weight": "{moe}.shared_expert.up_proj.weight",
-    "ffn_down_shexp.weight": "{moe}.shared_expert.down_proj.weight",
+    "ffn_gate_shexp.weight": "{moe}.{shared}.gate_proj.weight",
+    "ffn_up_shexp.weight": "{moe}.{shared}.up_proj.weight",
+    "ffn_down_shexp.weight": "{moe}.{shared}.down_proj.weight",
 }
 # How HF names a layer's MoE module and its experts' (gate, up, down) projections, by model_type.
 _MOE_HF_NAMES = {"mixtral": ("block_sparse_moe", ("w1", "w3", "w2"))}
 _MOE_HF_DEFAULT = ("mlp", ("gate_proj", "up_proj", "down_proj"))
+_SHARED_EXPERT_NAMES = {"deepseek_v2": "shared_experts", "deepseek_v3": "shared_experts"}
 # Routing llama.cpp hard-codes for an architecture when the file does not say (expert_weights_norm).
 _GGUF_DEFAULTS = {"qwen3moe": {"norm_topk_prob": True}}
 _BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
 _EXPERTS = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down|gate_up)_exps\.weight")
+_SPLIT_KV_B = re.compile(r"blk\.(\d+)\.attn_(k|v)_b\.weight")
 
 
 def hf_tensor_name(gguf_name: str, model_type: str = "llama", arch: GGUFArch = GGUFArch()) -> str | None:
@@ -65,7 +68,9 @@ def hf_tensor_name(gguf_name: str, model_type: str = "llama", arch: GGUFArch = G
         return f"model.layers.{m.group(1)}.{layer_names[m.group(2)]}"
     if m and m.group(2) in _MOE_LAYER_NAMES:
         moe = _MOE_HF_NAMES.get(model_type, _MOE_HF_DEFAULT)[0]
-        return f"model.layers.{m.group(1)}.{_MOE_LAYER_NAMES[m.group(2)].format(moe=moe)}"
+        shared = _SHARED_EXPERT_NAMES.get(model_type, "shared_expert")
+        name = _MOE_LAYER_NAMES[m.group(2)].format(moe=moe, shared=shared)
+        return f"model.layers.{m.group(1)}.{name}"
     raise ValueError(f"GGUF tensor {gguf_name!r} has no known Hugging Face equivalent")
 
 
@@ -160,6 +165,11 @@ def _moe_config(get: Any, tensors: Mapping[str, Any], num_layers: int) -> dict[s
     return config
 
 
+def _merge_kv_b(k_b: torch.Tensor, v_b: torch.Tensor) -> torch.Tensor:
+    """kv_b_proj (H * (nope + v), rank) from llama.cpp's split attn_k_b (H, rank, nope), attn_v_b (H, v, rank)."""
+    return torch.cat((k_b.transpose(1, 2), v_b), dim=1).flatten(0, 1)
+
+
 def _unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     """Undoes llama.cpp's Q/K row interleaving (its rotary pairs adjacent dims, HF's pairs halves)."""
     rows = w.shape[0]
@@ -189,9 +199,17 @@ def dequantize_tensor(tensor: Any) -> torch.Tensor:
 def iter_gguf_weights(reader: Any, config: dict, arch: GGUFArch) -> Iterator[tuple[str, torch.Tensor]]:
     """Yields ``(hf_name, float32 tensor)``, dequantizing one tensor at a time (stacked experts split per expert)."""
     model_type = config["model_type"]
+    split_kv_b: dict[str, dict[str, torch.Tensor]] = {}  # layer -> its attn_k_b / attn_v_b, until both are read
     for tensor in reader.tensors:
         if _EXPERTS.fullmatch(tensor.name):
             yield from expert_tensors(tensor.name, dequantize_tensor(tensor), model_type)
+            continue
+        if m := _SPLIT_KV_B.fullmatch(tensor.name):
+            pair = split_kv_b.setdefault(m[1], {})
+            pair[m[2]] = dequantize_tensor(tensor)
+            if len(pair) == 2:
+                yield f"model.layers.{m[1]}.self_attn.kv_b_proj.weight", _merge_kv_b(pair["k"], pair["v"])
+                del split_kv_b[m[1]]
             continue
         name = hf_tensor_name(tensor.name, model_type, arch)
         if name is None:
@@ -206,6 +224,8 @@ def iter_gguf_weights(reader: Any, config: dict, arch: GGUFArch) -> Iterator[tup
         elif name.endswith("shared_expert_gate.weight"):  # llama.cpp stores the (1, H) gate as (H,)
             weight = weight.reshape(1, -1)
         yield name, weight
+    if split_kv_b:
+        raise ValueError(f"GGUF layers {sorted(split_kv_b)} have only one of attn_k_b and attn_v_b")
 
 
 def load_gguf(path: str) -> ModelSource:

@@ -21,6 +21,10 @@ class LLM:
 
     >>> llm = LLM("smollm2-135m-instruct", device="cpu")
     >>> llm.generate(["Hello"], SamplingParams(max_tokens=8, temperature=0))[0].text
+
+    ``tensor_parallel_size``, ``data_parallel_size`` and ``enable_expert_parallel`` (see EngineConfig)
+    spread the model over several devices, one worker process each; ``close()`` (or leaving a ``with``
+    block) stops them, and they stop on their own when this process exits.
     """
 
     def __init__(self, model: str, dtype: str = "auto", device: str = "auto",
@@ -32,6 +36,16 @@ class LLM:
                                    **engine_options)
         self.engine = LLMEngine(self.config)
         self.tokenizer = self.engine.tokenizer
+
+    def close(self) -> None:
+        """Stops the engine's worker processes (if any); the LLM cannot generate afterwards."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     @property
     def max_model_len(self) -> int:
@@ -60,11 +74,11 @@ class LLM:
                         max_pending: int | None = None) -> Iterator[tuple[Any, RequestOutput]]:
         """Yields ``(key, output)`` as each request finishes, pulling requests lazily.
 
-        At most ``max_pending`` requests (default: twice ``max_num_seqs``) are inside the engine at once, so
+        At most ``max_pending`` requests (default: twice ``max_num_seqs`` per replica) are inside the engine at once, so
         the caller's iterator is read only as fast as the engine can take work, and the engine is never idle
         while requests remain.
         """
-        limit = max_pending or 2 * self.config.max_num_seqs
+        limit = max_pending or 2 * self.config.max_num_seqs * self.config.data_parallel_size
         source = iter(requests)
         keys: dict[int, Any] = {}
         exhausted = False

@@ -1,17 +1,17 @@
-"""The engine loop: admits requests, schedules steps, runs the model and finishes sequences."""
+"""The engine loop: admits requests, schedules steps, hands them to the executor and finishes sequences."""
 from __future__ import annotations
 
 import itertools
 import logging
 import random
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from batchgen.engine.block_manager import BlockManager
 from batchgen.engine.config import EngineConfig, ModelConfig
+from batchgen.engine.executor import StepInput, StepOutput, build_step_input, make_executor
 from batchgen.engine.loader import load_model_source
 from batchgen.engine.metrics import EngineMetrics, StepRecord
-from batchgen.engine.model_runner import ModelRunner
 from batchgen.engine.outputs import RequestOutput
 from batchgen.engine.sampling_params import SamplingParams
 from batchgen.engine.sampler import TokenBitmask
@@ -21,6 +21,9 @@ from batchgen.engine.stopping import finish_reason, output_text
 from batchgen.engine.structured import (
     EXTRA_HINT, GrammarCompiler, GrammarState, grammar_key, structured_available, token_bitmask,
 )
+
+if TYPE_CHECKING:
+    from batchgen.engine.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
 
@@ -37,8 +40,42 @@ def model_context_len(cfg: ModelConfig, requested: int | None = None) -> int:
     return limit
 
 
+class Replica:
+    """One data-parallel engine replica: a scheduler over its own KV cache, and the prompt tokens of the
+    requests it holds (what new requests are balanced on)."""
+
+    def __init__(self, config: EngineConfig, num_blocks: int, window: int | None = None):
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching, window=window)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs)
+        self.prompt_tokens = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.prompt_tokens += seq.num_prompt_tokens
+        self.scheduler.add(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        self.prompt_tokens -= seq.num_prompt_tokens
+        self.scheduler.finish(seq)
+
+    def abort_all(self) -> int:
+        self.prompt_tokens = 0
+        return self.scheduler.abort_all()
+
+    def promote_compiled(self) -> list[Sequence]:
+        """Queues the requests whose grammar compiled; returns those whose grammar failed (finished)."""
+        failed = self.scheduler.promote_compiled()
+        self.prompt_tokens -= sum(seq.num_prompt_tokens for seq in failed)
+        return failed
+
+
 class LLMEngine:
     """Step-driven engine: ``add_request`` then ``step`` until ``has_unfinished`` is False.
+
+    The engine schedules, decides seeds and grammar masks, and applies each step's sampled tokens; the
+    ``executor`` (in this process, or worker processes for several devices) holds the weights and the
+    KV cache and runs each step from a plain :class:`StepInput`. With ``data_parallel_size`` N there
+    are N replicas (``replicas``), each scheduling its own requests; a new request goes to the replica
+    holding the fewest prompt tokens.
 
     ``step_listeners`` are called with each step's :class:`StepRecord` right after the step, on the thread
     that runs it; they must be quick and must not call back into the engine. ``metrics`` holds the totals.
@@ -50,20 +87,43 @@ class LLMEngine:
         self.model_config = ModelConfig.from_hf(source.config)
         self.tokenizer = source.tokenizer
         self.max_model_len = model_context_len(self.model_config, config.max_model_len)
-        self.runner = ModelRunner(config, self.model_config, source, self.max_model_len)
-        if self.runner.kv_capacity_tokens < self.max_model_len:
-            log.warning("KV cache holds %d tokens; max_model_len lowered from %d",
-                        self.runner.kv_capacity_tokens, self.max_model_len)
-            self.max_model_len = self.runner.kv_capacity_tokens
-        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size,
-                                          config.enable_prefix_caching, window=self.runner.kv_layout.window)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs)
+        self.executor = make_executor(config, self.model_config, source, self.max_model_len)
+        capacity = self.executor.num_blocks * config.block_size
+        if capacity < self.max_model_len:
+            log.warning("KV cache holds %d tokens; max_model_len lowered from %d", capacity, self.max_model_len)
+            self.max_model_len = capacity
+        window = self.executor.kv_layout.window  # every layer slides: blocks out of it are freed while running
+        self.replicas = [Replica(config, self.executor.num_blocks, window) for _ in range(config.data_parallel_size)]
+        # Replicas whose MoE layers exchange tokens must all run every step, idle or not.
+        self.lockstep = config.expert_parallel(self.model_config) and len(self.replicas) > 1
         self.eos_ids = frozenset(self._eos_ids(source))
         self._ids = itertools.count()
         self._seed_rng = random.Random()
         self.step_listeners: list[Callable[[StepRecord], None]] = []
         self._grammars: GrammarCompiler | None = None
         self.reset_metrics()
+
+    @property
+    def runner(self) -> "ModelRunner":
+        """The model runner, when the model runs in this process (a single device)."""
+        runner = getattr(self.executor, "runner", None)
+        if runner is None:
+            raise AttributeError("the model runs in worker processes: this process has no model runner")
+        return runner
+
+    @property
+    def scheduler(self) -> Scheduler:
+        """The first replica's scheduler (the only one without data parallelism)."""
+        return self.replicas[0].scheduler
+
+    @property
+    def block_manager(self) -> BlockManager:
+        return self.replicas[0].block_manager
+
+    @property
+    def token_budget(self) -> int:
+        """Tokens one step may compute over all replicas."""
+        return self.config.max_num_batched_tokens * len(self.replicas)
 
     def _eos_ids(self, source) -> list[int]:
         eos = source.generation_config.get("eos_token_id", source.config.get("eos_token_id"))
@@ -90,7 +150,7 @@ class LLMEngine:
         key = grammar_key(params)
         if key is not None:
             seq.grammar = GrammarState(self._grammar_compiler().submit(key))
-        self.scheduler.add(seq)
+        min(self.replicas, key=lambda r: r.prompt_tokens).add(seq)
         return seq
 
     def _grammar_compiler(self) -> GrammarCompiler:
@@ -100,48 +160,72 @@ class LLMEngine:
 
     def abort_all(self) -> int:
         """Drops every unfinished request (a caller that stopped reading their outputs)."""
-        return self.scheduler.abort_all()
+        return sum(r.abort_all() for r in self.replicas)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return any(r.scheduler.has_unfinished() for r in self.replicas)
 
     @property
     def num_unfinished(self) -> int:
-        return self.scheduler.num_unfinished
+        return sum(r.scheduler.num_unfinished for r in self.replicas)
 
     def step(self) -> list[RequestOutput]:
-        """Runs one scheduled step; returns the requests that finished in it."""
-        finished = [self._grammar_failed(seq) for seq in self.scheduler.promote_compiled()]
-        step = self.scheduler.schedule()
-        scheduled = step.seqs
-        if not scheduled:
+        """Runs one scheduled step (of every replica that has work); returns the requests that finished in it."""
+        finished: list[RequestOutput] = []
+        for replica in self.replicas:
+            finished += [self._grammar_failed(seq) for seq in replica.promote_compiled()]
+        steps = [r.scheduler.schedule() for r in self.replicas]
+        if not any(step.seqs for step in steps):
             if not finished:  # only requests whose grammar is compiling: wait a little instead of spinning
-                self.scheduler.wait_for_grammars(GRAMMAR_WAIT_S)
+                next((r.scheduler for r in self.replicas if r.scheduler.waiting_for_grammar),
+                     self.scheduler).wait_for_grammars(GRAMMAR_WAIT_S)
             return finished
         mask_start = time.perf_counter()
-        bitmask = self._token_bitmask(scheduled)
+        bitmasks = [self._token_bitmask(step.seqs) for step in steps]
         start = time.perf_counter()
-        tokens, logprobs = self.runner.run(scheduled, bitmask)
-        self._record(step, start, time.perf_counter() - start, bitmask, start - mask_start)
+        inputs = self._step_inputs(steps, bitmasks)
+        outputs = self.executor.execute(inputs)
+        self._record(steps, inputs, outputs, start, time.perf_counter() - start, start - mask_start)
+        for replica, step, out in zip(self.replicas, steps, outputs):
+            if step.seqs:
+                finished += self._apply(replica, step.seqs, out)
+        return finished
+
+    def _step_inputs(self, steps: list[ScheduledStep], bitmasks: list[TokenBitmask | None]
+                     ) -> list[StepInput | None]:
+        """Each replica's step as the executor takes it; None for an idle replica, unless the replicas
+        run in lockstep: then it runs an empty step, and every step carries all replicas' token counts."""
+        inputs = [build_step_input(step.seqs, mask) if step.seqs else None for step, mask in zip(steps, bitmasks)]
+        if not self.lockstep:
+            return inputs
+        inputs = [i if i is not None else StepInput() for i in inputs]
+        sizes = tuple(i.num_tokens for i in inputs)
+        for i in inputs:
+            i.dp_num_tokens = sizes
+        return inputs
+
+    def _apply(self, replica: Replica, scheduled: list[ScheduledSeq], out: StepOutput) -> list[RequestOutput]:
+        """Advances the replica's sequences by the step's computed and sampled tokens."""
+        finished = []
         row = 0
         for s in scheduled:
             seq = s.seq
             seq.num_computed_tokens += s.num_new_tokens
             if not s.sample:
                 continue
-            seq.token_ids.append(tokens[row])
+            seq.token_ids.append(out.tokens[row])
             if seq.grammar is not None:
                 seq.grammar.advance(seq.token_ids, seq.num_prompt_tokens)
             if seq.params.logprobs:
-                seq.logprobs.append(logprobs[row])
+                seq.logprobs.append(out.logprobs[row])
             row += 1
             reason = finish_reason(seq, self.eos_ids, self.max_model_len, self.tokenizer)
             if reason:
                 seq.finish_reason = reason
-                self.scheduler.finish(seq)
+                replica.finish(seq)
                 finished.append(self._output(seq))
         if finished:
-            self.scheduler.drop_finished()
+            replica.scheduler.drop_finished()
         return finished
 
     def _token_bitmask(self, scheduled: list[ScheduledSeq]) -> TokenBitmask | None:
@@ -160,19 +244,32 @@ class LLMEngine:
         """Starts the counters in ``metrics`` afresh (e.g. after a warm-up)."""
         self.metrics = EngineMetrics()
 
-    def _record(self, step: ScheduledStep, start: float, elapsed: float, bitmask: TokenBitmask | None,
-                mask_s: float) -> None:
-        """Counts the step (before its sequences advance) and tells the listeners."""
+    def shutdown(self) -> None:
+        """Stops the executor's workers and the grammar compiler; the engine cannot run afterwards."""
+        self.executor.shutdown()
+        if self._grammars is not None:
+            self._grammars.close()
+
+    def _record(self, steps: list[ScheduledStep], inputs: list[StepInput | None], outputs: list[StepOutput | None],
+                start: float, elapsed: float, mask_s: float) -> None:
+        """Counts the step of every replica (before their sequences advance) and tells the listeners."""
+        seqs = [s for step in steps for s in step.seqs]
         prefill = sum(max(0, min(s.seq.num_prompt_tokens, s.seq.num_computed_tokens + s.num_new_tokens)
-                          - s.seq.num_computed_tokens) for s in step.seqs)
+                          - s.seq.num_computed_tokens) for s in seqs)
+        grammar_rows = sum(len(i.bitmask.rows) for i in inputs if i is not None and i.bitmask is not None)
+        ran = [o for o in outputs if o is not None]
         record = StepRecord(
-            start_s=start, duration_s=elapsed, num_seqs=len(step.seqs), prefill_tokens=prefill,
-            decode_tokens=sum(s.num_new_tokens for s in step.seqs) - prefill,
-            sampled_tokens=sum(s.sample for s in step.seqs), token_budget=self.scheduler.max_num_batched_tokens,
-            padded_tokens=self.runner.padded_tokens, prefix_cache_queries=step.prefix_cache_queries,
-            prefix_cache_hits=step.prefix_cache_hits, preemptions=step.preemptions,
-            grammar_rows=len(bitmask.rows) if bitmask is not None else 0,
-            mask_time_s=mask_s if bitmask is not None else 0.0)
+            start_s=start, duration_s=elapsed, num_seqs=len(seqs), prefill_tokens=prefill,
+            decode_tokens=sum(s.num_new_tokens for s in seqs) - prefill,
+            sampled_tokens=sum(s.sample for s in seqs), token_budget=self.token_budget,
+            padded_tokens=sum(o.padded_tokens for o in ran),
+            prefix_cache_queries=sum(step.prefix_cache_queries for step in steps),
+            prefix_cache_hits=sum(step.prefix_cache_hits for step in steps),
+            preemptions=sum(step.preemptions for step in steps),
+            grammar_rows=grammar_rows, mask_time_s=mask_s if grammar_rows else 0.0,
+            comm_time_s=max((o.comm_s for o in ran), default=0.0),
+            replica_tokens=tuple(i.num_tokens if i is not None else 0 for i in inputs)
+            if len(inputs) > 1 else ())
         self.metrics.add_step(record)
         for listener in self.step_listeners:
             listener(record)

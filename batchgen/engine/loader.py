@@ -89,5 +89,7 @@ def load_model_source(path_or_name: str, storage_options: dict | None = None, we
         source.name = str(path_or_name)
         if not weights:
             source.weights = _no_weights
-        return source
-    return load_hf_dir(path, name=str(path_or_name), weights=weights)
+    else:
+        source = load_hf_dir(path, name=str(path_or_name), weights=weights)
+    source.path = str(path)
+    return source

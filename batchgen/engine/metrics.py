@@ -1,7 +1,7 @@
 """What the engine measures: one record per step, and running totals over the steps."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 
 @dataclass(frozen=True)
@@ -13,6 +13,8 @@ class StepRecord:
     preemption); together they are the step's tokens, at most ``token_budget``. ``padded_tokens`` were
     computed only to fit a captured CUDA graph's shape. ``grammar_rows`` sampled under a grammar's token
     bitmask, which took ``mask_time_s`` to build before the model run (not part of ``duration_s``).
+    ``comm_time_s`` of ``duration_s`` went to collectives between devices (the slowest replica's sampling
+    rank; 0 on one device). ``replica_tokens`` are the tokens each data-parallel replica computed.
     """
 
     start_s: float
@@ -28,6 +30,8 @@ class StepRecord:
     preemptions: int = 0
     grammar_rows: int = 0
     mask_time_s: float = 0.0
+    comm_time_s: float = 0.0
+    replica_tokens: tuple[int, ...] = ()
 
     @property
     def decode_only(self) -> bool:
@@ -56,6 +60,8 @@ class EngineMetrics:
     prefix_cache_hits: int = 0
     grammar_steps: int = 0  # steps that built a grammar bitmask
     grammar_mask_time_s: float = 0.0  # time spent filling those bitmasks
+    comm_time_s: float = 0.0  # of the step time, spent in collectives between devices
+    replica_tokens: list[int] = field(default_factory=list)  # tokens computed by each data-parallel replica
 
     def add_step(self, r: StepRecord) -> None:
         if r.decode_only:
@@ -74,6 +80,11 @@ class EngineMetrics:
         self.prefix_cache_hits += r.prefix_cache_hits
         self.grammar_steps += r.grammar_rows > 0
         self.grammar_mask_time_s += r.mask_time_s
+        self.comm_time_s += r.comm_time_s
+        if len(self.replica_tokens) < len(r.replica_tokens):
+            self.replica_tokens += [0] * (len(r.replica_tokens) - len(self.replica_tokens))
+        for i, n in enumerate(r.replica_tokens):
+            self.replica_tokens[i] += n
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -16,16 +16,17 @@ _SAFETENSORS_DTYPES = {
 class LazyTensor:
     """A checkpoint tensor read only when loaded: whole, or narrowed first so only a slice is read.
 
-    Wraps a safetensors slice handle; ``narrow`` composes like ``torch.Tensor.narrow``, so a
-    tensor-parallel rank's weight loader reads just its shard.
+    Wraps a safetensors slice handle; ``narrow`` and ``select`` compose like ``torch.Tensor``'s, so a
+    tensor- or expert-parallel rank's weight loader reads just its shard.
     """
 
     def __init__(self, handle: Any, shape: tuple[int, ...] | None = None,
-                 index: tuple[slice, ...] | None = None):
+                 index: tuple[slice, ...] | None = None, dims: tuple[int, ...] | None = None):
         self.handle = handle
         full = tuple(handle.get_shape())
         self.index = index if index is not None else tuple(slice(0, n) for n in full)
         self.shape = torch.Size(shape if shape is not None else full)
+        self.dims = dims if dims is not None else tuple(range(len(full)))  # stored dim of each visible dim
         self.dtype = _SAFETENSORS_DTYPES.get(handle.get_dtype())
 
     def narrow(self, dim: int, start: int, length: int) -> "LazyTensor":
@@ -33,15 +34,24 @@ class LazyTensor:
         if start < 0 or start + length > self.shape[dim]:
             raise IndexError(f"narrow({dim}, {start}, {length}) out of range for shape {tuple(self.shape)}")
         index = list(self.index)
-        index[dim] = slice(index[dim].start + start, index[dim].start + start + length)
+        stored = self.dims[dim]
+        index[stored] = slice(index[stored].start + start, index[stored].start + start + length)
         shape = list(self.shape)
         shape[dim] = length
-        return type(self)(self.handle, tuple(shape), tuple(index))
+        return type(self)(self.handle, tuple(shape), tuple(index), self.dims)
+
+    def select(self, dim: int, i: int) -> "LazyTensor":
+        """Like ``torch.Tensor.select``: index ``i`` of ``dim``, that dimension dropped."""
+        dim %= len(self.shape)
+        one = self.narrow(dim, i + self.shape[dim] if i < 0 else i, 1)
+        shape, dims = list(one.shape), list(one.dims)
+        del shape[dim], dims[dim]
+        return type(self)(self.handle, tuple(shape), one.index, tuple(dims))
 
     def load(self) -> torch.Tensor:
-        if not self.shape:  # a scalar has no slices
+        if not self.index:  # a scalar has no slices
             return self.handle[...]
-        return self.handle[self.index]
+        return self.handle[self.index].reshape(self.shape)
 
     def __repr__(self) -> str:
         return f"LazyTensor(shape={tuple(self.shape)}, dtype={self.dtype})"
@@ -70,3 +80,4 @@ class ModelSource:
     tokenizer: "object"  # batchgen.engine.tokenizer.Tokenizer
     generation_config: dict = field(default_factory=dict)
     name: str = ""
+    path: str = ""  # the local folder or file it was read from (what worker processes load again)

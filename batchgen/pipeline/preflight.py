@@ -129,12 +129,12 @@ def stored_stats(writer: OutputWriter) -> dict[str, Any]:
 
 
 def load_model(spec: JobSpec) -> LLM:
-    b = spec.batching
+    b, m = spec.batching, spec.model
     try:
-        return LLM(spec.model.path, dtype=spec.model.dtype, device=spec.model.device,
-                   max_num_batched_tokens=b.max_batch_tokens, max_num_seqs=b.max_num_seqs,
-                   max_model_len=spec.model.max_model_len, kv_cache_memory=b.kv_cache_memory,
-                   storage_options=spec.storage_options)
+        return LLM(m.path, dtype=m.dtype, device=m.device, max_num_batched_tokens=b.max_batch_tokens,
+                   max_num_seqs=b.max_num_seqs, max_model_len=m.max_model_len, kv_cache_memory=b.kv_cache_memory,
+                   storage_options=spec.storage_options, tensor_parallel_size=m.tensor_parallel_size,
+                   data_parallel_size=m.data_parallel_size, enable_expert_parallel=m.enable_expert_parallel)
     except Exception as e:  # noqa: BLE001 - bad paths, unsupported architectures, bad weights alike
         message = " ".join(str(e).split()) or type(e).__name__
         raise JobError(redact(f"cannot load model {spec.resolved()['model']['path']}: {message}")) from None

@@ -118,8 +118,10 @@ def _run(spec: JobSpec, writer: OutputWriter, files: list[str], carry: list[str]
             log.warning("%s: the finished run had --limit %s, this one %s; its output is kept as it is",
                         spec.name, stored.get("limit"), limit)
         return stored
-    if llm is None:
-        llm = preflight.load_model(spec)
+    if llm is None:  # the job's own model: its worker processes (if any) stop with the job
+        with preflight.load_model(spec) as own:
+            return _run(spec, writer, files, carry, limit=limit, quiet=quiet, llm=own, wall_start=wall_start,
+                        started_at=started_at)
     committed, previous = writer.committed_row_ids(), writer.committed_stats()
     _warn_if_spec_changed(previous, digest)
     inputs, recorded = preflight.check_inputs_unchanged(writer, files, spec.storage_options)
@@ -128,7 +130,7 @@ def _run(spec: JobSpec, writer: OutputWriter, files: list[str], carry: list[str]
 
     schema = PartSchema(spec.input.id_column or "id", carry)
     schema.seed(writer.committed_column_types())
-    telemetry = Telemetry(llm.config.max_num_batched_tokens, start=wall_start)
+    telemetry = Telemetry(llm.engine.token_budget, start=wall_start)
     telemetry.stages.add("startup", time.perf_counter() - wall_start)
     progress = _progress(spec, files, len(committed), limit, quiet)
     sink = PartSink(writer, schema, spec.output.rows_per_part, digest,
@@ -160,7 +162,8 @@ def _run(spec: JobSpec, writer: OutputWriter, files: list[str], carry: list[str]
                           started_at=started_at, wall_s=time.perf_counter() - wall_start, generate_s=generate_s,
                           resumed=bool(previous), complete=not stop.is_set(), limit=limit,
                           engine=engine_summary(telemetry.metrics, generate_s, telemetry.token_budget,
-                                                llm.engine.runner.profile, llm.config.torch_device()))
+                                                llm.engine.executor.profile, llm.config.torch_device(),
+                                                llm.config.world_size))
         crash_point("stats.before")
         writer.write_stats(stats)
         writer.write_telemetry(telemetry.to_dict())

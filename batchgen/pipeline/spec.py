@@ -33,12 +33,16 @@ class _Section(BaseModel):
 
 class ModelSpec(_Section):
     """``path``: a built-in model name, a local folder or .gguf file, or an fsspec URL; ``dtype`` "auto" is
-    the device's fast dtype (bf16 on GPUs and on CPUs with native bf16, else fp32)."""
+    the device's fast dtype (bf16 on GPUs and on CPUs with native bf16, else fp32). The parallel sizes are
+    the engine's (vLLM's names): one worker process per device when they ask for more than one."""
 
     path: str = Field(min_length=1)
     dtype: DtypeName = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     max_model_len: int | None = Field(default=None, ge=1)
+    tensor_parallel_size: int = Field(default=1, ge=1)
+    data_parallel_size: int = Field(default=1, ge=1)
+    enable_expert_parallel: bool = False
 
 
 class InputSpec(_Section):

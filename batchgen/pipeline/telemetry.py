@@ -160,10 +160,11 @@ def _ratio(a: float, b: float, digits: int = 4) -> float | None:
 
 
 def engine_summary(m: EngineMetrics, generate_s: float, token_budget: int, profile: ModelProfile | None = None,
-                   device: torch.device | None = None) -> dict[str, Any]:
+                   device: torch.device | None = None, num_devices: int = 1) -> dict[str, Any]:
     """This run's engine totals and what follows from them: rates, budget use, padding and idle shares,
     achieved FLOP/s over the generation time (linear layers and logits, as ``batchgen bench`` counts them)
-    and MFU where the device's peak is known (a GPU from the datasheet table; None on CPU)."""
+    and MFU where the device's peak is known (a GPU from the datasheet table, times ``num_devices``;
+    None on CPU)."""
     steps = m.prefill_steps + m.decode_steps
     busy = m.prefill_time_s + m.decode_time_s
     out: dict[str, Any] = {k: round(v, 4) if isinstance(v, float) else v for k, v in m.as_dict().items()}
@@ -180,6 +181,7 @@ def engine_summary(m: EngineMetrics, generate_s: float, token_budget: int, profi
         out["achieved_tflops"] = round(flops / generate_s / 1e12, 6)
         peak = gpu_peak_flops(device) if device is not None else None
         if peak:
+            peak *= num_devices
             out["peak_tflops"] = round(peak / 1e12, 1)
             out["mfu"] = round(flops / generate_s / peak, 6)
     return out

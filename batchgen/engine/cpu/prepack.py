@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from batchgen.engine.layers.linear import LinearBase, ParallelLMHead
+from batchgen.engine.layers.linear import LinearBase, ParallelLMHead, RowParallelLinear
 
 log = logging.getLogger(__name__)
 
@@ -48,9 +48,13 @@ def prepacking_works() -> bool:
         return False
 
 
+# Projections whose forward is y = x W^T (+ b) and nothing else once unsplit (a router also selects experts).
+_PLAIN_FORWARDS = (LinearBase.forward, RowParallelLinear.forward, ParallelLMHead.forward)
+
+
 def packable(module: nn.Module) -> bool:
     """A whole (not tensor-parallel) bf16 projection or LM head on CPU."""
-    if not isinstance(module, (LinearBase, ParallelLMHead)) or getattr(module, "tp_size", 1) != 1:
+    if type(module).forward not in _PLAIN_FORWARDS or getattr(module, "tp_size", 1) != 1:
         return False
     weight = module.weight
     return weight.dim() == 2 and weight.dtype == torch.bfloat16 and weight.device.type == "cpu"

@@ -7,10 +7,12 @@ from batchgen.engine.kernels.activation import gelu_tanh_and_mul, silu_and_mul
 from batchgen.engine.kernels.decode_attention import decode_attention
 from batchgen.engine.kernels.fused_moe import fused_moe
 from batchgen.engine.kernels.kv_store import store_kv
+from batchgen.engine.kernels.mla import mla_decode, mla_prefill, store_latent
 from batchgen.engine.kernels.norm import rms_norm
 from batchgen.engine.kernels.prefill_attention import prefill_attention, prefill_work
 from batchgen.engine.kernels.rotary import apply_rotary
 from batchgen.engine.layers.attention import AttentionMetadata
+from batchgen.engine.layers.mla import LatentPrefill
 
 
 class TritonAttentionBackend:
@@ -40,7 +42,27 @@ class TritonAttentionBackend:
                                  block_tables=meta.block_tables, **options)
 
 
+class TritonMLABackend:
+    """Latent attention: the absorbed decode kernel over the latent cache, the expanded prefill kernel."""
+
+    name = "triton"
+
+    def store_latent(self, latent: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        store_latent(latent, cache, slot_mapping)
+
+    def decode(self, q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
+               context_lens: torch.Tensor, max_context: int, value_dim: int, scale: float) -> torch.Tensor:
+        return mla_decode(q, cache, context_lens, block_tables, max_context, value_dim, scale)
+
+    def prefill(self, q: torch.Tensor, k_nope: torch.Tensor, v: torch.Tensor, k_pe: torch.Tensor,
+                plan: LatentPrefill, scale: float) -> torch.Tensor:
+        if "work" not in plan.memo:  # once per step: every layer shares the plan
+            plan.memo["work"] = prefill_work(plan.query_lens, plan.context_lens).to(q.device)
+        return mla_prefill(q, k_nope, v, k_pe, plan.cu_seqlens_q, plan.cu_seqlens_k, plan.memo["work"], scale)
+
+
 def triton_kernels() -> dict[str, object]:
     """The Triton implementations of the kernel set's fields (the torch ones fill the rest)."""
     return dict(attention=TritonAttentionBackend(), rms_norm=rms_norm, apply_rotary=apply_rotary,
-                silu_and_mul=silu_and_mul, gelu_tanh_and_mul=gelu_tanh_and_mul, fused_moe=fused_moe)
+                silu_and_mul=silu_and_mul, gelu_tanh_and_mul=gelu_tanh_and_mul, fused_moe=fused_moe,
+                mla=TritonMLABackend())

@@ -92,6 +92,13 @@ def softmax_step(acc, m_i, l_i, q, k_t, v, mask, qk_scale,
         qk = (softcap * _LOG2E_IN_KERNEL) * (2.0 * tl.sigmoid(qk * (2.0 / softcap)) - 1.0)
     if USE_MASK:
         qk = tl.where(mask, qk, float("-inf"))
+    return fold_scores(acc, m_i, l_i, qk, v, PREC, UPCAST)
+
+
+@triton.jit
+def fold_scores(acc, m_i, l_i, qk, v, PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """The online-softmax update for a tile of scores qk (M, N), scaled to log2 units and masked
+    with -inf, and its values v (N, D)."""
     m_new = tl.maximum(m_i, tl.max(qk, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(qk - m_new[:, None])

@@ -99,6 +99,12 @@ def num_decode_splits(batch: int, num_kv_heads: int, max_context: int, device: t
     return max(1, min(wanted, triton.cdiv(max_context, _MIN_SPLIT_LEN), _MAX_SPLITS))
 
 
+def split_context(max_context: int, num_splits: int) -> tuple[int, int]:
+    """(keys per split, a multiple of the key tile, and the splits that leaves) for about num_splits splits."""
+    split_len = triton.cdiv(triton.cdiv(max(max_context, 1), num_splits), _BLOCK_N) * _BLOCK_N
+    return split_len, triton.cdiv(max(max_context, 1), split_len)
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      context_lens: torch.Tensor, block_tables: torch.Tensor, max_context: int,
                      scale: float, num_splits: int | None = None, out: torch.Tensor | None = None,
@@ -117,21 +123,15 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     keys = max(min(max_context, window), 1)  # the most keys one query sees
     if num_splits is None:
         num_splits = num_decode_splits(batch, num_kv_heads, keys, q.device)
-    split_len = triton.cdiv(triton.cdiv(keys, num_splits), _BLOCK_N) * _BLOCK_N
-    num_splits = triton.cdiv(keys, split_len)
+    split_len, num_splits = split_context(keys, num_splits)
     group = num_heads // num_kv_heads
     block_d = triton.next_power_of_2(head_dim)
     direct = num_splits == 1
-    if direct:
-        part_out, part_lse = out, out  # placeholders, never written
-        part_strides, lse_strides = (0, 0, 0), (0, 0)
-    else:
-        part_out = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
-        part_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
-        part_strides, lse_strides = part_out.stride()[:3], part_lse.stride()[:2]
+    part_out, part_lse, part_strides, lse_strides = split_buffers(out, num_splits)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, context_lens, block_tables, out, part_out, part_lse,
-        scale if softcap else scale * LOG2E, split_len, window, float(softcap or 0.0), q.stride(0), q.stride(1), *k_cache.stride()[:3],
+        scale if softcap else scale * LOG2E, split_len, window, float(softcap or 0.0), q.stride(0), q.stride(1),
+        *k_cache.stride()[:3],
         block_tables.stride(0), out.stride(0), out.stride(1), *part_strides, *lse_strides,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_D=block_d, BLOCK_N=_BLOCK_N, BLOCK_SIZE=block_size, DIRECT=direct,
@@ -139,10 +139,29 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         num_warps=4 if head_dim <= 64 else 8, num_stages=2,
     )
     if not direct:
-        _decode_reduce_kernel[(batch, num_heads)](
-            part_out, part_lse, context_lens, out, split_len, num_splits, window, *part_strides, *lse_strides,
-            out.stride(0), out.stride(1),
-            BLOCK_S=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim, BLOCK_D=block_d,
-            num_warps=4,
-        )
+        merge_splits(part_out, part_lse, context_lens, out, split_len, window)
     return out
+
+
+def split_buffers(out: torch.Tensor, num_splits: int) -> tuple[torch.Tensor, torch.Tensor, tuple, tuple]:
+    """fp32 per-split outputs (B, H, S, D) and log2-sum-exps (B, H, S) for out (B, H, D), and their
+    strides; with one split the kernel writes out directly and these are placeholders."""
+    if num_splits == 1:
+        return out, out, (0, 0, 0), (0, 0)
+    batch, num_heads, dim = out.shape
+    part_out = torch.empty(batch, num_heads, num_splits, dim, dtype=torch.float32, device=out.device)
+    part_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=out.device)
+    return part_out, part_lse, part_out.stride()[:3], part_lse.stride()[:2]
+
+
+def merge_splits(part_out: torch.Tensor, part_lse: torch.Tensor, context_lens: torch.Tensor, out: torch.Tensor,
+                 split_len: int, window: int = NO_WINDOW) -> None:
+    """Combines per-split outputs (B, H, S, D) and log2-sum-exps (B, H, S) of a split decode into out (B, H, D);
+    the splits cover each sequence's last ``window`` keys."""
+    batch, num_heads, num_splits, head_dim = part_out.shape
+    _decode_reduce_kernel[(batch, num_heads)](
+        part_out, part_lse, context_lens, out, split_len, num_splits, window, *part_out.stride()[:3],
+        *part_lse.stride()[:2], out.stride(0), out.stride(1),
+        BLOCK_S=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim), num_warps=4,
+    )

@@ -31,24 +31,33 @@ class MoEAlignment:
     block_m: int
 
 
-def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoEAlignment:
+def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int,
+                         skip_negative: bool = False) -> MoEAlignment:
     """Counting-sorts the pairs of topk_ids (T, k) by expert, in torch ops without a host sync.
 
     The row capacity is a bound that depends only on the shapes (a CUDA graph can hold it): each
-    expert with tokens adds at most ``block_m - 1`` padding rows.
+    expert with tokens adds at most ``block_m - 1`` padding rows. With ``skip_negative``, pairs of id
+    -1 (computed by another expert-parallel rank) get no row.
     """
     flat = topk_ids.reshape(-1).long()
     num_pairs = flat.numel()
     capacity = triton.cdiv(num_pairs + min(num_experts, num_pairs) * (block_m - 1), block_m) * block_m
-    counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))  # an id outside [0, E) fails here
+    shift = int(skip_negative)  # bin 0 holds the skipped pairs, bin e + 1 expert e
+    bins = flat + shift
+    counts_all = torch.zeros(num_experts + shift, dtype=torch.long, device=flat.device)
+    counts_all.scatter_add_(0, bins, torch.ones_like(bins))  # an id outside [0, E) (or -1) fails here
+    counts = counts_all[shift:]
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = padded.cumsum(0)
-    order = torch.argsort(flat, stable=True)
-    expert_of_row = flat[order]
-    rank_in_expert = torch.arange(num_pairs, device=flat.device) - (counts.cumsum(0) - counts)[expert_of_row]
-    sorted_ids = torch.full((capacity,), num_pairs, dtype=torch.int32, device=flat.device)
-    sorted_ids[(padded_end - padded)[expert_of_row] + rank_in_expert] = order.to(torch.int32)
+    order = torch.argsort(bins, stable=True)
+    bin_of_row = bins[order]
+    rank_in_bin = torch.arange(num_pairs, device=flat.device) - (counts_all.cumsum(0) - counts_all)[bin_of_row]
+    target = (padded_end - padded)[(bin_of_row - shift).clamp(min=0)] + rank_in_bin
+    if shift:  # skipped pairs land in one slot past the capacity, dropped below
+        target = torch.where(bin_of_row > 0, target, capacity)
+    sorted_ids = torch.full((capacity + shift,), num_pairs, dtype=torch.int32, device=flat.device)
+    sorted_ids[target] = order.to(torch.int32)
+    sorted_ids = sorted_ids[:capacity]
     tile_starts = torch.arange(0, capacity, block_m, device=flat.device)
     expert_ids = torch.searchsorted(padded_end, tile_starts, right=True).to(torch.int32)
     return MoEAlignment(sorted_ids, expert_ids, padded_end[-1:].to(torch.int32), block_m)
@@ -149,15 +158,16 @@ def _check_shapes(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, w13_scale: torch.Tensor | None = None,
-              w2_scale: torch.Tensor | None = None) -> torch.Tensor:
+              w2_scale: torch.Tensor | None = None, skip_negative: bool = False) -> torch.Tensor:
     """sum_j topk_weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = topk_ids[t, j].
 
     x (T, H) bf16/fp16/fp32; w13 (E, 2I, H), gate rows first then up rows; w2 (E, H, I); weights
     in x's dtype, or float8_e4m3fn with float32 ``w13_scale``/``w2_scale`` per 128x128 block
     ((E, ceil(2I/128), ceil(H/128)) and (E, ceil(H/128), ceil(I/128)): separate gate and up
     scales stack into that only when I is a multiple of 128), per row ((E, N, 1)) or per expert
-    ((E,)). topk_weights float (T, k), topk_ids int32/int64 (T, k) in [0, E). Returns (T, H) in
-    x's dtype.
+    ((E,)). topk_weights float (T, k), topk_ids int32/int64 (T, k) in [0, E), or -1 with
+    ``skip_negative`` for a pair another expert-parallel rank computes (it adds nothing; the pairs'
+    outputs are then zero-filled first). Returns (T, H) in x's dtype.
     """
     _check_shapes(x, w13, w2, topk_weights, topk_ids)
     tokens, hidden = x.shape
@@ -167,10 +177,10 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         return out
     x, w13, w2 = (t if t.stride(-1) == 1 else t.contiguous() for t in (x, w13, w2))
     pairs = tokens * top_k
-    align = moe_align_block_size(topk_ids, experts, _block_m(pairs, experts))
+    align = moe_align_block_size(topk_ids, experts, _block_m(pairs, experts), skip_negative)
     weights = topk_weights.reshape(-1).float().contiguous()
     gate_up = torch.empty(pairs, 2 * intermediate, dtype=x.dtype, device=x.device)
-    down = torch.empty(pairs, hidden, dtype=x.dtype, device=x.device)
+    down = (torch.zeros if skip_negative else torch.empty)(pairs, hidden, dtype=x.dtype, device=x.device)
     if w13.dtype == FP8_DTYPE:
         w13_scales, w2_scales = _fp8_expert_scales(w13, w2, w13_scale, w2_scale)
         x_q, x_scale = quantize_fp8_activation(x)

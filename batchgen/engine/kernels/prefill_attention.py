@@ -13,6 +13,16 @@ from batchgen.engine.kernels.common import (
 
 
 @triton.jit
+def query_tile(work, cu_q, cu_k, seq):
+    """This program's tile of ``work`` (of sequence seq): its first query row, and where the
+    sequence's queries and keys start in the packed step and how many there are."""
+    m_start = tl.load(work + 2 * tl.program_id(1) + 1)
+    q_start = tl.load(cu_q + seq)
+    k_start = tl.load(cu_k + seq)
+    return m_start, q_start, tl.load(cu_q + seq + 1) - q_start, k_start, tl.load(cu_k + seq + 1) - k_start
+
+
+@triton.jit
 def _prefill_kernel(
     Q, K, V, Out, KCache, VCache, cu_q, cu_k, ctx_lens, block_tables, work, qk_scale, window, softcap,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
@@ -29,11 +39,7 @@ def _prefill_kernel(
     seq = tl.load(work + 2 * tl.program_id(1))
     if seq < 0:
         return
-    m_start = tl.load(work + 2 * tl.program_id(1) + 1)
-    q_start = tl.load(cu_q + seq)
-    q_len = tl.load(cu_q + seq + 1) - q_start
-    k_start = tl.load(cu_k + seq)
-    kc_len = tl.load(cu_k + seq + 1) - k_start
+    m_start, q_start, q_len, k_start, kc_len = query_tile(work, cu_q, cu_k, seq)
     kv_head = head // GROUP
 
     offs_m = m_start + tl.arange(0, BLOCK_M)

@@ -2,19 +2,20 @@
 
 Every parameter carries ``weight_loader(param, loaded, shard_id=None)``, which copies a checkpoint
 tensor (whole, or one shard of a fused projection) into its place, reading only this tensor-parallel
-rank's slice. Parameters of fused projections list the ``shard_ids`` a checkpoint must provide. With
-the default ``tp_rank=0, tp_size=1`` nothing is split and no collective runs.
+rank's slice. Parameters of fused projections list the ``shard_ids`` a checkpoint must provide. Layers
+take their tensor-parallel group as ``tp``; with the default group of one nothing is split and no
+collective runs.
 """
 from __future__ import annotations
 
 from typing import Any, Sequence
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from batchgen.engine.model_source import Weight, as_tensor
+from batchgen.engine.parallel.group import SINGLE, CommGroup
 
 
 def check_shape(loaded: Weight, expected: Sequence[int]) -> None:
@@ -55,11 +56,12 @@ class LinearBase(nn.Module):
 
     tp_dim: int | None = None
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False, tp_rank: int = 0,
-                 tp_size: int = 1, params_dtype: torch.dtype | None = None, shard_ids: tuple = ()):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, tp: CommGroup = SINGLE,
+                 params_dtype: torch.dtype | None = None, shard_ids: tuple = ()):
         super().__init__()
         self.input_size, self.output_size = input_size, output_size
-        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.tp = tp
+        self.tp_rank, self.tp_size = tp.rank, tp.size
         self.local_out, self.local_in = self.local_shape()
         self.weight = new_parameter((self.local_out, self.local_in), self.weight_loader, params_dtype, shard_ids)
         self.weight.tp_dim = self.tp_dim
@@ -118,26 +120,18 @@ class RowParallelLinear(LinearBase):
 
     tp_dim = 1
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False, tp_rank: int = 0,
-                 tp_size: int = 1, params_dtype: torch.dtype | None = None, tp_group: Any = None):
-        super().__init__(input_size, output_size, bias, tp_rank, tp_size, params_dtype)
-        self.tp_group = tp_group
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x.to(self.weight.dtype), self.weight, self.bias if self.tp_rank == 0 else None)
-        if self.tp_size > 1:
-            dist.all_reduce(y, group=self.tp_group)
-        return y
+        return self.tp.all_reduce(y)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel projections in one matmul (gate|up); shard i is ``output_sizes[i]`` rows."""
 
-    def __init__(self, input_size: int, output_sizes: Sequence[int], bias: bool = False, tp_rank: int = 0,
-                 tp_size: int = 1, params_dtype: torch.dtype | None = None):
+    def __init__(self, input_size: int, output_sizes: Sequence[int], bias: bool = False, tp: CommGroup = SINGLE,
+                 params_dtype: torch.dtype | None = None):
         self.output_sizes = list(output_sizes)
-        super().__init__(input_size, sum(output_sizes), bias, tp_rank, tp_size, params_dtype,
-                         shard_ids=self.shard_names())
+        super().__init__(input_size, sum(output_sizes), bias, tp, params_dtype, shard_ids=self.shard_names())
 
     def shard_names(self) -> tuple:
         return tuple(range(len(self.output_sizes)))
@@ -166,16 +160,13 @@ class QKVParallelLinear(MergedColumnParallelLinear):
     """q, k and v projections in one matmul; heads split across ranks, KV heads replicated when fewer than ranks."""
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False,
-                 tp_rank: int = 0, tp_size: int = 1, params_dtype: torch.dtype | None = None):
+                 tp: CommGroup = SINGLE, params_dtype: torch.dtype | None = None):
         self.head_dim = head_dim
-        self.num_heads = divide(num_heads, tp_size, "number of attention heads")
-        if num_kv_heads >= tp_size:
-            self.num_kv_heads, self.kv_rank = divide(num_kv_heads, tp_size, "number of KV heads"), tp_rank
-        else:  # each KV head serves tp_size / num_kv_heads ranks
-            self.num_kv_heads, self.kv_rank = 1, tp_rank // divide(tp_size, num_kv_heads, "KV replication")
+        self.num_heads = divide(num_heads, tp.size, "number of attention heads")
+        self.num_kv_heads, self.kv_rank = kv_head_shard(num_kv_heads, tp)
         self.local_sizes = [self.num_heads * head_dim, self.num_kv_heads * head_dim, self.num_kv_heads * head_dim]
         super().__init__(hidden_size, [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim],
-                         bias, tp_rank, tp_size, params_dtype)
+                         bias, tp, params_dtype)
 
     def local_shape(self) -> tuple[int, int]:
         return sum(self.local_sizes), self.input_size
@@ -189,16 +180,24 @@ class QKVParallelLinear(MergedColumnParallelLinear):
                 "v": (q + kv, kv, self.kv_rank * kv)}[shard_id]
 
 
-class VocabParallelEmbedding(nn.Module):
-    """Token embeddings with the vocabulary split across ranks (padded to a multiple of tp_size)."""
+def kv_head_shard(num_kv_heads: int, tp: CommGroup) -> tuple[int, int]:
+    """(KV heads on this rank, index of its first KV head in units of that count): the KV heads are
+    split over the ranks, or, when there are fewer than ranks, each is replicated on ``tp.size /
+    num_kv_heads`` consecutive ranks."""
+    if num_kv_heads >= tp.size:
+        return divide(num_kv_heads, tp.size, "number of KV heads"), tp.rank
+    return 1, tp.rank // divide(tp.size, num_kv_heads, "KV replication")
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, tp_rank: int = 0, tp_size: int = 1,
-                 tp_group: Any = None):
+
+class VocabParallelEmbedding(nn.Module):
+    """Token embeddings with the vocabulary split across ranks (padded to a multiple of tp.size)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, tp: CommGroup = SINGLE):
         super().__init__()
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
-        self.tp_rank, self.tp_size, self.tp_group = tp_rank, tp_size, tp_group
-        self.rows_per_rank = -(-num_embeddings // tp_size)
-        self.vocab_start = tp_rank * self.rows_per_rank
+        self.tp, self.tp_rank, self.tp_size = tp, tp.rank, tp.size
+        self.rows_per_rank = -(-num_embeddings // tp.size)
+        self.vocab_start = min(num_embeddings, tp.rank * self.rows_per_rank)
         self.vocab_end = min(num_embeddings, self.vocab_start + self.rows_per_rank)
         self.weight = new_parameter((self.rows_per_rank, embedding_dim), self.weight_loader)
 
@@ -208,23 +207,20 @@ class VocabParallelEmbedding(nn.Module):
                              f"{(self.num_embeddings, self.embedding_dim)}")
         rows = self.vocab_end - self.vocab_start
         copy_weight(param.data.narrow(0, 0, rows), loaded.narrow(0, self.vocab_start, rows))
+        param.data[rows:].zero_()  # the last rank's padding rows
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
             return F.embedding(ids, self.weight)
         mine = (ids >= self.vocab_start) & (ids < self.vocab_end)
         out = F.embedding((ids - self.vocab_start) * mine, self.weight) * mine[:, None].to(self.weight.dtype)
-        dist.all_reduce(out, group=self.tp_group)
-        return out
+        return self.tp.all_reduce(out)
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """Logits over the vocabulary; each rank computes its vocabulary slice and they are gathered."""
+    """Logits over the vocabulary; each rank computes its vocabulary slice and the first rank, which
+    samples, gathers them (the other ranks get their own slice back)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(x, self.weight)
-        if self.tp_size > 1:
-            parts = [torch.empty_like(logits) for _ in range(self.tp_size)]
-            dist.all_gather(parts, logits, group=self.tp_group)
-            logits = torch.cat(parts, dim=-1)
+        logits = self.tp.gather_last_dim(F.linear(x, self.weight))
         return logits[..., : self.num_embeddings]

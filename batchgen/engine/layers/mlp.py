@@ -6,17 +6,20 @@ from torch import nn
 
 from batchgen.engine.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from batchgen.engine.layers.ops import KernelSet
+from batchgen.engine.parallel.group import SINGLE, CommGroup
 
 
 class GatedMLP(nn.Module):
-    """``activation``: "silu" (SwiGLU) or "gelu_tanh" (GeGLU, GELU's tanh approximation)."""
+    """Column-parallel gate|up, row-parallel down: one all-reduce under tensor parallelism.
 
-    def __init__(self, hidden_size: int, intermediate_size: int, kernels: KernelSet, tp_rank: int = 0,
-                 tp_size: int = 1, activation: str = "silu"):
+    ``activation``: "silu" (SwiGLU) or "gelu_tanh" (GeGLU, GELU's tanh approximation).
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, kernels: KernelSet, tp: CommGroup = SINGLE,
+                 activation: str = "silu"):
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, tp_rank=tp_rank,
-                                                       tp_size=tp_size)
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, tp_rank=tp_rank, tp_size=tp_size)
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, tp=tp)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, tp=tp)
         self.act_and_mul = {"silu": kernels.silu_and_mul, "gelu_tanh": kernels.gelu_tanh_and_mul}[activation]
 
     def activation_values_per_token(self) -> int:

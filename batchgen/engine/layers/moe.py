@@ -8,14 +8,15 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from batchgen.engine.layers.linear import (
     ReplicatedLinear, check_shape, copy_weight, divide, matmul_params, new_parameter,
 )
 from batchgen.engine.layers.ops import KernelSet
-from batchgen.engine.model_source import Weight, as_tensor
+from batchgen.engine.model_source import Weight
+from batchgen.engine.parallel.context import SINGLE_PROCESS, ParallelContext
+from batchgen.engine.parallel.expert import TokenExchange
 
 EXPERT_SHARDS = ("gate", "up", "down")
 
@@ -52,21 +53,24 @@ class FusedMoE(nn.Module):
     ``down_proj`` (E, H, I), as transformers >= 5 holds them.
 
     Checkpoints store a tensor per expert and projection: the loader stacks them (shard
-    ``(expert, "gate" | "up" | "down")``), or takes the stacked tensors whole (shard None). With
-    tensor parallelism each rank holds a slice of I and the partial outputs are summed.
+    ``(expert, "gate" | "up" | "down")``), or takes the stacked tensors whole (shard None). Under
+    tensor parallelism each rank holds a slice of every expert's I; under expert parallelism it holds
+    whole experts, ``parallel.local_experts``, and the pairs routed elsewhere are skipped. Either way
+    the tensor-parallel ranks' partial outputs are summed.
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, kernels: KernelSet,
-                 tp_rank: int = 0, tp_size: int = 1, tp_group: Any = None):
+                 parallel: ParallelContext = SINGLE_PROCESS):
         super().__init__()
         self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
-        self.tp_rank, self.tp_size, self.tp_group = tp_rank, tp_size, tp_group
-        self.local_size = divide(intermediate_size, tp_size, "expert intermediate size")
-        experts = range(num_experts)
-        self.gate_up_proj = new_parameter((num_experts, 2 * self.local_size, hidden_size), self.weight_loader,
-                                          shard_ids=tuple((e, s) for e in experts for s in ("gate", "up")))
-        self.down_proj = new_parameter((num_experts, hidden_size, self.local_size), self.weight_loader,
-                                       shard_ids=tuple((e, "down") for e in experts))
+        self.tp, self.split = parallel.tp, parallel.expert_tp
+        self.experts = parallel.local_experts(num_experts)
+        self.local_size = divide(intermediate_size, self.split.size, "expert intermediate size")
+        local = len(self.experts)
+        self.gate_up_proj = new_parameter((local, 2 * self.local_size, hidden_size), self.weight_loader,
+                                          shard_ids=tuple((e, s) for e in self.experts for s in ("gate", "up")))
+        self.down_proj = new_parameter((local, hidden_size, self.local_size), self.weight_loader,
+                                       shard_ids=tuple((e, "down") for e in self.experts))
         self.kernels = kernels
 
     def expert_params(self) -> int:
@@ -75,47 +79,61 @@ class FusedMoE(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, loaded: Weight, shard_id: Any = None) -> None:
         size, hidden = self.intermediate_size, self.hidden_size
-        if shard_id is None:  # stacked in the checkpoint: load expert by expert
+        if shard_id is None:  # stacked in the checkpoint: load this rank's experts one by one
             gate_up = param is self.gate_up_proj
             check_shape(loaded, (self.num_experts, 2 * size, hidden) if gate_up else (self.num_experts, hidden, size))
-            stacked = as_tensor(loaded)
-            for e in range(self.num_experts):
+            for e in self.experts:
+                expert = loaded.select(0, e)
                 if gate_up:
-                    self.weight_loader(param, stacked[e, :size], (e, "gate"))
-                    self.weight_loader(param, stacked[e, size:], (e, "up"))
+                    self.weight_loader(param, expert.narrow(0, 0, size), (e, "gate"))
+                    self.weight_loader(param, expert.narrow(0, size, size), (e, "up"))
                 else:
-                    self.weight_loader(param, stacked[e], (e, "down"))
+                    self.weight_loader(param, expert, (e, "down"))
             return
         expert, kind = shard_id
         if not 0 <= expert < self.num_experts or kind not in EXPERT_SHARDS:
             raise ValueError(f"no expert shard {shard_id!r} among {self.num_experts} experts")
-        local, start = self.local_size, self.tp_rank * self.local_size
+        if expert not in self.experts:  # another expert-parallel rank's: not even read
+            return
+        index, local, start = expert - self.experts.start, self.local_size, self.split.rank * self.local_size
         if kind == "down":
             check_shape(loaded, (hidden, size))
-            copy_weight(self.down_proj.data[expert], loaded.narrow(1, start, local))
+            copy_weight(self.down_proj.data[index], loaded.narrow(1, start, local))
         else:
             check_shape(loaded, (size, hidden))
-            rows = self.gate_up_proj.data[expert].narrow(0, 0 if kind == "gate" else local, local)
+            rows = self.gate_up_proj.data[index].narrow(0, 0 if kind == "gate" else local, local)
             copy_weight(rows, loaded.narrow(0, start, local))
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        out = self.kernels.fused_moe(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
-        if self.tp_size > 1:
-            dist.all_reduce(out, group=self.tp_group)
-        return out
+        if len(self.experts) == self.num_experts:
+            out = self.kernels.fused_moe(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
+        else:  # local indices; -1 for the pairs another rank computes
+            local = topk_ids - self.experts.start
+            local.masked_fill_((local < 0) | (local >= len(self.experts)), -1)
+            out = self.kernels.fused_moe(x, self.gate_up_proj, self.down_proj, topk_weights, local,
+                                         skip_negative=True)
+        return self.tp.all_reduce(out)
 
 
 class SparseMoeBlock(nn.Module):
     """Routed experts plus optional shared ones: ``experts(x) + [sigmoid(shared_expert_gate(x)) *] shared_expert(x)``.
 
     Module names follow the checkpoints (``gate``, ``experts``, ``shared_expert``, ``shared_expert_gate``).
+    With an active ``exchange`` (expert parallelism over data-parallel replicas) the routed experts see
+    every replica's tokens; the shared experts only this replica's.
     """
 
     def __init__(self, gate: TopKRouter, experts: FusedMoE, shared_expert: nn.Module | None = None,
-                 shared_expert_gate: nn.Module | None = None):
+                 shared_expert_gate: nn.Module | None = None, exchange: TokenExchange | None = None):
         super().__init__()
         self.gate, self.experts = gate, experts
         self.shared_expert, self.shared_expert_gate = shared_expert, shared_expert_gate
+        self.exchange = exchange or TokenExchange()
+
+    @property
+    def step_wide(self) -> bool:
+        """Whether the block must see the whole step at once: each call is one collective exchange."""
+        return self.exchange.active
 
     def active_params(self) -> int:
         """The router, a token's top-k experts and the shared experts (what each token multiplies by)."""
@@ -123,14 +141,16 @@ class SparseMoeBlock(nn.Module):
         return matmul_params(self.gate) + self.gate.top_k * self.experts.expert_params() + shared
 
     def activation_values_per_token(self) -> int:
-        # Per routed copy of a token: its gathered row, gate|up and SiLU outputs, expert and weighted outputs.
+        # Per routed copy of a token: its gathered row, gate|up and SiLU outputs, expert and weighted outputs;
+        # under the exchange a rank routes every replica's tokens.
         k, size, hidden = self.gate.top_k, self.experts.local_size, self.experts.hidden_size
         shared = getattr(self.shared_expert, "activation_values_per_token", lambda: 0)()
-        return k * (3 * size + 3 * hidden) + shared
+        return self.exchange.dp.size * k * (3 * size + 3 * hidden) + shared
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        topk_weights, topk_ids = self.gate(x)
-        out = self.experts(x, topk_weights, topk_ids)
+        tokens = self.exchange.dispatch(x)
+        topk_weights, topk_ids = self.gate(tokens)
+        out = self.exchange.combine(self.experts(tokens, topk_weights, topk_ids))
         if self.shared_expert is not None:
             shared = self.shared_expert(x)
             if self.shared_expert_gate is not None:

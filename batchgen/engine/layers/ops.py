@@ -1,14 +1,15 @@
 """The torch reference ops (RMSNorm, rotary, gated activations, mixture of experts) and the kernel set a model uses."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from batchgen.engine.layers.attention import AttentionBackend
+from batchgen.engine.layers.torch_mla import TorchMLABackend
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -46,22 +47,25 @@ def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor) -> torch.Tensor:
+              topk_ids: torch.Tensor, skip_negative: bool = False) -> torch.Tensor:
     """Mixture of SwiGLU experts: out[t] = sum_k topk_weights[t, k] * expert_e(x[t]), e = topk_ids[t, k].
 
     x (T, H); w13 (E, 2I, H), gate rows then up rows; w2 (E, H, I); topk_weights float32 (T, k);
-    topk_ids (T, k). The (token, expert) pairs are sorted by expert and every expert that got tokens
-    runs one GEMM over its gathered rows; the weighted rows are summed back per token in float32.
+    topk_ids (T, k) in [0, E), or -1 with ``skip_negative`` for a pair another expert-parallel rank
+    computes (it adds nothing here). The (token, expert) pairs are sorted by expert and every expert
+    that got tokens runs one GEMM over its gathered rows; the weighted rows are summed back per token
+    in float32.
     """
     num_tokens, top_k = topk_ids.shape
     flat_ids = topk_ids.flatten()
-    order = torch.argsort(flat_ids, stable=True)
-    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
+    shift = int(skip_negative)  # bin 0 counts the skipped pairs, which sort first and are dropped
+    counts = torch.bincount(flat_ids + shift if shift else flat_ids, minlength=w13.shape[0] + shift).tolist()
+    order = torch.argsort(flat_ids, stable=True)[sum(counts[:shift]):]
     tokens = order // top_k
     rows = x[tokens]
     expert_out = torch.empty(rows.shape[0], w2.shape[1], dtype=x.dtype, device=x.device)
     start = 0
-    for expert, n in enumerate(counts):
+    for expert, n in enumerate(counts[shift:]):
         if n:
             span = slice(start, start + n)
             expert_out[span] = F.linear(silu_and_mul(F.linear(rows[span], w13[expert])), w2[expert])
@@ -78,7 +82,10 @@ def keep_weights(model: nn.Module) -> None:
 @dataclass
 class KernelSet:
     """The implementations a model calls; torch everywhere, fused C++ on CPU, or Triton kernels on the GPU
-    path. ``prepare_model`` runs once after the weights are loaded (e.g. to prepack them)."""
+    path. ``prepare_model`` runs once after the weights are loaded (e.g. to prepack them).
+
+    ``fused_moe(x, w13, w2, topk_weights, topk_ids, skip_negative=False)``: see the torch version.
+    """
 
     attention: AttentionBackend
     rms_norm: Callable = rms_norm
@@ -87,6 +94,7 @@ class KernelSet:
     gelu_tanh_and_mul: Callable = gelu_tanh_and_mul
     fused_moe: Callable = fused_moe
     prepare_model: Callable[[nn.Module], None] = keep_weights
+    mla: Any = field(default_factory=TorchMLABackend)  # latent attention (layers.mla.MLABackend)
 
 
 def make_kernel_set(backend: str) -> KernelSet:

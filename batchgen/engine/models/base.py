@@ -23,6 +23,7 @@ from batchgen.engine.layers.norm import RMSNorm
 from batchgen.engine.layers.ops import KernelSet
 from batchgen.engine.layers.rotary import cos_sin_cache
 from batchgen.engine.model_source import Weight
+from batchgen.engine.parallel.context import SINGLE_PROCESS, ParallelContext
 
 
 @dataclass(frozen=True)
@@ -78,9 +79,12 @@ class DecoderLayer(nn.Module):
     """Pre-norm residual block: attention, then an MLP (dense or mixture of experts).
 
     Token-wise work runs in chunks of ``chunk_tokens`` rows so activations stay in cache on CPU;
-    attention sees the whole step. ``self_attn`` provides ``project(h, positions, cos_sin)`` (rows of
-    ``project_width`` values per token), ``attend(rows, meta)`` and ``o_proj``. The layer returns its
-    output and the residual stream before they are added: the next norm adds them (fused).
+    attention sees the whole step, and so does an MLP that is ``step_wide`` (one that exchanges tokens
+    with other replicas: every rank must make the same calls, even on a step with no tokens).
+    ``self_attn`` provides ``project(h, positions, cos_sin)`` (rows of ``project_width`` values per
+    token), ``attend(rows, meta)`` and ``o_proj``. The layer returns its output and the residual stream
+    before they are added: the next norm adds them (fused). ``mlp_input`` and ``mlp_output`` are where
+    a layer with more norms (Gemma's) puts them.
     """
 
     norm_class: ClassVar[type[nn.Module]] = RMSNorm
@@ -94,6 +98,8 @@ class DecoderLayer(nn.Module):
         self.chunk_tokens = chunk_tokens
 
     def forward(self, x, residual, positions, cos_sin, meta):
+        if x.shape[0] == 0:  # a replica's idle step: nothing to attend, but the MLP joins the exchange
+            return self.mlp(x), x
         attn = self.self_attn
         chunks = [slice(s, s + self.chunk_tokens) for s in range(0, x.shape[0], self.chunk_tokens)]
         new_residual = torch.empty_like(x)
@@ -105,15 +111,20 @@ class DecoderLayer(nn.Module):
                 h, new_residual[c] = self.input_layernorm(x[c], residual[c])
             rows[c] = attn.project(h, positions[c], cos_sin)
         o = attn.attend(rows, meta)
+        step_wide = getattr(self.mlp, "step_wide", False)
         out = torch.empty_like(x)
         for c in chunks:
-            out[c], new_residual[c] = self.after_attention(attn.o_proj(o[c]), new_residual[c])
-        return out, new_residual
+            h, new_residual[c] = self.mlp_input(attn.o_proj(o[c]), new_residual[c])
+            out[c] = h if step_wide else self.mlp_output(self.mlp(h))
+        return (self.mlp_output(self.mlp(out)) if step_wide else out), new_residual
 
-    def after_attention(self, attn_out: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(MLP output, residual) for one chunk, from the attention output and the residual before it."""
-        h, residual = self.post_attention_layernorm(attn_out, residual)
-        return self.mlp(h), residual
+    def mlp_input(self, attn_out: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(MLP input, residual) for one chunk, from the attention output and the residual before it."""
+        return self.post_attention_layernorm(attn_out, residual)
+
+    def mlp_output(self, mlp_out: torch.Tensor) -> torch.Tensor:
+        """The layer's output from its MLP's."""
+        return mlp_out
 
 
 class CausalLM(nn.Module):
@@ -126,16 +137,19 @@ class CausalLM(nn.Module):
     # Checkpoint name -> (parameter, shard); the first matching rule wins, unmatched names load as-is.
     weight_rules: ClassVar[tuple[WeightRule, ...]] = ()
     decoder_layer: ClassVar[type[DecoderLayer]] = DecoderLayer
+    # The kinds of step whose forward can be replayed from a CUDA graph (fixed shapes, no host sizing).
+    graph_step_kinds: ClassVar[tuple[str, ...]] = ("decode", "mixed")
 
-    def __init__(self, cfg: ModelConfig, kernels: KernelSet, max_positions: int, chunk_tokens: int = 1024):
+    def __init__(self, cfg: ModelConfig, kernels: KernelSet, max_positions: int, chunk_tokens: int = 1024,
+                 parallel: ParallelContext = SINGLE_PROCESS):
         super().__init__()
-        self.cfg, self.kernels = cfg, kernels
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.cfg, self.kernels, self.parallel = cfg, kernels, parallel
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp=parallel.tp)
         self.layers = nn.ModuleList(
             self.decoder_layer(self.make_attention(i), self.make_mlp(i), cfg, kernels, chunk_tokens)
             for i in range(cfg.num_layers))
         self.norm = self.decoder_layer.norm_class(cfg.hidden_size, cfg.rms_norm_eps, kernels)
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp=parallel.tp)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("cos_sin", self.rotary_table(max_positions), persistent=False)
@@ -157,6 +171,7 @@ class CausalLM(nn.Module):
         return True
 
     def make_attention(self, layer: int) -> nn.Module:
+        """Layer ``layer``'s attention, built for ``self.parallel.tp`` (its heads split over the ranks)."""
         raise NotImplementedError
 
     def make_mlp(self, layer: int) -> nn.Module:
@@ -182,6 +197,7 @@ class CausalLM(nn.Module):
         for i, layer in enumerate(self.layers):
             x, residual = layer(x, residual, positions, self.layer_cos_sin(i), meta)
         # Only the rows that produce a next token go through the final norm and the vocabulary matmul.
+        # Under tensor parallelism only the first rank gets the logits of the whole vocabulary.
         x = self.norm(x[logits_indices], residual[logits_indices])[0]
         return self.compute_logits(x)
 

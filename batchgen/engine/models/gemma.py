@@ -19,6 +19,7 @@ from batchgen.engine.layers.rotary import cos_sin_cache
 from batchgen.engine.models.base import CausalLM, DecoderLayer
 from batchgen.engine.models.llama import LlamaAttention, LlamaForCausalLM
 from batchgen.engine.models.registry import UnsupportedModelError
+from batchgen.engine.parallel.context import SINGLE_PROCESS, ParallelContext
 
 # transformers' config defaults: Gemma checkpoints (Gemma 3's text_config above all) leave many keys out.
 _GEMMA2_DEFAULTS = dict(
@@ -45,9 +46,11 @@ class GemmaDecoderLayer(DecoderLayer):
         self.pre_feedforward_layernorm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
         self.post_feedforward_layernorm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
 
-    def after_attention(self, attn_out: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        h, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(attn_out), residual)
-        return self.post_feedforward_layernorm(self.mlp(h)), residual
+    def mlp_input(self, attn_out: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.pre_feedforward_layernorm(self.post_attention_layernorm(attn_out), residual)
+
+    def mlp_output(self, mlp_out: torch.Tensor) -> torch.Tensor:
+        return self.post_feedforward_layernorm(mlp_out)
 
 
 class Gemma2ForCausalLM(CausalLM):
@@ -59,8 +62,9 @@ class Gemma2ForCausalLM(CausalLM):
     decoder_layer = GemmaDecoderLayer
     local_pattern = 2  # without layer_types, every local_pattern-th layer (counting from 1) is global
 
-    def __init__(self, cfg: ModelConfig, kernels: KernelSet, max_positions: int, chunk_tokens: int = 1024):
-        super().__init__(cfg, kernels, max_positions, chunk_tokens)
+    def __init__(self, cfg: ModelConfig, kernels: KernelSet, max_positions: int, chunk_tokens: int = 1024,
+                 parallel: ParallelContext = SINGLE_PROCESS):
+        super().__init__(cfg, kernels, max_positions, chunk_tokens, parallel)
         # transformers rounds sqrt(hidden) to the weights' dtype before scaling the embeddings.
         self.embed_scale = float(torch.tensor(cfg.hidden_size ** 0.5, dtype=self.embed_tokens.weight.dtype,
                                               device="cpu"))
@@ -83,10 +87,11 @@ class Gemma2ForCausalLM(CausalLM):
 
     def make_attention(self, layer: int) -> nn.Module:
         return LlamaAttention(self.cfg, self.kernels, sliding_window=self.sliding_window(layer),
-                              norm_class=OffsetRMSNorm, **self.attention_options())
+                              norm_class=OffsetRMSNorm, tp=self.parallel.tp, **self.attention_options())
 
     def make_mlp(self, layer: int) -> nn.Module:
-        return GatedMLP(self.cfg.hidden_size, self.cfg.intermediate_size, self.kernels, activation="gelu_tanh")
+        return GatedMLP(self.cfg.hidden_size, self.cfg.intermediate_size, self.kernels, tp=self.parallel.tp,
+                        activation="gelu_tanh")
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids) * self.embed_scale
@@ -105,8 +110,9 @@ class Gemma3ForCausalLM(Gemma2ForCausalLM):
     config_defaults = _GEMMA3_DEFAULTS
     local_pattern = 6
 
-    def __init__(self, cfg: ModelConfig, kernels: KernelSet, max_positions: int, chunk_tokens: int = 1024):
-        super().__init__(cfg, kernels, max_positions, chunk_tokens)
+    def __init__(self, cfg: ModelConfig, kernels: KernelSet, max_positions: int, chunk_tokens: int = 1024,
+                 parallel: ParallelContext = SINGLE_PROCESS):
+        super().__init__(cfg, kernels, max_positions, chunk_tokens, parallel)
         local = cos_sin_cache(cfg.rotary_dim, float(cfg.hf["rope_local_base_freq"]), None, max_positions)
         self.register_buffer("cos_sin_local", local, persistent=False)
 

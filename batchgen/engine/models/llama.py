@@ -13,24 +13,26 @@ from batchgen.engine.layers.mlp import GatedMLP
 from batchgen.engine.layers.norm import RMSNorm
 from batchgen.engine.layers.ops import KernelSet
 from batchgen.engine.models.base import CausalLM, WeightRule
+from batchgen.engine.parallel.group import SINGLE, CommGroup
 
 
 class LlamaAttention(nn.Module):
-    """Fused qkv projection, optional per-head q/k RMSNorm, rotary on the first ``rotary_dim`` dims.
+    """Fused qkv projection, optional per-head q/k RMSNorm, rotary on the first ``rotary_dim`` dims; this
+    rank's heads under tensor parallelism.
 
     ``scale``, ``sliding_window`` and ``softcap`` go to :class:`Attention`; ``norm_class`` is the q/k norm's.
     """
 
     def __init__(self, cfg: ModelConfig, kernels: KernelSet, qkv_bias: bool, o_bias: bool, qk_norm: bool,
                  sliding_window: int | None = None, scale: float | None = None, softcap: float | None = None,
-                 norm_class: type[RMSNorm] = RMSNorm):
+                 norm_class: type[RMSNorm] = RMSNorm, tp: CommGroup = SINGLE):
         super().__init__()
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads,
-                                          bias=qkv_bias)
+                                          bias=qkv_bias, tp=tp)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.head_dim, self.rotary_dim = cfg.head_dim, cfg.rotary_dim
         self.q_size, self.kv_size = self.qkv_proj.local_sizes[:2]
-        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=o_bias)
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=o_bias, tp=tp)
         self.qk_norm = qk_norm
         if qk_norm:
             self.q_norm = norm_class(cfg.head_dim, cfg.rms_norm_eps, kernels)
@@ -82,10 +84,10 @@ class LlamaForCausalLM(CausalLM):
 
     def make_attention(self, layer: int) -> nn.Module:
         return LlamaAttention(self.cfg, self.kernels, sliding_window=self.sliding_window(layer),
-                              **self.attention_options())
+                              **self.attention_options(), tp=self.parallel.tp)
 
     def make_mlp(self, layer: int) -> nn.Module:
-        return GatedMLP(self.cfg.hidden_size, self.cfg.intermediate_size, self.kernels)
+        return GatedMLP(self.cfg.hidden_size, self.cfg.intermediate_size, self.kernels, tp=self.parallel.tp)
 
 
 class MistralForCausalLM(LlamaForCausalLM):

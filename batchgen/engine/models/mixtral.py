@@ -19,4 +19,5 @@ class MixtralForCausalLM(MistralForCausalLM):
     def make_mlp(self, layer: int) -> nn.Module:
         c, moe = self.cfg, self.cfg.moe
         return SparseMoeBlock(TopKRouter(c.hidden_size, moe.num_experts, moe.top_k, renormalize=True),
-                              FusedMoE(moe.num_experts, c.hidden_size, moe.intermediate_size, self.kernels))
+                              FusedMoE(moe.num_experts, c.hidden_size, moe.intermediate_size, self.kernels,
+                                       self.parallel), exchange=self.parallel.exchange)

@@ -16,6 +16,7 @@ from batchgen.engine.layers.moe import FusedMoE, SparseMoeBlock, TopKRouter
 from batchgen.engine.layers.ops import KernelSet
 from batchgen.engine.models.base import expert_rules
 from batchgen.engine.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
+from batchgen.engine.parallel.context import ParallelContext
 
 
 class QwenMoeRouter(TopKRouter):
@@ -29,14 +30,15 @@ def is_sparse(cfg: ModelConfig, layer: int) -> bool:
     return moe is not None and layer not in moe.mlp_only_layers and (layer + 1) % moe.decoder_sparse_step == 0
 
 
-def qwen_moe_block(cfg: ModelConfig, kernels: KernelSet, with_shared_expert: bool) -> SparseMoeBlock:
+def qwen_moe_block(cfg: ModelConfig, kernels: KernelSet, with_shared_expert: bool,
+                   parallel: ParallelContext) -> SparseMoeBlock:
     moe, hidden = cfg.moe, cfg.hidden_size
     router = QwenMoeRouter(hidden, moe.num_experts, moe.top_k, renormalize=moe.norm_topk_prob)
-    experts = FusedMoE(moe.num_experts, hidden, moe.intermediate_size, kernels)
+    experts = FusedMoE(moe.num_experts, hidden, moe.intermediate_size, kernels, parallel)
     if not (with_shared_expert and moe.shared_intermediate_size):
-        return SparseMoeBlock(router, experts)
-    return SparseMoeBlock(router, experts, GatedMLP(hidden, moe.shared_intermediate_size, kernels),
-                          ReplicatedLinear(hidden, 1))
+        return SparseMoeBlock(router, experts, exchange=parallel.exchange)
+    return SparseMoeBlock(router, experts, GatedMLP(hidden, moe.shared_intermediate_size, kernels, tp=parallel.tp),
+                          ReplicatedLinear(hidden, 1), exchange=parallel.exchange)
 
 
 class Qwen2MoeForCausalLM(Qwen2ForCausalLM):
@@ -49,7 +51,7 @@ class Qwen2MoeForCausalLM(Qwen2ForCausalLM):
     def make_mlp(self, layer: int) -> nn.Module:
         if not is_sparse(self.cfg, layer):
             return super().make_mlp(layer)
-        return qwen_moe_block(self.cfg, self.kernels, with_shared_expert=True)
+        return qwen_moe_block(self.cfg, self.kernels, with_shared_expert=True, parallel=self.parallel)
 
 
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
@@ -58,4 +60,4 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     def make_mlp(self, layer: int) -> nn.Module:
         if not is_sparse(self.cfg, layer):
             return super().make_mlp(layer)
-        return qwen_moe_block(self.cfg, self.kernels, with_shared_expert=False)
+        return qwen_moe_block(self.cfg, self.kernels, with_shared_expert=False, parallel=self.parallel)

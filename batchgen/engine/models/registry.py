@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib
+import inspect
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -11,6 +12,7 @@ if TYPE_CHECKING:
     from batchgen.engine.config import ModelConfig
     from batchgen.engine.layers.ops import KernelSet
     from batchgen.engine.models.base import CausalLM
+    from batchgen.engine.parallel.context import ParallelContext
 
 
 class UnsupportedModelError(ValueError):
@@ -43,6 +45,9 @@ ARCHITECTURES = (
     Architecture("MixtralForCausalLM", "mixtral", "mixtral", gguf="llama", moe=True),
     Architecture("Qwen2MoeForCausalLM", "qwen_moe", "qwen2_moe", gguf="qwen2moe", moe=True),
     Architecture("Qwen3MoeForCausalLM", "qwen_moe", "qwen3_moe", gguf="qwen3moe", moe=True),
+    # llama.cpp's deepseek2 holds both; its sigmoid gating marks V3 (see gguf_loader).
+    Architecture("DeepseekV2ForCausalLM", "deepseek", "deepseek_v2", gguf="deepseek2", moe=True),
+    Architecture("DeepseekV3ForCausalLM", "deepseek", "deepseek_v3"),
 )
 _BY_NAME = {a.name: a for a in ARCHITECTURES}
 
@@ -75,8 +80,15 @@ def gguf_architecture(gguf_name: str, has_experts: bool) -> Architecture:
 
 
 def build_model(cfg: "ModelConfig", kernels: "KernelSet", max_positions: int, dtype: torch.dtype,
-                device: torch.device | str) -> "CausalLM":
-    """The model allocated directly in ``dtype`` on ``device`` (no fp32 copy first; "meta" allocates nothing)."""
+                device: torch.device | str, parallel: "ParallelContext | None" = None) -> "CausalLM":
+    """The model allocated directly in ``dtype`` on ``device`` (no fp32 copy first; "meta" allocates nothing),
+    holding this rank's share of the weights under ``parallel``."""
+    cls = _BY_NAME[cfg.architecture].model_class()
+    extra = {}
+    if parallel is not None and (parallel.tp.size > 1 or parallel.ep_size > 1):
+        if "parallel" not in inspect.signature(cls.__init__).parameters:
+            raise UnsupportedModelError(f"{cfg.architecture} cannot be split over several devices yet")
+        extra["parallel"] = parallel
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     device = torch.device(device)
@@ -84,8 +96,7 @@ def build_model(cfg: "ModelConfig", kernels: "KernelSet", max_positions: int, dt
     chunk_tokens = 1024 if device.type == "cpu" else 1 << 30
     try:
         with device:
-            model = _BY_NAME[cfg.architecture].model_class()(cfg, kernels, max_positions=max_positions,
-                                                              chunk_tokens=chunk_tokens)
+            model = cls(cfg, kernels, max_positions=max_positions, chunk_tokens=chunk_tokens, **extra)
     finally:
         torch.set_default_dtype(default)
     return model.requires_grad_(False)

@@ -1,0 +1,41 @@
+"""The execution boundary: the engine hands an executor one StepInput per replica and gets StepOutputs back.
+
+``SingleProcessExecutor`` runs the model in the engine's process (one device); ``MultiprocExecutor``
+spawns a worker per rank for tensor and data parallelism. Both offer ``execute``, ``shutdown``, the
+whole model's ``profile`` and ``kv_layout``, and ``num_blocks``, the KV blocks each replica may use.
+"""
+from __future__ import annotations
+
+from typing import Protocol, Sequence
+
+from batchgen.engine.config import EngineConfig, ModelConfig
+from batchgen.engine.executor.step import SamplingRows, StepInput, StepOutput, build_step_input
+from batchgen.engine.kv_cache import KVLayout
+from batchgen.engine.model_source import ModelSource
+from batchgen.engine.models.base import ModelProfile
+
+
+class Executor(Protocol):
+    num_blocks: int
+    profile: ModelProfile
+    kv_layout: KVLayout
+
+    def execute(self, steps: Sequence[StepInput | None]) -> list[StepOutput | None]:
+        """Runs one step per replica (None: the replica sits it out) and returns their outputs."""
+        ...
+
+    def shutdown(self) -> None: ...
+
+
+def make_executor(config: EngineConfig, model_cfg: ModelConfig, source: ModelSource, max_model_len: int) -> Executor:
+    """In-process for a single device; one worker process per device otherwise."""
+    if config.world_size == 1:
+        from batchgen.engine.executor.single import SingleProcessExecutor
+
+        return SingleProcessExecutor(config, model_cfg, source, max_model_len)
+    from batchgen.engine.executor.multiproc import MultiprocExecutor
+
+    return MultiprocExecutor(config, model_cfg, source.path, max_model_len)
+
+
+__all__ = ["Executor", "SamplingRows", "StepInput", "StepOutput", "build_step_input", "make_executor"]

@@ -1,0 +1,118 @@
+"""What crosses the executor boundary each step: a plain StepInput in, a plain StepOutput back.
+
+Nothing here refers to a live ``Sequence``: the engine (rank 0) decides what runs and how it is
+sampled, and writes it down; the workers holding weights and KV cache compute and sample from that
+alone. Positions and KV slots follow from the lengths and block tables, so they are derived where the
+tensors are built.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Sequence
+
+import torch
+
+from batchgen.engine.sampler import SamplingBatch, TokenBitmask
+
+if TYPE_CHECKING:
+    from batchgen.engine.scheduler import ScheduledSeq
+
+
+@dataclass
+class SamplingRows:
+    """Per sampling row (the sequences whose last new token is sampled, in step order): its settings."""
+
+    temperatures: list[float] = field(default_factory=list)
+    top_ks: list[int] = field(default_factory=list)
+    top_ps: list[float] = field(default_factory=list)
+    seeds: list[int] = field(default_factory=list)  # decided by the engine, never by a worker
+    steps: list[int] = field(default_factory=list)  # index of the token each row generates
+    logprobs: list[bool] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.seeds)
+
+    def append(self, temperature: float, top_k: int, top_p: float, seed: int, step: int, logprobs: bool) -> None:
+        self.temperatures.append(temperature)
+        self.top_ks.append(top_k)
+        self.top_ps.append(top_p)
+        self.seeds.append(seed)
+        self.steps.append(step)
+        self.logprobs.append(logprobs)
+
+    def to_batch(self, device: torch.device, bitmask: TokenBitmask | None) -> SamplingBatch:
+        return SamplingBatch(
+            temperatures=torch.tensor(self.temperatures, dtype=torch.float32, device=device),
+            top_ks=torch.tensor(self.top_ks, dtype=torch.int64, device=device),
+            top_ps=torch.tensor(self.top_ps, dtype=torch.float32, device=device),
+            seeds=torch.tensor(self.seeds, dtype=torch.int64, device=device),
+            steps=torch.tensor(self.steps, dtype=torch.int64, device=device),
+            want_logprobs=any(self.logprobs),
+            all_greedy=all(t == 0 for t in self.temperatures),
+            any_top_k_or_p=any(k > 0 or p < 1 for k, p in zip(self.top_ks, self.top_ps)),
+            bitmask=bitmask,
+        )
+
+
+@dataclass
+class StepInput:
+    """One replica's step: the new tokens of each scheduled sequence, packed in order.
+
+    Sequence i computes ``query_lens[i]`` new tokens and then attends to ``context_lens[i]`` keys (its
+    cached prefix and the new tokens); its KV lives in the blocks of ``block_tables[i]``. The sequences in
+    ``sample_seqs`` sample a next token from their last new token, with the settings of ``sampling`` (one
+    row each, same order) and, for rows with a grammar, ``bitmask``. ``dp_num_tokens`` holds every
+    data-parallel replica's token count when MoE layers exchange tokens between replicas (else empty);
+    a replica with nothing to do then still runs an empty step to take part in the exchange.
+    """
+
+    input_ids: list[int] = field(default_factory=list)
+    query_lens: list[int] = field(default_factory=list)
+    context_lens: list[int] = field(default_factory=list)
+    block_tables: list[list[int]] = field(default_factory=list)
+    sample_seqs: list[int] = field(default_factory=list)
+    sampling: SamplingRows = field(default_factory=SamplingRows)
+    bitmask: TokenBitmask | None = None
+    dp_num_tokens: tuple[int, ...] = ()
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+
+@dataclass
+class StepOutput:
+    """A step's sampled tokens (one per sampling row) and, when any row asked, their log-probabilities.
+
+    ``compute_s`` and ``comm_s`` split the worker's time in the step (collectives, waiting for slower
+    ranks included, count as communication); ``padded_tokens`` were computed only to fit a CUDA graph.
+    """
+
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] | None = None
+    padded_tokens: int = 0
+    compute_s: float = 0.0
+    comm_s: float = 0.0
+
+
+def build_step_input(scheduled: Sequence["ScheduledSeq"], bitmask: TokenBitmask | None = None) -> StepInput:
+    """Writes down a scheduled step; reads the sequences, never changes them."""
+    step = StepInput(bitmask=bitmask)
+    ids, sampling = step.input_ids, step.sampling
+    for i, s in enumerate(scheduled):
+        seq = s.seq
+        start = seq.num_computed_tokens
+        end = start + s.num_new_tokens
+        ids += seq.token_ids[start:end]
+        step.query_lens.append(s.num_new_tokens)
+        step.context_lens.append(end)
+        step.block_tables.append(list(seq.block_table))
+        if s.sample:
+            p = seq.params
+            step.sample_seqs.append(i)
+            sampling.append(p.temperature, p.top_k, p.top_p, seq.seed, seq.num_completion_tokens, p.logprobs)
+    return step

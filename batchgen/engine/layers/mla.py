@@ -1,0 +1,248 @@
+"""Multi-head latent attention (DeepSeek-V2/V3) over a paged cache of one latent row per token.
+
+A token's keys and values are compressed into a latent c (``kv_lora_rank`` values, RMS-normed) and
+one rotary key k_pe that all heads share; the paged cache holds the row ``[c | k_pe]`` (576 values
+for DeepSeek-V3) instead of per-head K and V. Head h's keys and values are ``k_nope = W_UK[h] c``
+and ``v = W_UV[h] c``, the two halves of ``kv_b_proj``.
+
+Prefill expands: the K/V of each prefilling sequence's cached prefix and new tokens are computed
+from their latent rows, then a varlen causal attention runs over them (q/k head dim nope + rope,
+v head dim ``v_head_dim``). Decode absorbs: ``q_nope W_UK[h]`` is a query in latent space, so the
+attention is MQA directly over the cached rows (one KV head of width ``kv_lora_rank + rope``, values
+its first ``kv_lora_rank`` dims), and ``W_UV[h]`` maps the result back per head.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any, Protocol, Sequence
+
+import torch
+from torch import nn
+
+from batchgen.engine.config import ModelConfig
+from batchgen.engine.layers.attention import AttentionMetadata
+from batchgen.engine.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from batchgen.engine.layers.norm import RMSNorm
+from batchgen.engine.layers.ops import KernelSet
+from batchgen.engine.layers.rotary import pairwise_to_half_order, yarn_softmax_scale
+from batchgen.engine.model_source import as_tensor
+
+LATENT_NORM_EPS = 1e-6  # transformers builds q_a_layernorm and kv_a_layernorm with the default eps
+
+
+@dataclass
+class LatentPrefill:
+    """The sequences of a step that prefill (more than one new token), packed for the expanded path."""
+
+    tokens: torch.Tensor | None  # rows of their new tokens in the step; None: every row of the step
+    context_slots: torch.Tensor  # int64 (sum of context_lens,): cache slot of each context token, packed
+    cu_seqlens_q: torch.Tensor  # int32 (n+1,)
+    cu_seqlens_k: torch.Tensor  # int32 (n+1,), prefix sums of context_lens
+    query_lens: list[int]
+    context_lens: list[int]
+    memo: dict[str, Any] = field(default_factory=dict)  # per-step data a backend derives once (tile lists)
+
+
+@dataclass
+class LatentDecode:
+    """The sequences of a mixed step with one new token: they take the absorbed path."""
+
+    tokens: torch.Tensor  # rows in the step
+    block_tables: torch.Tensor
+    context_lens: torch.Tensor
+    max_context: int
+
+
+@dataclass
+class MLAMetadata(AttentionMetadata):
+    """A step's attention metadata with its split into absorbed decodes and expanded prefills."""
+
+    prefill: LatentPrefill | None = None
+    decode: LatentDecode | None = None
+
+    @classmethod
+    def for_step(cls, meta: AttentionMetadata, block_size: int) -> "MLAMetadata":
+        """Plans a step once for every MLA layer; a decode-only step needs no plan."""
+        planned = cls(**{f.name: getattr(meta, f.name) for f in fields(meta)})
+        if meta.decode_only:
+            return planned
+        q_lens, ctx_lens = meta.query_lens, meta.context_lens_list
+        starts = [0]
+        for n in q_lens:
+            starts.append(starts[-1] + n)
+        decodes = [i for i, n in enumerate(q_lens) if n == 1]
+        prefills = [i for i, n in enumerate(q_lens) if n > 1]
+        dev = meta.block_tables.device
+        if decodes:
+            rows = torch.tensor(decodes, device=dev)
+            planned.decode = LatentDecode(torch.tensor([starts[i] for i in decodes], device=dev),
+                                          meta.block_tables[rows], meta.context_lens[rows],
+                                          max(ctx_lens[i] for i in decodes))
+        if prefills:
+            planned.prefill = _plan_prefill(meta, prefills, starts, block_size, whole_step=not decodes)
+        return planned
+
+
+def _plan_prefill(meta: AttentionMetadata, seqs: list[int], starts: list[int], block_size: int,
+                  whole_step: bool) -> LatentPrefill:
+    dev = meta.block_tables.device
+    q_lens = [meta.query_lens[i] for i in seqs]
+    ctx_lens = [meta.context_lens_list[i] for i in seqs]
+    tokens = None if whole_step else torch.cat([torch.arange(starts[i], starts[i + 1]) for i in seqs]).to(dev)
+    cu_q, cu_k = (torch.tensor([0, *lens], dtype=torch.int32).cumsum(0, dtype=torch.int32).to(dev)
+                  for lens in (q_lens, ctx_lens))
+    total = sum(ctx_lens)
+    seq = torch.repeat_interleave(torch.arange(len(seqs), device=dev), torch.tensor(ctx_lens, device=dev),
+                                  output_size=total)
+    pos = torch.arange(total, device=dev) - cu_k[seq]
+    tables = meta.block_tables[torch.tensor(seqs, device=dev)]
+    slots = tables[seq, pos // block_size].long() * block_size + pos % block_size
+    return LatentPrefill(tokens, slots, cu_q, cu_k, q_lens, ctx_lens)
+
+
+class MLABackend(Protocol):
+    """Stores latent rows and computes the two attention forms of a step.
+
+    Shapes: cache (num_blocks, block_size, R + P); q of decode (B, H, R + P); prefill q (T, H, N + P),
+    k_nope (Tk, H, N), v (Tk, H, V), k_pe (Tk, P), all possibly strided views with unit last stride.
+    """
+
+    name: str
+
+    def store_latent(self, latent: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None: ...
+
+    def decode(self, q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
+               context_lens: torch.Tensor, max_context: int, value_dim: int, scale: float) -> torch.Tensor:
+        """MQA of q over each sequence's cached rows; values are the rows' first value_dim dims."""
+        ...
+
+    def prefill(self, q: torch.Tensor, k_nope: torch.Tensor, v: torch.Tensor, k_pe: torch.Tensor,
+                plan: LatentPrefill, scale: float) -> torch.Tensor:
+        """Causal attention of each sequence's new tokens over its whole context (queries at the end)."""
+        ...
+
+
+def _reorder_rows_on_load(param: nn.Parameter, order: torch.Tensor) -> None:
+    """Checkpoint rows are permuted by ``order`` before the parameter's own loader takes them."""
+    load = param.weight_loader
+
+    def loader(p: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
+        tensor = as_tensor(loaded)
+        if tensor.shape[0] != order.numel():
+            raise ValueError(f"shape {tuple(tensor.shape)} does not fit the parameter's {order.numel()} rows")
+        load(p, tensor[order], shard_id)
+
+    param.weight_loader = loader
+
+
+class MLAAttention(nn.Module):
+    """The projections of DeepSeek's attention around the latent cache; names follow the checkpoints.
+
+    ``pairwise_rope``: the checkpoint rotates adjacent pairs (DeepSeek's complex rope); its rotary
+    rows are reordered at load so the rotate-half kernels apply.
+    """
+
+    def __init__(self, cfg: ModelConfig, kernels: KernelSet, pairwise_rope: bool):
+        super().__init__()
+        mla, hidden, heads, bias = cfg.mla, cfg.hidden_size, cfg.num_heads, cfg.attention_bias
+        self.num_heads, self.kv_lora_rank = heads, mla.kv_lora_rank
+        self.nope_dim, self.rope_dim, self.v_dim = mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim
+        self.qk_dim = self.nope_dim + self.rope_dim
+        self.q_lora_rank = mla.q_lora_rank
+        if mla.q_lora_rank is None:
+            self.q_proj = ColumnParallelLinear(hidden, heads * self.qk_dim)
+        else:
+            self.q_a_proj = ReplicatedLinear(hidden, mla.q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(mla.q_lora_rank, LATENT_NORM_EPS, kernels)
+            self.q_b_proj = ColumnParallelLinear(mla.q_lora_rank, heads * self.qk_dim)
+        self.kv_a_proj_with_mqa = ReplicatedLinear(hidden, mla.latent_dim, bias=bias)
+        self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, LATENT_NORM_EPS, kernels)
+        self.kv_b_proj = ColumnParallelLinear(mla.kv_lora_rank, heads * (self.nope_dim + self.v_dim))
+        # W_UK (H, nope, R) and W_UV (H, v, R) for the absorbed decode: views of kv_b_proj's weight, which
+        # loads in place; they stay valid when a kernel set swaps kv_b_proj for a repacked layer.
+        w = self.kv_b_proj.weight.view(heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
+        self.register_buffer("w_uk", w[:, : self.nope_dim], persistent=False)
+        self.register_buffer("w_uv", w[:, self.nope_dim:], persistent=False)
+        self.o_proj = RowParallelLinear(heads * self.v_dim, hidden, bias=bias)
+        self.scale = self.qk_dim ** -0.5 * yarn_softmax_scale(cfg.rope_scaling)
+        self.kernels, self.backend = kernels, kernels.mla
+        self.cache: torch.Tensor | None = None
+        if pairwise_rope:
+            self._reorder_rotary_rows()
+
+    def _reorder_rotary_rows(self) -> None:
+        with torch.device("cpu"):  # indices into checkpoint tensors, whatever device the model is built on
+            half_order = pairwise_to_half_order(self.rope_dim)
+            head = torch.cat((torch.arange(self.nope_dim), self.nope_dim + half_order))
+            q_rows = (torch.arange(self.num_heads)[:, None] * self.qk_dim + head).flatten()
+            latent = torch.cat((torch.arange(self.kv_lora_rank), self.kv_lora_rank + half_order))
+        q_proj = self.q_proj if self.q_lora_rank is None else self.q_b_proj
+        _reorder_rows_on_load(q_proj.weight, q_rows)
+        for param in (self.kv_a_proj_with_mqa.weight, self.kv_a_proj_with_mqa.bias):
+            if param is not None:
+                _reorder_rows_on_load(param, latent)
+
+    # ---- the paged-cache layer interface -----------------------------------------------------------
+    def cache_token_shapes(self) -> tuple[tuple[int, ...], ...]:
+        return ((self.kv_lora_rank + self.rope_dim,),)
+
+    def bind_cache(self, tensors: Sequence[torch.Tensor]) -> None:
+        (self.cache,) = tensors
+
+    def flops_per_key(self) -> int:
+        # The model's attention as written (QK^T over nope + rope dims, PV over v dims), whichever form runs.
+        return 2 * self.num_heads * (self.qk_dim + self.v_dim)
+
+    def activation_values_per_token(self) -> int:
+        return self.num_heads * (self.nope_dim + self.v_dim + self.qk_dim)  # expanded K/V, plus K with k_pe
+
+    # ---- the decoder layer's interface -------------------------------------------------------------
+    @property
+    def project_width(self) -> int:
+        return self.num_heads * self.qk_dim + self.kv_lora_rank + self.rope_dim
+
+    def project(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+        """Rows ``[q (heads x (nope + rope)) | normed latent | k_pe]``, q_pe and k_pe rotated."""
+        if self.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        latent = self.kv_a_proj_with_mqa(x)
+        latent[:, : self.kv_lora_rank] = self.kv_a_layernorm(latent[:, : self.kv_lora_rank])
+        q_pe = q.view(-1, self.num_heads, self.qk_dim)[..., self.nope_dim:]
+        self.kernels.apply_rotary(q_pe, latent[:, None, self.kv_lora_rank:], positions, cos_sin)
+        return torch.cat((q, latent), dim=-1)
+
+    def attend(self, rows: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        assert self.cache is not None, "latent cache not bound"
+        q_width = self.num_heads * self.qk_dim
+        q = rows[:, :q_width].view(-1, self.num_heads, self.qk_dim)
+        self.backend.store_latent(rows[:, q_width:], self.cache, meta.slot_mapping)
+        if meta.decode_only:
+            return self.decode(q, meta.block_tables, meta.context_lens, meta.max_seqlen_k).flatten(1)
+        assert isinstance(meta, MLAMetadata), "a prefill step needs MLAMetadata.for_step"
+        pre, dec = meta.prefill, meta.decode
+        if dec is None:
+            return self.prefill(q, pre).flatten(1)
+        out = q.new_empty(q.shape[0], self.num_heads, self.v_dim)
+        out[dec.tokens] = self.decode(q[dec.tokens], dec.block_tables, dec.context_lens, dec.max_context)
+        if pre is not None:
+            out[pre.tokens] = self.prefill(q[pre.tokens], pre)
+        return out.flatten(1)
+
+    # ---- the two forms ------------------------------------------------------------------------------
+    def decode(self, q: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
+               max_context: int) -> torch.Tensor:
+        """Absorbed attention of one new token per sequence, (B, H, v_dim)."""
+        q_nope, q_pe = q[..., : self.nope_dim], q[..., self.nope_dim:]
+        q_latent = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)  # (B, H, R)
+        out = self.backend.decode(torch.cat((q_latent, q_pe), dim=-1), self.cache, block_tables, context_lens,
+                                  max_context, self.kv_lora_rank, self.scale)
+        return torch.bmm(out.transpose(0, 1), self.w_uv.transpose(1, 2)).transpose(0, 1)
+
+    def prefill(self, q: torch.Tensor, plan: LatentPrefill) -> torch.Tensor:
+        """Expanded attention of the prefilling sequences' new tokens, (T, H, v_dim)."""
+        rows = self.cache.view(-1, self.cache.shape[-1])[plan.context_slots]
+        kv = self.kv_b_proj(rows[:, : self.kv_lora_rank]).view(-1, self.num_heads, self.nope_dim + self.v_dim)
+        return self.backend.prefill(q, kv[..., : self.nope_dim], kv[..., self.nope_dim:],
+                                    rows[:, self.kv_lora_rank:], plan, self.scale)

@@ -1,0 +1,37 @@
+"""Prints `batchgen bench --output-json` results side by side, one row per file.
+
+    python benchmarks/bench_table.py /tmp/gpu_check/bench-*.json
+
+MFU counts the matmul weights each token passes through (active parameters: for a mixture of
+experts its routed top-k and shared experts) and the LM head; the attention column adds attention's
+FLOPs (for latent attention, as the model writes it: q/k over nope + rope dims, v over v dims).
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+COLUMNS = (("run", "{}"), ("total_params", "{:.3g}"), ("active_params", "{:.3g}"), ("kv_bytes_per_token", "{}"),
+           ("prompt_tokens", "{}"), ("prompt_tokens_per_s", "{:.0f}"), ("mfu", "{:.3f}"),
+           ("mfu_with_attention", "{:.3f}"))
+
+
+def row(path: Path) -> dict:
+    r = json.loads(path.read_text())
+    peak = "gpu_peak" if "mfu_vs_gpu_peak" in r else "measured_matmul"  # CPUs have no datasheet peak here
+    return {"run": path.stem.removeprefix("bench-"), **r, "mfu": r[f"mfu_vs_{peak}"],
+            "mfu_with_attention": r[f"mfu_with_attention_vs_{peak}"]}
+
+
+def main(paths: list[str]) -> None:
+    rows = [row(Path(p)) for p in paths]
+    cells = [[fmt.format(r[key]) for key, fmt in COLUMNS] for r in rows]
+    widths = [max(len(key), *(len(c[i]) for c in cells)) for i, (key, _) in enumerate(COLUMNS)]
+    print("  ".join(key.rjust(w) for (key, _), w in zip(COLUMNS, widths)))
+    for c in cells:
+        print("  ".join(value.rjust(w) for value, w in zip(c, widths)))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
