@@ -9,7 +9,7 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
-from tests.tiny_models import ARCH_CONFIGS, MLA_ARCHS, MOE_ARCHS, build_tiny_model  # noqa: E402
+from tests.tiny_models import ARCH_CONFIGS, MLA_ARCHS, MOE_ARCHS, VISION_ARCHS, build_tiny_model  # noqa: E402
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -39,8 +39,10 @@ def tiny_model(tiny_model_factory) -> Path:
     return tiny_model_factory("llama")
 
 
-# Dense architectures; the MoE and DeepSeek ones get their own, fuller parity test in test_moe.py.
-@pytest.fixture(scope="session", params=sorted(set(ARCH_CONFIGS) - set(MOE_ARCHS) - set(MLA_ARCHS)))
+# Dense text architectures; the MoE and DeepSeek ones get their own, fuller parity tests, vision
+# checkpoints a shorter one.
+@pytest.fixture(scope="session",
+                params=sorted(set(ARCH_CONFIGS) - set(MOE_ARCHS) - set(MLA_ARCHS) - set(VISION_ARCHS)))
 def tiny_model_any(request, tiny_model_factory) -> Path:
     return tiny_model_factory(request.param)
 

@@ -120,6 +120,21 @@ def test_bench_reports_the_weight_format_of_an_fp8_checkpoint(tiny_model, tmp_pa
     assert r["fp8_active_params"] == 0 and r["fp8_linear_flops"] == 0
     assert r["active_params"] == plain["active_params"] and r["linear_flops"] == plain["linear_flops"]
     assert r["total_params"] == plain["total_params"]
+
+
+def test_attention_flops_of_sliding_window_layers_stop_growing_at_the_window():
+    cfg = ModelConfig.from_hf({"architectures": ["Gemma2ForCausalLM"], "vocab_size": 100, "hidden_size": 64,
+                               "intermediate_size": 128, "num_hidden_layers": 3, "num_attention_heads": 4,
+                               "num_key_value_heads": 2, "head_dim": 16, "sliding_window": 3})
+    profile = config_profile(cfg)
+    per_layer = 4 * 4 * 16
+    assert profile.attention_flops_per_key == per_layer  # layer 1 is global; layers 0 and 2 are local
+    assert profile.windowed_attention_flops == ((3, 2 * per_layer),)
+    # Positions 1..5 see 2, 3, 4, 5, 6 keys in the global layer and 2, 3, 3, 3, 3 in a local one.
+    assert attention_flops(profile, 1, 6) == per_layer * (2 + 3 + 4 + 5 + 6) + 2 * per_layer * (2 + 3 + 3 + 3 + 3)
+    assert attention_flops(profile, 4, 6) == per_layer * (5 + 6) + 2 * per_layer * (3 + 3)
+
+
 def test_bench_latent_attention_figures(tiny_model_factory, tmp_path):
     folder = tiny_model_factory("deepseek-v3")
     r = run_bench(["--model", str(folder), "--num-prompts", "3", "--input-len", "20", "--dtype", "float32"],

@@ -63,3 +63,42 @@ def test_no_blocks_leak_after_preemption_and_sharing(tiny_model):
     assert bm.num_free_blocks == len(bm.blocks)
     assert all(b.ref_count == 0 for b in bm.blocks)
     assert llm.engine.metrics.prefix_cache_hits > 0
+
+
+def test_blocks_out_of_every_window_are_released_and_stay_cached():
+    bm = BlockManager(num_blocks=8, block_size=4, window=6)
+    a = seq(0, list(range(20)))
+    bm.admit(a)
+    bm.mark_scheduled(a, 20)
+    table = list(a.block_table)
+    a.num_computed_tokens = 9  # the next query (position 9) reads keys 4..9: block 0 is out of the window
+    bm.release_out_of_window(a)
+    assert a.block_table == [-1, *table[1:]] and bm.num_free_blocks == 4
+    a.num_computed_tokens = 17  # keys 12.. : blocks 0-2 are out
+    bm.release_out_of_window(a)
+    bm.release_out_of_window(a)  # idempotent
+    assert a.block_table[:3] == [-1] * 3 and bm.num_free_blocks == 6
+    b = seq(1, list(range(13)))  # a released block keeps its hash: a later prompt reuses it
+    bm.admit(b)
+    assert b.num_computed_tokens == 12 and b.block_table == table[:3] + b.block_table[3:]
+    bm.free_seq(a)
+    bm.free_seq(b)
+    assert bm.num_free_blocks == 8 and all(block.ref_count == 0 for block in bm.blocks)
+    assert a.num_released_blocks == 0 and not a.block_table
+
+
+def test_window_models_free_blocks_as_they_run(tiny_model_factory):
+    """Mistral's window covers every layer: a long sequence keeps about a window of blocks, not all."""
+    llm = LLM(str(tiny_model_factory("mistral")), dtype="float32", device="cpu", max_num_batched_tokens=32)
+    engine = llm.engine
+    assert engine.block_manager.window == 24
+    prompt = llm.tokenizer.encode(TEXT * 3)
+    engine.add_request(prompt, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+    held = []
+    while engine.has_unfinished():
+        engine.step()
+        running = engine.scheduler.running
+        if running:
+            held.append(sum(b >= 0 for b in running[0].block_table))
+    assert len(prompt) + 40 > 6 * 16 and max(held[-10:]) <= -(-24 // 16) + 2
+    assert engine.block_manager.num_free_blocks == len(engine.block_manager.blocks)

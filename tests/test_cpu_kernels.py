@@ -317,3 +317,19 @@ def test_prepacked_bf16_linears(kernels, tiny_model):
     assert len(a) == len(b) == len(prompts)
     first = [(x.logprobs[0], y.logprobs[0]) for x, y in zip(a, b)]  # same prefix: bf16 rounding apart
     assert max(abs(p - q) for p, q in first) <= 0.1, first
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "phi3"])
+def test_windowed_and_soft_capped_layers_take_the_torch_path(kernels, tiny_model_factory, arch):
+    """Gemma 2 (soft caps; local layers beside global ones, which the fused op runs) and Phi-3 (a window on
+    every layer, freed blocks in the tables) give the torch backend's tokens and logprobs."""
+    path = str(tiny_model_factory(arch))
+    kw = dict(dtype="float32", device="cpu", max_num_batched_tokens=48, kv_cache_memory=16 << 20)
+    fused, plain = LLM(path, **kw), LLM(path, attention_backend="torch", **kw)
+    assert fused.engine.runner.kernels.attention.name == "cpu"
+    prompts = mixed_prompts(fused, repeats=(1, 4, 2))
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=True)
+    got, expected = fused.generate(prompts, params), plain.generate(prompts, params)
+    for a, b in zip(got, expected, strict=True):
+        assert a.token_ids == b.token_ids
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) <= 1e-4

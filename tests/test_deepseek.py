@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save_file
 
 from batchgen.engine import LLM, SamplingParams
 from batchgen.engine.config import ModelConfig, MoEConfig, UnsupportedModelError
+from batchgen.engine.gguf_arch import gguf_arch
 from batchgen.engine.gguf_loader import iter_gguf_weights
 from batchgen.engine.layers.mla import MLAAttention
 from batchgen.engine.layers.mlp import GatedMLP
@@ -31,8 +32,7 @@ from batchgen.engine.loader import load_model_source
 from batchgen.engine.models.deepseek import DeepseekV2Router, DeepseekV3Router
 from batchgen.engine.models.registry import build_model
 from tests.engine_helpers import assert_like_hf, mixed_prompts
-from tests.test_gguf import EXPERT, EXPERT_PROJ, gguf_name
-from tests.test_tokenizer import write_tokenizer_metadata
+from tests.gguf_writer import EXPERT, EXPERT_PROJ, gguf_name, new_writer
 
 
 # ---- routing ------------------------------------------------------------------------------------------
@@ -201,14 +201,7 @@ def write_deepseek2_gguf(hf_dir: Path, out: Path, split_kv_b: bool) -> Path:
     cfg = folder_config(hf_dir)
     heads, rank, rope = cfg["num_attention_heads"], cfg["kv_lora_rank"], cfg["qk_rope_head_dim"]
     nope, v_dim = cfg["qk_nope_head_dim"], cfg["v_head_dim"]
-    w = gguf.GGUFWriter(str(out), "deepseek2")
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(heads)
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
+    w = new_writer(out, "deepseek2", cfg, hf_dir)
     w.add_rope_dimension_count(rope)
     if cfg["q_lora_rank"]:
         w.add_q_lora_rank(cfg["q_lora_rank"])
@@ -241,7 +234,6 @@ def write_deepseek2_gguf(hf_dir: Path, out: Path, split_kv_b: bool) -> Path:
         w.add_rope_scaling_factor(rope_params["factor"])
         w.add_rope_scaling_orig_ctx_len(rope_params["original_max_position_embeddings"])
         w.add_rope_scaling_yarn_log_mul(0.1 * rope_params["mscale_all_dim"])
-    write_tokenizer_metadata(w, hf_dir)
     stacked: dict[tuple[str, str], dict[int, np.ndarray]] = defaultdict(dict)
     for name, tensor in load_file(str(hf_dir / "model.safetensors")).items():
         if m := EXPERT.fullmatch(name):
@@ -308,4 +300,4 @@ def test_gguf_with_half_a_split_kv_b_is_an_error(tiny_model_factory, tmp_path):
     tensors = [t for t in gguf.GGUFReader(str(path)).tensors if t.name != "blk.1.attn_v_b.weight"]
     no_v_b = SimpleNamespace(tensors=tensors)
     with pytest.raises(ValueError, match=r"layers \['1'\] have only one of attn_k_b and attn_v_b"):
-        list(iter_gguf_weights(no_v_b, config, "deepseek2"))
+        list(iter_gguf_weights(no_v_b, config, gguf_arch("deepseek2")))

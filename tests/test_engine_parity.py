@@ -2,9 +2,14 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from batchgen.engine import LLM, SamplingParams
-from tests.engine_helpers import TEXT, hf_greedy, hf_logprobs, mixed_prompts
+from tests.engine_helpers import TEXT, assert_like_hf, hf_greedy, hf_logprobs, mixed_prompts
+from tests.tiny_models import MLA_ARCHS, MOE_ARCHS
+
+# Architectures with sliding-window layers (all of them, or interleaved with global ones).
+WINDOW_ARCHS = ("mistral", "phi3", "gemma2", "gemma3")
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=True)
 
@@ -23,8 +28,20 @@ def test_logprobs_and_greedy_match_hf(tiny_model_any):
         assert out.prompt_token_ids == prompt
         assert out.token_ids == hf_greedy(str(tiny_model_any), prompt, 12)
         ref = hf_logprobs(str(tiny_model_any), prompt, out.token_ids)
-        assert max(abs(a - b) for a, b in zip(out.logprobs, ref)) <= 1e-3
+        assert len(ref) == len(out.logprobs) and max(abs(a - b) for a, b in zip(out.logprobs, ref)) <= 1e-3
         assert out.finish_reason == "length"
+
+
+def test_language_model_of_a_vision_checkpoint_matches_hf(tiny_model_factory):
+    """Gemma3ForConditionalGeneration: the text model's weights under model.language_model, the vision tower
+    skipped; transformers runs the whole checkpoint on text alone."""
+    path = tiny_model_factory("gemma3-vlm")
+    llm = make_llm(path)
+    prompts = mixed_prompts(llm, repeats=(1, 3))
+    for prompt, out in zip(prompts, llm.generate(prompts, GREEDY), strict=True):
+        assert out.token_ids == hf_greedy(str(path), prompt, 12)
+        ref = hf_logprobs(str(path), prompt, out.token_ids)
+        assert len(ref) == len(out.logprobs) and max(abs(a - b) for a, b in zip(out.logprobs, ref)) <= 1e-3
 
 
 def test_sampled_logprobs_are_raw_and_match_hf(tiny_model):
@@ -34,7 +51,7 @@ def test_sampled_logprobs_are_raw_and_match_hf(tiny_model):
                             ignore_eos=True, logprobs=True)
     for prompt, out in zip(prompts, llm.generate(prompts, params)):
         ref = hf_logprobs(str(tiny_model), prompt, out.token_ids)
-        assert max(abs(a - b) for a, b in zip(out.logprobs, ref)) <= 1e-3
+        assert len(ref) == len(out.logprobs) and max(abs(a - b) for a, b in zip(out.logprobs, ref)) <= 1e-3
 
 
 def test_batched_equals_one_at_a_time(tiny_model_factory):
@@ -81,3 +98,27 @@ def test_prefix_cache_with_chunked_prefill(tiny_model, budget):
     second = llm.generate([prompt], GREEDY)[0]
     assert second.num_cached_tokens == (len(prompt) - 1) // 16 * 16
     assert first.token_ids == second.token_ids
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS + MLA_ARCHS + WINDOW_ARCHS)
+def test_parity_with_chunked_prefill_prefix_cache_and_preemption(tiny_model_factory, arch):
+    """Experts, latent attention, and windows crossed by prefill chunks, by cached prefixes and by
+    recomputed sequences."""
+    path = str(tiny_model_factory(arch))
+    probe = LLM(path, dtype="float32", device="cpu", kv_cache_memory=1 << 20)
+    tok = probe.tokenizer
+    shared = tok.encode("Instruction: summarize carefully. " * 6)
+    prompts = [shared + tok.encode(f" doc {i}: " + "fox " * (3 * i)) for i in range(4)]
+    prompts += [tok.encode(f"{i}: " + TEXT * r) for i, r in enumerate((1, 3))]
+    per_block = probe.engine.executor.kv_layout.bytes_per_block(16, torch.float32)
+    # 12 blocks cannot hold every sequence at once: some are preempted and recomputed (unless every layer
+    # has a window: then blocks out of it are freed as sequences run, and they all fit).
+    llm = LLM(path, dtype="float32", device="cpu", max_num_batched_tokens=48, kv_cache_memory=12 * per_block)
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=True)
+    outs = llm.generate(prompts, params)
+    assert (llm.engine.metrics.preemptions > 0) == (llm.engine.block_manager.window is None)
+    assert llm.engine.metrics.prefix_cache_hits > 0
+    assert max(map(len, prompts)) > 48
+    if arch in WINDOW_ARCHS:
+        assert len(shared) > llm.engine.model_config.sliding_window  # cached prefixes longer than the window
+    assert_like_hf(path, prompts, outs)

@@ -259,11 +259,12 @@ def test_rotary_in_place_with_llama3_cache(head_dim, dtype):
 
 @pytest.mark.parametrize("shape", [(5, 2 * 1536), (2, 3, 2 * 100)])
 @pytest.mark.parametrize("dtype", [F32, BF16])
-def test_silu_and_mul(shape, dtype):
+@pytest.mark.parametrize("name", ["silu_and_mul", "gelu_tanh_and_mul"])
+def test_gated_activations(shape, dtype, name):
     x = 3 * rand(*shape, dtype=dtype)
-    out = activation.silu_and_mul(x)
+    out = getattr(activation, name)(x)
     assert out.shape == (*shape[:-1], shape[-1] // 2)
-    expected = ops.silu_and_mul(x)
+    expected = getattr(ops, name)(x)
     if dtype == F32:
         torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
     else:
@@ -277,6 +278,7 @@ def test_triton_kernel_set_runs_chunked_prefill_then_decode():
     assert isinstance(kernels.attention, TritonAttentionBackend)
     assert kernels.rms_norm is norm.rms_norm and kernels.apply_rotary is rotary.apply_rotary
     assert kernels.silu_and_mul is activation.silu_and_mul
+    assert kernels.gelu_tanh_and_mul is activation.gelu_tanh_and_mul
     heads, kv_heads, head_dim, num_blocks = 4, 2, 64, 8
     layers = {name: Attention(heads, kv_heads, head_dim, backend)
               for name, backend in (("triton", kernels.attention), ("torch", TorchAttentionBackend()))}

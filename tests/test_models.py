@@ -35,7 +35,7 @@ def test_gguf_architectures_come_from_the_registry():
     assert gguf_architecture("llama", has_experts=True).name == "MixtralForCausalLM"
     assert gguf_architecture("qwen3moe", has_experts=True).name == "Qwen3MoeForCausalLM"
     assert gguf_architecture("deepseek2", has_experts=True).name == "DeepseekV2ForCausalLM"  # V3 by its gating
-    known = "deepseek2, llama, qwen2, qwen2moe, qwen3, qwen3moe"
+    known = "deepseek2, gemma2, gemma3, llama, phi3, qwen2, qwen2moe, qwen3, qwen3moe"
     with pytest.raises(UnsupportedModelError, match=rf"'phi2'.*supported: {known}"):
         gguf_architecture("phi2", has_experts=False)
     with pytest.raises(UnsupportedModelError, match="'qwen2' with experts"):
@@ -102,3 +102,52 @@ def test_partial_rotary_rotates_the_leading_dims_like_transformers():
     ref_q, ref_k = apply_rotary_pos_emb(ref_q.transpose(0, 1)[None], ref_k.transpose(0, 1)[None], cos, sin)
     torch.testing.assert_close(q, ref_q[0].transpose(0, 1))
     torch.testing.assert_close(k, ref_k[0].transpose(0, 1))
+
+
+@pytest.mark.parametrize("context", [32, 200])  # within the original 64 positions: short factors; beyond: long
+def test_longrope_tables_match_transformers(context):
+    from transformers import Phi3Config
+    from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
+
+    rope = {"rope_type": "longrope", "short_factor": [1.0, 1.5, 2.0, 4.0], "long_factor": [1.2, 3.0, 5.0, 9.0]}
+    hf_cfg = {"architectures": ["Phi3ForCausalLM"], **TINY, "max_position_embeddings": 256,
+              "original_max_position_embeddings": 64, "rope_scaling": {**rope, "type": "su"},
+              "partial_rotary_factor": 0.5}
+    model = build(hf_cfg, max_positions=context)
+    ref = Phi3RotaryEmbedding(Phi3Config(**{k: v for k, v in hf_cfg.items() if k != "architectures"}))
+    cos, sin = ref(torch.zeros(1), torch.arange(context)[None])
+    half = model.cfg.rotary_dim // 2
+    torch.testing.assert_close(model.cos_sin[:, :half], cos[0, :, :half])
+    torch.testing.assert_close(model.cos_sin[:, half:], sin[0, :, :half])
+    assert ref.attention_scaling > 1  # sqrt(1 + ln(256 / 64) / ln 64)
+
+
+def test_gemma3_config_layouts_parse_alike():
+    """A transformers 4 Gemma 3 config (flat rope keys, a pattern) and a transformers 5 one (rope per layer
+    type, layer_types), and a vision checkpoint's text_config, give the same model."""
+    flat = {"architectures": ["Gemma3ForCausalLM"], **TINY, "num_hidden_layers": 7, "head_dim": 16,
+            "rope_theta": 1e6, "rope_local_base_freq": 1e4, "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+            "sliding_window": 8, "sliding_window_pattern": 6}
+    nested = {**{k: v for k, v in flat.items() if not k.startswith(("rope", "sliding_window_pattern"))},
+              "layer_types": ["sliding_attention"] * 5 + ["full_attention", "sliding_attention"],
+              "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                                  "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}
+    vision = {"architectures": ["Gemma3ForConditionalGeneration"], "text_config": {**flat, "architectures": None},
+              "vision_config": {"hidden_size": 32}}
+    models = [build(cfg) for cfg in (flat, nested, vision)]
+    for model in models[1:]:
+        assert [m.sliding_window for m in model.cache_layers()] == [8] * 5 + [None, 8]
+        torch.testing.assert_close(model.cos_sin, models[0].cos_sin)
+        torch.testing.assert_close(model.cos_sin_local, models[0].cos_sin_local)
+    assert not torch.equal(models[0].cos_sin, models[0].cos_sin_local)
+    assert models[2].checkpoint_target("model.vision_tower.encoder.layers.0.fc1.weight") is None
+    assert models[2].checkpoint_target("language_model.model.layers.0.mlp.up_proj.weight") == \
+        ("layers.0.mlp.gate_up_proj.weight", 1)
+    assert models[2].checkpoint_target("model.language_model.norm.weight") == ("norm.weight", None)
+
+
+def test_unsupported_activation_and_bidirectional_gemma_are_named():
+    with pytest.raises(UnsupportedModelError, match="'gelu'.*LlamaForCausalLM.*silu"):
+        ModelConfig.from_hf({"architectures": ["LlamaForCausalLM"], **TINY, "hidden_act": "gelu"})
+    with pytest.raises(UnsupportedModelError, match="bidirectional"):
+        ModelConfig.from_hf({"architectures": ["Gemma3ForCausalLM"], **TINY, "use_bidirectional_attention": True})

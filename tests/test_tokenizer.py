@@ -199,6 +199,82 @@ def test_gguf_sentencepiece_bpe_matches_transformers(tmp_path):
     assert ours.apply_chat_template(CHATS[0]) == hf.apply_chat_template(CHATS[0], tokenize=True, return_dict=False)
 
 
+def _sentencepiece_vocab(specials: list[str]) -> tuple[list[str], list[int]]:
+    """``specials``, the 256 byte tokens, then pieces learned on the corpus (merge order = vocabulary order)."""
+    import gguf
+    from tokenizers import SentencePieceBPETokenizer
+
+    from tests.tiny_models import CORPUS
+
+    sp = SentencePieceBPETokenizer()
+    sp.train_from_iterator(CORPUS, vocab_size=300, special_tokens=specials, show_progress=False)
+    learned = [t for t, _ in sorted(sp.get_vocab().items(), key=lambda kv: kv[1])][len(specials):]
+    tokens = specials + [f"<0x{b:02X}>" for b in range(256)] + learned
+    types = [gguf.TokenType.CONTROL] * len(specials) + [gguf.TokenType.BYTE] * 256 \
+        + [gguf.TokenType.NORMAL] * len(learned)
+    return tokens, types
+
+
+def _write_sentencepiece_gguf(path: Path, arch: str, tokens: list[str], types: list[int], **ids) -> Path:
+    import gguf
+
+    def fill(w):
+        w.add_tokenizer_model("llama")
+        w.add_token_list(tokens)
+        w.add_token_scores([-float(i) for i in range(len(tokens))])
+        w.add_token_types(types)
+        for key, value in ids.items():
+            getattr(w, f"add_{key}")(value)
+
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(1)
+    fill(writer)
+    writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+SENTENCEPIECE_TRICKY = TRICKY + ["The quick brown fox <tool> jumps", "  Summarize   the following article",
+                                 "fox\n\n\nfox", " \t x"]
+GEMMA_CHAT = ("{{ bos_token }}{% for m in messages %}<start_of_turn>{{ m.role }}\n{{ m.content }}<end_of_turn>\n"
+              "{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+
+
+def test_gguf_gemma_sentencepiece_matches_transformers(tmp_path):
+    """Gemma: no prefix space, whitespace runs stored as real spaces, merges ranked by vocabulary order."""
+    import gguf
+
+    tokens, types = _sentencepiece_vocab(["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<start_of_turn>",
+                                          "<end_of_turn>"])
+    tokens += ["  ", "   ", "    ", "<tool>"]  # as Gemma files spell them; <tool> user-defined
+    types += [gguf.TokenType.USER_DEFINED] * 4
+    path = _write_sentencepiece_gguf(tmp_path / "gemma.gguf", "gemma3", tokens, types, bos_token_id=2,
+                                     eos_token_id=1, unk_token_id=3, pad_token_id=0, add_bos_token=True,
+                                     chat_template=GEMMA_CHAT)
+    ours, hf = Tokenizer.from_gguf(str(path)), _hf_gguf_tokenizer(path)
+    assert_same_as_hf(ours, hf, texts=SENTENCEPIECE_TRICKY)
+    assert ours.encode("fox")[0] == ours.bos_token_id == 2
+    assert ours.decode(ours.encode("  two   spaces"), skip_special_tokens=True) == "  two   spaces"
+    assert len(ours.encode("<start_of_turn>", add_special_tokens=False)) == 1
+
+
+def test_gguf_phi3_sentencepiece_matches_transformers(tmp_path):
+    """Phi-3: the prefix space comes from a normalizer; merges from the file's scores."""
+    import gguf
+
+    tokens, types = _sentencepiece_vocab(["<unk>", "<s>", "</s>"])
+    tokens += ["<|user|>", "<|assistant|>", "<|end|>"]
+    types += [gguf.TokenType.CONTROL, gguf.TokenType.CONTROL, gguf.TokenType.USER_DEFINED]
+    chat = "{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}<|end|>\n{% endfor %}<|assistant|>\n"
+    path = _write_sentencepiece_gguf(tmp_path / "phi3.gguf", "phi3", tokens, types, bos_token_id=1,
+                                     eos_token_id=2, unk_token_id=0, add_bos_token=False, chat_template=chat)
+    ours, hf = Tokenizer.from_gguf(str(path)), _hf_gguf_tokenizer(path)
+    assert_same_as_hf(ours, hf, texts=SENTENCEPIECE_TRICKY, chats=[CHATS[0]])
+    as_llama = Tokenizer.from_gguf(str(_write_sentencepiece_gguf(tmp_path / "llama.gguf", "llama", tokens, types,
+                                                                 bos_token_id=1, unk_token_id=0)))
+    assert as_llama.encode("  hi", False) != ours.encode("  hi", False)  # Metaspace would drop a space
+
+
 def test_gguf_unsupported_tokenizer_model(tmp_path):
     def fill(w):
         w.add_tokenizer_model("t5")

@@ -17,8 +17,10 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cpu" if INTERPRET else "cuda"
 
 
-# q/k norm, GQA 2:1; with experts in layers 1-2; latent attention (absorbed decode, expanded prefill)
-@pytest.mark.parametrize("arch", ["qwen3", "qwen3-moe", "deepseek-v3"])
+# q/k norm, GQA 2:1; with experts in layers 1-2; soft caps, GeGLU and local/global layers; windows on
+# every layer, whose out-of-window blocks are freed (-1 in the block table) as sequences run; latent
+# attention (absorbed decode, expanded prefill).
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3-moe", "gemma2", "phi3", "deepseek-v3"])
 def test_triton_backend_matches_torch_logprobs(tiny_model_factory, arch):
     path = str(tiny_model_factory(arch))
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=True)
@@ -30,6 +32,7 @@ def test_triton_backend_matches_torch_logprobs(tiny_model_factory, arch):
     expected = torch_llm.generate(prompts, params)
     got = triton_llm.generate(prompts, params)
     assert triton_llm.engine.executor.runner.kernels.attention.name != "torch"
+    assert len(got) == len(expected)
     for a, b in zip(got, expected):
         assert a.token_ids == b.token_ids
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) <= 1e-3

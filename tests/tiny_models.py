@@ -24,9 +24,31 @@ ARCH_CONFIGS = {
                   rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
     "llama-tied": dict(architectures=["LlamaForCausalLM"], model_type="llama", tie_word_embeddings=True),
-    "mistral": dict(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=None),
+    # Windows shorter than the test prompts and not a multiple of the block size.
+    "mistral": dict(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=24),
     "qwen2": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2"),
     "qwen3": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3"),
+    # LongRoPE on half of each head; every test prompt is longer than the original context, so
+    # transformers uses the long factors, as the engine does for a context beyond it.
+    "phi3": dict(architectures=["Phi3ForCausalLM"], model_type="phi3", sliding_window=40,
+                 partial_rotary_factor=0.5, original_max_position_embeddings=16,
+                 rope_scaling={"rope_type": "longrope", "short_factor": [1.0, 1.3, 1.7, 2.1],
+                               "long_factor": [1.1, 2.0, 3.5, 6.0]}),
+    # Local and global layers; head_dim != hidden / heads and query_pre_attn_scalar != head_dim.
+    "gemma2": dict(architectures=["Gemma2ForCausalLM"], model_type="gemma2", num_hidden_layers=3, head_dim=24,
+                   sliding_window=24, query_pre_attn_scalar=32, attn_logit_softcapping=1.5,
+                   final_logit_softcapping=6.0),
+    "gemma3": dict(architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", num_hidden_layers=6,
+                   head_dim=24, sliding_window=24, query_pre_attn_scalar=32,
+                   rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                                    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
+    # The language model of a vision checkpoint (a one-layer vision tower the engine skips).
+    "gemma3-vlm": dict(architectures=["Gemma3ForConditionalGeneration"], model_type="gemma3",
+                       text_config=dict(num_hidden_layers=2, sliding_window=24, layer_types=[
+                           "sliding_attention", "full_attention"]),
+                       vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                          num_attention_heads=2, image_size=28, patch_size=14),
+                       mm_tokens_per_image=4),
     # Mixture of experts; the Qwen ones keep layer 0 dense so both kinds of layer occur.
     "mixtral": dict(architectures=["MixtralForCausalLM"], model_type="mixtral", intermediate_size=96,
                     num_local_experts=4, num_experts_per_tok=2, sliding_window=None),
@@ -54,6 +76,7 @@ ARCH_CONFIGS = {
                                          "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.8}),
 }
 MOE_ARCHS = ("mixtral", "qwen2-moe", "qwen3-moe")
+VISION_ARCHS = ("gemma3-vlm",)  # the language model of a vision checkpoint: its own, shorter parity test
 MLA_ARCHS = ("deepseek-v2", "deepseek-v3")
 
 
@@ -91,9 +114,13 @@ def build_tiny_model(out_dir: Path | str, arch: str = "llama", seed: int = 0, nu
     shape = dict(vocab_size=vocab + 16, hidden_size=hidden, intermediate_size=2 * hidden,
                  num_hidden_layers=num_layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
                  head_dim=head_dim or hidden // heads, max_position_embeddings=max_position_embeddings)
-    config = AutoConfig.for_model(
-        model_type, **{**shape, **spec}, initializer_range=init_std, rms_norm_eps=1e-6, bos_token_id=0,
-        eos_token_id=im_end, pad_token_id=0)
+    common = dict(initializer_range=init_std, rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=im_end,
+                  pad_token_id=0)
+    if "text_config" in spec:  # a multimodal config: the language model's settings are nested
+        spec["text_config"] = {**shape, **common, **spec["text_config"]}
+        config = AutoConfig.for_model(model_type, **spec, initializer_range=init_std)
+    else:
+        config = AutoConfig.for_model(model_type, **{**shape, **spec}, **common)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # random norms and biases so that every parameter matters

@@ -78,7 +78,7 @@ def record_launches(calls) -> list[Launch]:
 
 def engine_kernel_calls() -> None:
     """One call of each wrapper in the shapes the engine uses: bf16/fp16/fp32, head dims 64 and 128."""
-    from batchgen.engine.kernels.activation import silu_and_mul
+    from batchgen.engine.kernels.activation import gelu_tanh_and_mul, silu_and_mul
     from batchgen.engine.kernels.decode_attention import decode_attention
     from batchgen.engine.kernels.kv_store import store_kv
     from batchgen.engine.kernels.norm import rms_norm
@@ -98,16 +98,22 @@ def engine_kernel_calls() -> None:
         store_kv(k, k, cache, cache, torch.arange(tokens))
         flash_attn_varlen_func(q, k, k, cu, cu, 25, 25)
         flash_attn_varlen_func(q, k, k, cu, cu, 25, 25, causal=False)
-        prefill_attention(q, k, k, cu, cu, work, 0.1, k_cache=cache, v_cache=cache, context_lens=ctx,
-                          block_tables=tables)
+        paged = dict(k_cache=cache, v_cache=cache, context_lens=ctx, block_tables=tables)
+        prefill_attention(q, k, k, cu, cu, work, 0.1, **paged)
+        # Local layers (sliding window) and Gemma 2's soft-capped scores.
+        prefill_attention(q, k, k, cu, cu, work, 0.1, sliding_window=8, softcap=50.0, **paged)
+        prefill_attention(q, k, k, cu, cu, work, 0.1, sliding_window=8)
         for splits in (1, 4):
             decode_attention(q[:2], cache, cache, ctx, tables, 256, 0.1, num_splits=splits)
+            decode_attention(q[:2], cache, cache, ctx, tables, 256, 0.1, num_splits=splits, sliding_window=8,
+                             softcap=50.0)
         hidden = torch.zeros(tokens, 4096, dtype=dtype)
         weight = torch.ones(4096, dtype=dtype)
         rms_norm(hidden, weight, 1e-5)
         rms_norm(hidden, weight, 1e-5, residual=hidden)
         apply_rotary(q, k, torch.arange(tokens), torch.zeros(64, head_dim))
         silu_and_mul(torch.zeros(tokens, 2 * 1536, dtype=dtype))
+        gelu_tanh_and_mul(torch.zeros(tokens, 2 * 1536, dtype=dtype))
 
 
 def moe_and_fp8_kernel_calls() -> None:

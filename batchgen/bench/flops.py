@@ -26,13 +26,21 @@ def config_profile(cfg: ModelConfig) -> ModelProfile:
     return model.profile()
 
 
+def causal_keys(start: int, end: int, window: int | None = None) -> int:
+    """Keys the tokens at positions start..end-1 attend to: p + 1 each, at most ``window``."""
+    full_end = end if window is None else max(start, min(end, window))
+    keys = (full_end * (full_end + 1) - start * (start + 1)) // 2
+    return keys + (0 if window is None else window * (end - full_end))
+
+
 def attention_flops(profile: ModelProfile, start: int, end: int) -> int:
     """Causal attention matmul FLOPs (QK^T and PV) for the tokens at positions start..end-1.
 
-    The token at position p attends to p + 1 keys, each costing ``attention_flops_per_key``.
+    The token at position p attends to p + 1 keys (at most a sliding window's), each costing the layers'
+    FLOPs per key.
     """
-    keys = (end * (end + 1) - start * (start + 1)) // 2
-    return profile.attention_flops_per_key * keys
+    windowed = sum(flops * causal_keys(start, end, window) for window, flops in profile.windowed_attention_flops)
+    return profile.attention_flops_per_key * causal_keys(start, end) + windowed
 
 
 def measure_matmul_flops(dtype: torch.dtype, device: torch.device, seconds: float = 1.0,

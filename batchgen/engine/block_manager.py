@@ -24,12 +24,16 @@ class BlockManager:
     """Hands out fixed-size KV blocks; full, computed blocks stay findable by hash until reused.
 
     Freed blocks keep their hash and go to the back of the free list, so a later request with the same
-    prefix can reclaim them; blocks are only wiped when handed out for new tokens.
+    prefix can reclaim them; blocks are only wiped when handed out for new tokens. With a ``window``
+    (every attention layer reads only its latest ``window`` keys), a sequence's blocks that fall wholly
+    before the window of its next token are freed as it runs; its block table keeps -1 in their place.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 window: int | None = None):
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.window = window
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.hash_to_block: dict[int, int] = {}
@@ -112,11 +116,24 @@ class BlockManager:
                 self.hash_to_block.setdefault(block.hash, block.block_id)
             seq.num_hashed_blocks = i + 1
 
+    def release_out_of_window(self, seq: Sequence) -> None:
+        """Frees the leading blocks no query from the sequence's next token on can read."""
+        if self.window is None:
+            return
+        first_needed = seq.num_computed_tokens - self.window + 1
+        for i in range(seq.num_released_blocks, max(0, first_needed // self.block_size)):
+            self._release(seq.block_table[i])
+            seq.block_table[i] = -1
+            seq.num_released_blocks = i + 1
+
+    def _release(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self.free[block_id] = None
+
     def free_seq(self, seq: Sequence) -> None:
-        for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self.free[block_id] = None
+        for block_id in reversed(seq.block_table[seq.num_released_blocks:]):
+            self._release(block_id)
         seq.block_table = []
-        seq.num_computed_tokens = seq.num_hashed_blocks = 0
+        seq.num_computed_tokens = seq.num_hashed_blocks = seq.num_released_blocks = 0

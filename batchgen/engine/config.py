@@ -7,10 +7,12 @@ from typing import Any
 import torch
 
 from batchgen.engine.dtype import DtypeChoice, check_dtype_name, resolve_dtype
+from batchgen.engine.layers.rotary import SCALINGS
 from batchgen.engine.models.registry import UnsupportedModelError, architecture_of  # noqa: F401 (re-export)
 from batchgen.engine.quantization import FP8_WEIGHTS_MODES, QuantizationConfig, parse_quantization
 
-ROPE_SCALINGS = ("llama3", "linear", "yarn")
+ROPE_SCALINGS = tuple(SCALINGS)
+_ROPE_ALIASES = {"su": "longrope"}  # early Phi-3 configs name LongRoPE "su"
 
 
 def _ints(value: Any) -> tuple[int, ...]:
@@ -88,12 +90,34 @@ class MLAConfig:
         return self.kv_lora_rank + self.qk_rope_head_dim
 
 
+def _rope(cfg: dict[str, Any]) -> tuple[float, dict | None]:
+    """(base, scaling dict or None) from a config dict, either transformers' layout."""
+    rope = dict(cfg.get("rope_parameters") or {})  # transformers >= 5 keeps rope settings here
+    rope.update(cfg.get("rope_scaling") or {})
+    theta = float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0)
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    kind = _ROPE_ALIASES.get(kind, kind)
+    if kind == "default":
+        return theta, None
+    if kind not in ROPE_SCALINGS:
+        raise UnsupportedModelError(f"unsupported rope scaling {kind!r}; supported: {', '.join(ROPE_SCALINGS)}")
+    scaling = {**rope, "rope_type": kind}
+    if cfg.get("original_max_position_embeddings"):  # older configs keep it at the top level
+        scaling.setdefault("original_max_position_embeddings", int(cfg["original_max_position_embeddings"]))
+    if kind == "yarn":  # transformers' default for the pre-scaling context
+        scaling.setdefault("original_max_position_embeddings", int(cfg.get("max_position_embeddings", 4096)))
+    if kind == "longrope" and not scaling.get("factor"):  # transformers' default: the context extension
+        scaling["factor"] = int(cfg["max_position_embeddings"]) / scaling["original_max_position_embeddings"]
+    return theta, scaling
+
+
 @dataclass
 class ModelConfig:
     """The architecture facts every model needs, parsed from a Hugging Face config dict.
 
-    Model-specific switches (biases, q/k norm, which layers are sparse) are not fields: each model's
-    file reads them from ``hf`` (the config.json dict, under the model class's ``config_defaults``).
+    Model-specific switches (biases, q/k norm, which layers are sparse or local, soft caps) are not
+    fields: each model's file reads them from ``hf`` (the config.json dict as the model class's
+    ``hf_config`` normalises it, under its ``config_defaults``).
     """
 
     architecture: str
@@ -123,21 +147,16 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
         arch = architecture_of(cfg)
-        cfg = {**arch.model_class().config_defaults, **cfg}
-        if cfg.get("hidden_act", "silu") != "silu":
-            raise UnsupportedModelError(f"unsupported hidden_act {cfg['hidden_act']!r}; only silu")
-        rope = dict(cfg.get("rope_parameters") or {})  # transformers >= 5 keeps rope settings here
-        rope.update(cfg.get("rope_scaling") or {})
-        rope_theta = float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0)
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        rope_scaling = None if rope_type == "default" else {**rope, "rope_type": rope_type}
-        if rope_type == "yarn":  # transformers' default for the pre-scaling context
-            rope_scaling.setdefault("original_max_position_embeddings", cfg.get("max_position_embeddings", 4096))
-        if rope_scaling and rope_type not in ROPE_SCALINGS:
-            raise UnsupportedModelError(f"unsupported rope scaling {rope_type!r}; "
-                                        f"supported: {', '.join(ROPE_SCALINGS)}")
+        model_class = arch.model_class()
+        cfg = model_class.hf_config(cfg)
+        activation = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
+        if activation not in model_class.activations:
+            raise UnsupportedModelError(f"unsupported hidden activation {activation!r} for {arch.name}; "
+                                        f"supported: {', '.join(model_class.activations)}")
+        rope_theta, rope_scaling = _rope(cfg)
         heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+        rope = cfg.get("rope_parameters") or {}
         rotary_factor = float(cfg.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0)
         window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
         return cls(

@@ -8,7 +8,8 @@ from typing import Any, Iterator, Mapping
 import numpy as np
 import torch
 
-from batchgen.engine.gguf_tokenizer import field_value, gguf_fields
+from batchgen.engine.gguf_arch import GGUFArch, gguf_arch
+from batchgen.engine.gguf_metadata import as_int, field_value, gguf_fields
 from batchgen.engine.model_source import ModelSource
 from batchgen.engine.models.registry import gguf_architecture
 from batchgen.engine.tokenizer import Tokenizer
@@ -34,15 +35,6 @@ _LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
-    # DeepSeek's latent attention (llama.cpp's deepseek2)
-    "attn_q_a.weight": "self_attn.q_a_proj.weight",
-    "attn_q_a.bias": "self_attn.q_a_proj.bias",
-    "attn_q_a_norm.weight": "self_attn.q_a_layernorm.weight",
-    "attn_q_b.weight": "self_attn.q_b_proj.weight",
-    "attn_kv_a_mqa.weight": "self_attn.kv_a_proj_with_mqa.weight",
-    "attn_kv_a_mqa.bias": "self_attn.kv_a_proj_with_mqa.bias",
-    "attn_kv_a_norm.weight": "self_attn.kv_a_layernorm.weight",
-    "attn_kv_b.weight": "self_attn.kv_b_proj.weight",
 }
 # The router and the shared expert ({shared}), under the layer's MoE module ({moe}).
 _MOE_LAYER_NAMES = {
@@ -59,22 +51,21 @@ _MOE_HF_DEFAULT = ("mlp", ("gate_proj", "up_proj", "down_proj"))
 _SHARED_EXPERT_NAMES = {"deepseek_v2": "shared_experts", "deepseek_v3": "shared_experts"}
 # Routing llama.cpp hard-codes for an architecture when the file does not say (expert_weights_norm).
 _GGUF_DEFAULTS = {"qwen3moe": {"norm_topk_prob": True}}
-# Tensors llama.cpp needs but an HF model does not (precomputed rope frequency factors).
-_SKIPPED = {"rope_freqs.weight"}
 _BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
 _EXPERTS = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down|gate_up)_exps\.weight")
 _SPLIT_KV_B = re.compile(r"blk\.(\d+)\.attn_(k|v)_b\.weight")
 
 
-def hf_tensor_name(gguf_name: str, model_type: str = "llama") -> str | None:
+def hf_tensor_name(gguf_name: str, model_type: str = "llama", arch: GGUFArch = GGUFArch()) -> str | None:
     """The HF parameter name for a GGUF tensor name, or None for tensors HF models do not have."""
-    if gguf_name in _SKIPPED:
+    if gguf_name in arch.config_tensors:
         return None
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     m = _BLOCK.fullmatch(gguf_name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    layer_names = {**_LAYER_NAMES, **arch.layer_names}
+    if m and m.group(2) in layer_names:
+        return f"model.layers.{m.group(1)}.{layer_names[m.group(2)]}"
     if m and m.group(2) in _MOE_LAYER_NAMES:
         moe = _MOE_HF_NAMES.get(model_type, _MOE_HF_DEFAULT)[0]
         shared = _SHARED_EXPERT_NAMES.get(model_type, "shared_expert")
@@ -95,14 +86,6 @@ def expert_tensors(gguf_name: str, stacked: torch.Tensor, model_type: str) -> li
             for name, part in halves.items() for e in range(stacked.shape[0])]
 
 
-def _as_int(value: Any, key: str) -> int | None:
-    if isinstance(value, list):  # per-layer values: only uniform ones map to an HF config
-        if len(set(value)) != 1:
-            raise ValueError(f"GGUF metadata {key} varies per layer ({value}); not supported")
-        value = value[0]
-    return None if value is None else int(value)
-
-
 def gguf_config(fields: Mapping[str, Any], tensors: Mapping[str, Any]) -> dict:
     """An HF ``config.json``-style dict from GGUF metadata (and tensor shapes)."""
     arch = field_value(fields, "general.architecture")
@@ -110,27 +93,28 @@ def gguf_config(fields: Mapping[str, Any], tensors: Mapping[str, Any]) -> dict:
     def get(key: str, default: Any = None) -> Any:
         return field_value(fields, f"{arch}.{key}", default)
 
-    registered = gguf_architecture(arch, has_experts=bool(_as_int(get("expert_count"), "expert_count")))
+    registered = gguf_architecture(arch, has_experts=bool(as_int(get("expert_count"), "expert_count")))
+    layout = gguf_arch(arch)
     model_type = registered.model_type
 
-    hidden = _as_int(get("embedding_length"), "embedding_length")
-    heads = _as_int(get("attention.head_count"), "attention.head_count")
-    kv_heads = _as_int(get("attention.head_count_kv", heads), "attention.head_count_kv")
-    head_dim = _as_int(get("attention.key_length"), "attention.key_length") or hidden // heads
+    hidden = as_int(get("embedding_length"), "embedding_length")
+    heads = as_int(get("attention.head_count"), "attention.head_count")
+    kv_heads = as_int(get("attention.head_count_kv", heads), "attention.head_count_kv")
+    head_dim = as_int(get("attention.key_length"), "attention.key_length") or hidden // heads
     embed = tensors["token_embd.weight"]
     config: dict[str, Any] = {
         "architectures": [registered.name],
         "model_type": model_type,
         "hidden_size": hidden,
-        "intermediate_size": _as_int(get("feed_forward_length"), "feed_forward_length"),
-        "num_hidden_layers": _as_int(get("block_count"), "block_count"),
+        "intermediate_size": as_int(get("feed_forward_length"), "feed_forward_length"),
+        "num_hidden_layers": as_int(get("block_count"), "block_count"),
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
         "head_dim": head_dim,
         "hidden_act": "silu",
         "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
         "rope_theta": float(get("rope.freq_base", 10000.0)),
-        "max_position_embeddings": _as_int(get("context_length", 2048), "context_length"),
+        "max_position_embeddings": as_int(get("context_length", 2048), "context_length"),
         "vocab_size": int(embed.shape[-1]),  # GGUF shapes list the fastest-varying dimension first
         "tie_word_embeddings": "output.weight" not in tensors,
     }
@@ -148,9 +132,8 @@ def gguf_config(fields: Mapping[str, Any], tensors: Mapping[str, Any]) -> dict:
     if registered.moe:
         config.update(_GGUF_DEFAULTS.get(arch, {}))
         config.update(_moe_config(get, tensors, config["num_hidden_layers"]))
-    if arch == "deepseek2":
-        config.pop("partial_rotary_factor", None)  # key_length is not a rotary head's width here
-        config.update(_deepseek2_config(get, heads, tensors))
+    if layout.config is not None:
+        config.update(layout.config(get, tensors, config))
     for key, meta in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                       ("pad_token_id", "padding_token_id")):
         value = field_value(fields, f"tokenizer.ggml.{meta}")
@@ -162,11 +145,11 @@ def gguf_config(fields: Mapping[str, Any], tensors: Mapping[str, Any]) -> dict:
 def _moe_config(get: Any, tensors: Mapping[str, Any], num_layers: int) -> dict[str, Any]:
     """HF config keys of the experts: counts, sizes (from metadata, else tensor shapes), dense layers."""
     def size(key: str, tensor: str) -> int | None:  # a GGUF shape lists the fastest dimension first
-        value = _as_int(get(key), key)
+        value = as_int(get(key), key)
         return value if value is not None or tensor not in tensors else int(tensors[tensor].shape[1])
 
-    config: dict[str, Any] = {"num_experts": _as_int(get("expert_count"), "expert_count"),
-                              "num_experts_per_tok": _as_int(get("expert_used_count"), "expert_used_count")}
+    config: dict[str, Any] = {"num_experts": as_int(get("expert_count"), "expert_count"),
+                              "num_experts_per_tok": as_int(get("expert_used_count"), "expert_used_count")}
     sparse = [i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" in tensors]
     first = sparse[0] if sparse else 0
     expert_size = size("expert_feed_forward_length", f"blk.{first}.ffn_up_exps.weight")
@@ -182,47 +165,6 @@ def _moe_config(get: Any, tensors: Mapping[str, Any], num_layers: int) -> dict[s
     return config
 
 
-def _deepseek2_config(get: Any, heads: int, tensors: Mapping[str, Any]) -> dict[str, Any]:
-    """DeepSeek-V2/V3 keys: latent attention sizes, routing (sigmoid gating is V3's), YaRN.
-
-    Newer files describe the absorbed form (one KV head of key_length = kv_lora_rank + rope) and put
-    the per-head sizes in key_length_mla / value_length_mla; older ones have only the latter's values.
-    """
-    def integer(key: str, default: int | None = None) -> int | None:
-        return _as_int(get(key, default), key)
-
-    rope = integer("rope.dimension_count")
-    qk_dim = integer("attention.key_length_mla") or integer("attention.key_length")
-    v3 = integer("expert_gating_func") == 2
-    n_group = integer("expert_group_count") or 1
-    config: dict[str, Any] = {
-        "architectures": ["DeepseekV3ForCausalLM" if v3 else "DeepseekV2ForCausalLM"],
-        "model_type": "deepseek_v3" if v3 else "deepseek_v2",
-        "num_key_value_heads": heads, "head_dim": rope, "q_lora_rank": integer("attention.q_lora_rank"),
-        "attention_bias": "blk.0.attn_kv_a_mqa.bias" in tensors,
-        "kv_lora_rank": integer("attention.kv_lora_rank"), "qk_nope_head_dim": qk_dim - rope,
-        "qk_rope_head_dim": rope,
-        "v_head_dim": integer("attention.value_length_mla") or integer("attention.value_length"),
-        "n_routed_experts": integer("expert_count"), "n_shared_experts": integer("expert_shared_count", 0),
-        "first_k_dense_replace": integer("leading_dense_block_count", 0), "mlp_only_layers": [],  # not a list
-        "routed_scaling_factor": float(get("expert_weights_scale", 1.0)),
-        "norm_topk_prob": bool(get("expert_weights_norm", False)), "n_group": n_group,
-        "topk_group": integer("expert_group_used_count") or 1, "rope_interleave": True,
-    }
-    if not v3:  # V3 always routes by groups
-        config["topk_method"] = "group_limited_greedy" if n_group > 1 else "greedy"
-    log_multiplier = get("rope.scaling.yarn_log_multiplier")
-    if get("rope.scaling.type") == "yarn" and log_multiplier is not None:
-        # llama.cpp keeps cos/sin unscaled and scales the softmax by (1 + log_mul * ln factor)^2: in HF
-        # terms mscale = mscale_all_dim = log_mul / 0.1.
-        mscale = float(log_multiplier) / 0.1
-        original = integer("rope.scaling.original_context_length")
-        config["rope_scaling"] = {"rope_type": "yarn", "factor": float(get("rope.scaling.factor")),
-                                  "original_max_position_embeddings": original,
-                                  "mscale": mscale, "mscale_all_dim": mscale}
-    return config
-
-
 def _merge_kv_b(k_b: torch.Tensor, v_b: torch.Tensor) -> torch.Tensor:
     """kv_b_proj (H * (nope + v), rank) from llama.cpp's split attn_k_b (H, rank, nope), attn_v_b (H, v, rank)."""
     return torch.cat((k_b.transpose(1, 2), v_b), dim=1).flatten(0, 1)
@@ -235,25 +177,27 @@ def _unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 def dequantize_tensor(tensor: Any) -> torch.Tensor:
-    """A GGUF reader tensor as float32 torch, in HF (row-major, slowest dimension first) shape."""
+    """A GGUF reader tensor as float32 torch, in HF (row-major, slowest dimension first) shape.
+
+    Every type the installed ``gguf`` package dequantizes loads (F16/BF16, Q4_0 ... Q8_0, the K-quants,
+    the IQ and TQ types, MXFP4, ...), and F64; any other names its type in the error.
+    """
     import gguf
 
-    qtype = tensor.tensor_type
-    if qtype in (gguf.GGMLQuantizationType.I8, gguf.GGMLQuantizationType.I16,
-                 gguf.GGMLQuantizationType.I32, gguf.GGMLQuantizationType.I64):
+    qtype, types = tensor.tensor_type, gguf.GGMLQuantizationType
+    if qtype in (types.I8, types.I16, types.I32, types.I64):
         raise ValueError(f"GGUF tensor {tensor.name!r} has integer type {qtype.name}; expected float weights")
     try:
-        array = gguf.quants.dequantize(tensor.data, qtype)
+        array = tensor.data if qtype == types.F64 else gguf.quants.dequantize(tensor.data, qtype)
     except NotImplementedError as exc:
-        raise ValueError(f"GGUF tensor {tensor.name!r} uses type {qtype.name}, which cannot be dequantized "
-                         f"({exc})") from None
+        raise ValueError(f"GGUF tensor {tensor.name!r} uses type {qtype.name}, which the gguf package "
+                         f"cannot dequantize ({exc})") from None
     shape = [int(d) for d in reversed(tensor.shape)]
     return torch.from_numpy(np.array(array, dtype=np.float32).reshape(shape))
 
 
-def iter_gguf_weights(reader: Any, config: dict, gguf_arch: str) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_gguf_weights(reader: Any, config: dict, arch: GGUFArch) -> Iterator[tuple[str, torch.Tensor]]:
     """Yields ``(hf_name, float32 tensor)``, dequantizing one tensor at a time (stacked experts split per expert)."""
-    unpermute = gguf_arch == "llama"
     model_type = config["model_type"]
     split_kv_b: dict[str, dict[str, torch.Tensor]] = {}  # layer -> its attn_k_b / attn_v_b, until both are read
     for tensor in reader.tensors:
@@ -267,14 +211,16 @@ def iter_gguf_weights(reader: Any, config: dict, gguf_arch: str) -> Iterator[tup
                 yield f"model.layers.{m[1]}.self_attn.kv_b_proj.weight", _merge_kv_b(pair["k"], pair["v"])
                 del split_kv_b[m[1]]
             continue
-        name = hf_tensor_name(tensor.name, model_type)
+        name = hf_tensor_name(tensor.name, model_type, arch)
         if name is None:
             continue
         weight = dequantize_tensor(tensor)
-        if unpermute and name.endswith(("q_proj.weight", "q_proj.bias")):
+        if arch.permute_qk and name.endswith(("q_proj.weight", "q_proj.bias")):
             weight = _unpermute(weight, config["num_attention_heads"])
-        elif unpermute and name.endswith(("k_proj.weight", "k_proj.bias")):
+        elif arch.permute_qk and name.endswith(("k_proj.weight", "k_proj.bias")):
             weight = _unpermute(weight, config["num_key_value_heads"])
+        elif arch.norm_offset and name.endswith("norm.weight"):
+            weight = weight - arch.norm_offset
         elif name.endswith("shared_expert_gate.weight"):  # llama.cpp stores the (1, H) gate as (H,)
             weight = weight.reshape(1, -1)
         yield name, weight
@@ -291,10 +237,10 @@ def load_gguf(path: str) -> ModelSource:
     reader = gguf.GGUFReader(path)
     fields = gguf_fields(reader)
     config = gguf_config(fields, {t.name: t for t in reader.tensors})
-    gguf_arch = field_value(fields, "general.architecture")
+    layout = gguf_arch(field_value(fields, "general.architecture"))
     tokenizer = Tokenizer.from_gguf(reader)
     eos_ids = tokenizer.eos_token_ids or ([config["eos_token_id"]] if "eos_token_id" in config else [])
-    return ModelSource(config=config, weights=lambda: iter_gguf_weights(reader, config, gguf_arch),
+    return ModelSource(config=config, weights=lambda: iter_gguf_weights(reader, config, layout),
                        tokenizer=tokenizer,
                        generation_config={"eos_token_id": eos_ids} if eos_ids else {},
                        name=str(field_value(fields, "general.name", Path(path).stem)))

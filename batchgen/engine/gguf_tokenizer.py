@@ -1,11 +1,12 @@
 """Rebuilds a `tokenizers` tokenizer from GGUF metadata, matching transformers' GGUF tokenizer."""
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, Mapping
 
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as _HFTokenizer
+
+from batchgen.engine.gguf_metadata import field_value, gguf_fields
 
 # GGUF token types (gguf.TokenType): only these two change how the tokenizer is built.
 _CONTROL, _USER_DEFINED = 3, 4
@@ -21,23 +22,6 @@ PRE_TOKENIZER_SPLITS = {
                     _LLAMA3_SPLIT),
     **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez"), _QWEN2_SPLIT),
 }
-
-
-def gguf_fields(source: Any) -> Mapping[str, Any]:
-    """The metadata fields of a GGUF path, ``GGUFReader`` or an already extracted mapping."""
-    if isinstance(source, (str, Path)):
-        import gguf
-
-        source = gguf.GGUFReader(str(source))
-    return getattr(source, "fields", source)
-
-
-def field_value(fields: Mapping[str, Any], key: str, default: Any = None) -> Any:
-    """A metadata value as plain Python (str, number, bool or list); ``default`` when absent."""
-    field = fields.get(key)
-    if field is None:
-        return default
-    return field.contents() if hasattr(field, "contents") else field
 
 
 def _byte_to_unicode() -> dict[int, str]:
@@ -95,20 +79,55 @@ def _build_bpe(fields: Mapping[str, Any], tokens: list[str]) -> _HFTokenizer:
     return tok
 
 
-def _build_sentencepiece_bpe(fields: Mapping[str, Any], tokens: list[str], unk: str | None) -> _HFTokenizer:
+def _sentencepiece_bpe(fields: Mapping[str, Any], tokens: list[str], unk: str | None,
+                       scores: list[float] | None = None) -> _HFTokenizer:
+    """A SentencePiece-style BPE model with byte fallback: the file's merges, else the ones its
+    vocabulary implies, best ``scores`` (default: the file's token scores) first."""
     merges = _merges(field_value(fields, "tokenizer.ggml.merges"))
     if merges is None:
-        scores = field_value(fields, "tokenizer.ggml.scores")
+        scores = scores if scores is not None else field_value(fields, "tokenizer.ggml.scores")
         if scores is None:
             raise ValueError("GGUF llama tokenizer has neither merges nor scores")
         merges = merges_from_scores(tokens, scores)
     vocab = {t: i for i, t in enumerate(tokens)}
-    tok = _HFTokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=unk, fuse_unk=True,
-                                  byte_fallback=True, dropout=None))
+    return _HFTokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=unk, fuse_unk=True,
+                                   byte_fallback=True, dropout=None))
+
+
+def _sentencepiece_decoder(strip_prefix_space: bool) -> decoders.Decoder:
+    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    return decoders.Sequence(steps + [decoders.Strip(content=" ", left=1)] if strip_prefix_space else steps)
+
+
+def _build_llama(fields: Mapping[str, Any], tokens: list[str], unk: str | None) -> _HFTokenizer:
+    """Llama 2 style: a space before the first word (Metaspace), dropped again when decoding."""
+    tok = _sentencepiece_bpe(fields, tokens, unk)
     tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=False)
-    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                     decoders.Strip(content=" ", left=1)])
+    tok.decoder = _sentencepiece_decoder(strip_prefix_space=True)
     return tok
+
+
+def _build_phi3(fields: Mapping[str, Any], tokens: list[str], unk: str | None) -> _HFTokenizer:
+    """Phi-3: the prefix space comes from a normalizer, so text that starts with spaces keeps all of them."""
+    tok = _build_llama(fields, tokens, unk)
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    tok.pre_tokenizer = None
+    return tok
+
+
+def _build_gemma(fields: Mapping[str, Any], tokens: list[str], unk: str | None) -> _HFTokenizer:
+    """Gemma: no prefix space; runs of spaces stored as real spaces are spelled with \u2581; with no merges
+    in the file, the vocabulary's order (not its scores) ranks the implied ones."""
+    tokens = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
+    tok = _sentencepiece_bpe(fields, tokens, unk, scores=[-float(i) for i in range(len(tokens))])
+    tok.normalizer = normalizers.Replace(" ", "\u2581")
+    tok.decoder = _sentencepiece_decoder(strip_prefix_space=False)
+    return tok
+
+
+# SentencePiece vocabularies (tokenizer.ggml.model "llama") by general.architecture; others are Llama's.
+_SENTENCEPIECE_BUILDERS = {"gemma": _build_gemma, "gemma2": _build_gemma, "gemma3": _build_gemma,
+                           "phi3": _build_phi3}
 
 
 def tokenizer_from_gguf(source: Any):
@@ -130,8 +149,8 @@ def tokenizer_from_gguf(source: Any):
     if kind == "gpt2":
         backend = _build_bpe(fields, tokens)
         byte_alphabet = set(pre_tokenizers.ByteLevel.alphabet())
-    elif kind == "llama" and not str(arch).startswith(("gemma", "phi3")):
-        backend = _build_sentencepiece_bpe(fields, tokens, token_at("unknown_token_id"))
+    elif kind == "llama":
+        backend = _SENTENCEPIECE_BUILDERS.get(arch, _build_llama)(fields, tokens, token_at("unknown_token_id"))
         byte_alphabet = None
         add_bos = True if add_bos is None else add_bos  # llama.cpp's default for SentencePiece vocabularies
     else:

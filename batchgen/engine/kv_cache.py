@@ -23,9 +23,12 @@ class KVLayout:
 
     A GQA layer holds K and V of (kv_heads, head_dim); a latent-attention layer one row of
     (kv_lora_rank + rope_dim,). Every tensor is allocated as (num_blocks, block_size, *shape).
+    ``window``: when every layer attends only to its latest keys, the most any of them reads (a query
+    at position p never needs a key before p - window + 1, so older blocks can be freed); else None.
     """
 
     layers: tuple[tuple[tuple[int, ...], ...], ...]
+    window: int | None = None
 
     def values_per_token(self) -> int:
         return sum(math.prod(shape) for layer in self.layers for shape in layer)

@@ -31,10 +31,8 @@ GRAMMAR_WAIT_S = 0.05  # how long an idle step waits for a grammar to compile be
 
 
 def model_context_len(cfg: ModelConfig, requested: int | None = None) -> int:
-    """The longest sequence the engine runs: the model's context (and sliding window), or ``requested``."""
+    """The longest sequence the engine runs: the model's context, or ``requested``."""
     limit = cfg.max_position_embeddings
-    if cfg.sliding_window:
-        limit = min(limit, cfg.sliding_window)  # within the window, attention is plain causal
     if requested is not None:
         if requested > limit:
             raise ValueError(f"max_model_len {requested} exceeds the model's limit of {limit} tokens")
@@ -46,8 +44,8 @@ class Replica:
     """One data-parallel engine replica: a scheduler over its own KV cache, and the prompt tokens of the
     requests it holds (what new requests are balanced on)."""
 
-    def __init__(self, config: EngineConfig, num_blocks: int):
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+    def __init__(self, config: EngineConfig, num_blocks: int, window: int | None = None):
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching, window=window)
         self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs)
         self.prompt_tokens = 0
 
@@ -94,7 +92,8 @@ class LLMEngine:
         if capacity < self.max_model_len:
             log.warning("KV cache holds %d tokens; max_model_len lowered from %d", capacity, self.max_model_len)
             self.max_model_len = capacity
-        self.replicas = [Replica(config, self.executor.num_blocks) for _ in range(config.data_parallel_size)]
+        window = self.executor.kv_layout.window  # every layer slides: blocks out of it are freed while running
+        self.replicas = [Replica(config, self.executor.num_blocks, window) for _ in range(config.data_parallel_size)]
         # Replicas whose MoE layers exchange tokens must all run every step, idle or not.
         self.lockstep = config.expert_parallel(self.model_config) and len(self.replicas) > 1
         self.eos_ids = frozenset(self._eos_ids(source))

@@ -106,6 +106,7 @@ class Scheduler:
         return step
 
     def _schedule_chunk(self, seq: Sequence, budget: int) -> ScheduledSeq:
+        self.block_manager.release_out_of_window(seq)
         n = min(seq.num_tokens - seq.num_computed_tokens, budget)
         end = seq.num_computed_tokens + n
         self.block_manager.allocate(seq, end)
@@ -114,6 +115,7 @@ class Scheduler:
 
     def _make_room(self, seq: Sequence, num_new_tokens: int, step: ScheduledStep) -> bool:
         """Preempt the newest running sequences until ``seq``'s next chunk fits; False if ``seq`` itself had to go."""
+        self.block_manager.release_out_of_window(seq)  # blocks out of the window make room first
         need = seq.num_computed_tokens + num_new_tokens
         while self.block_manager.blocks_needed(seq, need) > self.block_manager.num_free_blocks:
             victim = self.running.pop()

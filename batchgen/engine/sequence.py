@@ -31,6 +31,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_hashed_blocks: int = 0  # leading blocks registered in the prefix cache
+    num_released_blocks: int = 0  # leading blocks freed once out of every layer's sliding window
     full_blocks: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)  # (chained hash, tokens)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     num_preemptions: int = 0

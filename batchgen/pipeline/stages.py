@@ -9,6 +9,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Protocol
 from batchgen.engine import SamplingParams
 from batchgen.io import InputRow, read_rows, redact
 from batchgen.pipeline.batching import prompt_sort_key, sort_window
+from batchgen.pipeline.errors import JobError
 from batchgen.pipeline.openai_requests import OpenAIPrompts
 from batchgen.pipeline.render import PromptRenderer, RenderError, Tokenizer, TruncateMode, fit_chars, truncate
 from batchgen.pipeline.rows import Request, ResultRow, carried_values, error_row
@@ -90,6 +91,9 @@ def prompt_source(spec: JobSpec, tokenizer: Tokenizer) -> PromptSource:
         return OpenAIPrompts(tokenizer, spec.sampling, spec.batching.prompt_chars())
     p = spec.prompt
     assert p is not None  # the spec requires it for every other input format
+    if p.chat and getattr(tokenizer, "chat_template", None) is None:
+        raise JobError("prompt.chat is true but the model has no chat template (a base model?); set "
+                       "prompt.chat: false to send the rendered prompt as it is")
     return TemplatePrompts(PromptRenderer(p.template, p.system, p.chat, tokenizer), spec.sampling.params(),
                            spec.batching.prompt_chars(), spec.batching.truncate)
 

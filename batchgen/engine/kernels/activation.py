@@ -1,4 +1,4 @@
-"""SiLU-and-mul over a fused [gate | up] projection output."""
+"""Gated activations over a fused [gate | up] projection output: SiLU-and-mul, GELU(tanh)-and-mul."""
 from __future__ import annotations
 
 import torch
@@ -9,19 +9,22 @@ _BLOCK = 1024
 
 
 @triton.jit
-def _silu_and_mul_kernel(X, Out, width, stride_x, stride_o, BLOCK: tl.constexpr):
+def _act_and_mul_kernel(X, Out, width, stride_x, stride_o, BLOCK: tl.constexpr, GELU: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < width
     gate = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(X + row * stride_x + width + offs, mask=mask, other=0.0).to(tl.float32)
-    # Round SiLU to the activation dtype before the product, as the unfused ops do.
-    act = (gate * tl.sigmoid(gate)).to(X.dtype.element_ty).to(tl.float32)
+    if GELU:  # 0.5 g (1 + tanh(u)) = g sigmoid(2u), u = sqrt(2 / pi) (g + 0.044715 g^3)
+        act = gate * tl.sigmoid(1.5957691216057308 * (gate + 0.044715 * gate * gate * gate))
+    else:
+        act = gate * tl.sigmoid(gate)
+    # Round the activation to the activation dtype before the product, as the unfused ops do.
+    act = act.to(X.dtype.element_ty).to(tl.float32)
     tl.store(Out + row * stride_o + offs, (act * up).to(Out.dtype.element_ty), mask=mask)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """SiLU(gate) * up for x (..., 2N) -> (..., N)."""
+def _act_and_mul(x: torch.Tensor, gelu: bool) -> torch.Tensor:
     width = x.shape[-1] // 2
     x2 = x.reshape(-1, 2 * width)
     if x2.stride(-1) != 1:
@@ -31,7 +34,17 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if rows == 0 or width == 0:
         return out
     out2 = out.view(-1, width)
-    _silu_and_mul_kernel[(rows, triton.cdiv(width, _BLOCK))](
-        x2, out2, width, x2.stride(0), out2.stride(0), BLOCK=_BLOCK, num_warps=4,
+    _act_and_mul_kernel[(rows, triton.cdiv(width, _BLOCK))](
+        x2, out2, width, x2.stride(0), out2.stride(0), BLOCK=_BLOCK, GELU=gelu, num_warps=4,
     )
     return out
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) * up for x (..., 2N) -> (..., N)."""
+    return _act_and_mul(x, gelu=False)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """GELU(gate) * up (tanh approximation, GeGLU) for x (..., 2N) -> (..., N)."""
+    return _act_and_mul(x, gelu=True)

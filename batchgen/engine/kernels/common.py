@@ -15,6 +15,8 @@ except AttributeError:  # triton < 3.4 has no knobs
 
 
 LOG2E: float = 1.4426950408889634
+_LOG2E_IN_KERNEL = tl.constexpr(LOG2E)  # jitted code reads only constexpr globals
+NO_WINDOW = 1 << 30  # the window the kernels take for full attention: longer than any context
 
 
 def dot_precision(dtype: torch.dtype) -> str:
@@ -77,12 +79,17 @@ def gemm_tile(A, B, AScale, BScale, a_rows, row_mask, b_cols, K, stride_am, stri
 
 @triton.jit
 def softmax_step(acc, m_i, l_i, q, k_t, v, mask, qk_scale,
-                 USE_MASK: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
+                 USE_MASK: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+                 softcap=0.0, SOFTCAP: tl.constexpr = False):
     """Folds one key tile into the running (acc, max, sum); scores are in log2 units.
 
-    q (M, D), k_t (D, N), v (N, D), mask (M, N) or broadcastable; acc (M, D) fp32.
+    q (M, D), k_t (D, N), v (N, D), mask (M, N) or broadcastable; acc (M, D) fp32. With SOFTCAP,
+    ``qk_scale`` is the plain softmax scale and the scaled scores s become softcap * tanh(s / softcap)
+    (tanh(x) = 2 sigmoid(2x) - 1) before the conversion to log2 units.
     """
     qk = mma(q, k_t, PREC, UPCAST) * qk_scale
+    if SOFTCAP:
+        qk = (softcap * _LOG2E_IN_KERNEL) * (2.0 * tl.sigmoid(qk * (2.0 / softcap)) - 1.0)
     if USE_MASK:
         qk = tl.where(mask, qk, float("-inf"))
     return fold_scores(acc, m_i, l_i, qk, v, PREC, UPCAST)
@@ -117,13 +124,18 @@ def load_paged_kv(KCache, VCache, block_table_row, offs_n, valid_n, kv_head, off
 def attend_paged_range(acc, m_i, l_i, q, KCache, VCache, block_table_row, start, end, kv_head, offs_n,
                        offs_d, mask_d, qk_scale, stride_cb, stride_cs, stride_ch,
                        BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
-                       UPCAST: tl.constexpr):
-    """Folds cached keys start..end-1 of one sequence into (acc, max, sum); all of them are visible."""
+                       UPCAST: tl.constexpr, first_key=0, softcap=0.0, WINDOWED: tl.constexpr = False,
+                       SOFTCAP: tl.constexpr = False):
+    """Folds cached keys start..end-1 of one sequence into (acc, max, sum); all of them are visible, or
+    with WINDOWED only the keys at or after each query row's ``first_key`` (an (M,) vector)."""
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + offs_n
         valid = pos < end
         k_t, v = load_paged_kv(KCache, VCache, block_table_row, pos, valid, kv_head, offs_d, mask_d,
                                stride_cb, stride_cs, stride_ch, BLOCK_SIZE, q.dtype)
-        acc, m_i, l_i = softmax_step(acc, m_i, l_i, q, k_t, v, valid[None, :], qk_scale,
-                                     True, PREC, UPCAST)
+        mask = valid[None, :]
+        if WINDOWED:
+            mask = mask & (pos[None, :] >= first_key[:, None])
+        acc, m_i, l_i = softmax_step(acc, m_i, l_i, q, k_t, v, mask, qk_scale,
+                                     True, PREC, UPCAST, softcap, SOFTCAP)
     return acc, m_i, l_i

@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 
 from batchgen.engine.kernels.common import (
-    INTERPRET, LOG2E, attend_paged_range, dot_precision, softmax_step,
+    INTERPRET, LOG2E, NO_WINDOW, attend_paged_range, dot_precision, softmax_step,
 )
 
 
@@ -24,12 +24,13 @@ def query_tile(work, cu_q, cu_k, seq):
 
 @triton.jit
 def _prefill_kernel(
-    Q, K, V, Out, KCache, VCache, cu_q, cu_k, ctx_lens, block_tables, work, qk_scale,
+    Q, K, V, Out, KCache, VCache, cu_q, cu_k, ctx_lens, block_tables, work, qk_scale, window, softcap,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_PREFIX: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     # One program per (head, query tile); `work` lists the tiles as (sequence, first row), the ones
     # with the most keys to visit first, padded with sequence -1 (so a fixed grid can be captured).
@@ -55,32 +56,50 @@ def _prefill_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    if HAS_PREFIX:
-        # The cached prefix precedes every new token, so it needs no causal mask.
-        prefix_len = tl.load(ctx_lens + seq) - kc_len
-        table_row = block_tables + seq.to(tl.int64) * stride_bt
-        acc, m_i, l_i = attend_paged_range(acc, m_i, l_i, q, KCache, VCache, table_row, 0, prefix_len,
-                                           kv_head, offs_n, offs_d, mask_d, qk_scale, stride_cb, stride_cs,
-                                           stride_ch, BLOCK_SIZE, BLOCK_N, PREC, UPCAST)
-
-    # Query row j sees contiguous key t when t <= diag + j (queries sit at the end of the keys).
+    # Query row j sits at contiguous key diag + j (queries at the end of the keys) and, when causal,
+    # sees keys diag + j - window < t <= diag + j (window: NO_WINDOW for full attention).
     diag = kc_len - q_len
+    if HAS_PREFIX:
+        # The cached prefix precedes every new token: only the window bounds which of it a row sees.
+        prefix_len = tl.load(ctx_lens + seq) - kc_len
+        first_key = prefix_len + diag + offs_m - window + 1
+        table_row = block_tables + seq.to(tl.int64) * stride_bt
+        acc, m_i, l_i = attend_paged_range(acc, m_i, l_i, q, KCache, VCache, table_row,
+                                           tl.maximum(prefix_len + diag + m_start - window + 1, 0), prefix_len,
+                                           kv_head, offs_n, offs_d, mask_d, qk_scale, stride_cb, stride_cs,
+                                           stride_ch, BLOCK_SIZE, BLOCK_N, PREC, UPCAST, first_key, softcap,
+                                           True, SOFTCAP)
+
+    # Key tiles [start, lo_full) and [full_end, end) need the mask; every row sees all of [lo_full, full_end).
     if CAUSAL:
+        start = tl.maximum(diag + m_start - window + 1, 0) // BLOCK_N * BLOCK_N
         end = tl.minimum(kc_len, diag + m_start + BLOCK_M)
         full_end = tl.maximum(tl.minimum(kc_len, diag + m_start + 1), 0) // BLOCK_N * BLOCK_N
+        lo_full = tl.minimum(tl.cdiv(tl.maximum(diag + m_start + BLOCK_M - window, 0), BLOCK_N) * BLOCK_N,
+                             full_end)
     else:
+        start = 0
         end = kc_len
         full_end = kc_len // BLOCK_N * BLOCK_N
+        lo_full = 0
     k_base = K + k_start.to(tl.int64) * stride_kt + kv_head * stride_kh
     v_base = V + k_start.to(tl.int64) * stride_vt + kv_head * stride_vh
+    # Tiles that slide out of the window for some rows of this block (none without a window).
+    for n0 in range(start, lo_full, BLOCK_N):
+        pos = n0 + offs_n
+        k_t = tl.load(k_base + pos[None, :] * stride_kt + offs_d[:, None], mask=mask_d[:, None], other=0.0)
+        v = tl.load(v_base + pos[:, None] * stride_vt + offs_d[None, :], mask=mask_d[None, :], other=0.0)
+        mask = pos[None, :] > diag + offs_m[:, None] - window
+        acc, m_i, l_i = softmax_step(acc, m_i, l_i, q, k_t, v, mask, qk_scale, True, PREC, UPCAST,
+                                     softcap, SOFTCAP)
     # Tiles every row of this query block sees in full: no mask. Offsets within one sequence fit
     # int32; 64-bit offset tiles made ptxas spill registers at head dim 128.
-    for n0 in range(0, full_end, BLOCK_N):
+    for n0 in range(lo_full, full_end, BLOCK_N):
         pos = n0 + offs_n
         k_t = tl.load(k_base + pos[None, :] * stride_kt + offs_d[:, None], mask=mask_d[:, None], other=0.0)
         v = tl.load(v_base + pos[:, None] * stride_vt + offs_d[None, :], mask=mask_d[None, :], other=0.0)
         acc, m_i, l_i = softmax_step(acc, m_i, l_i, q, k_t, v, mask_m[:, None], qk_scale,
-                                     False, PREC, UPCAST)
+                                     False, PREC, UPCAST, softcap, SOFTCAP)
     # Tiles on the diagonal or at the ragged end.
     for n0 in range(full_end, end, BLOCK_N):
         pos = n0 + offs_n
@@ -91,8 +110,9 @@ def _prefill_kernel(
                     mask=valid[:, None] & mask_d[None, :], other=0.0)
         mask = valid[None, :]
         if CAUSAL:
-            mask = mask & (pos[None, :] <= diag + offs_m[:, None])
-        acc, m_i, l_i = softmax_step(acc, m_i, l_i, q, k_t, v, mask, qk_scale, True, PREC, UPCAST)
+            mask = mask & (pos[None, :] <= diag + offs_m[:, None]) & (pos[None, :] > diag + offs_m[:, None] - window)
+        acc, m_i, l_i = softmax_step(acc, m_i, l_i, q, k_t, v, mask, qk_scale, True, PREC, UPCAST,
+                                     softcap, SOFTCAP)
 
     l_i = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_i[:, None]
@@ -142,12 +162,15 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
                       k_cache: torch.Tensor | None = None, v_cache: torch.Tensor | None = None,
                       context_lens: torch.Tensor | None = None,
                       block_tables: torch.Tensor | None = None,
-                      out: torch.Tensor | None = None) -> torch.Tensor:
+                      out: torch.Tensor | None = None, sliding_window: int | None = None,
+                      softcap: float | None = None) -> torch.Tensor:
     """Attention of packed q (T, Hq, D) over packed k/v (Tk, Hkv, D), queries aligned to the end.
 
     ``work`` is the step's tile list from :func:`prefill_work`, on q's device. With a paged cache:
     sequence i first attends to its ``context_lens[i] - klen_i`` cached tokens (read through
-    ``block_tables[i]``), which sit before its contiguous keys.
+    ``block_tables[i]``), which sit before its contiguous keys. A causal ``sliding_window`` limits each
+    query to its last ``sliding_window`` keys (cached blocks before them are never read); ``softcap``
+    caps the scaled scores at ``softcap * tanh(s / softcap)``.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
@@ -169,12 +192,12 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
     block_n, num_warps, num_stages = _tiles(head_dim, q.dtype)
     _prefill_kernel[(num_heads, work.shape[0])](
         q, k, v, out, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, context_lens, block_tables, work,
-        scale * LOG2E,
+        scale if softcap else scale * LOG2E, sliding_window or NO_WINDOW, float(softcap or 0.0),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1), *cache_strides, table_stride,
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_M=_BLOCK_M, BLOCK_N=block_n, BLOCK_SIZE=block_size, CAUSAL=causal,
-        HAS_PREFIX=has_prefix, PREC=dot_precision(q.dtype), UPCAST=INTERPRET,
+        HAS_PREFIX=has_prefix, PREC=dot_precision(q.dtype), UPCAST=INTERPRET, SOFTCAP=bool(softcap),
         num_warps=num_warps, num_stages=num_stages,
     )
     return out
@@ -183,10 +206,14 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
 def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
                            max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float | None = None,
-                           causal: bool = True) -> torch.Tensor:
-    """Contiguous varlen attention with flash-attn's calling convention (causal is bottom-right)."""
+                           causal: bool = True, window_size: tuple[int, int] = (-1, -1),
+                           softcap: float = 0.0) -> torch.Tensor:
+    """Contiguous varlen attention with flash-attn's calling convention (causal is bottom-right;
+    ``window_size=(left, 0)``: each query also sees its ``left`` preceding keys, -1 for all)."""
     del max_seqlen_q, max_seqlen_k  # the tile list below holds the exact lengths
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
     q_lens = cu_seqlens_q.diff().tolist()
     work = prefill_work(q_lens, cu_seqlens_k.diff().tolist()).to(q.device)
-    return prefill_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, work, scale, causal=causal)
+    left = window_size[0]
+    return prefill_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, work, scale, causal=causal,
+                             sliding_window=left + 1 if left >= 0 else None, softcap=softcap or None)

@@ -47,6 +47,10 @@ class AttentionBackend(Protocol):
 
     Shapes: q (T, Hq, D); k, v (T, Hkv, D); caches (num_blocks, block_size, Hkv, D).
     Hq must be a multiple of Hkv (GQA). Returns (T, Hq, D).
+
+    ``sliding_window``: a query at position p sees only the keys at positions p - sliding_window < j <= p
+    (blocks wholly before that may have been freed: a backend must not read them). ``softcap``: the
+    scaled scores s become softcap * tanh(s / softcap) before the softmax.
     """
 
     name: str
@@ -55,7 +59,8 @@ class AttentionBackend(Protocol):
                  v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None: ...
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor: ...
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor: ...
 
 
 class PagedCacheLayer(Protocol):
@@ -63,7 +68,8 @@ class PagedCacheLayer(Protocol):
 
     It declares the per-token shape of each cache tensor it needs; the model runner allocates
     them as (num_blocks, block_size, *shape) and binds them. Prefix caching, chunked prefill and
-    preemption see only blocks, so any layout works with them unchanged.
+    preemption see only blocks, so any layout works with them unchanged. A layer that reads only its
+    latest keys says so in a ``sliding_window`` attribute (absent or None: all of them).
     """
 
     def cache_token_shapes(self) -> tuple[tuple[int, ...], ...]: ...
@@ -76,12 +82,17 @@ class PagedCacheLayer(Protocol):
 
 
 class Attention(nn.Module):
-    """Paged multi-head attention (GQA): K and V of (kv_heads, head_dim) per token, bound by the model runner."""
+    """Paged multi-head attention (GQA): K and V of (kv_heads, head_dim) per token, bound by the model runner.
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, backend: AttentionBackend):
+    ``scale`` defaults to head_dim ** -0.5; ``sliding_window`` and ``softcap`` as in :class:`AttentionBackend`.
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, backend: AttentionBackend,
+                 scale: float | None = None, sliding_window: int | None = None, softcap: float | None = None):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.scale = head_dim ** -0.5
+        self.scale = head_dim ** -0.5 if scale is None else scale
+        self.sliding_window, self.softcap = sliding_window, softcap
         self.backend = backend
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
@@ -99,4 +110,5 @@ class Attention(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         assert self.k_cache is not None and self.v_cache is not None, "KV cache not bound"
         self.backend.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-        return self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
+        return self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale,
+                                    sliding_window=self.sliding_window, softcap=self.softcap)

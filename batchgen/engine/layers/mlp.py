@@ -1,4 +1,4 @@
-"""The gated SiLU MLP (SwiGLU): fused gate|up projection, SiLU-and-mul, down projection."""
+"""The gated MLP: fused gate|up projection, activation-and-mul (SwiGLU, or GeGLU), down projection."""
 from __future__ import annotations
 
 import torch
@@ -10,16 +10,20 @@ from batchgen.engine.parallel.group import SINGLE, CommGroup
 
 
 class GatedMLP(nn.Module):
-    """Column-parallel gate|up, row-parallel down: one all-reduce under tensor parallelism."""
+    """Column-parallel gate|up, row-parallel down: one all-reduce under tensor parallelism.
 
-    def __init__(self, hidden_size: int, intermediate_size: int, kernels: KernelSet, tp: CommGroup = SINGLE):
+    ``activation``: "silu" (SwiGLU) or "gelu_tanh" (GeGLU, GELU's tanh approximation).
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, kernels: KernelSet, tp: CommGroup = SINGLE,
+                 activation: str = "silu"):
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, tp=tp)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, tp=tp)
-        self.kernels = kernels
+        self.act_and_mul = {"silu": kernels.silu_and_mul, "gelu_tanh": kernels.gelu_tanh_and_mul}[activation]
 
     def activation_values_per_token(self) -> int:
         return self.gate_up_proj.local_out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.kernels.silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))

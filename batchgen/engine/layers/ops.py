@@ -1,4 +1,4 @@
-"""The torch reference ops (RMSNorm, rotary, SiLU-and-mul, mixture of experts) and the kernel set a model uses."""
+"""The torch reference ops (RMSNorm, rotary, gated activations, mixture of experts) and the kernel set a model uses."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -38,6 +38,12 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """SiLU(gate) * up for a fused [gate | up] projection output."""
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """GELU(gate) (tanh approximation) * up for a fused [gate | up] projection output (GeGLU)."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -85,6 +91,7 @@ class KernelSet:
     rms_norm: Callable = rms_norm
     apply_rotary: Callable = apply_rotary
     silu_and_mul: Callable = silu_and_mul
+    gelu_tanh_and_mul: Callable = gelu_tanh_and_mul
     fused_moe: Callable = fused_moe
     prepare_model: Callable[[nn.Module], None] = keep_weights
     # y = x @ dequant(weight)^T (+ bias) with FP8 weights and scales; None: the set has no FP8 GEMM.

@@ -1,32 +1,40 @@
-"""Rotary position embedding tables (Llama 3, linear and YaRN frequency scaling) and the pairwise layout.
+"""Rotary position embedding tables: the rope scalings (linear, Llama 3, LongRoPE, llama.cpp's precomputed
+factors, YaRN) side by side, and the pairwise layout.
 
-Every kernel rotates in the rotate-half (neox) layout. Models trained with pairwise rotation
-(GPT-J, or DeepSeek's complex pairs) permute the rotated rows of their q and k projections at load
-with :func:`pairwise_to_half_order`: q.k is unchanged when both sides are permuted alike.
+Each scaling is one ``RopeScaling`` in ``SCALINGS``: how it changes the inverse frequencies and the factor
+it multiplies cos and sin by. Every kernel rotates in the rotate-half (neox) layout. Models trained with
+pairwise rotation (GPT-J, or DeepSeek's complex pairs) permute the rotated rows of their q and k
+projections at load with :func:`pairwise_to_half_order`: q.k is unchanged when both sides are permuted alike.
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
-
-def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
-    """Inverse frequencies (head_dim / 2,) in float32, after the model's rope scaling."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
-    if not scaling:
-        return inv_freq
-    kind = scaling["rope_type"]
-    if kind == "linear":
-        return inv_freq / float(scaling["factor"])
-    if kind == "llama3":
-        return _llama3_inv_freq(inv_freq, scaling)
-    if kind == "yarn":
-        return _yarn_inv_freq(head_dim, theta, scaling)
-    raise ValueError(f"unsupported rope scaling {kind!r}")
+# (unscaled inverse frequencies, rotary dims, base, scaling dict, context length) -> scaled ones
+InvFreqRule = Callable[[torch.Tensor, int, float, dict, "int | None"], torch.Tensor]
 
 
-def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
+@dataclass(frozen=True)
+class RopeScaling:
+    """One ``rope_type``: its inverse frequencies and the factor on cos and sin (so on q.k twice)."""
+
+    inv_freq: InvFreqRule
+    attention_factor: Callable[[dict], float] = lambda scaling: 1.0
+
+
+def _divided(inv_freq: torch.Tensor, factors: list[float]) -> torch.Tensor:
+    """Each inverse frequency divided by its own factor."""
+    divisors = torch.tensor(factors, dtype=torch.float32)
+    if divisors.shape != inv_freq.shape:
+        raise ValueError(f"{divisors.numel()} rope factors for {inv_freq.numel()} rotary frequencies")
+    return inv_freq / divisors
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, dim: int, theta: float, s: dict, _: int | None) -> torch.Tensor:
     """Llama 3: long wavelengths are divided by ``factor``, short ones kept, the middle band interpolated."""
     factor, low, high = float(s["factor"]), float(s["low_freq_factor"]), float(s["high_freq_factor"])
     old_len = float(s["original_max_position_embeddings"])
@@ -38,11 +46,27 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
+def _longrope_inv_freq(inv_freq: torch.Tensor, dim: int, theta: float, s: dict,
+                       max_positions: int | None) -> torch.Tensor:
+    """LongRoPE: each frequency divided by its own factor, the long ones when the context exceeds the
+    original one. transformers switches per forward pass (on the sequence's length); one table for the
+    engine's whole context (as vLLM and llama.cpp do) keeps the cached keys of a sequence consistent."""
+    long = max_positions is not None and max_positions > int(s["original_max_position_embeddings"])
+    return _divided(inv_freq, s["long_factor" if long else "short_factor"])
+
+
+def _longrope_attention_factor(s: dict) -> float:
+    if s.get("attention_factor") is not None:
+        return float(s["attention_factor"])
+    factor, original = float(s.get("factor") or 1.0), int(s["original_max_position_embeddings"])
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+
+
 def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
-def _yarn_inv_freq(dim: int, theta: float, s: dict) -> torch.Tensor:
+def _yarn_inv_freq(inv_freq: torch.Tensor, dim: int, theta: float, s: dict, _: int | None) -> torch.Tensor:
     """YaRN: frequencies that turn fewer than ``beta_slow`` times over the original context are
     interpolated (divided by ``factor``), those turning more than ``beta_fast`` times kept, a linear
     ramp between (transformers' rule, ``truncate`` rounding the ramp's ends outwards)."""
@@ -64,16 +88,45 @@ def _yarn_inv_freq(dim: int, theta: float, s: dict) -> torch.Tensor:
     return 1.0 / (factor * pos_freqs) * (1 - extrapolation) + 1.0 / pos_freqs * extrapolation
 
 
-def rope_attention_factor(scaling: dict | None) -> float:
-    """The factor YaRN applies to cos and sin (so to q.k twice); 1 for the other kinds."""
-    if not scaling or scaling["rope_type"] != "yarn":
-        return 1.0
-    if scaling.get("attention_factor") is not None:
-        return float(scaling["attention_factor"])
-    factor, mscale, mscale_all_dim = float(scaling["factor"]), scaling.get("mscale"), scaling.get("mscale_all_dim")
+def _yarn_attention_factor(s: dict) -> float:
+    if s.get("attention_factor") is not None:
+        return float(s["attention_factor"])
+    factor, mscale, mscale_all_dim = float(s["factor"]), s.get("mscale"), s.get("mscale_all_dim")
     if mscale and mscale_all_dim:
         return _yarn_mscale(factor, float(mscale)) / _yarn_mscale(factor, float(mscale_all_dim))
     return _yarn_mscale(factor)
+
+
+SCALINGS: dict[str, RopeScaling] = {
+    "linear": RopeScaling(lambda inv_freq, dim, theta, s, n: inv_freq / float(s["factor"])),
+    "llama3": RopeScaling(_llama3_inv_freq),
+    "longrope": RopeScaling(_longrope_inv_freq, _longrope_attention_factor),
+    # llama.cpp's rope_freqs tensor (Llama 3 scaling, precomputed) from GGUF files
+    "frequency_factors": RopeScaling(lambda inv_freq, dim, theta, s, n: _divided(inv_freq, s["factors"])),
+    "yarn": RopeScaling(_yarn_inv_freq, _yarn_attention_factor),
+}
+
+
+def _scaling(scaling: dict) -> RopeScaling:
+    kind = scaling["rope_type"]
+    if kind not in SCALINGS:
+        raise ValueError(f"unsupported rope scaling {kind!r}")
+    return SCALINGS[kind]
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None, max_positions: int | None = None
+                  ) -> torch.Tensor:
+    """Inverse frequencies (head_dim / 2,) in float32, after the model's rope scaling for a context of
+    ``max_positions`` tokens."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+    if not scaling:
+        return inv_freq
+    return _scaling(scaling).inv_freq(inv_freq, head_dim, theta, scaling, max_positions)
+
+
+def rope_attention_factor(scaling: dict | None) -> float:
+    """The factor cos and sin are multiplied by (LongRoPE's and YaRN's; 1 for the other kinds)."""
+    return _scaling(scaling).attention_factor(scaling) if scaling else 1.0
 
 
 def yarn_softmax_scale(scaling: dict | None) -> float:
@@ -91,7 +144,7 @@ def pairwise_to_half_order(rotary_dim: int) -> torch.Tensor:
 def cos_sin_cache(head_dim: int, theta: float, scaling: dict | None, max_positions: int,
                   device: torch.device | None = None) -> torch.Tensor:
     """Rows ``[cos | sin]`` (head_dim / 2 each) for positions 0..max_positions-1, float32."""
-    inv_freq = rope_inv_freq(head_dim, theta, scaling)
+    inv_freq = rope_inv_freq(head_dim, theta, scaling, max_positions)
     freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
     table = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
     factor = rope_attention_factor(scaling)

@@ -61,10 +61,12 @@ class ModelProfile:
     active_params: int  # matmul weights one token passes through in the layers: attention, dense MLPs,
     #                     routers, its top-k routed and the shared experts (no embedding, no LM head)
     lm_head_params: int
-    attention_flops_per_key: int  # QK^T + PV FLOPs of one query and one key, summed over layers
+    attention_flops_per_key: int  # QK^T + PV FLOPs of one query and one key, summed over full-attention layers
     activation_values_per_token: int  # widest per-token intermediate of an MLP or MoE layer
     fp8_active_params: int = 0  # the part of active_params multiplied in FP8 (FP8 weights kept as such)
     weight_format: str = ""  # the weights as they run: a dtype, or the checkpoint's FP8 format and how it runs
+    # (window, FLOPs per key summed over the layers with that sliding window): they see at most window keys
+    windowed_attention_flops: tuple[tuple[int, int], ...] = ()
 
     def summary(self) -> str:
         return f"{_count(self.total_params)} parameters, {_count(self.active_params)} active per token"
@@ -82,15 +84,19 @@ class DecoderLayer(nn.Module):
     attention sees the whole step, and so does an MLP that is ``step_wide`` (one that exchanges tokens
     with other replicas: every rank must make the same calls, even on a step with no tokens).
     ``self_attn`` provides ``project(h, positions, cos_sin)`` (rows of ``project_width`` values per
-    token), ``attend(rows, meta)`` and ``o_proj``.
+    token), ``attend(rows, meta)`` and ``o_proj``. The layer returns its output and the residual stream
+    before they are added: the next norm adds them (fused). ``mlp_input`` and ``mlp_output`` are where
+    a layer with more norms (Gemma's) puts them.
     """
+
+    norm_class: ClassVar[type[nn.Module]] = RMSNorm
 
     def __init__(self, self_attn: nn.Module, mlp: nn.Module, cfg: ModelConfig, kernels: KernelSet,
                  chunk_tokens: int):
         super().__init__()
         self.self_attn, self.mlp = self_attn, mlp
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
+        self.input_layernorm = self.norm_class(cfg.hidden_size, cfg.rms_norm_eps, kernels)
+        self.post_attention_layernorm = self.norm_class(cfg.hidden_size, cfg.rms_norm_eps, kernels)
         self.chunk_tokens = chunk_tokens
 
     def forward(self, x, residual, positions, cos_sin, meta):
@@ -110,12 +116,17 @@ class DecoderLayer(nn.Module):
         step_wide = getattr(self.mlp, "step_wide", False)
         out = torch.empty_like(x)
         for c in chunks:
-            h, new_residual[c] = self.post_attention_layernorm(attn.o_proj(o[c]), new_residual[c])
-            if step_wide:
-                out[c] = h
-            else:
-                out[c] = self.mlp(h)
-        return (self.mlp(out) if step_wide else out), new_residual
+            h, new_residual[c] = self.mlp_input(attn.o_proj(o[c]), new_residual[c])
+            out[c] = h if step_wide else self.mlp_output(self.mlp(h))
+        return (self.mlp_output(self.mlp(out)) if step_wide else out), new_residual
+
+    def mlp_input(self, attn_out: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(MLP input, residual) for one chunk, from the attention output and the residual before it."""
+        return self.post_attention_layernorm(attn_out, residual)
+
+    def mlp_output(self, mlp_out: torch.Tensor) -> torch.Tensor:
+        """The layer's output from its MLP's."""
+        return mlp_out
 
 
 class CausalLM(nn.Module):
@@ -123,8 +134,11 @@ class CausalLM(nn.Module):
 
     # Defaults for config.json keys this architecture's transformers class defaults differently.
     config_defaults: ClassVar[dict[str, Any]] = {}
+    # The MLP activations (config.json's hidden_activation / hidden_act) this architecture implements.
+    activations: ClassVar[tuple[str, ...]] = ("silu",)
     # Checkpoint name -> (parameter, shard); the first matching rule wins, unmatched names load as-is.
     weight_rules: ClassVar[tuple[WeightRule, ...]] = ()
+    decoder_layer: ClassVar[type[DecoderLayer]] = DecoderLayer
     # The kinds of step whose forward can be replayed from a CUDA graph (fixed shapes, no host sizing).
     graph_step_kinds: ClassVar[tuple[str, ...]] = ("decode", "mixed")
 
@@ -134,13 +148,29 @@ class CausalLM(nn.Module):
         self.cfg, self.kernels, self.parallel = cfg, kernels, parallel
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp=parallel.tp)
         self.layers = nn.ModuleList(
-            DecoderLayer(self.make_attention(i), self.make_mlp(i), cfg, kernels, chunk_tokens)
+            self.decoder_layer(self.make_attention(i), self.make_mlp(i), cfg, kernels, chunk_tokens)
             for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
+        self.norm = self.decoder_layer.norm_class(cfg.hidden_size, cfg.rms_norm_eps, kernels)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp=parallel.tp)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("cos_sin", self.rotary_table(max_positions), persistent=False)
+
+    @classmethod
+    def hf_config(cls, cfg: dict[str, Any]) -> dict[str, Any]:
+        """The config.json dict in the shape ``ModelConfig`` parses, under ``config_defaults``."""
+        return {**cls.config_defaults, **cfg}
+
+    def sliding_window(self, layer: int) -> int | None:
+        """How many of the latest keys layer ``layer`` attends to (None: all). config.json's
+        ``layer_types`` says which layers are local when it is there, else ``is_local``."""
+        window, types = self.cfg.sliding_window, self.cfg.hf.get("layer_types")
+        local = types[layer] == "sliding_attention" if types else self.is_local(layer)
+        return window if local else None
+
+    def is_local(self, layer: int) -> bool:
+        """Whether layer ``layer`` is a sliding-window layer when the model has a window (default: all)."""
+        return True
 
     def make_attention(self, layer: int) -> nn.Module:
         """Layer ``layer``'s attention, built for ``self.parallel.tp`` (its heads split over the ranks)."""
@@ -153,15 +183,25 @@ class CausalLM(nn.Module):
         c = self.cfg
         return cos_sin_cache(c.rotary_dim, c.rope_theta, c.rope_scaling, max_positions)
 
+    def layer_cos_sin(self, layer: int) -> torch.Tensor:
+        """The rotary table of layer ``layer`` (one for all layers unless a model says otherwise)."""
+        return self.cos_sin
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 logits_indices: torch.Tensor) -> torch.Tensor:
-        x, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
-            x, residual = layer(x, residual, positions, self.cos_sin, meta)
+        x, residual = self.embed(input_ids), None
+        for i, layer in enumerate(self.layers):
+            x, residual = layer(x, residual, positions, self.layer_cos_sin(i), meta)
         # Only the rows that produce a next token go through the final norm and the vocabulary matmul.
         # Under tensor parallelism only the first rank gets the logits of the whole vocabulary.
         x = self.norm(x[logits_indices], residual[logits_indices])[0]
-        return self.lm_head(x)
+        return self.compute_logits(x)
 
     # ---- checkpoint loading ------------------------------------------------------------------------
     def checkpoint_target(self, hf_name: str) -> tuple[str, Any] | None:
@@ -208,7 +248,10 @@ class CausalLM(nn.Module):
         return [m for m in self.modules() if callable(getattr(m, "cache_token_shapes", None))]
 
     def kv_layout(self) -> KVLayout:
-        return KVLayout(tuple(tuple(layer.cache_token_shapes()) for layer in self.cache_layers()))
+        layers = self.cache_layers()
+        windows = [getattr(layer, "sliding_window", None) for layer in layers]
+        return KVLayout(tuple(tuple(layer.cache_token_shapes()) for layer in layers),
+                        window=max(windows) if windows and None not in windows else None)
 
     def bind_kv_cache(self, caches: Sequence[Sequence[torch.Tensor]]) -> None:
         layers = self.cache_layers()
@@ -221,14 +264,20 @@ class CausalLM(nn.Module):
         widths = [m.activation_values_per_token() for m in self.modules()
                   if callable(getattr(m, "activation_values_per_token", None))]
         fp8 = matmul_params(self.layers, fp8_only=True)
+        windowed: dict[int, int] = {}
+        for layer in self.cache_layers():
+            if getattr(layer, "sliding_window", None) is not None:
+                windowed[layer.sliding_window] = windowed.get(layer.sliding_window, 0) + layer.flops_per_key()
         return ModelProfile(
             total_params=sum(p.numel() for p in self.parameters() if not hasattr(p, "group")),  # scales aside
             active_params=matmul_params(self.layers),
             lm_head_params=self.lm_head.num_embeddings * self.lm_head.embedding_dim,
-            attention_flops_per_key=sum(layer.flops_per_key() for layer in self.cache_layers()),
+            attention_flops_per_key=sum(layer.flops_per_key() for layer in self.cache_layers()
+                                        if getattr(layer, "sliding_window", None) is None),
             activation_values_per_token=max(widths, default=self.cfg.hidden_size),
             fp8_active_params=fp8,
             weight_format=self.weight_format(fp8 > 0),
+            windowed_attention_flops=tuple(sorted(windowed.items())),
         )
 
     def weight_format(self, runs_fp8: bool) -> str:

@@ -1,5 +1,7 @@
-"""Llama (2/3, SmolLM2) and Mistral: GQA attention with rotary, gated SiLU MLP, over a paged KV cache."""
+"""Llama (2/3, SmolLM2), Mistral and Phi-3/4: GQA attention with rotary, gated SiLU MLP, over a paged KV cache."""
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torch import nn
@@ -16,10 +18,14 @@ from batchgen.engine.parallel.group import SINGLE, CommGroup
 
 class LlamaAttention(nn.Module):
     """Fused qkv projection, optional per-head q/k RMSNorm, rotary on the first ``rotary_dim`` dims; this
-    rank's heads under tensor parallelism."""
+    rank's heads under tensor parallelism.
+
+    ``scale``, ``sliding_window`` and ``softcap`` go to :class:`Attention`; ``norm_class`` is the q/k norm's.
+    """
 
     def __init__(self, cfg: ModelConfig, kernels: KernelSet, qkv_bias: bool, o_bias: bool, qk_norm: bool,
-                 tp: CommGroup = SINGLE):
+                 sliding_window: int | None = None, scale: float | None = None, softcap: float | None = None,
+                 norm_class: type[RMSNorm] = RMSNorm, tp: CommGroup = SINGLE):
         super().__init__()
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads,
                                           bias=qkv_bias, tp=tp)
@@ -29,9 +35,10 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=o_bias, tp=tp)
         self.qk_norm = qk_norm
         if qk_norm:
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, kernels)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, kernels)
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, kernels.attention)
+            self.q_norm = norm_class(cfg.head_dim, cfg.rms_norm_eps, kernels)
+            self.k_norm = norm_class(cfg.head_dim, cfg.rms_norm_eps, kernels)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, kernels.attention, scale=scale,
+                              sliding_window=sliding_window, softcap=softcap)
         self.kernels = kernels
 
     @property
@@ -70,20 +77,26 @@ class LlamaForCausalLM(CausalLM):
         WeightRule(r"\.up_proj\.", ".gate_up_proj.", 1),
     )
 
-    def attention_options(self) -> dict[str, bool]:
-        """Biases and q/k norm of the attention projections."""
+    def attention_options(self) -> dict[str, Any]:
+        """Biases and q/k norm of the attention projections (and anything else ``LlamaAttention`` takes)."""
         bias = self.cfg.attention_bias
         return dict(qkv_bias=bias, o_bias=bias, qk_norm=False)
 
     def make_attention(self, layer: int) -> nn.Module:
-        return LlamaAttention(self.cfg, self.kernels, **self.attention_options(), tp=self.parallel.tp)
+        return LlamaAttention(self.cfg, self.kernels, sliding_window=self.sliding_window(layer),
+                              **self.attention_options(), tp=self.parallel.tp)
 
     def make_mlp(self, layer: int) -> nn.Module:
         return GatedMLP(self.cfg.hidden_size, self.cfg.intermediate_size, self.kernels, tp=self.parallel.tp)
 
 
 class MistralForCausalLM(LlamaForCausalLM):
-    """Llama with a sliding window (the engine caps max_model_len at the window) and no attention biases."""
+    """Llama with no attention biases; ``sliding_window`` (when set) applies to every layer."""
 
-    def attention_options(self) -> dict[str, bool]:
+    def attention_options(self) -> dict[str, Any]:
         return dict(qkv_bias=False, o_bias=False, qk_norm=False)
+
+
+class Phi3ForCausalLM(MistralForCausalLM):
+    """Phi-3 and Phi-4: checkpoints hold the fused ``qkv_proj`` and ``gate_up_proj`` (loaded as they are);
+    LongRoPE scaling and partial rotary come from the config; the window, when set, covers every layer."""

@@ -10,8 +10,12 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
     def attention_options(self) -> dict[str, bool]:
         return dict(qkv_bias=True, o_bias=False, qk_norm=False)
 
+    def is_local(self, layer: int) -> bool:
+        """With ``use_sliding_window``, the layers from ``max_window_layers`` on (configs without layer_types)."""
+        return layer >= int(self.cfg.hf.get("max_window_layers") or 0)
 
-class Qwen3ForCausalLM(LlamaForCausalLM):
+
+class Qwen3ForCausalLM(Qwen2ForCausalLM):
     """Per-head RMSNorm of q and k before rotary; ``attention_bias`` on all four projections."""
 
     def attention_options(self) -> dict[str, bool]:

@@ -37,6 +37,10 @@ class Architecture:
 ARCHITECTURES = (
     Architecture("LlamaForCausalLM", "llama", "llama", gguf="llama"),
     Architecture("MistralForCausalLM", "llama", "mistral"),
+    Architecture("Phi3ForCausalLM", "llama", "phi3", gguf="phi3"),
+    Architecture("Gemma2ForCausalLM", "gemma", "gemma2", gguf="gemma2"),
+    Architecture("Gemma3ForCausalLM", "gemma", "gemma3_text", gguf="gemma3"),
+    Architecture("Gemma3ForConditionalGeneration", "gemma", "gemma3"),
     Architecture("Qwen2ForCausalLM", "qwen", "qwen2", gguf="qwen2"),
     Architecture("Qwen3ForCausalLM", "qwen", "qwen3", gguf="qwen3"),
     Architecture("MixtralForCausalLM", "mixtral", "mixtral", gguf="llama", moe=True),
