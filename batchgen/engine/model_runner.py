@@ -159,7 +159,18 @@ class ModelRunner:
             return LaunchedStep(self, start, prepare_s, padded=padded)
         tokens, logprobs = sample(logits, step.sampling.to_batch(self.device, step.bitmask))
         self._last_tokens = tokens
-        return LaunchedStep(self, start, prepare_s, tokens, logprobs, padded)
+        launched = LaunchedStep(self, start, prepare_s, self._to_host(tokens), self._to_host(logprobs), padded)
+        if self.device.type == "cuda":
+            # Queued now, the copies wait for this step alone, not for the next step queued behind it.
+            launched.copied = torch.cuda.Event()
+            launched.copied.record()
+        return launched
+
+    def _to_host(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        if t is None or self.device.type != "cuda":
+            return t
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        return host.copy_(t, non_blocking=True)
 
     def _run_empty(self) -> None:
         empty = torch.zeros(0, dtype=torch.int64, device=self.device)
@@ -175,7 +186,8 @@ class ModelRunner:
 
 @dataclass
 class LaunchedStep:
-    """A step whose work is queued on the device; ``result`` waits for its sampled tokens."""
+    """A step whose work is queued on the device; ``result`` waits for its sampled tokens (on CUDA, for
+    their copy to pinned host memory, queued right behind the step)."""
 
     runner: ModelRunner
     start: float
@@ -183,10 +195,13 @@ class LaunchedStep:
     tokens: torch.Tensor | None = None
     logprobs: torch.Tensor | None = None
     padded: int = 0
+    copied: "torch.cuda.Event | None" = None  # on CUDA: when tokens and logprobs have reached the host
 
     def result(self) -> StepOutput:
         runner = self.runner
         out = StepOutput(padded_tokens=self.padded, prepare_s=self.prepare_s)
+        if self.copied is not None:
+            self.copied.synchronize()
         if self.tokens is not None:
             out.tokens = self.tokens.tolist()
             out.logprobs = self.logprobs.tolist() if self.logprobs is not None else None

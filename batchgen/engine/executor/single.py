@@ -4,6 +4,8 @@ from __future__ import annotations
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Sequence
 
+import torch
+
 from batchgen.engine.config import EngineConfig, ModelConfig
 from batchgen.engine.executor.step import StepInput, StepOutput
 from batchgen.engine.model_runner import LaunchedStep, ModelRunner
@@ -22,7 +24,12 @@ class SingleProcessExecutor:
         self.runner.allocate_kv_cache(self.runner.kv_blocks_available())
         self.num_blocks = self.runner.num_blocks
         self.profile, self.kv_layout = self.runner.profile, self.runner.kv_layout
-        self._stream = ThreadPoolExecutor(1, thread_name_prefix="device-stream") if config.overlap else None
+        self._stream = ThreadPoolExecutor(1, thread_name_prefix="device-stream", initializer=self._bind_device) \
+            if config.overlap else None
+
+    def _bind_device(self) -> None:
+        if self.runner.device.type == "cuda":  # the current device is per thread
+            torch.cuda.set_device(self.runner.device)
 
     def execute(self, steps: Sequence[StepInput | None]) -> list[StepOutput | None]:
         return self.submit(steps).result()
