@@ -131,6 +131,27 @@ def test_abort_of_a_request_in_flight(llms):
     assert results(llm.generate(prompts, params)) == expected  # the engine runs on as before
 
 
+def test_grammar_rows_and_free_rows_together(tiny_model):
+    pytest.importorskip("xgrammar")
+    pair = make_pair(tiny_model, budget=256)
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["n"], "additionalProperties": False}
+    prompts = mixed_prompts(pair["on"], repeats=(1, 2, 3))
+    params = [SamplingParams(max_tokens=40, temperature=0, json_schema=schema, logprobs=True), GREEDY,
+              SamplingParams(max_tokens=8, temperature=0, regex="[a-z]{3}", logprobs=True)]
+    outs = assert_same_and_no_leak(pair, prompts, params, exact=False)
+    assert outs[0].grammar_complete and outs[2].grammar_complete and len(outs[1].token_ids) == 12
+
+
+def test_padded_graph_steps_with_the_triton_kernels(tiny_model):
+    """The CUDA-graph path (padded fixed-shape steps, run eagerly) takes the deferred tokens too."""
+    pair = make_pair(tiny_model, budget=64, max_num_seqs=8, cuda_graphs="emulate", attention_backend="triton")
+    outs = assert_same_and_no_leak(pair, mixed_prompts(pair["on"], repeats=(1, 2, 1)),
+                                   SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, logprobs=True))
+    assert all(len(o.token_ids) == 5 for o in outs)
+    assert all(llm.engine.metrics.padded_tokens > 0 for llm in pair.values())
+
+
 def test_config_choices(tiny_model):
     with pytest.raises(ValueError, match="overlap_schedule"):
         make_llm(tiny_model, "sometimes")
