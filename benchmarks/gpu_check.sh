@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One GPU check: the Triton kernel tests compiled for the device, then prefill-only `batchgen bench`
 # on random-weight Llama models of ~1B and ~8B parameters (8 prompts x 2K tokens, 64 x 8K tokens),
-# and decode at batch 64 with and without CUDA graphs; then prefill on a random DeepSeek-V3-shaped
+# and decode at batch 64 with and without CUDA graphs and overlapped scheduling (a table of decode
+# tok/s and the host's share of a step); then prefill on a random DeepSeek-V3-shaped
 # mixture of experts (latent attention, 64 routed + 1 shared experts, top-6; 2.9B parameters, 0.3B
 # active), and a table of the prefill runs side by side (MFU on active parameters). FP8: the 8B and the
 # DeepSeek-V3-shaped model also run as FP8 checkpoints (128x128 block scales, weights kept FP8 on sm_89+),
@@ -43,10 +44,12 @@ for size in 1b 8b; do
         --output-json "$out/bench-$size-8x2k.json" | head -12
     batchgen bench --model "/tmp/llama-$size" --device cuda --num-prompts 64 --input-len 8192 \
         --max-batch-tokens 8192 --output-json "$out/bench-$size-64x8k.json" | head -12
-    for graphs in auto off; do
+    # Decode: CUDA graphs and overlapped scheduling on (the defaults), graphs off, overlap off.
+    for run in graphs-auto:"--cuda-graphs auto" graphs-off:"--cuda-graphs off" overlap-off:"--overlap off"; do
         batchgen bench --model "/tmp/llama-$size" --device cuda --num-prompts 64 --input-len 512 \
-            --output-len 128 --cuda-graphs "$graphs" --output-json "$out/bench-$size-decode-graphs-$graphs.json" | head -12
+            --output-len 128 ${run#*:} --output-json "$out/bench-$size-decode-${run%%:*}.json" | head -12
     done
+    python benchmarks/bench_table.py --decode "$out"/bench-$size-decode-*.json | tee "$out/decode-$size.txt"
     if [ "$size" = 8b ] && [ "$ngpu" -gt 1 ]; then
         parallel_runs "/tmp/llama-$size" "--tp $ngpu" "--dp $ngpu"
     fi

@@ -160,3 +160,14 @@ def test_profile_of_deepseek_v3_shape():
     assert round(profile.total_params / 1e9) == 671
     assert round((profile.active_params + profile.lm_head_params) / 1e9) == 37
     assert profile.attention_flops_per_key == 61 * 2 * heads * (192 + 128)
+
+
+def test_bench_reports_the_host_share_of_decode_steps(tiny_model, tmp_path):
+    args = ["--model", str(tiny_model), "--num-prompts", "4", "--input-len", "12", "--output-len", "5",
+            "--dtype", "float32"]
+    runs = {mode: run_bench(args + ["--overlap", mode], tmp_path) for mode in ("off", "on")}
+    assert runs["off"]["overlap"] is False and runs["on"]["overlap"] is True
+    for r in runs.values():
+        assert r["output_tokens"] == 4 * 5
+        assert 0 < r["decode_host_ms_per_step"] < r["decode_step_ms"]
+        assert abs(r["decode_host_share_of_step"] - r["decode_host_ms_per_step"] / r["decode_step_ms"]) < 2e-3

@@ -52,11 +52,15 @@ def _read_texts(path: str, column: str) -> list[str]:
               help="data_parallel_size: engine replicas, each with its own scheduler and KV cache.")
 @click.option("--ep", "enable_expert_parallel", is_flag=True,
               help="enable_expert_parallel: split a mixture of experts' experts over all tp x dp devices.")
+@click.option("--overlap", "overlap_schedule", type=click.Choice(["auto", "on", "off"]), default="auto",
+              show_default=True, help="Overlapped scheduling: the host prepares the next step while the device "
+                                      "runs this one (auto: on for one CUDA device).")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--output-json", default=None, help="Also write the results to this file.")
 def bench(model, num_prompts, input_len, dataset, column, whole_documents, prefix_len, output_len, dtype,
           device, max_batch_tokens, max_num_seqs, no_prefix_caching, attention_backend, cuda_graphs, fp8_weights,
-          json_schema_file, tensor_parallel_size, data_parallel_size, enable_expert_parallel, seed, output_json):
+          json_schema_file, tensor_parallel_size, data_parallel_size, enable_expert_parallel, overlap_schedule, seed,
+          output_json):
     """Measure prompt (prefill) and output throughput of the engine."""
     logging.basicConfig(level=logging.WARNING)
     cfg = BenchConfig(model=model, dtype=dtype, device=device, output_len=output_len,
@@ -64,7 +68,7 @@ def bench(model, num_prompts, input_len, dataset, column, whole_documents, prefi
                       enable_prefix_caching=not no_prefix_caching, attention_backend=attention_backend,
                       cuda_graphs=cuda_graphs, tensor_parallel_size=tensor_parallel_size,
                       data_parallel_size=data_parallel_size, enable_expert_parallel=enable_expert_parallel,
-                      fp8_weights=fp8_weights)
+                      fp8_weights=fp8_weights, overlap_schedule=overlap_schedule)
     with make_llm(cfg) as llm:
         result = _bench(llm, cfg, dataset, column, whole_documents, num_prompts, input_len, prefix_len, seed,
                         json_schema_file)
@@ -98,7 +102,8 @@ def _bench(llm, cfg: BenchConfig, dataset, column, whole_documents, num_prompts,
 SHOWN = ("dtype", "weight_format", "total_params", "active_params", "kv_bytes_per_token", "prompt_tokens",
          "wall_s", "requests_per_s", "prompt_tokens_per_s", "output_tokens_per_s", "total_tokens_per_s",
          "prefill_tokens_per_s", "decode_tokens_per_s", "prefix_cache_hit_rate", "compute_ms_per_step",
-         "comm_ms_per_step", "replica_tokens", "roofline_prompt_tokens_per_s", "prompt_tokens_per_s_over_roofline",
+         "comm_ms_per_step", "replica_tokens", "overlap", "decode_step_ms", "decode_host_ms_per_step",
+         "decode_host_share_of_step", "roofline_prompt_tokens_per_s", "prompt_tokens_per_s_over_roofline",
          "mfu_vs_measured_matmul", "mfu_with_attention_vs_measured_matmul", "mfu_vs_gpu_peak",
          "mfu_with_attention_vs_gpu_peak", "prefill_mfu_vs_gpu_peak")
 COMPARED = ("output_tokens", "wall_s", "requests_per_s", "output_tokens_per_s", "decode_tokens_per_s",

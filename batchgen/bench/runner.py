@@ -35,6 +35,7 @@ class BenchConfig:
     data_parallel_size: int = 1
     enable_expert_parallel: bool = False
     fp8_weights: str = "auto"  # FP8 checkpoints: see EngineConfig.fp8_weights
+    overlap_schedule: str = "auto"
 
     @property
     def world_size(self) -> int:
@@ -48,7 +49,7 @@ def make_llm(cfg: BenchConfig) -> LLM:
                attention_backend=cfg.attention_backend, cuda_graphs=cfg.cuda_graphs,
                tensor_parallel_size=cfg.tensor_parallel_size, data_parallel_size=cfg.data_parallel_size,
                enable_expert_parallel=cfg.enable_expert_parallel, measure_communication=cfg.world_size > 1,
-               fp8_weights=cfg.fp8_weights)
+               fp8_weights=cfg.fp8_weights, overlap_schedule=cfg.overlap_schedule)
 
 
 def run_bench(llm: LLM, workload: Workload, cfg: BenchConfig) -> dict:
@@ -74,8 +75,9 @@ def run_bench(llm: LLM, workload: Workload, cfg: BenchConfig) -> dict:
     matmul = measure_matmul_flops(llm.config.torch_dtype, device) * devices
     executor = llm.engine.executor
     kv_bytes = executor.kv_layout.bytes_per_token(llm.config.torch_dtype)
-    return summarize(workload, outputs, metrics, wall, executor.profile, kv_bytes, matmul,
-                     engine_peak_flops(llm.config), cfg, device, llm.config.dtype_choice)
+    result = summarize(workload, outputs, metrics, wall, executor.profile, kv_bytes, matmul,
+                       engine_peak_flops(llm.config), cfg, device, llm.config.dtype_choice)
+    return {**result, "overlap": llm.engine.overlap, **host_times(metrics)}
 
 
 def summarize(workload, outputs, m: EngineMetrics, wall: float, profile: ModelProfile, kv_bytes_per_token: int,
@@ -150,6 +152,18 @@ def step_times(m: EngineMetrics) -> dict:
     if m.replica_tokens:
         out["replica_tokens"] = list(m.replica_tokens)
     return out
+
+
+def host_times(m: EngineMetrics) -> dict:
+    """The host's work per decode step outside the model (scheduling, writing the step down and building
+    its tensors, applying its tokens), and its share of a step in which nothing overlaps it."""
+    if not m.decode_steps:
+        return {}
+    host = m.decode_host_time_s + m.decode_prepare_time_s
+    step = m.decode_host_time_s + m.decode_time_s
+    return {"decode_host_ms_per_step": round(1e3 * host / m.decode_steps, 3),
+            "decode_step_ms": round(1e3 * step / m.decode_steps, 3),
+            "decode_host_share_of_step": round(host / step, 4) if step else None}
 
 
 def _sync(llm: LLM) -> None:

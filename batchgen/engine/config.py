@@ -217,6 +217,9 @@ class EngineConfig:
     enable_expert_parallel: bool = False
     distributed_timeout_s: float = 600.0  # longest wait for a worker's step (and a collective's peers)
     measure_communication: bool = False  # time collectives on CUDA too (synchronises: benchmarks only)
+    # Overlapped scheduling: the host schedules and prepares step N+1 while the device runs step N.
+    # "auto": on for one CUDA device; off on CPU, where the host's work would take cores from the model.
+    overlap_schedule: str = "auto"
 
     def __post_init__(self) -> None:
         check_dtype_name(self.dtype)
@@ -228,6 +231,8 @@ class EngineConfig:
             raise ValueError(f"cuda_graphs must be 'auto', 'off' or 'emulate', got {self.cuda_graphs!r}")
         if self.fp8_weights not in FP8_WEIGHTS_MODES:
             raise ValueError(f"fp8_weights must be one of {', '.join(FP8_WEIGHTS_MODES)}, got {self.fp8_weights!r}")
+        if self.overlap_schedule not in ("auto", "on", "off"):
+            raise ValueError(f"overlap_schedule must be 'auto', 'on' or 'off', got {self.overlap_schedule!r}")
         if self.tensor_parallel_size < 1 or self.data_parallel_size < 1:
             raise ValueError("tensor_parallel_size and data_parallel_size must be >= 1")
         if self.distributed_timeout_s <= 0:
@@ -237,6 +242,13 @@ class EngineConfig:
     def world_size(self) -> int:
         """Devices (and, above one, worker processes) the engine runs on."""
         return self.tensor_parallel_size * self.data_parallel_size
+
+    @property
+    def overlap(self) -> bool:
+        """Whether steps overlap: only on one device (worker ranks learn the sampled tokens through the engine)."""
+        if self.overlap_schedule == "auto":
+            return self.world_size == 1 and self.torch_device().type == "cuda"
+        return self.overlap_schedule == "on" and self.world_size == 1
 
     def expert_parallel(self, model: ModelConfig) -> bool:
         """Whether the model's experts are split over the ranks (only a mixture of experts has any)."""

@@ -5,18 +5,19 @@ import itertools
 import logging
 import random
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 from batchgen.engine.block_manager import BlockManager
 from batchgen.engine.config import EngineConfig, ModelConfig
-from batchgen.engine.executor import StepInput, StepOutput, build_step_input, make_executor
+from batchgen.engine.executor import StepInput, StepOutput, SubmittedStep, build_step_input, make_executor
 from batchgen.engine.loader import load_model_source
 from batchgen.engine.metrics import EngineMetrics, StepRecord
 from batchgen.engine.outputs import RequestOutput
 from batchgen.engine.sampling_params import SamplingParams
 from batchgen.engine.sampler import TokenBitmask
 from batchgen.engine.scheduler import ScheduledSeq, ScheduledStep, Scheduler
-from batchgen.engine.sequence import Sequence
+from batchgen.engine.sequence import Sequence, placeholder
 from batchgen.engine.stopping import finish_reason, output_text
 from batchgen.engine.structured import (
     EXTRA_HINT, GrammarCompiler, GrammarState, grammar_key, structured_available, token_bitmask,
@@ -40,13 +41,31 @@ def model_context_len(cfg: ModelConfig, requested: int | None = None) -> int:
     return limit
 
 
+@dataclass
+class InFlightStep:
+    """A submitted step: what was scheduled, and the engine's host time for it so far."""
+
+    steps: list[ScheduledStep]
+    inputs: list[StepInput | None]
+    submitted: SubmittedStep
+    submitted_at: float
+    host_s: float  # scheduling, writing the step down, and (once done) applying its tokens
+    mask_s: float
+    prefill_tokens: int
+
+    @property
+    def has_grammar_rows(self) -> bool:
+        return any(i is not None and i.bitmask is not None for i in self.inputs)
+
+
 class Replica:
     """One data-parallel engine replica: a scheduler over its own KV cache, and the prompt tokens of the
     requests it holds (what new requests are balanced on)."""
 
-    def __init__(self, config: EngineConfig, num_blocks: int, window: int | None = None):
+    def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int, window: int | None = None):
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching, window=window)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs,
+                                   max_model_len)
         self.prompt_tokens = 0
 
     def add(self, seq: Sequence) -> None:
@@ -93,7 +112,8 @@ class LLMEngine:
             log.warning("KV cache holds %d tokens; max_model_len lowered from %d", capacity, self.max_model_len)
             self.max_model_len = capacity
         window = self.executor.kv_layout.window  # every layer slides: blocks out of it are freed while running
-        self.replicas = [Replica(config, self.executor.num_blocks, window) for _ in range(config.data_parallel_size)]
+        self.replicas = [Replica(config, self.executor.num_blocks, self.max_model_len, window)
+                         for _ in range(config.data_parallel_size)]
         # Replicas whose MoE layers exchange tokens must all run every step, idle or not.
         self.lockstep = config.expert_parallel(self.model_config) and len(self.replicas) > 1
         self.eos_ids = frozenset(self._eos_ids(source))
@@ -101,6 +121,11 @@ class LLMEngine:
         self._seed_rng = random.Random()
         self.step_listeners: list[Callable[[StepRecord], None]] = []
         self._grammars: GrammarCompiler | None = None
+        self.overlap = config.overlap
+        if config.overlap_schedule == "on" and not self.overlap:
+            log.info("overlapped scheduling off: worker ranks learn each step's tokens only through the engine")
+        self._in_flight: InFlightStep | None = None
+        self._last_done = 0.0  # when the latest step's tokens arrived
         self.reset_metrics()
 
     @property
@@ -160,36 +185,93 @@ class LLMEngine:
 
     def abort_all(self) -> int:
         """Drops every unfinished request (a caller that stopped reading their outputs)."""
+        self._drain()
         return sum(r.abort_all() for r in self.replicas)
 
     def has_unfinished(self) -> bool:
-        return any(r.scheduler.has_unfinished() for r in self.replicas)
+        """Whether a request is unfinished or a step is still in flight (``step`` until it is not)."""
+        return self._in_flight is not None or any(r.scheduler.has_unfinished() for r in self.replicas)
 
     @property
     def num_unfinished(self) -> int:
         return sum(r.scheduler.num_unfinished for r in self.replicas)
 
     def step(self) -> list[RequestOutput]:
-        """Runs one scheduled step (of every replica that has work); returns the requests that finished in it."""
+        """Runs one scheduled step (of every replica that has work); returns the requests that finished.
+
+        With overlapped scheduling the step is left running on the device and the previous step's tokens
+        are applied while it runs: its sequences are scheduled around placeholders for those tokens, and a
+        sequence found finished a step late drops the one extra token it computed.
+        """
         finished: list[RequestOutput] = []
         for replica in self.replicas:
             finished += [self._grammar_failed(seq) for seq in replica.promote_compiled()]
+        previous, self._in_flight = self._in_flight, None
+        if previous is not None and previous.has_grammar_rows:
+            # A grammar's next bitmask needs the token sampled under it: no overlap for this step.
+            finished += self._complete(previous)
+            previous = None
+        start = time.perf_counter()
         steps = [r.scheduler.schedule() for r in self.replicas]
-        if not any(step.seqs for step in steps):
-            if not finished:  # only requests whose grammar is compiling: wait a little instead of spinning
+        launched = self._launch(steps, start) if any(step.seqs for step in steps) else None
+        if previous is not None:
+            finished += self._complete(previous)
+        if launched is None:
+            if previous is None and not finished:  # only requests whose grammar is compiling: wait, don't spin
                 next((r.scheduler for r in self.replicas if r.scheduler.waiting_for_grammar),
                      self.scheduler).wait_for_grammars(GRAMMAR_WAIT_S)
             return finished
+        self._defer_sampled_tokens(launched)
+        if self.overlap:
+            self._in_flight = launched
+        else:
+            finished += self._complete(launched)
+        return finished
+
+    def _launch(self, steps: list[ScheduledStep], start: float) -> "InFlightStep":
+        """Writes the replicas' steps down, advances their sequences' computed tokens and submits the step."""
         mask_start = time.perf_counter()
         bitmasks = [self._token_bitmask(step.seqs) for step in steps]
-        start = time.perf_counter()
+        mask_s = time.perf_counter() - mask_start
         inputs = self._step_inputs(steps, bitmasks)
-        outputs = self.executor.execute(inputs)
-        self._record(steps, inputs, outputs, start, time.perf_counter() - start, start - mask_start)
-        for replica, step, out in zip(self.replicas, steps, outputs):
+        seqs = [s for step in steps for s in step.seqs]
+        prefill = sum(max(0, min(s.seq.num_prompt_tokens, s.seq.num_computed_tokens + s.num_new_tokens)
+                          - s.seq.num_computed_tokens) for s in seqs)
+        for s in seqs:
+            s.seq.num_computed_tokens += s.num_new_tokens
+        submitted_at = time.perf_counter()
+        return InFlightStep(steps, inputs, self.executor.submit(inputs), submitted_at,
+                            host_s=submitted_at - start - mask_s, mask_s=mask_s, prefill_tokens=prefill)
+
+    def _defer_sampled_tokens(self, launched: "InFlightStep") -> None:
+        """Gives each sequence sampled in the launched step a placeholder for its token until it arrives."""
+        for step in launched.steps:
+            row = 0
+            for s in step.seqs:
+                if s.sample:
+                    if not s.seq.is_finished:
+                        s.seq.token_ids.append(placeholder(row))
+                    row += 1
+
+    def _complete(self, launched: "InFlightStep") -> list[RequestOutput]:
+        """Waits for a launched step's tokens and applies them; returns the requests they finished."""
+        outputs = launched.submitted.result()
+        done = time.perf_counter()
+        device_start = max(launched.submitted_at, self._last_done)  # overlapped steps share no device time
+        self._last_done = done
+        finished: list[RequestOutput] = []
+        for replica, step, out in zip(self.replicas, launched.steps, outputs):
             if step.seqs:
                 finished += self._apply(replica, step.seqs, out)
+        launched.host_s += time.perf_counter() - done
+        self._record(launched, outputs, device_start, done - device_start)
         return finished
+
+    def _drain(self) -> None:
+        """Waits for the step in flight and drops its tokens (its sequences were aborted)."""
+        launched, self._in_flight = self._in_flight, None
+        if launched is not None:
+            launched.submitted.result()
 
     def _step_inputs(self, steps: list[ScheduledStep], bitmasks: list[TokenBitmask | None]
                      ) -> list[StepInput | None]:
@@ -205,20 +287,19 @@ class LLMEngine:
         return inputs
 
     def _apply(self, replica: Replica, scheduled: list[ScheduledSeq], out: StepOutput) -> list[RequestOutput]:
-        """Advances the replica's sequences by the step's computed and sampled tokens."""
+        """Puts the step's sampled tokens in place of their placeholders and finishes the sequences they end."""
         finished = []
-        row = 0
-        for s in scheduled:
-            seq = s.seq
-            seq.num_computed_tokens += s.num_new_tokens
-            if not s.sample:
+        sampled = [s.seq for s in scheduled if s.sample]
+        if len(out.tokens) != len(sampled):
+            raise RuntimeError(f"the step sampled {len(out.tokens)} tokens for {len(sampled)} sequences")
+        for row, seq in enumerate(sampled):
+            if seq.is_finished:  # it ended a step late (or was aborted): this token is one too many
                 continue
-            seq.token_ids.append(out.tokens[row])
+            seq.token_ids[-1] = out.tokens[row]
             if seq.grammar is not None:
                 seq.grammar.advance(seq.token_ids, seq.num_prompt_tokens)
             if seq.params.logprobs:
                 seq.logprobs.append(out.logprobs[row])
-            row += 1
             reason = finish_reason(seq, self.eos_ids, self.max_model_len, self.tokenizer)
             if reason:
                 seq.finish_reason = reason
@@ -246,16 +327,17 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stops the executor's workers and the grammar compiler; the engine cannot run afterwards."""
+        self._in_flight = None
         self.executor.shutdown()
         if self._grammars is not None:
             self._grammars.close()
 
-    def _record(self, steps: list[ScheduledStep], inputs: list[StepInput | None], outputs: list[StepOutput | None],
-                start: float, elapsed: float, mask_s: float) -> None:
-        """Counts the step of every replica (before their sequences advance) and tells the listeners."""
+    def _record(self, launched: "InFlightStep", outputs: list[StepOutput | None], start: float,
+                elapsed: float) -> None:
+        """Counts the step of every replica and tells the listeners."""
+        steps, inputs = launched.steps, launched.inputs
         seqs = [s for step in steps for s in step.seqs]
-        prefill = sum(max(0, min(s.seq.num_prompt_tokens, s.seq.num_computed_tokens + s.num_new_tokens)
-                          - s.seq.num_computed_tokens) for s in seqs)
+        prefill = launched.prefill_tokens
         grammar_rows = sum(len(i.bitmask.rows) for i in inputs if i is not None and i.bitmask is not None)
         ran = [o for o in outputs if o is not None]
         record = StepRecord(
@@ -266,8 +348,9 @@ class LLMEngine:
             prefix_cache_queries=sum(step.prefix_cache_queries for step in steps),
             prefix_cache_hits=sum(step.prefix_cache_hits for step in steps),
             preemptions=sum(step.preemptions for step in steps),
-            grammar_rows=grammar_rows, mask_time_s=mask_s if grammar_rows else 0.0,
+            grammar_rows=grammar_rows, mask_time_s=launched.mask_s if grammar_rows else 0.0,
             comm_time_s=max((o.comm_s for o in ran), default=0.0),
+            host_time_s=launched.host_s, prepare_time_s=max((o.prepare_s for o in ran), default=0.0),
             replica_tokens=tuple(i.num_tokens if i is not None else 0 for i in inputs)
             if len(inputs) > 1 else ())
         self.metrics.add_step(record)

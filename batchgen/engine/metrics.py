@@ -15,6 +15,9 @@ class StepRecord:
     bitmask, which took ``mask_time_s`` to build before the model run (not part of ``duration_s``).
     ``comm_time_s`` of ``duration_s`` went to collectives between devices (the slowest replica's sampling
     rank; 0 on one device). ``replica_tokens`` are the tokens each data-parallel replica computed.
+    ``host_time_s`` is the engine's own time for the step outside the model (scheduling it, writing it down,
+    applying its tokens), and ``prepare_time_s`` of ``duration_s`` the executor's building of its tensors:
+    the host work that leaves the device idle unless steps overlap.
     """
 
     start_s: float
@@ -31,6 +34,8 @@ class StepRecord:
     grammar_rows: int = 0
     mask_time_s: float = 0.0
     comm_time_s: float = 0.0
+    host_time_s: float = 0.0
+    prepare_time_s: float = 0.0
     replica_tokens: tuple[int, ...] = ()
 
     @property
@@ -62,12 +67,16 @@ class EngineMetrics:
     grammar_mask_time_s: float = 0.0  # time spent filling those bitmasks
     comm_time_s: float = 0.0  # of the step time, spent in collectives between devices
     replica_tokens: list[int] = field(default_factory=list)  # tokens computed by each data-parallel replica
+    decode_host_time_s: float = 0.0  # engine host time of the decode steps, outside the model
+    decode_prepare_time_s: float = 0.0  # of decode_time_s, building the steps' tensors on the host
 
     def add_step(self, r: StepRecord) -> None:
         if r.decode_only:
             self.decode_steps += 1
             self.decode_time_s += r.duration_s
             self.decode_tokens += r.decode_tokens
+            self.decode_host_time_s += r.host_time_s
+            self.decode_prepare_time_s += r.prepare_time_s
         else:
             self.prefill_steps += 1
             self.prefill_time_s += r.duration_s

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -50,6 +51,7 @@ class ModelRunner:
         self.num_blocks = 0
         self.graphs: GraphRunner | None = None
         self.samples = parallel.tp.is_first  # the first tensor-parallel rank gathers the logits and samples
+        self._last_tokens: torch.Tensor | None = None  # the latest step's sampled tokens, on the device
 
     def weight_methods(self):
         """How the layers hold a quantized checkpoint's weights on this device (None: unquantized)."""
@@ -114,23 +116,46 @@ class ModelRunner:
         cu_k = torch.zeros(n + 1, dtype=torch.int32)
         torch.cumsum(ctx, 0, out=cu_k[1:])
         logits_rows = cu_q[1:][torch.tensor(step.sample_seqs, dtype=torch.int64)] - 1
+        to_dev = self._to_device
         meta = AttentionMetadata(
-            cu_seqlens_q=cu_q.to(torch.int32).to(dev), cu_seqlens_k=cu_k.to(dev), context_lens=ctx.to(dev),
-            max_seqlen_q=max(query_lens), max_seqlen_k=max(context_lens), slot_mapping=slots.to(dev),
-            block_tables=block_tables.to(dev), query_lens=query_lens, context_lens_list=context_lens)
-        return torch.tensor(step.input_ids, device=dev), positions.to(dev), meta, logits_rows.to(dev)
+            cu_seqlens_q=to_dev(cu_q.to(torch.int32)), cu_seqlens_k=to_dev(cu_k), context_lens=to_dev(ctx),
+            max_seqlen_q=max(query_lens), max_seqlen_k=max(context_lens), slot_mapping=to_dev(slots),
+            block_tables=to_dev(block_tables), query_lens=query_lens, context_lens_list=context_lens)
+        input_ids = to_dev(torch.tensor(step.input_ids))
+        if step.deferred_positions:
+            self._fill_deferred(input_ids, step)
+        return input_ids, to_dev(positions), meta, to_dev(logits_rows)
 
-    @torch.inference_mode()
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """On CUDA, from pinned memory without blocking the host: the copy queues behind the running step."""
+        if self.device.type != "cuda":
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
+
+    def _fill_deferred(self, input_ids: torch.Tensor, step: StepInput) -> None:
+        """Writes the previous step's sampled tokens into the places scheduled before they were known."""
+        if self._last_tokens is None:
+            raise RuntimeError("a step refers to sampled tokens of a previous step that sampled none")
+        rows = self._to_device(torch.tensor(step.deferred_rows, dtype=torch.int64))
+        input_ids[self._to_device(torch.tensor(step.deferred_positions, dtype=torch.int64))] = self._last_tokens[rows]
+
     def execute(self, step: StepInput) -> StepOutput:
         """One forward over the packed step; the sampling rows' next tokens (on the sampling rank)."""
+        return self.launch(step).result()
+
+    @torch.inference_mode()
+    def launch(self, step: StepInput) -> "LaunchedStep":
+        """Queues the step's work on the device; its sampled tokens stay there (for the next step's
+        deferred tokens) until ``result`` copies them back, the step's one synchronisation."""
         start = time.perf_counter()
         self.parallel.clock.reset()
         if step.dp_num_tokens:
             self.parallel.exchange.begin_step(step.dp_num_tokens)
         if step.num_seqs == 0:  # an idle replica's turn in the expert exchange
             self._run_empty()
-            return self._timed(StepOutput(), start)
+            return LaunchedStep(self, start, 0.0)
         input_ids, positions, meta, logits_rows = self.prepare(step)
+        prepare_s = time.perf_counter() - start
         graph = self.graphs.pick(meta, len(input_ids)) if self.graphs is not None else None
         padded = graph[1] - len(input_ids) if graph is not None else 0
         if graph is not None:
@@ -138,10 +163,21 @@ class ModelRunner:
         else:
             logits = self.model(input_ids, positions, meta, logits_rows)
         if len(logits_rows) == 0 or not self.samples:  # only non-final prompt chunks, or not the sampling rank
-            return self._timed(StepOutput(padded_tokens=padded), start)
+            return LaunchedStep(self, start, prepare_s, padded=padded)
         tokens, logprobs = sample(logits, step.sampling.to_batch(self.device, step.bitmask))
-        out = StepOutput(tokens.tolist(), logprobs.tolist() if logprobs is not None else None, padded)
-        return self._timed(out, start)
+        self._last_tokens = tokens
+        launched = LaunchedStep(self, start, prepare_s, self._to_host(tokens), self._to_host(logprobs), padded)
+        if self.device.type == "cuda":
+            # Queued now, the copies wait for this step alone, not for the next step queued behind it.
+            launched.copied = torch.cuda.Event()
+            launched.copied.record()
+        return launched
+
+    def _to_host(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        if t is None or self.device.type != "cuda":
+            return t
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        return host.copy_(t, non_blocking=True)
 
     def _run_empty(self) -> None:
         empty = torch.zeros(0, dtype=torch.int64, device=self.device)
@@ -153,9 +189,31 @@ class ModelRunner:
             query_lens=[], context_lens_list=[])
         self.model(empty, empty, meta, empty)
 
-    def _timed(self, out: StepOutput, start: float) -> StepOutput:
-        if self.device.type == "cuda" and self.parallel.clock.sync:
-            torch.cuda.synchronize(self.device)
-        out.comm_s = self.parallel.clock.reset()
-        out.compute_s = time.perf_counter() - start - out.comm_s
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose work is queued on the device; ``result`` waits for its sampled tokens (on CUDA, for
+    their copy to pinned host memory, queued right behind the step)."""
+
+    runner: ModelRunner
+    start: float
+    prepare_s: float
+    tokens: torch.Tensor | None = None
+    logprobs: torch.Tensor | None = None
+    padded: int = 0
+    copied: "torch.cuda.Event | None" = None  # on CUDA: when tokens and logprobs have reached the host
+
+    def result(self) -> StepOutput:
+        runner = self.runner
+        out = StepOutput(padded_tokens=self.padded, prepare_s=self.prepare_s)
+        if self.copied is not None:
+            self.copied.synchronize()
+        if self.tokens is not None:
+            out.tokens = self.tokens.tolist()
+            out.logprobs = self.logprobs.tolist() if self.logprobs is not None else None
+        if runner.device.type == "cuda" and runner.parallel.clock.sync:
+            torch.cuda.synchronize(runner.device)
+        out.comm_s = runner.parallel.clock.reset()
+        out.compute_s = time.perf_counter() - self.start - out.comm_s
         return out

@@ -36,8 +36,10 @@ class Scheduler:
     grammar is still compiling waits aside and joins the waiting queue once it is ready.
     """
 
-    def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int, max_num_seqs: int):
+    def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int, max_num_seqs: int,
+                 max_model_len: int):
         self.block_manager = block_manager
+        self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.waiting: deque[Sequence] = deque()
@@ -83,16 +85,20 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         step = ScheduledStep()
         scheduled = step.seqs
-        i = 0
+        i = ending = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.num_known_tokens < seq.num_tokens and seq.reached_length(self.max_model_len):
+                i += 1  # its token in flight is its last: nothing left to compute, its slot frees up
+                ending += 1
+                continue
             if not self._make_room(seq, min(seq.num_tokens - seq.num_computed_tokens, budget), step):
                 break
             scheduled.append(self._schedule_chunk(seq, budget))
             budget -= scheduled[-1].num_new_tokens
             i += 1
         while (not step.preemptions and self.waiting and budget > 0
-               and len(self.running) < self.max_num_seqs
+               and len(self.running) - ending < self.max_num_seqs
                and self.block_manager.can_admit(self.waiting[0])):
             seq = self.waiting.popleft()
             step.prefix_cache_hits += self.block_manager.admit(seq)
@@ -110,7 +116,8 @@ class Scheduler:
         n = min(seq.num_tokens - seq.num_computed_tokens, budget)
         end = seq.num_computed_tokens + n
         self.block_manager.allocate(seq, end)
-        self.block_manager.mark_scheduled(seq, end)
+        # A block holding a placeholder is hashed at a later step, once its token ids are known.
+        self.block_manager.mark_scheduled(seq, min(end, seq.num_known_tokens))
         return ScheduledSeq(seq, n, sample=end == seq.num_tokens)
 
     def _make_room(self, seq: Sequence, num_new_tokens: int, step: ScheduledStep) -> bool:
@@ -136,7 +143,10 @@ class Scheduler:
         self.block_manager.free_seq(seq)
 
     def drop_finished(self) -> None:
+        """Forgets finished sequences: running ones, and preempted ones whose last token (in flight) ended them."""
         self.running = [s for s in self.running if not s.is_finished]
+        if any(s.is_finished for s in self.waiting):
+            self.waiting = deque(s for s in self.waiting if not s.is_finished)
 
     def abort_all(self) -> int:
         """Drops every unfinished request and frees its blocks; returns how many there were."""

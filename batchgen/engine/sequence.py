@@ -11,6 +11,16 @@ if TYPE_CHECKING:
     from batchgen.engine.structured import GrammarState
 
 
+def placeholder(row: int) -> int:
+    """Stands in for the token that sampling row ``row`` of the step in flight has not returned yet."""
+    return -1 - row
+
+
+def placeholder_row(token: int) -> int | None:
+    """The sampling row a placeholder token stands for; None for a real token."""
+    return -1 - token if token < 0 else None
+
+
 class SequenceStatus(Enum):
     WAITING_FOR_GRAMMAR = auto()  # queued until its grammar has compiled
     WAITING = auto()
@@ -20,7 +30,12 @@ class SequenceStatus(Enum):
 
 @dataclass
 class Sequence:
-    """Tokens are the prompt followed by generated tokens; ``num_computed_tokens`` have KV in the cache."""
+    """Tokens are the prompt followed by generated tokens; ``num_computed_tokens`` have KV in the cache
+    (or are being computed by the step in flight).
+
+    With overlapped scheduling the last token may be a placeholder (see :func:`placeholder`) for the token
+    the step in flight samples: the next step is scheduled around it, and the device fills it in.
+    """
 
     seq_id: int
     token_ids: list[int]
@@ -53,6 +68,15 @@ class Sequence:
     @property
     def num_completion_tokens(self) -> int:
         return self.num_tokens - self.num_prompt_tokens
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Tokens whose ids are known: all but a trailing placeholder for a token still in flight."""
+        return self.num_tokens - (self.token_ids[-1] < 0)
+
+    def reached_length(self, max_model_len: int) -> bool:
+        """Whether the sequence has all the tokens its max_tokens, or the context, allow."""
+        return self.num_completion_tokens >= self.params.max_tokens or self.num_tokens >= max_model_len
 
     @property
     def is_finished(self) -> bool:

@@ -17,7 +17,7 @@ def finish_reason(seq: Sequence, eos_ids: frozenset[int], max_model_len: int, to
         return "stop"
     if params.stop and _stop_string_end(seq, tokenizer) is not None:
         return "stop"
-    if seq.num_completion_tokens >= params.max_tokens or seq.num_tokens >= max_model_len:
+    if seq.reached_length(max_model_len):
         return "length"
     return None
 

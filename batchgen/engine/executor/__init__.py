@@ -1,7 +1,8 @@
 """The execution boundary: the engine hands an executor one StepInput per replica and gets StepOutputs back.
 
 ``SingleProcessExecutor`` runs the model in the engine's process (one device); ``MultiprocExecutor``
-spawns a worker per rank for tensor and data parallelism. Both offer ``execute``, ``shutdown``, the
+spawns a worker per rank for tensor and data parallelism. Both offer ``execute`` and ``submit`` (which
+returns while the step runs, where the executor overlaps steps), ``shutdown``, the
 whole model's ``profile`` and ``kv_layout``, and ``num_blocks``, the KV blocks each replica may use.
 """
 from __future__ import annotations
@@ -15,6 +16,12 @@ from batchgen.engine.model_source import ModelSource
 from batchgen.engine.models.base import ModelProfile
 
 
+class SubmittedStep(Protocol):
+    def result(self) -> list[StepOutput | None]:
+        """Waits for the step; one output per replica."""
+        ...
+
+
 class Executor(Protocol):
     num_blocks: int
     profile: ModelProfile
@@ -22,6 +29,10 @@ class Executor(Protocol):
 
     def execute(self, steps: Sequence[StepInput | None]) -> list[StepOutput | None]:
         """Runs one step per replica (None: the replica sits it out) and returns their outputs."""
+        ...
+
+    def submit(self, steps: Sequence[StepInput | None]) -> SubmittedStep:
+        """Starts ``execute``'s work and returns at once where the executor overlaps steps."""
         ...
 
     def shutdown(self) -> None: ...
@@ -38,4 +49,4 @@ def make_executor(config: EngineConfig, model_cfg: ModelConfig, source: ModelSou
     return MultiprocExecutor(config, model_cfg, source.path, max_model_len)
 
 
-__all__ = ["Executor", "SamplingRows", "StepInput", "StepOutput", "build_step_input", "make_executor"]
+__all__ = ["Executor", "SubmittedStep", "SamplingRows", "StepInput", "StepOutput", "build_step_input", "make_executor"]

@@ -23,7 +23,7 @@ from typing import Sequence
 import torch
 
 from batchgen.engine.config import EngineConfig, ModelConfig
-from batchgen.engine.executor.step import StepInput, StepOutput
+from batchgen.engine.executor.step import FinishedStep, StepInput, StepOutput
 from batchgen.engine.executor.worker import WorkerSpec, receive, worker_main
 from batchgen.engine.layers.ops import default_backend, make_kernel_set
 from batchgen.engine.models.registry import build_model
@@ -110,6 +110,11 @@ class MultiprocExecutor:
 
     def ranks_of(self, replica: int) -> range:
         return range(replica * self.tp, (replica + 1) * self.tp)
+
+    def submit(self, steps: Sequence[StepInput | None]) -> FinishedStep:
+        """Runs the step before returning: the ranks learn sampled tokens only through the engine, so steps
+        never overlap here (the engine then never defers a token)."""
+        return FinishedStep(self.execute(steps))
 
     def execute(self, steps: Sequence[StepInput | None]) -> list[StepOutput | None]:
         """Runs each replica's step (None: that replica sits this step out); returns their outputs."""

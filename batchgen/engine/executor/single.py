@@ -1,26 +1,61 @@
 """The single-process executor: the model runner lives in the engine's own process (today's path)."""
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Sequence
+
+import torch
 
 from batchgen.engine.config import EngineConfig, ModelConfig
 from batchgen.engine.executor.step import StepInput, StepOutput
-from batchgen.engine.model_runner import ModelRunner
+from batchgen.engine.model_runner import LaunchedStep, ModelRunner
 from batchgen.engine.model_source import ModelSource
 
 
 class SingleProcessExecutor:
-    """One replica, one device: each step is a direct call, nothing is copied or sent."""
+    """One replica, one device: each step is a direct call, nothing is copied or sent.
+
+    With ``config.overlap`` a single "device stream" thread launches the steps in order, so that ``submit``
+    returns while the step runs (on CUDA the thread only queues kernels; on CPU it computes them).
+    """
 
     def __init__(self, config: EngineConfig, model_cfg: ModelConfig, source: ModelSource, max_model_len: int):
         self.runner = ModelRunner(config, model_cfg, source, max_model_len)
         self.runner.allocate_kv_cache(self.runner.kv_blocks_available())
         self.num_blocks = self.runner.num_blocks
         self.profile, self.kv_layout = self.runner.profile, self.runner.kv_layout
+        self._stream = ThreadPoolExecutor(1, thread_name_prefix="device-stream", initializer=self._bind_device) \
+            if config.overlap else None
+
+    def _bind_device(self) -> None:
+        if self.runner.device.type == "cuda":  # the current device is per thread
+            torch.cuda.set_device(self.runner.device)
 
     def execute(self, steps: Sequence[StepInput | None]) -> list[StepOutput | None]:
+        return self.submit(steps).result()
+
+    def submit(self, steps: Sequence[StepInput | None]) -> "SubmittedStep":
+        """Starts the step; the step submitted next may refer to its sampled tokens (``deferred_rows``)."""
         (step,) = steps
-        return [self.runner.execute(step) if step is not None else None]
+        if step is None:
+            return SubmittedStep(None)
+        if self._stream is None:
+            return SubmittedStep(self.runner.launch(step))
+        return SubmittedStep(self._stream.submit(self.runner.launch, step))
 
     def shutdown(self) -> None:
-        pass
+        if self._stream is not None:
+            self._stream.shutdown(wait=True)
+
+
+class SubmittedStep:
+    """A step in flight on the device; ``result`` waits for its outputs (one per replica)."""
+
+    def __init__(self, launched: LaunchedStep | Future | None):
+        self._launched = launched
+
+    def result(self) -> list[StepOutput | None]:
+        launched = self._launched
+        if isinstance(launched, Future):
+            launched = launched.result()
+        return [launched.result() if launched is not None else None]

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Sequence
 import torch
 
 from batchgen.engine.sampler import SamplingBatch, TokenBitmask
+from batchgen.engine.sequence import placeholder_row
 
 if TYPE_CHECKING:
     from batchgen.engine.scheduler import ScheduledSeq
@@ -61,7 +62,8 @@ class StepInput:
     Sequence i computes ``query_lens[i]`` new tokens and then attends to ``context_lens[i]`` keys (its
     cached prefix and the new tokens); its KV lives in the blocks of ``block_tables[i]``. The sequences in
     ``sample_seqs`` sample a next token from their last new token, with the settings of ``sampling`` (one
-    row each, same order) and, for rows with a grammar, ``bitmask``. ``dp_num_tokens`` holds every
+    row each, same order) and, for rows with a grammar, ``bitmask``. A new token still being sampled by
+    the previous step is a ``deferred`` one. ``dp_num_tokens`` holds every
     data-parallel replica's token count when MoE layers exchange tokens between replicas (else empty);
     a replica with nothing to do then still runs an empty step to take part in the exchange.
     """
@@ -74,6 +76,10 @@ class StepInput:
     sampling: SamplingRows = field(default_factory=SamplingRows)
     bitmask: TokenBitmask | None = None
     dp_num_tokens: tuple[int, ...] = ()
+    # Overlapped scheduling: input_ids[deferred_positions[j]] is the token the previous step sampled in
+    # its row deferred_rows[j], unknown when this step was written; the executor fills it in on the device.
+    deferred_positions: list[int] = field(default_factory=list)
+    deferred_rows: list[int] = field(default_factory=list)
 
     @property
     def num_seqs(self) -> int:
@@ -88,7 +94,7 @@ class StepInput:
 class StepOutput:
     """A step's sampled tokens (one per sampling row) and, when any row asked, their log-probabilities.
 
-    ``compute_s`` and ``comm_s`` split the worker's time in the step (collectives, waiting for slower
+    ``prepare_s`` of ``compute_s`` went to building the step's tensors on the host; ``compute_s`` and ``comm_s`` split the worker's time in the step (collectives, waiting for slower
     ranks included, count as communication); ``padded_tokens`` were computed only to fit a CUDA graph.
     """
 
@@ -97,6 +103,17 @@ class StepOutput:
     padded_tokens: int = 0
     compute_s: float = 0.0
     comm_s: float = 0.0
+    prepare_s: float = 0.0
+
+
+@dataclass
+class FinishedStep:
+    """A submitted step that already ran (an executor that does not overlap steps)."""
+
+    outputs: list[StepOutput | None]
+
+    def result(self) -> list[StepOutput | None]:
+        return self.outputs
 
 
 def build_step_input(scheduled: Sequence["ScheduledSeq"], bitmask: TokenBitmask | None = None) -> StepInput:
@@ -108,6 +125,11 @@ def build_step_input(scheduled: Sequence["ScheduledSeq"], bitmask: TokenBitmask 
         start = seq.num_computed_tokens
         end = start + s.num_new_tokens
         ids += seq.token_ids[start:end]
+        row = placeholder_row(ids[-1])
+        if row is not None:  # only the last token can be in flight
+            step.deferred_positions.append(len(ids) - 1)
+            step.deferred_rows.append(row)
+            ids[-1] = 0
         step.query_lens.append(s.num_new_tokens)
         step.context_lens.append(end)
         step.block_tables.append(list(seq.block_table))
