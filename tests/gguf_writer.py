@@ -140,7 +140,8 @@ def _write_arch_metadata(w: gguf.GGUFWriter, cfg: dict, arch: str) -> None:
 def write_gguf(hf_dir: Path, out: Path, arch: str, qtype: Q = Q.F32, overrides: dict | None = None) -> Path:
     """Converts a tiny HF folder to GGUF the way llama.cpp lays it out; 2-D weights stored as ``qtype``."""
     cfg = json.loads((hf_dir / "config.json").read_text())
-    w = new_writer(out, GGUF_ARCH[arch], cfg, hf_dir)
+    kind = GGUF_ARCH[arch]
+    w = new_writer(out, kind, cfg, hf_dir)
     w.add_head_count_kv(cfg["num_key_value_heads"])
     if "head_dim" in cfg:
         w.add_key_length(cfg["head_dim"])
