@@ -26,6 +26,9 @@ SOURCE_DIR = Path(__file__).parent / "csrc"
 SOURCES = ("attention.cpp", "elementwise.cpp")
 HEADERS = ("vec.h",)
 DISABLE_ENV = "BATCHGEN_CPU_KERNELS"  # "0" turns the fused kernels off
+# -fopenmp: at::parallel_for runs its work on torch's threads only in code compiled with OpenMP (without it the
+# pragma in ATen's header is ignored and every kernel runs on one thread).
+COMMON_FLAGS = ["-O3", "-std=c++17", "-fopenmp"]
 ISA_FLAGS = {
     "avx512": ["-march=native", "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"],
     "avx2": ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"],
@@ -45,7 +48,8 @@ def build_dir(features: CpuFeatures) -> Path:
         digest.update((SOURCE_DIR / name).read_bytes())
     # What the generated code depends on: the sources, the compiler, the CPU it is tuned for (-march=native)
     # and the vector level; not the ISA caps of oneDNN, which its micro-kernels apply at run time.
-    digest.update("|".join([compiler(), features.model_name, *sorted(features.flags), str(features.isa)]).encode())
+    digest.update("|".join([compiler(), features.model_name, *sorted(features.flags), str(features.isa),
+                            *COMMON_FLAGS]).encode())
     version = torch.__version__.replace("+", "_")
     return cache_dir() / "cpu" / f"kernels-torch{version}-{features.isa}-{digest.hexdigest()[:16]}"
 
@@ -96,7 +100,7 @@ def build_and_load(features: CpuFeatures) -> str | None:
             with _ninja_on_path():
                 cpp_extension.load(
                     name=name, sources=[str(SOURCE_DIR / source) for source in SOURCES],
-                    extra_cflags=["-O3", "-std=c++17", *ISA_FLAGS[features.isa]],
+                    extra_cflags=[*COMMON_FLAGS, *ISA_FLAGS[features.isa]], extra_ldflags=["-fopenmp"],
                     build_directory=str(folder), is_python_module=False, verbose=False)
     except Exception as e:  # noqa: BLE001 - any build or load failure means: run torch's ops instead
         lines = [line for line in str(e).splitlines() if line.strip()]

@@ -266,6 +266,9 @@ void run(const Step<T>& a, const std::vector<Seq>& seqs, int64_t q_block) {
     keys.resize(H * per_head);
     values.resize(H * per_head);
   }
+  // Pointers, not the vectors, go into the parallel regions: there `keys` would name the worker's own copy.
+  T* const packed_keys = keys.data();
+  T* const packed_values = values.data();
   std::vector<std::pair<int64_t, int64_t>> pack_items;  // (seq, block)
   for (int64_t i = 0; i < (int64_t)seqs.size(); ++i)
     for (int64_t b = 0; b < seqs[i].num_kv_blocks; ++b) pack_items.emplace_back(i, b);
@@ -277,8 +280,8 @@ void run(const Step<T>& a, const std::vector<Seq>& seqs, int64_t q_block) {
       const Seq& s = seqs[i];
       int64_t first = b * s.kv_block, count = std::min(s.kv_block, s.prefix + s.q_len - first);
       int64_t offset = h * per_head + s.packed + b * s.kv_block * D;
-      pack_keys(a, s, h, first, count, keys.data() + offset);
-      pack_values(a, s, h, first, count, values.data() + offset);
+      pack_keys(a, s, h, first, count, packed_keys + offset);
+      pack_values(a, s, h, first, count, packed_values + offset);
     }
   });
 
@@ -300,7 +303,7 @@ void run(const Step<T>& a, const std::vector<Seq>& seqs, int64_t q_block) {
       const Item& it = items[k];
       const Seq& s = seqs[it.seq];
       int64_t offset = it.h * per_head + s.packed;
-      attend_block(a, s, it.h, it.t0, it.t1, keys.data() + offset, values.data() + offset, scratch);
+      attend_block(a, s, it.h, it.t0, it.t1, packed_keys + offset, packed_values + offset, scratch);
     }
     if constexpr (kVnni<T>) at::native::cpublas::brgemm_release(true);
   });
