@@ -293,8 +293,12 @@ void run(const Step<T>& a, const std::vector<Seq>& seqs, int64_t q_block) {
       int64_t cost = (t1 - t0) * ((seqs[i].prefix + t1 - 1) / seqs[i].kv_block + 1) * seqs[i].kv_block;
       for (int64_t h = 0; h < H; ++h) items.push_back({i, h, t0, t1, cost});
     }
-  // Largest first, handed out one at a time: causal blocks differ in cost by up to the sequence length.
-  std::stable_sort(items.begin(), items.end(), [](const Item& x, const Item& y) { return x.cost > y.cost; });
+  // Handed out one at a time, a KV head's items in a row (its packed keys and values, up to a few MB, stay
+  // in the caches while every query block reads them), largest first within the head: causal blocks differ
+  // in cost by up to the sequence length, and the cheapest come last to even out the threads' finish.
+  std::stable_sort(items.begin(), items.end(), [](const Item& x, const Item& y) {
+    return x.h != y.h ? x.h < y.h : x.cost > y.cost;
+  });
   std::atomic<int64_t> next{0};
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), items.size());
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
