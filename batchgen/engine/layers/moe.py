@@ -157,8 +157,9 @@ class SparseMoeBlock(nn.Module):
     """Routed experts plus optional shared ones: ``experts(x) + [sigmoid(shared_expert_gate(x)) *] shared_expert(x)``.
 
     Module names follow the checkpoints (``gate``, ``experts``, ``shared_expert``, ``shared_expert_gate``).
-    With an active ``exchange`` (expert parallelism over data-parallel replicas) the routed experts see
-    every replica's tokens; the shared experts only this replica's.
+    The router runs on this replica's tokens. With an active ``exchange`` (expert parallelism over
+    data-parallel replicas) the routed experts see the tokens it brings them from every replica; the
+    shared experts only this replica's.
     """
 
     def __init__(self, gate: TopKRouter, experts: FusedMoE, shared_expert: nn.Module | None = None,
@@ -183,15 +184,15 @@ class SparseMoeBlock(nn.Module):
 
     def activation_values_per_token(self) -> int:
         # Per routed copy of a token: its gathered row, gate|up and SiLU outputs, expert and weighted outputs;
-        # under the exchange a rank routes every replica's tokens.
+        # under the exchange a rank may get every replica's tokens.
         k, size, hidden = self.gate.top_k, self.experts.local_size, self.experts.hidden_size
         shared = getattr(self.shared_expert, "activation_values_per_token", lambda: 0)()
         return self.exchange.dp.size * k * (3 * size + 3 * hidden) + shared
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        tokens = self.exchange.dispatch(x)
-        topk_weights, topk_ids = self.gate(tokens)
-        out = self.exchange.combine(self.experts(tokens, topk_weights, topk_ids))
+        topk_weights, topk_ids = self.gate(x)
+        routed = self.exchange.dispatch(x, topk_weights, topk_ids, self.experts.num_experts)
+        out = self.exchange.combine(self.experts(routed.x, routed.topk_weights, routed.topk_ids))
         if self.shared_expert is not None:
             shared = self.shared_expert(x)
             if self.shared_expert_gate is not None:

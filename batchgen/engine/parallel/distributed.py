@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from batchgen.engine.parallel.context import ParallelContext
-from batchgen.engine.parallel.expert import TokenExchange
+from batchgen.engine.parallel.expert import make_exchange
 from batchgen.engine.parallel.group import CommClock, CommGroup
 
 
@@ -39,7 +39,7 @@ def init_distributed(rank: int, tp_size: int, dp_size: int, expert_parallel: boo
     tp = CommGroup(tp_rank, tp_size, tp_handles[replica], clock)
     dp = CommGroup(replica, dp_size, dp_handles[tp_rank], clock)
     return ParallelContext(tp=tp, dp=dp, expert_parallel=expert_parallel, clock=clock,
-                           exchange=TokenExchange(dp))
+                           exchange=make_exchange(dp, tp))
 
 
 def shutdown_distributed() -> None:

@@ -82,6 +82,16 @@ class CommGroup:
             dist.reduce_scatter_single(out, x.contiguous(), group=self.handle)
         return out
 
+    def all_to_all(self, x: torch.Tensor, send_counts: list[int], recv_counts: list[int]) -> torch.Tensor:
+        """Rows ``x`` split by ``send_counts`` (part r to rank r); returns the parts every rank sent here,
+        ``recv_counts`` rows each, in rank order."""
+        if self.size == 1:
+            return x
+        out = x.new_empty(sum(recv_counts), *x.shape[1:])
+        with self.clock.measure():
+            dist.all_to_all_single(out, x.contiguous(), recv_counts, send_counts, group=self.handle)
+        return out
+
     def gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank's ``x`` concatenated along the last dim, on the first rank; others get ``x`` back."""
         if self.size == 1:
