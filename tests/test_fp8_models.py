@@ -166,6 +166,16 @@ def test_deepseek_v3_fp8_checkpoint_dequantized_at_load_matches_its_twin(checkpo
     assert attn.w_uk.dtype == torch.float32 and attn.w_uk.data_ptr() == attn.kv_b_proj.weight.data_ptr()
 
 
+@pytest.mark.timeout(240)
+def test_deepseek_v3_fp8_checkpoint_split_over_two_devices_matches_its_twin(checkpoints):
+    """Latent attention's heads split: each rank takes its heads' rows of q_b_proj and kv_b_proj, reordered
+    for the rope and with their per-row scales, and its columns of o_proj."""
+    fp8, twin = checkpoints("deepseek-v3", "channel")
+    _, prompts, expected = generate(twin)
+    with LLM(str(fp8), **KW, tensor_parallel_size=2, distributed_timeout_s=60) as llm:
+        assert_same_outputs(llm.generate(prompts, PARAMS), expected, bound=1e-5)
+
+
 @pytest.mark.parametrize("scheme", ["channel", "tensor"])
 def test_per_channel_and_per_tensor_checkpoints_match_their_twins(checkpoints, scheme):
     fp8, twin = checkpoints("llama", scheme)

@@ -111,6 +111,26 @@ def test_tensor_parallel_equals_one_device(tiny_model_factory, arch, expert_para
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.parametrize("arch,tp,dp", [("deepseek-v2", 2, 1), ("deepseek-v3", 1, 2)])
+def test_latent_attention_model_split_over_devices_equals_one_device(tiny_model_factory, arch, tp, dp):
+    """DeepSeek-V2 with its heads split (the latent rows cached whole on each rank) and each expert's
+    features split; DeepSeek-V3 over two replicas with its experts split between them (the all-to-all
+    exchange: a token goes only to the replicas that hold its experts)."""
+    path = tiny_model_factory(arch)
+    single = make_llm(path)
+    prompts, params = workload(single)
+    expected = single.generate(prompts, params)
+    with make_llm(path, tensor_parallel_size=tp, data_parallel_size=dp, enable_expert_parallel=dp > 1) as llm:
+        pids = llm.engine.executor.pids
+        assert_same_outputs(expected, llm.generate(prompts, params))
+        assert llm.engine.metrics.comm_time_s > 0
+        assert llm.engine.executor.profile == single.engine.executor.profile
+        if tp > 1:  # every rank caches every token's whole latent row: the same blocks as one device
+            assert llm.engine.executor.num_blocks == single.engine.executor.num_blocks
+    assert_gone(pids)
+
+
+@pytest.mark.timeout(240)
 def test_data_parallel_dense_splits_the_work_and_a_killed_worker_fails_fast(tiny_model):
     single = make_llm(tiny_model)
     prompts, params = workload(single)

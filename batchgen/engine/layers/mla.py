@@ -21,11 +21,12 @@ from torch import nn
 
 from batchgen.engine.config import ModelConfig
 from batchgen.engine.layers.attention import AttentionMetadata
-from batchgen.engine.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from batchgen.engine.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, divide
 from batchgen.engine.layers.norm import RMSNorm
 from batchgen.engine.layers.ops import KernelSet
 from batchgen.engine.layers.rotary import pairwise_to_half_order, yarn_softmax_scale
 from batchgen.engine.model_source import as_tensor
+from batchgen.engine.parallel.group import SINGLE, CommGroup
 
 LATENT_NORM_EPS = 1e-6  # transformers builds q_a_layernorm and kv_a_layernorm with the default eps
 
@@ -155,31 +156,34 @@ class MLAAttention(nn.Module):
     """The projections of DeepSeek's attention around the latent cache; names follow the checkpoints.
 
     ``pairwise_rope``: the checkpoint rotates adjacent pairs (DeepSeek's complex rope); its rotary
-    rows are reordered at load so the rotate-half kernels apply.
+    rows are reordered at load so the rotate-half kernels apply. Under tensor parallelism each rank holds
+    its heads' rows of q_b_proj (or q_proj) and kv_b_proj and their columns of o_proj; the latent
+    projections, and so the cached latent rows, are whole on every rank.
     """
 
-    def __init__(self, cfg: ModelConfig, kernels: KernelSet, pairwise_rope: bool):
+    def __init__(self, cfg: ModelConfig, kernels: KernelSet, pairwise_rope: bool, tp: CommGroup = SINGLE):
         super().__init__()
         mla, hidden, heads, bias = cfg.mla, cfg.hidden_size, cfg.num_heads, cfg.attention_bias
-        self.num_heads, self.kv_lora_rank = heads, mla.kv_lora_rank
+        self.total_heads, self.num_heads = heads, divide(heads, tp.size, "attention heads")
+        self.kv_lora_rank = mla.kv_lora_rank
         self.nope_dim, self.rope_dim, self.v_dim = mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim
         self.qk_dim = self.nope_dim + self.rope_dim
         self.q_lora_rank = mla.q_lora_rank
         if mla.q_lora_rank is None:
-            self.q_proj = ColumnParallelLinear(hidden, heads * self.qk_dim)
+            self.q_proj = ColumnParallelLinear(hidden, heads * self.qk_dim, tp=tp)
         else:
             self.q_a_proj = ReplicatedLinear(hidden, mla.q_lora_rank, bias=bias)
             self.q_a_layernorm = RMSNorm(mla.q_lora_rank, LATENT_NORM_EPS, kernels)
-            self.q_b_proj = ColumnParallelLinear(mla.q_lora_rank, heads * self.qk_dim)
+            self.q_b_proj = ColumnParallelLinear(mla.q_lora_rank, heads * self.qk_dim, tp=tp)
         self.kv_a_proj_with_mqa = ReplicatedLinear(hidden, mla.latent_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, LATENT_NORM_EPS, kernels)
-        self.kv_b_proj = ColumnParallelLinear(mla.kv_lora_rank, heads * (self.nope_dim + self.v_dim))
+        self.kv_b_proj = ColumnParallelLinear(mla.kv_lora_rank, heads * (self.nope_dim + self.v_dim), tp=tp)
         # W_UK (H, nope, R) and W_UV (H, v, R) for the absorbed decode: views of kv_b_proj's weight, which
         # loads in place; they stay valid when a kernel set swaps kv_b_proj for a repacked layer.
         self.register_buffer("w_uk", None, persistent=False)
         self.register_buffer("w_uv", None, persistent=False)
         self._bind_absorbed_weights(self.kv_b_proj.weight)
-        self.o_proj = RowParallelLinear(heads * self.v_dim, hidden, bias=bias)
+        self.o_proj = RowParallelLinear(heads * self.v_dim, hidden, bias=bias, tp=tp)
         self.scale = self.qk_dim ** -0.5 * yarn_softmax_scale(cfg.rope_scaling)
         self.kernels, self.backend = kernels, kernels.mla
         self.cache: torch.Tensor | None = None
@@ -190,7 +194,7 @@ class MLAAttention(nn.Module):
         with torch.device("cpu"):  # indices into checkpoint tensors, whatever device the model is built on
             half_order = pairwise_to_half_order(self.rope_dim)
             head = torch.cat((torch.arange(self.nope_dim), self.nope_dim + half_order))
-            q_rows = (torch.arange(self.num_heads)[:, None] * self.qk_dim + head).flatten()
+            q_rows = (torch.arange(self.total_heads)[:, None] * self.qk_dim + head).flatten()  # checkpoint rows
             latent = torch.cat((torch.arange(self.kv_lora_rank), self.kv_lora_rank + half_order))
         q_proj = self.q_proj if self.q_lora_rank is None else self.q_b_proj
         for param in (q_proj.weight, getattr(q_proj, "weight_scale", None)):

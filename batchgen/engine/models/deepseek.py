@@ -26,6 +26,7 @@ from batchgen.engine.layers.moe import FusedMoE, SparseMoeBlock, TopKRouter
 from batchgen.engine.layers.ops import KernelSet
 from batchgen.engine.layers.rotary import cos_sin_cache
 from batchgen.engine.models.base import CausalLM, WeightRule, expert_rules
+from batchgen.engine.parallel.context import SINGLE_PROCESS, ParallelContext
 
 # transformers' defaults for keys a config.json may leave out.
 _MLA_DEFAULTS = {"q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
@@ -114,27 +115,28 @@ class DeepseekV2ForCausalLM(CausalLM):
     # The prefill plan (which context rows to expand) is sized on the host each step: decode steps only.
     graph_step_kinds = ("decode",)
 
-    def __init__(self, cfg: ModelConfig, kernels: KernelSet, max_positions: int, chunk_tokens: int = 1024):
+    def __init__(self, cfg: ModelConfig, kernels: KernelSet, max_positions: int, chunk_tokens: int = 1024,
+                 parallel: ParallelContext = SINGLE_PROCESS):
         if cfg.mla is None or cfg.moe is None:
             raise UnsupportedModelError(f"{cfg.architecture} needs kv_lora_rank and routed experts in its config")
         if cfg.hf.get("mlp_bias"):
             raise UnsupportedModelError("mlp_bias is not supported")
-        super().__init__(cfg, kernels, max_positions, chunk_tokens)
+        super().__init__(cfg, kernels, max_positions, chunk_tokens, parallel)
 
     def pairwise_rope(self) -> bool:
         return True
 
     def make_attention(self, layer: int) -> nn.Module:
-        return MLAAttention(self.cfg, self.kernels, pairwise_rope=self.pairwise_rope())
+        return MLAAttention(self.cfg, self.kernels, pairwise_rope=self.pairwise_rope(), tp=self.parallel.tp)
 
     def make_mlp(self, layer: int) -> nn.Module:
-        c, moe = self.cfg, self.cfg.moe
+        c, moe, tp = self.cfg, self.cfg.moe, self.parallel.tp
         if layer < moe.first_k_dense_replace:
-            return GatedMLP(c.hidden_size, c.intermediate_size, self.kernels)
-        experts = FusedMoE(moe.num_experts, c.hidden_size, moe.intermediate_size, self.kernels)
-        shared = GatedMLP(c.hidden_size, moe.shared_intermediate_size, self.kernels) \
+            return GatedMLP(c.hidden_size, c.intermediate_size, self.kernels, tp=tp)
+        experts = FusedMoE(moe.num_experts, c.hidden_size, moe.intermediate_size, self.kernels, self.parallel)
+        shared = GatedMLP(c.hidden_size, moe.shared_intermediate_size, self.kernels, tp=tp) \
             if moe.shared_intermediate_size else None
-        return SparseMoeBlock(self.router_class(c.hidden_size, moe), experts, shared)
+        return SparseMoeBlock(self.router_class(c.hidden_size, moe), experts, shared, exchange=self.parallel.exchange)
 
     def rotary_table(self, max_positions: int) -> torch.Tensor:
         c = self.cfg
