@@ -10,6 +10,8 @@ import pytest
 from batchgen.io.openai_batch import BatchRequestError, parse_request
 from batchgen.pipeline.runner import run_job
 from batchgen.pipeline.spec import spec_from_dict
+from batchgen.report import build_report
+from batchgen.report.data import load_report_data
 from tests.job_helpers import tiny_llm  # noqa: F401
 from tests.test_cli import invoke, shared_engine  # noqa: F401
 
@@ -173,3 +175,24 @@ def test_supported_requests_map_to_engine_settings():
                               response_format={"type": "text"}))
     assert text.prompt == "one prompt" and text.sampling == {"logprobs": True, "json_schema": None,
                                                             "regex": None, "choice": None}
+
+
+def test_report_reads_an_openai_output(tmp_path, tiny_llm):
+    """batchgen report on an OpenAI-format folder: tokens and finish reasons from the result lines' usage
+    and choices, error codes from the errors files (a part of errors only has an empty results file)."""
+    inp, out = write_requests(tmp_path / "requests.jsonl"), tmp_path / "out"
+    stats = run_job(spec_from_dict(openai_spec(inp, out)), llm=tiny_llm, quiet=True)
+    results, errors = check_results(out)
+    assert any(p.stat().st_size == 0 for p in out.glob("part-*.jsonl")), "the input should make an all-error part"
+    rows = load_report_data(str(out)).rows
+    assert sorted(rows["id"].to_list()) == sorted([*results, *errors])
+    ok = rows.filter(rows["error_code"].is_null())
+    usage = [r["response"]["body"]["usage"] for r in results.values()]
+    assert ok["prompt_tokens"].sum() == sum(u["prompt_tokens"] for u in usage) == stats["prompt_tokens"]
+    assert ok["completion_tokens"].sum() == sum(u["completion_tokens"] for u in usage) == stats["completion_tokens"]
+    reasons = {k: r["response"]["body"]["choices"][0]["finish_reason"] for k, r in results.items()}
+    assert dict(zip(ok["id"].to_list(), ok["finish_reason"].to_list(), strict=True)) == reasons
+    failed = rows.filter(rows["error_code"].is_not_null())
+    assert dict(zip(failed["id"].to_list(), failed["error_code"].to_list(), strict=True)) == \
+        {k: e["error"]["code"] for k, e in errors.items()}
+    assert f'data-key="error_rows" data-value="{len(errors)}"' in build_report(str(out))

@@ -8,7 +8,7 @@ from typing import Any
 import polars as pl
 
 from batchgen.io import OutputError, OutputFolder, redact
-from batchgen.io.manifest import STATS, SUCCESS, TELEMETRY
+from batchgen.io.manifest import STATS, SUCCESS, TELEMETRY, ManifestEntry
 from batchgen.pipeline.stats import Counts
 
 
@@ -36,9 +36,10 @@ class ReportData:
     parts: int
 
 
-def _part_rows(data: bytes, part: str, id_column: str) -> pl.DataFrame:
+def _native_rows(folder: OutputFolder, entry: ManifestEntry, id_column: str) -> pl.DataFrame:
+    data, part = folder.read_part(entry), entry.part
     schema = {id_column: pl.String, **ROW_SCHEMA}
-    if part.endswith(".jsonl"):
+    if entry.format == "jsonl":
         df = pl.read_ndjson(io.BytesIO(data), schema=schema)
     else:
         df = pl.read_parquet(io.BytesIO(data), columns=list(schema)).cast(schema)  # type: ignore[arg-type]
@@ -47,6 +48,34 @@ def _part_rows(data: bytes, part: str, id_column: str) -> pl.DataFrame:
         pl.col("error").struct.field("code").alias("error_code"),
         pl.col("error").struct.field("message").alias("error_message"),
         pl.lit(part).alias("part"))
+
+
+# The fields of an OpenAI Batch output line (io.openai_batch.result_line / error_line) the report reads.
+OPENAI_LINE_SCHEMA = {
+    "custom_id": pl.String,
+    "response": pl.Struct({"body": pl.Struct({
+        "choices": pl.List(pl.Struct({"finish_reason": pl.String})),
+        "usage": pl.Struct({"prompt_tokens": pl.Int64, "completion_tokens": pl.Int64})})}),
+    "error": ERROR_TYPE,
+}
+
+
+def _openai_rows(folder: OutputFolder, entry: ManifestEntry, id_column: str) -> pl.DataFrame:
+    """Result lines carry their usage and finish reason; error lines (the part's errors file) neither."""
+    body = pl.col("response").struct.field("body")
+    usage = body.struct.field("usage")
+    frames = [pl.read_ndjson(io.BytesIO(folder.read_part(entry, name)), schema=OPENAI_LINE_SCHEMA).select(
+        pl.col("custom_id").alias("id"),
+        usage.struct.field("prompt_tokens").fill_null(0).alias("prompt_tokens"),
+        usage.struct.field("completion_tokens").fill_null(0).alias("completion_tokens"),
+        body.struct.field("choices").list.first().struct.field("finish_reason").alias("finish_reason"),
+        pl.col("error").struct.field("code").alias("error_code"),
+        pl.col("error").struct.field("message").alias("error_message"),
+        pl.lit(entry.part).alias("part")) for name in entry.files]
+    return pl.concat(frames) if frames else _empty_rows()
+
+
+_PART_READERS = {"jsonl": _native_rows, "parquet": _native_rows, "openai": _openai_rows}
 
 
 def _empty_rows() -> pl.DataFrame:
@@ -70,7 +99,7 @@ def load_report_data(path: str, storage_options: dict[str, Any] | None = None) -
         if not entries and stats is None:
             raise ReportError(redact(f"{path} holds no job output (no committed parts and no {STATS})"))
         id_column = ((stats or {}).get("spec") or {}).get("input", {}).get("id_column") or "id"
-        frames = [_part_rows(folder.read_part(e), e.part, id_column) for e in entries]
+        frames = [_PART_READERS[e.format](folder, e, id_column) for e in entries]
     except OutputError as e:
         raise ReportError(str(e)) from None
     except (pl.exceptions.PolarsError, OSError) as e:
