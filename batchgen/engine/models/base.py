@@ -80,9 +80,9 @@ def _count(n: int) -> str:
 class DecoderLayer(nn.Module):
     """Pre-norm residual block: attention, then an MLP (dense or mixture of experts).
 
-    Token-wise work runs in chunks of ``chunk_tokens`` rows so activations stay in cache on CPU;
-    attention sees the whole step, and so does an MLP that is ``step_wide`` (one that exchanges tokens
-    with other replicas: every rank must make the same calls, even on a step with no tokens).
+    The attention half runs on the whole step; the MLP half in chunks of ``chunk_tokens`` rows on CPU (its
+    wide activations would not stay in cache), except an MLP that is ``step_wide`` (one that exchanges
+    tokens with other replicas: every rank must make the same calls, even on a step with no tokens).
     ``self_attn`` provides ``project(h, positions, cos_sin)`` (rows of ``project_width`` values per
     token), ``attend(rows, meta)`` and ``o_proj``. The layer returns its output and the residual stream
     before they are added: the next norm adds them (fused). ``mlp_input`` and ``mlp_output`` are where
@@ -103,19 +103,19 @@ class DecoderLayer(nn.Module):
         if x.shape[0] == 0:  # a replica's idle step: nothing to attend, but the MLP joins the exchange
             return self.mlp(x), x
         attn = self.self_attn
-        chunks = [slice(s, s + self.chunk_tokens) for s in range(0, x.shape[0], self.chunk_tokens)]
-        new_residual = torch.empty_like(x)
-        rows = x.new_empty(x.shape[0], attn.project_width)
-        for c in chunks:
-            if residual is None:
-                h, new_residual[c] = self.input_layernorm(x[c]), x[c]
-            else:
-                h, new_residual[c] = self.input_layernorm(x[c], residual[c])
-            rows[c] = attn.project(h, positions[c], cos_sin)
-        o = attn.attend(rows, meta)
+        if residual is None:  # the first layer: the residual stream starts as the embeddings
+            h, new_residual = self.input_layernorm(x), x
+        else:
+            h, new_residual = self.input_layernorm(x, residual)
+        o = attn.attend(attn.project(h, positions, cos_sin), meta)
+        if x.shape[0] <= self.chunk_tokens:
+            h, new_residual = self.mlp_input(attn.o_proj(o), new_residual)
+            return self.mlp_output(self.mlp(h)), new_residual
         step_wide = getattr(self.mlp, "step_wide", False)
+        if new_residual is x:  # written chunk by chunk below
+            new_residual = x.clone()
         out = torch.empty_like(x)
-        for c in chunks:
+        for c in (slice(s, s + self.chunk_tokens) for s in range(0, x.shape[0], self.chunk_tokens)):
             h, new_residual[c] = self.mlp_input(attn.o_proj(o[c]), new_residual[c])
             out[c] = h if step_wide else self.mlp_output(self.mlp(h))
         return (self.mlp_output(self.mlp(out)) if step_wide else out), new_residual
