@@ -135,7 +135,8 @@ def wait_for_a_part(store: Store, out: str, zygote: Zygote, pid: int, log: Path)
 
 def run_until_killed(store: Store, name: str, kill: Kill, tiny_model: Path, zygote, tmp_path: Path) -> tuple[str, Path]:
     """Starts the job and kills it as ``kill`` says; returns its output location and job file. A timed
-    kill that arrives after a fast machine already finished the job is retried sooner, on a fresh output."""
+    kill that arrives after a fast machine already finished the job (exited, or wrote _SUCCESS and was
+    killed on its way out) is retried sooner, on a fresh output."""
     for attempt in range(6):
         out = f"{store.base}/{name}-{attempt}"
         job = tmp_path / f"{name}-{attempt}.yaml"
@@ -148,7 +149,7 @@ def run_until_killed(store: Store, name: str, kill: Kill, tiny_model: Path, zygo
             time.sleep(kill.delay_s / 2**attempt)
             os.kill(pid, signal.SIGKILL)
         status = zygote.wait(pid)
-        if status == 0 and kill.point is None and store.complete(out):
+        if kill.point is None and status in (0, -signal.SIGKILL) and store.complete(out):
             continue
         assert status == -signal.SIGKILL, f"{kill}: exit {status}\n{log.read_text()}"
         return out, job

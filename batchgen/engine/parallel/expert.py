@@ -21,8 +21,9 @@ from batchgen.engine.parallel.group import CommGroup, SINGLE
 
 @dataclass
 class RoutedTokens:
-    """A rank's share of an MoE layer's work: token rows (N, H), each row's top-k expert ids (global; -1
-    where another rank computes the pair) and their float32 weights (N, k)."""
+    """A rank's share of an MoE layer's work: token rows (N, H), each row's top-k global expert ids and
+    their float32 weights (N, k). The experts skip the pairs of experts another rank holds (the all-to-all
+    marks those -1)."""
 
     x: torch.Tensor
     topk_weights: torch.Tensor
@@ -35,8 +36,6 @@ class TokenExchange:
     Token counts differ between replicas: the engine puts every replica's count in the step, so no
     collective is spent on sizes, and rows are padded to the largest.
     """
-
-    name = "all-gather"
 
     def __init__(self, dp: CommGroup = SINGLE):
         self.dp = dp
@@ -96,8 +95,6 @@ class AllToAllExchange(TokenExchange):
     (a pair whose expert lives on another rank gets id -1 there), one returns the partial outputs, which the
     sender sums per token in float32.
     """
-
-    name = "all-to-all"
 
     def __init__(self, dp: CommGroup = SINGLE):
         super().__init__(dp)
