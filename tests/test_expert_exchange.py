@@ -57,9 +57,14 @@ def run_ranks(kind: str, tmp_path: Path) -> dict[int, tuple[torch.Tensor, int]]:
     procs = [ctx.Process(target=rank_main, args=(r, len(COUNTS), init, kind, results)) for r in range(len(COUNTS))]
     for p in procs:
         p.start()
-    got = dict((rank, (out, rows)) for rank, out, rows in (results.get(timeout=120) for _ in procs))
-    for p in procs:
-        p.join(timeout=30)
+    try:
+        got = dict((rank, (out, rows)) for rank, out, rows in (results.get(timeout=120) for _ in procs))
+    finally:  # no rank outlives the test, even one stuck in a collective
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+                p.join()
     errors = [out for out, rows in got.values() if rows < 0]
     assert not errors, errors[0]
     return got
