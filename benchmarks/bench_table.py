@@ -24,9 +24,13 @@ DECODE_COLUMNS = (("run", "{}"), ("overlap", "{}"), ("decode_tokens_per_s", "{:.
 
 def row(path: Path) -> dict:
     r = json.loads(path.read_text())
-    peak = "gpu_peak" if "mfu_vs_gpu_peak" in r else "measured_matmul"  # CPUs have no datasheet peak here
-    return {"run": path.stem.removeprefix("bench-"), **r, "mfu": r[f"mfu_vs_{peak}"],
-            "mfu_with_attention": r[f"mfu_with_attention_vs_{peak}"]}
+    # Against the GPUs' datasheet peak (``mfu``; ``mfu_vs_gpu_peak`` in files of earlier releases), else
+    # against the measured matmul rate: CPUs have no datasheet peak here.
+    peak = r.get("mfu", r.get("mfu_vs_gpu_peak"))
+    with_attention = r.get("mfu_with_attention", r.get("mfu_with_attention_vs_gpu_peak"))
+    if peak is None:
+        peak, with_attention = r["mfu_vs_measured_matmul"], r["mfu_with_attention_vs_measured_matmul"]
+    return {"run": path.stem.removeprefix("bench-"), **r, "mfu": peak, "mfu_with_attention": with_attention}
 
 
 def main(args: list[str]) -> None:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from batchgen.bench.flops import attention_flops, measure_matmul_flops
+from batchgen.engine.flops import attention_flops, measure_matmul_flops
 from batchgen.bench.workload import from_documents
 from batchgen.engine import LLM, SamplingParams
 from batchgen.engine.hub import resolve_model_path
@@ -133,7 +133,7 @@ def main() -> None:
 
     device = torch.device("cpu")
     rates = {name: measure_matmul_flops(getattr(torch, name), device) for name in ("bfloat16", "float32")}
-    cfg = llm.engine.executor.profile
+    cfg = llm.profile()
     roof_linear = roofline_tok_s(cfg, prompts, rates[ours_dtype.name] if ours_dtype.name in rates
                                  else measure_matmul_flops(ours_dtype.torch_dtype, device), False)
     roof_attn = roof_linear * roofline_tok_s(cfg, prompts, 1.0, True) / roofline_tok_s(cfg, prompts, 1.0, False)

@@ -43,15 +43,15 @@ for size in 1b 8b; do
     batchgen bench --model "/tmp/llama-$size" --device cuda --num-prompts 8 --input-len 2048 \
         --output-json "$out/bench-$size-8x2k.json" | head -12
     batchgen bench --model "/tmp/llama-$size" --device cuda --num-prompts 64 --input-len 8192 \
-        --max-batch-tokens 8192 --output-json "$out/bench-$size-64x8k.json" | head -12
+        --max-num-batched-tokens 8192 --output-json "$out/bench-$size-64x8k.json" | head -12
     # Decode: CUDA graphs and overlapped scheduling on (the defaults), graphs off, overlap off.
-    for run in graphs-auto:"--cuda-graphs auto" graphs-off:"--cuda-graphs off" overlap-off:"--overlap off"; do
+    for run in graphs-auto:"--cuda-graphs auto" graphs-off:"--cuda-graphs off" overlap-off:"--overlap-schedule off"; do
         batchgen bench --model "/tmp/llama-$size" --device cuda --num-prompts 64 --input-len 512 \
             --output-len 128 ${run#*:} --output-json "$out/bench-$size-decode-${run%%:*}.json" | head -12
     done
     python benchmarks/bench_table.py --decode "$out"/bench-$size-decode-*.json | tee "$out/decode-$size.txt"
     if [ "$size" = 8b ] && [ "$ngpu" -gt 1 ]; then
-        parallel_runs "/tmp/llama-$size" "--tp $ngpu" "--dp $ngpu"
+        parallel_runs "/tmp/llama-$size" "--tensor-parallel-size $ngpu" "--data-parallel-size $ngpu"
     fi
     rm -rf "/tmp/llama-$size"
 done
@@ -61,7 +61,7 @@ batchgen bench --model /tmp/llama-8b-fp8 --device cuda --num-prompts 64 --input-
 rm -rf /tmp/llama-8b-fp8
 if [ "$ngpu" -gt 1 ]; then
     python benchmarks/random_llama.py --size moe --out /tmp/qwen3-moe
-    parallel_runs /tmp/qwen3-moe "--dp $ngpu --ep" "--tp $ngpu"
+    parallel_runs /tmp/qwen3-moe "--data-parallel-size $ngpu --enable-expert-parallel" "--tensor-parallel-size $ngpu"
     rm -rf /tmp/qwen3-moe
 fi
 python benchmarks/random_deepseek.py --size v3-small --out /tmp/deepseek-v3-small

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from batchgen.bench.flops import attention_flops, measure_matmul_flops
+from batchgen.engine.flops import attention_flops, measure_matmul_flops
 from batchgen.bench.workload import from_documents
 from batchgen.engine import LLM, SamplingParams
 from batchgen.engine.hub import resolve_model_path
@@ -77,7 +77,7 @@ def main() -> None:
         by_kind[kind_of(event.key)] += event.self_cpu_time_total / 1e6
     by_kind["host (Python, no op)"] = max(0.0, profiled_s - sum(by_kind.values()))
 
-    cfg = llm.engine.executor.profile
+    cfg = llm.profile()
     linear = 2 * cfg.active_params * tokens + 2 * cfg.lm_head_params * len(prompts)
     attention = sum(attention_flops(cfg, 0, len(p)) for p in prompts)
     dtype = llm.config.dtype_choice

@@ -32,12 +32,13 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def job(model: str, inputs: str, out: str, max_tokens: int, replicas: int | None, window: int) -> dict[str, Any]:
     data: dict[str, Any] = {
-        "name": "ray-overhead", "model": {"path": model, "device": "cpu"},
+        "name": "ray-overhead", "model": {"path": model},
+        "engine": {"device": "cpu", "max_num_seqs": 16, "max_num_batched_tokens": 4096},
         "input": {"path": inputs, "id_column": "id"},
         "prompt": {"system": "You are a concise assistant.",
                    "template": "Summarize the following article in three sentences.\n\n{{ text }}"},
         "sampling": {"max_tokens": max_tokens},
-        "batching": {"sort_window": window, "max_num_seqs": 16, "max_batch_tokens": 4096},
+        "batching": {"sort_window": window},
         "output": {"path": out, "rows_per_part": 16},
     }
     if replicas:

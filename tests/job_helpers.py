@@ -44,11 +44,12 @@ def spec_dict(model: Path | str, inputs: Any, out: Path | str, **sections: Any) 
     """A spec over the tiny model; keyword sections (``sampling={...}``) update the defaults."""
     data: dict[str, Any] = {
         "name": "test-job",
-        "model": {"path": str(model), "dtype": "float32", "device": "cpu"},
+        "model": {"path": str(model)},
+        "engine": {"dtype": "float32", "device": "cpu", "max_num_batched_tokens": 512, "max_num_seqs": 8},
         "input": {"path": inputs if isinstance(inputs, list) else str(inputs), "id_column": "id"},
         "prompt": {"system": "Be brief.", "template": "Summarize: {{ text }}", "chat": True},
         "sampling": {"max_tokens": 6, "temperature": 0.0},
-        "batching": {"max_batch_tokens": 512, "max_num_seqs": 8, "sort_window": 64},
+        "batching": {"sort_window": 64},
         "output": {"path": str(out), "format": "parquet", "carry_columns": ["title"], "rows_per_part": 8},
     }
     for key, value in sections.items():

@@ -5,10 +5,21 @@ import json
 
 from click.testing import CliRunner
 
-from batchgen.bench.flops import attention_flops, config_profile
+import torch
+
 from batchgen.bench.workload import from_documents, parse_length, synthetic
 from batchgen.cli import main
 from batchgen.engine.config import ModelConfig
+from batchgen.engine.flops import attention_flops
+from batchgen.engine.layers.ops import make_kernel_set
+from batchgen.engine.models.base import ModelProfile
+from batchgen.engine.models.registry import build_model
+
+
+def config_profile(cfg: ModelConfig) -> ModelProfile:
+    """The parameter/FLOP profile of a model of this config, built on the meta device (nothing allocated)."""
+    model = build_model(cfg, make_kernel_set("torch"), max_positions=1, dtype=torch.bfloat16, device="meta")
+    return model.profile()
 
 
 def run_bench(args: list[str], tmp_path) -> dict:
@@ -22,7 +33,7 @@ def test_bench_prefill_only_figures(tiny_model, tmp_path):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     r = run_bench(["--model", str(tiny_model), "--num-prompts", "6", "--input-len", "40",
-                   "--dtype", "float32", "--max-batch-tokens", "64"], tmp_path)
+                   "--dtype", "float32", "--max-num-batched-tokens", "64"], tmp_path)
     assert r["num_prompts"] == 6 and r["prompt_tokens"] == 6 * 40
     assert r["dtype"] == r["dtype_requested"] == "float32" and r["dtype_reason"] == "requested"
     assert r["output_tokens"] == 6 and r["prompt_tokens_computed"] == r["prompt_tokens"]
@@ -43,7 +54,7 @@ def test_bench_shared_prefix_is_computed_once(tiny_model, tmp_path):
     args = ["--model", str(tiny_model), "--num-prompts", "8", "--input-len", "10", "--prefix-len", "160",
             "--dtype", "float32", "--output-len", "2"]
     cached = run_bench(args, tmp_path)
-    plain = run_bench(args + ["--no-prefix-caching"], tmp_path)
+    plain = run_bench(args + ["--no-enable-prefix-caching"], tmp_path)
     assert plain["prompt_tokens_computed"] == plain["prompt_tokens"] == 8 * 170
     assert cached["prompt_tokens_computed"] <= 8 * 170 - 7 * 160
     assert cached["prefix_cache_hit_rate"] > 0.8
@@ -91,9 +102,11 @@ def test_attention_flops_count_keys_per_position():
 
 def test_gpu_peaks_and_fp8_flops_share(monkeypatch):
     """Names match their longest datasheet key; FP8 FLOPs are timed at the FP8 peak, the rest at bf16."""
-    import torch
+    from batchgen.engine.flops import GPU_PEAK_BF16, GPU_PEAK_FP8, datasheet_peak, device_peak
 
-    from batchgen.bench.flops import GPU_PEAK_BF16, GPU_PEAK_FP8, datasheet_peak, peak_seconds
+    def peak_seconds(flops, fp8_flops, device):
+        peak = device_peak(device)
+        return peak.seconds(flops, fp8_flops) if peak else None
 
     assert datasheet_peak("NVIDIA L40S", GPU_PEAK_BF16) == 362e12
     assert datasheet_peak("NVIDIA L4", GPU_PEAK_BF16) == 121e12
@@ -165,7 +178,7 @@ def test_profile_of_deepseek_v3_shape():
 def test_bench_reports_the_host_share_of_decode_steps(tiny_model, tmp_path):
     args = ["--model", str(tiny_model), "--num-prompts", "4", "--input-len", "12", "--output-len", "5",
             "--dtype", "float32"]
-    runs = {mode: run_bench(args + ["--overlap", mode], tmp_path) for mode in ("off", "on")}
+    runs = {mode: run_bench(args + ["--overlap-schedule", mode], tmp_path) for mode in ("off", "on")}
     assert runs["off"]["overlap"] is False and runs["on"]["overlap"] is True
     for r in runs.values():
         assert r["output_tokens"] == 4 * 5

@@ -59,8 +59,8 @@ def chaos_inputs() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
 
 def chaos_job(model: Path, inputs: list[str], out: str, **extra: Any) -> dict[str, Any]:
     return spec_dict(model, inputs, out, output={"rows_per_part": ROWS_PER_PART}, sampling={"max_tokens": 4},
-                     batching={"max_batch_tokens": 512, "max_num_seqs": 8, "sort_window": 16,
-                               "kv_cache_memory": 64 << 20}, **extra)
+                     batching={"sort_window": 16},
+                     engine={"max_num_batched_tokens": 512, "max_num_seqs": 8, "kv_cache_memory": 64 << 20}, **extra)
 
 
 def by_id(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:

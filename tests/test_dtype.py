@@ -33,9 +33,9 @@ def simulate(monkeypatch, tmp_path):
             name = {torch.bfloat16: "bfloat16", torch.float32: "float32"}[dtype]
             measured.append(name)
             assert rates is not None, "no measurement expected on this CPU"
-            return rates[name]
+            return rates[name] * 1e9  # FLOP/s
 
-        monkeypatch.setattr(dtype_mod, "measure_matmul_gflops", measure)
+        monkeypatch.setattr(dtype_mod, "measure_matmul_flops", measure)
         return measured
 
     return set_
@@ -86,8 +86,8 @@ def test_no_warning_for_bf16_on_a_native_cpu(simulate, caplog):
 def test_bad_dtype_names():
     with pytest.raises(ValueError, match="dtype must be one of auto, bfloat16, float16, float32"):
         resolve_dtype("fp8", CPU)
-    with pytest.raises(SpecError, match="model.dtype"):
-        spec_from_dict({"name": "x", "model": {"path": "m", "dtype": "half"}, "input": {"path": "i"},
+    with pytest.raises(SpecError, match="engine.dtype"):
+        spec_from_dict({"name": "x", "model": {"path": "m"}, "engine": {"dtype": "half"}, "input": {"path": "i"},
                         "prompt": {"template": "t"}, "output": {"path": "o"}})
 
 

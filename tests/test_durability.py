@@ -79,7 +79,7 @@ def test_changed_input_is_named_on_resume(tmp_path, tiny_model, tiny_llm, monkey
     b = write_jsonl(tmp_path / "in" / "b.jsonl", records(12, "b"))
     out = tmp_path / "out"
     spec = make_spec(tiny_model, str(tmp_path / "in"), out, output={"rows_per_part": 4},
-                     batching={"sort": False, "max_num_seqs": 2})
+                     batching={"sort": False}, engine={"max_num_seqs": 2})
     parts: list[str] = []
     original = OutputWriter.write_part
 

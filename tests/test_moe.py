@@ -170,7 +170,7 @@ def test_profile_counts_active_experts_like_transformers(tiny_model_factory, arc
                 and ".experts." not in n)
     experts = sum(p.numel() for n, p in named.items() if ".experts." in n)
     moe = llm.engine.model_config.moe
-    profile = llm.engine.executor.profile
+    profile = llm.profile()
     assert profile.active_params == dense + experts * moe.top_k // moe.num_experts
     assert profile.total_params == sum(p.numel() for p in hf.parameters())
     assert profile.active_params < profile.total_params - hf.lm_head.weight.numel() - experts // 2

@@ -63,10 +63,10 @@ def write_requests(path: Path) -> Path:
 
 
 def openai_spec(inp: Path, out: Path, **sampling) -> dict:
-    return {"name": "oai", "model": {"path": "tiny", "dtype": "float32", "device": "cpu"},
+    return {"name": "oai", "model": {"path": "tiny"},
+            "engine": {"dtype": "float32", "device": "cpu", "max_num_batched_tokens": 512, "max_num_seqs": 8},
             "input": {"path": str(inp), "format": "openai"},
             "sampling": {"max_tokens": 8, **sampling},
-            "batching": {"max_batch_tokens": 512, "max_num_seqs": 8},
             "output": {"path": str(out), "format": "openai", "rows_per_part": 4}}
 
 

@@ -98,7 +98,7 @@ def test_tensor_parallel_equals_one_device(tiny_model_factory, arch, expert_para
     # Half the KV heads per rank: the same memory budget holds twice the blocks (one more where the budget
     # leaves a remainder of at least half a block).
     assert llm.engine.executor.num_blocks // 2 == single.engine.executor.num_blocks
-    assert llm.engine.executor.profile == single.engine.executor.profile
+    assert llm.profile() == single.profile()
     if arch == "llama":  # a worker that raises fails the step with its rank and error, and everything stops
         bad = StepInput(input_ids=[1], query_lens=[1], context_lens=[1], block_tables=[[10 ** 6]])
         with pytest.raises(WorkerError, match=r"worker rank [01] failed while running a step: \w+Error"):
@@ -124,7 +124,7 @@ def test_latent_attention_model_split_over_devices_equals_one_device(tiny_model_
         pids = llm.engine.executor.pids
         assert_same_outputs(expected, llm.generate(prompts, params))
         assert llm.engine.metrics.comm_time_s > 0
-        assert llm.engine.executor.profile == single.engine.executor.profile
+        assert llm.profile() == single.profile()
         if tp > 1:  # every rank caches every token's whole latent row: the same blocks as one device
             assert llm.engine.executor.num_blocks == single.engine.executor.num_blocks
     assert_gone(pids)
@@ -172,9 +172,9 @@ def test_data_parallel_with_expert_parallel_equals_one_device(tiny_model_factory
 @pytest.mark.timeout(300)
 def test_tensor_parallel_job_resumes_after_a_worker_dies(tiny_model, tmp_path):
     inputs = write_jsonl(tmp_path / "in.jsonl", records(8))
-    data = spec_dict(tiny_model, inputs, tmp_path / "out", batching={"max_num_seqs": 2, "max_batch_tokens": 256},
+    data = spec_dict(tiny_model, inputs, tmp_path / "out", engine={"max_num_seqs": 2, "max_num_batched_tokens": 256},
                      output={"rows_per_part": 2})
-    data["model"]["tensor_parallel_size"] = 2
+    data["engine"]["tensor_parallel_size"] = 2
     spec = spec_from_dict(data)
     llm = LLM(str(tiny_model), dtype="float32", device="cpu", max_num_batched_tokens=256, max_num_seqs=2,
               tensor_parallel_size=2, distributed_timeout_s=60)
@@ -199,7 +199,7 @@ def test_tensor_parallel_job_resumes_after_a_worker_dies(tiny_model, tmp_path):
     stats = json.loads((tmp_path / "out" / "_SUCCESS").read_text())
     rows = check_output(tmp_path / "out", stats, [f"r{i}" for i in range(8)])
     assert stats["ok_rows"] == 8 and stats["resumed"]
-    reference = spec_from_dict({**data, "model": {**data["model"], "tensor_parallel_size": 1},
+    reference = spec_from_dict({**data, "engine": {**data["engine"], "tensor_parallel_size": 1},
                                 "output": {**data["output"], "path": str(tmp_path / "ref")}})
     ref_stats = run_job(reference, quiet=True)
     expected = check_output(tmp_path / "ref", ref_stats, [f"r{i}" for i in range(8)])
@@ -212,13 +212,14 @@ def test_bench_with_data_and_expert_parallel_prints_communication(tiny_model_fac
     path = tiny_model_factory("qwen3-moe")
     out = tmp_path / "bench.json"
     args = ["bench", "--model", str(path), "--num-prompts", "6", "--input-len", "40", "--output-len", "4",
-            "--dtype", "float32", "--device", "cpu", "--dp", "2", "--ep", "--output-json", str(out)]
+            "--dtype", "float32", "--device", "cpu", "--data-parallel-size", "2", "--enable-expert-parallel",
+            "--output-json", str(out)]
     res = CliRunner().invoke(main, args, catch_exceptions=False)
     assert res.exit_code == 0, res.output
     r = json.loads(out.read_text())
     assert "comm_ms_per_step" in res.output and "compute_ms_per_step" in res.output
-    assert r["data_parallel_size"] == 2 and r["expert_parallel"] and r["output_tokens"] == 6 * 4
+    assert r["data_parallel_size"] == 2 and r["enable_expert_parallel"] and r["output_tokens"] == 6 * 4
     assert r["comm_ms_per_step"] > 0 and r["compute_ms_per_step"] > 0 and r["steps"] > 0
     assert len(r["replica_tokens"]) == 2 and min(r["replica_tokens"]) > 0
-    single = LLM(str(path), dtype="float32", device="cpu").engine.executor.profile
+    single = LLM(str(path), dtype="float32", device="cpu").profile()
     assert r["active_params"] == single.active_params and r["total_params"] == single.total_params

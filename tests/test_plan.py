@@ -14,7 +14,7 @@ from batchgen.engine import LLM
 from batchgen.engine.loader import load_model_source
 from batchgen.io import read_output
 from batchgen.pipeline.errors import JobError
-from batchgen.pipeline.plan import Rates, plan_job, rates_from
+from batchgen.pipeline.plan import Rates, format_plan, plan_job, rates_from
 from batchgen.pipeline.runner import run_job
 from tests.job_helpers import make_spec, records, spec_dict, tiny_llm, write_jsonl  # noqa: F401
 from tests.test_gguf import write_gguf
@@ -51,6 +51,7 @@ def test_plan_counts_equal_the_run(tmp_path, tiny_model, tiny_llm, truncate):
     rows = read_output(str(out))
     assert plan["rows"] == stats["rows"] == len(rows) == 31
     assert plan["requests"] == stats["ok_rows"] and plan["committed_rows"] == 0 and not plan["complete"]
+    assert plan["token_budget"] == stats["engine"]["token_budget"] == tiny_llm.engine.token_budget
     assert plan["prompt_tokens"] == stats["prompt_tokens"] == sum(r["prompt_tokens"] for r in rows)
     assert plan["error_rows"] == error_codes(rows)
     assert set(plan["error_rows"]) >= {"null_value", "duplicate_id", "invalid_input"}
@@ -94,6 +95,17 @@ def test_plan_needs_no_weights(tmp_path, tiny_model, tiny_llm):
     stats = run_job(make_spec(tiny_model, inp, tmp_path / "out"), llm=tiny_llm, quiet=True)
     assert plan["prompt_tokens"] == stats["prompt_tokens"] and plan["rows"] == stats["rows"] == 9
     assert not (tmp_path / "plan-out").exists()  # a plan writes nothing
+
+
+def test_plan_budget_is_per_engine_step_over_the_data_parallel_replicas(tmp_path, tiny_model):
+    """As the job's stats count it (LLMEngine.token_budget): one engine step runs a step of every replica."""
+    inp = write_jsonl(tmp_path / "in.jsonl", records(8))
+    spec = make_spec(tiny_model, inp, tmp_path / "out", engine={"data_parallel_size": 2})
+    plan = plan_job(spec)
+    assert plan["token_budget"] == 2 * plan["max_num_batched_tokens"] == 2 * 512 == spec.engine_config().token_budget
+    assert plan["data_parallel_size"] == 2 and plan["max_num_seqs"] == 8
+    text = format_plan(plan)
+    assert "token budget of 1,024 tokens and 16 sequences per step (2 data-parallel replicas of 512 tokens" in text
 
 
 def test_plan_with_a_gguf_model_equals_its_run(tmp_path, tiny_model):

@@ -111,8 +111,7 @@ def job_inputs(folder: Path) -> tuple[list[str], list[str]]:
 def job(model: Path, inputs: Any, out: Any, ray_replicas: int | None = 2, **sections: Any) -> dict[str, Any]:
     """A small job; ``ray_replicas`` None runs it locally."""
     sections = {"sampling": {"max_tokens": 6}, "output": {"rows_per_part": 2, "carry_columns": ["title"]},
-                "batching": {"max_batch_tokens": 512, "max_num_seqs": 8, "sort_window": 4,
-                             "kv_cache_memory": 64 << 20}, **sections}
+                "batching": {"sort_window": 4}, "engine": {"kv_cache_memory": 64 << 20}, **sections}
     data = spec_dict(model, inputs, out, **sections)
     if ray_replicas:
         data["executor"] = {"kind": "ray", "num_replicas": ray_replicas}
@@ -160,9 +159,9 @@ def test_replica_resources_follow_the_cluster():
     spec = spec_from_dict(job("m", "in.jsonl", "out", ray_replicas=None, executor={"kind": "ray"}))
     assert replica_resources(spec, 0.0) == (1, 1.0, 0.0)  # CPU only: one replica
     assert replica_resources(spec, 8.0) == (8, 1.0, 1.0)  # a replica per GPU
-    spec.model.tensor_parallel_size = 2
+    spec.engine.tensor_parallel_size = 2
     assert replica_resources(spec, 8.0) == (4, 1.0, 2.0)  # a replica per two GPUs
-    spec.model.data_parallel_size = 2
+    spec.engine.data_parallel_size = 2
     assert replica_resources(spec, 8.0) == (2, 1.0, 4.0)  # a replica per engine of 2 x 2 ranks
     spec.executor.num_replicas, spec.executor.num_gpus = 3, 0.5
     assert replica_resources(spec, 8.0) == (3, 1.0, 0.5)
@@ -221,8 +220,8 @@ def test_two_replicas_give_the_local_rows(ray_cluster, tmp_path, tiny_model, tin
 def test_a_killed_replica_loses_and_repeats_no_row(ray_cluster, tmp_path, tiny_model, tiny_llm):
     files, ids = job_inputs(tmp_path)
     reference = tmp_path / "reference"
-    slow = {"batching": {"max_batch_tokens": 512, "max_num_seqs": 2, "sort_window": 2,
-                         "kv_cache_memory": 64 << 20}, "sampling": {"max_tokens": 16}}
+    slow = {"batching": {"sort_window": 2}, "engine": {"max_num_seqs": 2, "kv_cache_memory": 64 << 20},
+            "sampling": {"max_tokens": 16}}
     run_job(spec_from_dict(job(tiny_model, files, reference, ray_replicas=None, **slow)), llm=tiny_llm, quiet=True)
     out = tmp_path / "out"
     spec = spec_from_dict(job(tiny_model, files, out, **slow))
@@ -262,8 +261,8 @@ def test_a_killed_replica_loses_and_repeats_no_row(ray_cluster, tmp_path, tiny_m
 def test_an_interrupted_ray_job_resumes_under_ray_and_locally(ray_cluster, tmp_path, tiny_model, tiny_llm,
                                                              engine_calls):
     files, ids = job_inputs(tmp_path)
-    slow = {"batching": {"max_batch_tokens": 512, "max_num_seqs": 2, "sort_window": 2,
-                         "kv_cache_memory": 64 << 20}, "sampling": {"max_tokens": 12}}
+    slow = {"batching": {"sort_window": 2}, "engine": {"max_num_seqs": 2, "kv_cache_memory": 64 << 20},
+            "sampling": {"max_tokens": 12}}
     out = tmp_path / "out"
     for sig, code in ((signal.SIGTERM, 143), (signal.SIGINT, 130)):
         before = set(scoped_ids(out))
@@ -324,7 +323,8 @@ def test_openai_batch_lines_on_ray(ray_cluster, tmp_path, tiny_model, tiny_llm):
     inp = write_requests(tmp_path / "requests.jsonl")
     data = openai_spec(inp, tmp_path / "local", max_tokens=6)
     data["model"]["path"] = str(tiny_model)
-    data["batching"] = {**data["batching"], "sort_window": 3, "kv_cache_memory": 64 << 20}
+    data["batching"] = {"sort_window": 3}
+    data["engine"] = {**data["engine"], "kv_cache_memory": 64 << 20}
     run_job(spec_from_dict(data), llm=tiny_llm, quiet=True)
     data["output"] = {**data["output"], "path": str(tmp_path / "ray")}
     stats = run_job(spec_from_dict({**data, "executor": {"kind": "ray", "num_replicas": 2}}), quiet=True)

@@ -82,7 +82,7 @@ def test_killed_cli_run_resumes(tmp_path, tiny_model, tiny_llm, engine_calls, si
     inp, out = write_jsonl(tmp_path / "in.jsonl", recs), tmp_path / "out"
     job = tmp_path / "job.yaml"
     data = spec_dict(tiny_model, inp, out, output={"rows_per_part": 3}, sampling={"max_tokens": 8},
-                     batching={"max_num_seqs": 2, "max_batch_tokens": 256, "sort_window": 32})
+                     batching={"sort_window": 32}, engine={"max_num_seqs": 2, "max_num_batched_tokens": 256})
     job.write_text(yaml.safe_dump(data))
     proc = subprocess.Popen([sys.executable, "-m", "batchgen.cli", "run", str(job), "--quiet"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -103,7 +103,7 @@ def test_killed_cli_run_resumes(tmp_path, tiny_model, tiny_llm, engine_calls, si
     first = manifest_ids(out)
     assert 3 <= len(first) < n and len(first) == len(set(first))
 
-    same = {k: data[k] for k in ("output", "sampling", "batching")}
+    same = {k: data[k] for k in ("output", "sampling", "batching", "engine")}
     stats = run_job(make_spec(tiny_model, inp, out, **same), llm=tiny_llm, quiet=True)
     check_output(out, stats, [r["id"] for r in recs])
     assert set(engine_calls).isdisjoint(first) and stats["this_run"]["rows"] == n - len(first)

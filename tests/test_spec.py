@@ -45,11 +45,12 @@ def test_minimal_spec_defaults(tmp_path):
     assert spec.input.path == ["data/in.jsonl"]  # relative paths are kept as written
     assert spec.output.path == "out/x/"
     assert spec.prompt.template == "Summarize: {{ text }}\n"
-    assert spec.model.dtype == "auto" and spec.model.device == "auto" and spec.model.max_model_len is None
+    assert spec.engine.dtype == "auto" and spec.engine.device == "auto" and spec.engine.max_model_len is None
+    assert (spec.engine.max_num_batched_tokens, spec.engine.max_num_seqs, spec.engine.kv_cache_memory) == (
+        16384, 256, None)
     assert spec.sampling.max_tokens == 128 and spec.sampling.temperature == 0.0 and spec.sampling.seed == 0
     b = spec.batching
-    assert (b.max_batch_tokens, b.sort_window, b.max_prompt_tokens, b.truncate, b.max_num_seqs, b.sort) == (
-        16384, 4096, 4096, "error", 256, True)
+    assert (b.sort_window, b.max_prompt_tokens, b.truncate, b.sort) == (4096, 4096, "error", True)
     assert spec.output.format == "parquet" and spec.output.carry_columns == []
     assert spec.storage_options == {} and spec.max_error_rate == 1.0
 
@@ -57,7 +58,8 @@ def test_minimal_spec_defaults(tmp_path):
 def test_every_error_reported_with_its_path(tmp_path):
     text = textwrap.dedent("""\
         name: bad
-        model: {path: m, dtype: fp8, flavour: x}
+        model: {path: m, flavour: x}
+        engine: {dtype: fp8}
         input: {path: [in.jsonl, 3], format: csv}
         prompt: {template: "{{ text }", chat: maybe}
         sampling: {max_tokens: 0, top_p: 1.5, stop: [""]}
@@ -66,21 +68,21 @@ def test_every_error_reported_with_its_path(tmp_path):
         max_error_rate: 2
         extra_top: 1
     """)
-    errs = errors_of(load_spec, write(tmp_path, text), overrides=["sampling.nope=1", "batching.max_num_seqs=-1"],
+    errs = errors_of(load_spec, write(tmp_path, text), overrides=["sampling.nope=1", "engine.max_num_seqs=-1"],
                      env={})
     expected_prefixes = [
         "--set sampling.nope: unknown key",
-        "model.dtype: ", "model.flavour: unknown key",
+        "model.flavour: unknown key", "engine.dtype: ", "engine.max_num_seqs: ",
         "input.path[1]: ", "input.format: ",
         "prompt.template: template syntax error at line 1", "prompt.chat: ",
         "sampling.max_tokens: ", "sampling.top_p: ", "sampling.stop[0]: String should have at least 1 character",
-        "batching.sort_windw: unknown key", "batching.truncate: ", "batching.max_num_seqs: ",
+        "batching.sort_windw: unknown key", "batching.truncate: ",
         "output.format: ", "max_error_rate: ", "extra_top: unknown key",
     ]
     for prefix in expected_prefixes:
         assert any(e.startswith(prefix) for e in errs), (prefix, errs)
     assert len(errs) == len(expected_prefixes), errs
-    assert "(got 'fp8')" in next(e for e in errs if e.startswith("model.dtype"))
+    assert "(got 'fp8')" in next(e for e in errs if e.startswith("engine.dtype"))
 
 
 def test_missing_required_keys_and_wrong_shapes():
@@ -136,7 +138,7 @@ def test_overrides(tmp_path):
         "prompt.system=Be brief: one line.",  # not valid YAML: taken as the plain string
         "input.path=[a.parquet, 'b/*.parquet']",
         "storage_options.client_kwargs.endpoint_url=http://localhost:9000",
-        "model.max_model_len=2048",
+        "engine.max_model_len=2048",
         "prompt.template={{ body }}",
     ], env={})
     assert spec.sampling.max_tokens == 8
@@ -145,7 +147,7 @@ def test_overrides(tmp_path):
     assert spec.prompt.system == "Be brief: one line."
     assert spec.input.path == ["a.parquet", "b/*.parquet"]
     assert spec.storage_options == {"client_kwargs": {"endpoint_url": "http://localhost:9000"}}
-    assert spec.model.max_model_len == 2048
+    assert spec.engine.max_model_len == 2048
     assert spec.prompt.template == "{{ body }}"
 
 

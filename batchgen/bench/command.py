@@ -7,9 +7,9 @@ import logging
 
 import click
 
-from batchgen.bench.runner import BenchConfig, make_llm, run_bench
+from batchgen.bench.options import engine_config, engine_options
+from batchgen.bench.runner import DEFAULT_MODEL, BenchConfig, make_llm, run_bench
 from batchgen.bench.workload import from_documents, synthetic
-from batchgen.engine.dtype import DTYPE_NAMES
 
 
 def _read_texts(path: str, column: str) -> list[str]:
@@ -22,7 +22,7 @@ def _read_texts(path: str, column: str) -> list[str]:
 
 
 @click.command("bench")
-@click.option("--model", default="smollm2-135m-instruct", show_default=True,
+@click.option("--model", default=DEFAULT_MODEL, show_default=True,
               help="Built-in name, model folder, or GGUF file.")
 @click.option("--num-prompts", default=32, show_default=True)
 @click.option("--input-len", default="1024", show_default=True,
@@ -32,43 +32,16 @@ def _read_texts(path: str, column: str) -> list[str]:
 @click.option("--whole-documents", is_flag=True, help="With --dataset: one whole document per prompt.")
 @click.option("--prefix-len", default=0, show_default=True, help="Tokens of a prefix shared by all prompts.")
 @click.option("--output-len", default=1, show_default=True, help="Generated tokens (1 = prefill only).")
-@click.option("--dtype", default="auto", show_default=True, type=click.Choice(DTYPE_NAMES),
-              help="auto: bf16 where the device computes it natively, else fp32 (fp16 on GPUs without bf16).")
-@click.option("--device", default="auto", show_default=True)
-@click.option("--max-batch-tokens", default=8192, show_default=True)
-@click.option("--max-num-seqs", default=256, show_default=True)
-@click.option("--no-prefix-caching", is_flag=True)
-@click.option("--attention-backend", type=click.Choice(["torch", "cpu", "triton"]), default=None,
-              help="Default: triton on CUDA, cpu (fused C++ kernels) on CPU.")
-@click.option("--cuda-graphs", type=click.Choice(["auto", "off"]), default="auto", show_default=True,
-              help="Replay captured CUDA graphs for decode and mixed steps (CUDA + Triton only).")
-@click.option("--fp8-weights", type=click.Choice(["auto", "fp8", "dequantize"]), default="auto", show_default=True,
-              help="FP8 checkpoints: keep the weights in FP8 (auto: on GPUs with FP8 tensor cores) or dequantize.")
 @click.option("--json-schema", "json_schema_file", default=None, type=click.Path(dir_okay=False, exists=True),
               help="Also run the workload with every output constrained to this JSON Schema, and compare.")
-@click.option("--tp", "tensor_parallel_size", default=1, show_default=True, type=click.IntRange(min=1),
-              help="tensor_parallel_size: devices (worker processes) each replica's layers are split over.")
-@click.option("--dp", "data_parallel_size", default=1, show_default=True, type=click.IntRange(min=1),
-              help="data_parallel_size: engine replicas, each with its own scheduler and KV cache.")
-@click.option("--ep", "enable_expert_parallel", is_flag=True,
-              help="enable_expert_parallel: split a mixture of experts' experts over all tp x dp devices.")
-@click.option("--overlap", "overlap_schedule", type=click.Choice(["auto", "on", "off"]), default="auto",
-              show_default=True, help="Overlapped scheduling: the host prepares the next step while the device "
-                                      "runs this one (auto: on for one CUDA device).")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--output-json", default=None, help="Also write the results to this file.")
-def bench(model, num_prompts, input_len, dataset, column, whole_documents, prefix_len, output_len, dtype,
-          device, max_batch_tokens, max_num_seqs, no_prefix_caching, attention_backend, cuda_graphs, fp8_weights,
-          json_schema_file, tensor_parallel_size, data_parallel_size, enable_expert_parallel, overlap_schedule, seed,
-          output_json):
+@engine_options
+def bench(model, num_prompts, input_len, dataset, column, whole_documents, prefix_len, output_len, json_schema_file,
+          seed, output_json, **engine):
     """Measure prompt (prefill) and output throughput of the engine."""
     logging.basicConfig(level=logging.WARNING)
-    cfg = BenchConfig(model=model, dtype=dtype, device=device, output_len=output_len,
-                      max_batch_tokens=max_batch_tokens, max_num_seqs=max_num_seqs,
-                      enable_prefix_caching=not no_prefix_caching, attention_backend=attention_backend,
-                      cuda_graphs=cuda_graphs, tensor_parallel_size=tensor_parallel_size,
-                      data_parallel_size=data_parallel_size, enable_expert_parallel=enable_expert_parallel,
-                      fp8_weights=fp8_weights, overlap_schedule=overlap_schedule)
+    cfg = BenchConfig(engine=engine_config(model, engine), output_len=output_len)
     with make_llm(cfg) as llm:
         result = _bench(llm, cfg, dataset, column, whole_documents, num_prompts, input_len, prefix_len, seed,
                         json_schema_file)
@@ -104,8 +77,8 @@ SHOWN = ("dtype", "weight_format", "total_params", "active_params", "kv_bytes_pe
          "prefill_tokens_per_s", "decode_tokens_per_s", "prefix_cache_hit_rate", "compute_ms_per_step",
          "comm_ms_per_step", "replica_tokens", "overlap", "decode_step_ms", "decode_host_ms_per_step",
          "decode_host_share_of_step", "roofline_prompt_tokens_per_s", "prompt_tokens_per_s_over_roofline",
-         "mfu_vs_measured_matmul", "mfu_with_attention_vs_measured_matmul", "mfu_vs_gpu_peak",
-         "mfu_with_attention_vs_gpu_peak", "prefill_mfu_vs_gpu_peak")
+         "mfu_vs_measured_matmul", "mfu_with_attention_vs_measured_matmul", "mfu", "mfu_with_attention",
+         "prefill_mfu")
 COMPARED = ("output_tokens", "wall_s", "requests_per_s", "output_tokens_per_s", "decode_tokens_per_s",
             "decode_time_s", "mask_ms_per_step", "grammar_steps")
 

@@ -1,12 +1,12 @@
 """Model and engine configuration."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import MISSING, Field, dataclass, field, fields
 from typing import Any
 
 import torch
 
-from batchgen.engine.dtype import DtypeChoice, check_dtype_name, resolve_dtype
+from batchgen.engine.dtype import DTYPE_NAMES, DtypeChoice, resolve_dtype
 from batchgen.engine.layers.rotary import SCALINGS
 from batchgen.engine.models.registry import UnsupportedModelError, architecture_of  # noqa: F401 (re-export)
 from batchgen.engine.quantization import FP8_WEIGHTS_MODES, QuantizationConfig, parse_quantization
@@ -183,65 +183,83 @@ class ModelConfig:
         )
 
 
+ATTENTION_BACKENDS = ("torch", "cpu", "triton")
+DEVICES = ("auto", "cpu", "cuda")
+CUDA_GRAPHS_MODES = ("auto", "off", "emulate")
+OVERLAP_MODES = ("auto", "on", "off")
+
+
+def knob(default: Any, help: str, choices: tuple | None = None, **limits: float) -> Any:
+    """An EngineConfig field: its default, one line of help, its choices and its bounds (pydantic's ``ge``,
+    ``gt``, ``le``), which the job spec and ``bench`` read to declare their own options."""
+    meta = {"help": help, "choices": choices, "limits": limits}
+    if isinstance(default, dict):
+        return field(default_factory=dict, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+_CHECKS = {"ge": (lambda v, b: v >= b, ">="), "gt": (lambda v, b: v > b, ">"), "le": (lambda v, b: v <= b, "<=")}
+
+
 @dataclass
 class EngineConfig:
-    """Engine knobs. ``kv_cache_memory`` is the KV budget in bytes (default: 2 GiB on CPU, 90 % of free GPU memory).
-
-    ``dtype`` "auto" is the fast dtype of the device: see :func:`batchgen.engine.dtype.resolve_dtype`.
-    """
+    """Engine knobs, the one declaration of each (name, type, default, help, choices, bounds): the job spec's
+    ``engine`` section and ``bench``'s options are derived from these fields. Names are vLLM's where it has one."""
 
     model: str
-    dtype: str = "auto"
-    device: str = "auto"
-    max_num_batched_tokens: int = 8192
-    max_num_seqs: int = 256
-    max_model_len: int | None = None
-    block_size: int = 16
-    kv_cache_memory: int | None = None
-    gpu_memory_utilization: float = 0.9
-    enable_prefix_caching: bool = True
-    attention_backend: str | None = None
-    # "auto": CUDA graphs on CUDA with the Triton backend; "off"; "emulate": the same padded
-    # fixed-shape steps run eagerly without capture, so the graph path can be checked on CPU.
-    cuda_graphs: str = "auto"
-    # FP8 checkpoints: "auto" keeps the weights FP8 on GPUs with FP8 tensor cores (sm_89+) and dequantizes
-    # them at load elsewhere; "fp8" always keeps them (Triton kernel set; under the interpreter on CPU);
-    # "dequantize" always dequantizes. Unquantized checkpoints ignore it.
-    fp8_weights: str = "auto"
-    storage_options: dict = field(default_factory=dict)
-    # Parallelism (vLLM's names): each of data_parallel_size replicas, with its own scheduler and KV cache,
-    # spreads its layers over tensor_parallel_size devices; with enable_expert_parallel a mixture of experts
-    # splits its experts over all of them. More than one device in all runs one worker process per device.
-    tensor_parallel_size: int = 1
-    data_parallel_size: int = 1
-    enable_expert_parallel: bool = False
-    distributed_timeout_s: float = 600.0  # longest wait for a worker's step (and a collective's peers)
-    measure_communication: bool = False  # time collectives on CUDA too (synchronises: benchmarks only)
-    # Overlapped scheduling: the host schedules and prepares step N+1 while the device runs step N.
-    # "auto": on for one CUDA device; off on CPU, where the host's work would take cores from the model.
-    overlap_schedule: str = "auto"
+    dtype: str = knob("auto", "auto: bf16 where the device computes it natively, else fp32 "
+                              "(fp16 on GPUs without bf16)", DTYPE_NAMES)
+    device: str = knob("auto", "auto: cuda when a GPU is visible, else cpu", DEVICES)
+    max_num_batched_tokens: int = knob(8192, "tokens one step may compute, per data-parallel replica", ge=1)
+    max_num_seqs: int = knob(256, "sequences one step may run, per data-parallel replica", ge=1)
+    max_model_len: int | None = knob(None, "longest prompt + output, in tokens (default: the model's context)",
+                                     ge=1)
+    block_size: int = knob(16, "tokens per KV cache block", ge=1)
+    kv_cache_memory: int | None = knob(None, "KV cache bytes (default: 2 GiB on CPU, gpu_memory_utilization "
+                                             "of the free GPU memory)", ge=1)
+    gpu_memory_utilization: float = knob(0.9, "share of the free GPU memory the KV cache may take", gt=0, le=1)
+    enable_prefix_caching: bool = knob(True, "reuse the KV blocks of prompt prefixes already computed")
+    attention_backend: str | None = knob(None, "kernels (default: triton on CUDA, cpu's fused C++ kernels "
+                                               "on CPU)", ATTENTION_BACKENDS)
+    cuda_graphs: str = knob("auto", "replay captured CUDA graphs for decode and mixed steps (auto: on CUDA with "
+                                    "triton; emulate: the padded fixed-shape steps, eagerly)", CUDA_GRAPHS_MODES)
+    fp8_weights: str = knob("auto", "FP8 checkpoints: fp8 keeps the weights FP8, dequantize widens them at load "
+                                    "(auto: fp8 on GPUs with FP8 tensor cores)", FP8_WEIGHTS_MODES)
+    storage_options: dict = knob({}, "fsspec options for a remote model")
+    # Parallelism: each of data_parallel_size replicas, with its own scheduler and KV cache, spreads its
+    # layers over tensor_parallel_size devices. More than one device in all runs one worker process per device.
+    tensor_parallel_size: int = knob(1, "devices each replica's layers are split over", ge=1)
+    data_parallel_size: int = knob(1, "engine replicas, each with its own scheduler and KV cache", ge=1)
+    enable_expert_parallel: bool = knob(False, "split a mixture of experts' experts over all the devices")
+    distributed_timeout_s: float = knob(600.0, "longest wait for a worker's step (and a collective's peers)",
+                                        gt=0)
+    measure_communication: bool = knob(False, "time collectives on CUDA too (synchronises: benchmarks only)")
+    overlap_schedule: str = knob("auto", "the host prepares step N+1 while the device runs step N (auto: on for "
+                                         "one CUDA device)", OVERLAP_MODES)
 
     def __post_init__(self) -> None:
-        check_dtype_name(self.dtype)
+        for f in fields(self):
+            value, meta = getattr(self, f.name), f.metadata
+            if value is None or not meta:
+                continue
+            if meta["choices"] and value not in meta["choices"]:
+                raise ValueError(f"{f.name} must be one of {', '.join(meta['choices'])}, got {value!r}")
+            for kind, bound in meta["limits"].items():
+                holds, sign = _CHECKS[kind]
+                if not holds(value, bound):
+                    raise ValueError(f"{f.name} must be {sign} {bound}, got {value!r}")
         if self.max_num_batched_tokens < self.block_size:
             raise ValueError("max_num_batched_tokens must be at least block_size")
-        if self.max_num_seqs < 1:
-            raise ValueError("max_num_seqs must be >= 1")
-        if self.cuda_graphs not in ("auto", "off", "emulate"):
-            raise ValueError(f"cuda_graphs must be 'auto', 'off' or 'emulate', got {self.cuda_graphs!r}")
-        if self.fp8_weights not in FP8_WEIGHTS_MODES:
-            raise ValueError(f"fp8_weights must be one of {', '.join(FP8_WEIGHTS_MODES)}, got {self.fp8_weights!r}")
-        if self.overlap_schedule not in ("auto", "on", "off"):
-            raise ValueError(f"overlap_schedule must be 'auto', 'on' or 'off', got {self.overlap_schedule!r}")
-        if self.tensor_parallel_size < 1 or self.data_parallel_size < 1:
-            raise ValueError("tensor_parallel_size and data_parallel_size must be >= 1")
-        if self.distributed_timeout_s <= 0:
-            raise ValueError("distributed_timeout_s must be > 0")
 
     @property
     def world_size(self) -> int:
         """Devices (and, above one, worker processes) the engine runs on."""
         return self.tensor_parallel_size * self.data_parallel_size
+
+    @property
+    def token_budget(self) -> int:
+        """Tokens one engine step may compute: max_num_batched_tokens for each data-parallel replica."""
+        return self.max_num_batched_tokens * self.data_parallel_size
 
     @property
     def overlap(self) -> bool:
@@ -266,3 +284,13 @@ class EngineConfig:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
+
+
+def engine_knobs() -> list[Field]:
+    """EngineConfig's fields but ``model`` and ``storage_options`` (what to run and how to read it): the knobs
+    the job spec's ``engine`` section and ``bench``'s options declare, in order."""
+    return [f for f in fields(EngineConfig) if f.name not in ("model", "storage_options")]
+
+
+def knob_default(f: Field) -> Any:
+    return f.default_factory() if f.default is MISSING else f.default  # type: ignore[misc]

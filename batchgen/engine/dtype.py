@@ -3,13 +3,13 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
 from batchgen.engine.cpu.features import CpuFeatures, cpu_features
+from batchgen.engine.flops import measure_matmul_flops
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +94,12 @@ def _slow_on_cpu(name: str) -> str | None:
     return None
 
 
+def _one_core_gflops(dtype: torch.dtype) -> float:
+    """Best of 5 rounds of 4 small matmuls on one thread: what one core computes, which is what decides the
+    dtype; one thread and the best round are what other processes on the cores skew least."""
+    return measure_matmul_flops(dtype, shape=MATMUL_SHAPE, seconds=0.0, repeats=5, min_iters=4, threads=1) / 1e9
+
+
 def matmul_rates(features: CpuFeatures) -> dict[str, float]:
     """GFLOP/s of a small matmul in bf16 and fp32, measured once per machine and cached on disk."""
     from batchgen.engine.hub import cache_dir
@@ -105,7 +111,7 @@ def matmul_rates(features: CpuFeatures) -> dict[str, float]:
             return rates
     except (OSError, ValueError):
         pass
-    rates = {name: measure_matmul_gflops(TORCH_DTYPES[name]) for name in ("bfloat16", "float32")}
+    rates = {name: _one_core_gflops(TORCH_DTYPES[name]) for name in ("bfloat16", "float32")}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".tmp{id(rates)}")
@@ -114,26 +120,3 @@ def matmul_rates(features: CpuFeatures) -> dict[str, float]:
     except OSError as e:  # a read-only cache only costs the measurement next time
         log.debug("cannot cache matmul rates in %s: %s", path, e)
     return rates
-
-
-def measure_matmul_gflops(dtype: torch.dtype, shape: tuple[int, int, int] = MATMUL_SHAPE, repeats: int = 5) -> float:
-    """Best-of-``repeats`` rate of one matmul on one thread: what one core computes, which is what decides
-    the dtype; one thread and the best run are what other processes on the cores skew least."""
-    m, k, n = shape
-    gen = torch.Generator().manual_seed(0)
-    a, b = torch.randn(m, k, generator=gen).to(dtype), torch.randn(k, n, generator=gen).to(dtype)
-    out = torch.empty(m, n, dtype=dtype)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        for _ in range(2):
-            torch.mm(a, b, out=out)
-        best = float("inf")
-        for _ in range(repeats):
-            start = time.perf_counter()
-            for _ in range(4):
-                torch.mm(a, b, out=out)
-            best = min(best, (time.perf_counter() - start) / 4)
-    finally:
-        torch.set_num_threads(threads)
-    return 2 * m * k * n / best / 1e9

@@ -1,12 +1,16 @@
 """The public entry point: ``LLM(model).generate(prompts, params)`` and its streaming form."""
 from __future__ import annotations
 
+from dataclasses import fields
 from typing import Any, Iterable, Iterator, Sequence as Seq
 
 from tqdm import tqdm
 
 from batchgen.engine.config import EngineConfig
+from batchgen.engine.flops import engine_figures, engine_peak_flops
 from batchgen.engine.llm_engine import LLMEngine
+from batchgen.engine.metrics import EngineMetrics
+from batchgen.engine.models.base import ModelProfile
 from batchgen.engine.outputs import RequestOutput
 from batchgen.engine.sampling_params import SamplingParams
 
@@ -27,15 +31,15 @@ class LLM:
     block) stops them, and they stop on their own when this process exits.
     """
 
-    def __init__(self, model: str, dtype: str = "auto", device: str = "auto",
-                 max_num_batched_tokens: int = 8192, max_num_seqs: int = 256,
-                 max_model_len: int | None = None, **engine_options: Any):
-        self.config = EngineConfig(model=model, dtype=dtype, device=device,
-                                   max_num_batched_tokens=max_num_batched_tokens,
-                                   max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                                   **engine_options)
+    def __init__(self, model: str, **engine_options: Any):
+        """``engine_options`` are EngineConfig's fields (``dtype``, ``device``, ``max_num_batched_tokens``, ...)."""
+        self.config = EngineConfig(model=model, **engine_options)
         self.engine = LLMEngine(self.config)
         self.tokenizer = self.engine.tokenizer
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "LLM":
+        return cls(**{f.name: getattr(config, f.name) for f in fields(config)})
 
     def close(self) -> None:
         """Stops the engine's worker processes (if any); the LLM cannot generate afterwards."""
@@ -46,6 +50,18 @@ class LLM:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def profile(self) -> ModelProfile:
+        """The model's parameter and FLOP profile (active parameters, attention FLOPs per key, weight format)."""
+        return self.engine.executor.profile
+
+    def metrics(self, wall_s: float | None = None, counters: EngineMetrics | None = None) -> dict[str, Any]:
+        """The engine's counters since its last ``reset_metrics`` (or ``counters``, totals a caller summed from
+        step records) and the figures derived from them, as plain data: rates, budget use, achieved FLOP/s and
+        ``mfu`` (None where the GPU's peak is unknown) over ``wall_s`` (default: the steps' own time)."""
+        m = self.engine.metrics if counters is None else counters
+        wall = m.prefill_time_s + m.decode_time_s if wall_s is None else wall_s
+        return engine_figures(m, wall, self.engine.token_budget, self.profile(), engine_peak_flops(self.config))
 
     @property
     def max_model_len(self) -> int:

@@ -98,7 +98,7 @@ def plan_run(spec: JobSpec, writer: OutputWriter, files: list[str], carry: list[
 @dataclass
 class Execution:
     """What an executor did: this run's committed counts, the seconds from the first request to the last result,
-    its engine totals (see ``telemetry.engine_summary``), telemetry.json, how it ran (stats' ``executor``) and the
+    its engine totals (see ``LLM.metrics``), telemetry.json, how it ran (stats' ``executor``) and the
     dtype the model ran in ("auto" resolved)."""
 
     run: Counts

@@ -103,8 +103,10 @@ def plan_job(spec: JobSpec, limit: int | None = None, rates: Rates | None = None
             yield lengths[-1]
 
     per_row = completion_tokens or round(rates.completion_tokens_per_row or 0) or spec.sampling.max_tokens
-    b = spec.batching
-    steps = estimate_steps(prompt_lengths(), per_row, b.max_batch_tokens, b.max_num_seqs)
+    b, engine = spec.batching, spec.engine
+    # One engine step runs a step of each data-parallel replica: budgets as the job's stats count them.
+    steps = estimate_steps(prompt_lengths(), per_row, engine.token_budget,
+                           engine.max_num_seqs * engine.data_parallel_size)
     prompt_tokens = sum(lengths)
     plan = {
         "job": spec.name, "model": spec.resolved()["model"]["path"], "input_files": len(files),
@@ -114,8 +116,9 @@ def plan_job(spec: JobSpec, limit: int | None = None, rates: Rates | None = None
         "max_prompt_tokens": preparer.max_prompt_tokens,
         "over_max_prompt_tokens": preparer.truncated + errors.get("prompt_too_long", 0),
         "truncate": b.truncate, "prompt_length": _length_stats(lengths),
-        "completion_tokens_per_row": per_row, "token_budget": b.max_batch_tokens,
-        "max_num_seqs": b.max_num_seqs, "expected_steps": steps.to_dict(),
+        "completion_tokens_per_row": per_row, "token_budget": engine.token_budget,
+        "max_num_batched_tokens": engine.max_num_batched_tokens, "max_num_seqs": engine.max_num_seqs,
+        "data_parallel_size": engine.data_parallel_size, "expected_steps": steps.to_dict(),
         "rates": asdict(rates), "estimated_s": None,
     }
     if rates.prefill_tokens_per_s and rates.decode_tokens_per_s:
@@ -148,8 +151,12 @@ def format_plan(plan: dict[str, Any], cost_per_hour: float | None = None) -> str
                  f"(truncate: {plan['truncate']})")
     if plan["error_rows"]:
         lines.append("error rows: " + ", ".join(f"{k} {v:,}" for k, v in plan["error_rows"].items()))
-    lines.append(f"expected engine steps at {plan['token_budget']:,} tokens and {plan['max_num_seqs']} "
-                 f"sequences per step, {plan['completion_tokens_per_row']} generated tokens per row: "
+    replicas = plan["data_parallel_size"]
+    per_replica = f" ({replicas} data-parallel replicas of {plan['max_num_batched_tokens']:,} tokens and " \
+        f"{plan['max_num_seqs']} sequences)" if replicas > 1 else ""
+    lines.append(f"expected engine steps at a token budget of {plan['token_budget']:,} tokens and "
+                 f"{plan['max_num_seqs'] * replicas} sequences per step{per_replica}, "
+                 f"{plan['completion_tokens_per_row']} generated tokens per row: "
                  f"{steps['steps']:,} ({steps['prefill_steps']:,} with prompt tokens, "
                  f"{steps['decode_steps']:,} decode only)")
     if plan["estimated_s"] is None:

@@ -141,17 +141,13 @@ def load_tokenizer(spec: JobSpec) -> tuple[Any, int]:
     its weight files)."""
     try:
         source = load_model_source(spec.model.path, spec.storage_options, weights=False)
-        return source.tokenizer, model_context_len(ModelConfig.from_hf(source.config), spec.model.max_model_len)
+        return source.tokenizer, model_context_len(ModelConfig.from_hf(source.config), spec.engine.max_model_len)
     except Exception as e:  # noqa: BLE001 - bad paths, unsupported architectures, bad tokenizers alike
         raise _model_failure(spec, "the tokenizer of ", e) from None
 
 
 def load_model(spec: JobSpec) -> LLM:
-    b, m = spec.batching, spec.model
     try:
-        return LLM(m.path, dtype=m.dtype, device=m.device, max_num_batched_tokens=b.max_batch_tokens,
-                   max_num_seqs=b.max_num_seqs, max_model_len=m.max_model_len, kv_cache_memory=b.kv_cache_memory,
-                   storage_options=spec.storage_options, tensor_parallel_size=m.tensor_parallel_size,
-                   data_parallel_size=m.data_parallel_size, enable_expert_parallel=m.enable_expert_parallel)
+        return LLM.from_config(spec.engine_config())
     except Exception as e:  # noqa: BLE001 - bad paths, unsupported architectures, bad weights alike
         raise _model_failure(spec, "model ", e) from None

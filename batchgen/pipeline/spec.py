@@ -11,8 +11,9 @@ from typing import Any, Literal, Mapping, Sequence, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from batchgen.engine.dtype import DtypeName
+from batchgen.engine.config import EngineConfig
 from batchgen.io.redaction import redact
+from batchgen.pipeline.engine_spec import EngineSpec, move_legacy_keys, renamed_path
 from batchgen.pipeline.executors import RAY_EXTRA_HINT, ray_available
 from batchgen.pipeline.render import check_template
 from batchgen.pipeline.sampling import OneOrMany, SamplingSpec, check_constraints
@@ -33,22 +34,10 @@ class _Section(BaseModel):
 
 
 class ModelSpec(_Section):
-    """``path``: a built-in model name, a local folder or .gguf file, or an fsspec URL; ``dtype`` "auto" is
-    the device's fast dtype (bf16 on GPUs and on CPUs with native bf16, else fp32). The parallel sizes are
-    the engine's (vLLM's names): one worker process per device when they ask for more than one."""
+    """``path``: a built-in model name, a local folder or .gguf file, or an fsspec URL. How the engine runs it
+    (dtype, device, parallel sizes, ...) is the ``engine`` section's."""
 
     path: str = Field(min_length=1)
-    dtype: DtypeName = "auto"
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    max_model_len: int | None = Field(default=None, ge=1)
-    tensor_parallel_size: int = Field(default=1, ge=1)
-    data_parallel_size: int = Field(default=1, ge=1)
-    enable_expert_parallel: bool = False
-
-    @property
-    def world_size(self) -> int:
-        """Devices one engine runs on: tensor-parallel size x data-parallel size."""
-        return self.tensor_parallel_size * self.data_parallel_size
 
 
 class InputSpec(_Section):
@@ -87,18 +76,16 @@ class PromptSpec(_Section):
 
 
 class BatchingSpec(_Section):
-    """Token budgets; ``sort_window`` rows are read ahead and sorted by prompt length unless ``sort`` is false."""
+    """Prompt limits; ``sort_window`` rows are read ahead and sorted by prompt length unless ``sort`` is false.
+    The engine's step budgets are the ``engine`` section's (max_num_batched_tokens, max_num_seqs)."""
 
-    max_batch_tokens: int = Field(default=16384, ge=1)
     sort_window: int = Field(default=4096, ge=1)
     max_prompt_tokens: int = Field(default=4096, ge=1)
     truncate: Literal["error", "left", "right"] = "error"
-    max_num_seqs: int = Field(default=256, ge=1)
     sort: bool = True
     # rendered prompts longer than this are cut (truncate left/right) or error rows before tokenizing;
     # None: 32 characters per token of max_prompt_tokens
     max_prompt_chars: int | None = Field(default=None, ge=1)
-    kv_cache_memory: int | None = Field(default=None, ge=1)  # KV cache bytes; None: the engine's default
 
     def prompt_chars(self) -> int:
         return self.max_prompt_chars or 32 * self.max_prompt_tokens
@@ -128,7 +115,7 @@ class ExecutorSpec(_Section):
     """Where the job runs: ``local``, in this process, or ``ray``, on a Ray cluster at ``address`` (default
     ``RAY_ADDRESS``, else a local Ray started for the job) with ``num_replicas`` engine replicas (default: the
     cluster's GPUs divided by a replica's devices, or 1 without GPUs), each reserving ``num_cpus`` and ``num_gpus``
-    (default: its engine's devices, ``model.world_size``, on a cluster with GPUs, else 0)."""
+    (default: its engine's devices, ``engine.world_size``, on a cluster with GPUs, else 0)."""
 
     kind: Literal["local", "ray"] = "local"
     address: str | None = None
@@ -149,6 +136,7 @@ class JobSpec(_Section):
 
     name: str = Field(min_length=1)
     model: ModelSpec
+    engine: EngineSpec = Field(default_factory=EngineSpec)
     input: InputSpec
     prompt: PromptSpec | None = None  # required unless the input is OpenAI Batch lines
     sampling: SamplingSpec = Field(default_factory=SamplingSpec)
@@ -157,6 +145,10 @@ class JobSpec(_Section):
     storage_options: dict[str, Any] = {}
     max_error_rate: float = Field(default=1.0, ge=0.0, le=1.0)  # above this fraction of error rows, exit 1
     executor: ExecutorSpec = Field(default_factory=ExecutorSpec)
+
+    def engine_config(self) -> EngineConfig:
+        """The EngineConfig the job's engine runs with: the engine section, model.path and storage_options."""
+        return self.engine.config(self.model.path, self.storage_options)
 
     def resolved(self) -> dict:
         """The spec as plain data, with the credentials in storage_options and in URLs replaced by "***"."""
@@ -215,7 +207,7 @@ def apply_overrides(data: dict, overrides: Sequence[str], errors: list[str]) -> 
     """Applies ``a.b=value`` overrides in place; the value is read as a YAML scalar or flow collection."""
     for item in overrides:
         dotted, sep, raw = item.partition("=")
-        keys = dotted.strip().split(".")
+        keys = renamed_path(dotted.strip().split("."))
         if not sep or not all(keys):
             errors.append(f"--set {item}: expected KEY.PATH=VALUE")
             continue
@@ -298,6 +290,7 @@ def spec_from_dict(data: Any, overrides: Sequence[str] = (), env: Mapping[str, s
     data = json.loads(json.dumps(data, default=str))  # a private, plain copy (YAML dates become strings)
     errors: list[str] = []
     apply_overrides(data, overrides, errors)
+    move_legacy_keys(data, errors)
     env_errors: dict[KeyPath, str] = {}
     data = interpolate(data, os.environ if env is None else env, env_errors)
     errors += [f"{_fmt(p)}: {m}" for p, m in env_errors.items()]

@@ -64,7 +64,7 @@ def job_stats(*, totals: Counts, run: Counts, job: str, model: str, dtype: str, 
     ``wall_s`` is this run from start to finish (model load included); the tokens-per-second rates divide
     this run's tokens by ``generate_s``, the time from the first request to the last result. ``dtype`` is the
     one the model ran in ("auto" resolved); ``engine`` holds this run's engine totals (see
-    ``telemetry.engine_summary``), ``executor`` how it ran (its kind and, on Ray, each replica's rows and
+    ``LLM.metrics``: ``batchgen.engine.flops.engine_figures``), ``executor`` how it ran (its kind and, on Ray, each replica's rows and
     throughput).
     """
     return {

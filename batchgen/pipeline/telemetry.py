@@ -7,9 +7,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, fields
 from typing import Any, Callable, Iterable, Iterator, TypeVar
 
-from batchgen.bench.flops import PeakFlops, linear_flops
 from batchgen.engine.metrics import EngineMetrics, StepRecord
-from batchgen.engine.models.base import ModelProfile
 from batchgen.pipeline.rows import ResultRow
 
 T = TypeVar("T")
@@ -187,34 +185,3 @@ class Telemetry:
             self.stages.add(stage, seconds)
         for f in fields(EngineMetrics):
             setattr(self.metrics, f.name, getattr(self.metrics, f.name) + state["metrics"][f.name])
-
-
-def _ratio(a: float, b: float, digits: int = 4) -> float | None:
-    return round(a / b, digits) if b else None
-
-
-def engine_summary(m: EngineMetrics, generate_s: float, token_budget: int, profile: ModelProfile | None = None,
-                   peak: PeakFlops | None = None, engines: int = 1) -> dict[str, Any]:
-    """This run's engine totals and what follows from them: rates, budget use, padding and idle shares,
-    achieved FLOP/s over the generation time (linear layers and logits, as ``batchgen bench`` counts them)
-    and MFU where the peak is known (``engine_peak_flops``: an engine's GPUs from the datasheet table, the FP8
-    peak for FP8 matmuls; None on CPU). ``engines`` ran side by side over ``generate_s`` (Ray replicas): their busy time is shared out."""
-    steps = m.prefill_steps + m.decode_steps
-    busy = m.prefill_time_s + m.decode_time_s
-    out: dict[str, Any] = {k: round(v, 4) if isinstance(v, float) else v for k, v in m.as_dict().items()}
-    out.update(
-        steps=steps, busy_s=round(busy, 4), token_budget=token_budget,
-        prefill_tokens_per_s=_ratio(m.prompt_tokens_computed, m.prefill_time_s, 1),
-        decode_tokens_per_s=_ratio(m.decode_tokens, m.decode_time_s, 1),
-        token_budget_utilization=_ratio(m.tokens_computed, steps * token_budget),
-        padding_share=_ratio(m.padded_tokens, m.tokens_computed + m.padded_tokens),
-        idle_share=round(max(0.0, 1 - busy / (engines * generate_s)), 4) if generate_s > 0 else None,
-        achieved_tflops=None, peak_tflops=None, mfu=None)
-    if profile is not None and generate_s > 0:
-        flops, fp8_flops = linear_flops(profile, m.tokens_computed, m.tokens_generated)
-        out["achieved_tflops"] = round(flops / generate_s / 1e12, 6)
-        ideal = peak.times(engines).seconds(flops, fp8_flops) if peak and flops else None
-        if ideal:
-            out["peak_tflops"] = round(flops / ideal / 1e12, 1)
-            out["mfu"] = round(ideal / generate_s, 6)
-    return out

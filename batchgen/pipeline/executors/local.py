@@ -8,7 +8,6 @@ from typing import Iterable
 from batchgen.crashpoints import crash_point
 from batchgen.engine import LLM
 from batchgen.io import InputRow, OutputWriter
-from batchgen.bench.flops import engine_peak_flops
 from batchgen.pipeline import preflight
 from batchgen.pipeline.interrupt import StopRequest
 from batchgen.pipeline.job import Execution, RunPlan
@@ -17,7 +16,7 @@ from batchgen.pipeline.rows import engine_row
 from batchgen.pipeline.sink import PartSink
 from batchgen.pipeline.spec import JobSpec
 from batchgen.pipeline.stages import Preparer, admit, divert_errors, input_rows, job_preparer, sorted_requests
-from batchgen.pipeline.telemetry import Telemetry, engine_summary
+from batchgen.pipeline.telemetry import Telemetry
 
 PREFETCH_ROWS = 1024  # prepared rows queued ahead of the sort window
 
@@ -83,8 +82,7 @@ class LocalExecutor:
             progress.close()
         with telemetry.stages.measure("write"):
             sink.flush()
-        engine = engine_summary(telemetry.metrics, generate_s, telemetry.token_budget, llm.engine.executor.profile,
-                                engine_peak_flops(llm.config))
+        engine = llm.metrics(generate_s, counters=telemetry.metrics)
         return Execution(run=sink.run, generate_s=generate_s, engine=engine, telemetry=telemetry.to_dict(),
                          executor={"kind": "local"}, dtype=llm.config.dtype_choice.name)
 

@@ -20,6 +20,7 @@ from typing import Any, Iterator
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from batchgen.engine.flops import engine_figures
 from batchgen.io import InputError, OutputError, OutputWriter, redact
 from batchgen.io.lease import LeaseLost
 from batchgen.pipeline.errors import JobError
@@ -31,7 +32,7 @@ from batchgen.pipeline.job import Execution, RunPlan
 from batchgen.pipeline.progress import Progress
 from batchgen.pipeline.spec import JobSpec
 from batchgen.pipeline.stats import Counts
-from batchgen.pipeline.telemetry import Telemetry, engine_summary
+from batchgen.pipeline.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +44,7 @@ def replica_resources(spec: JobSpec, cluster_gpus: float) -> tuple[int, float, f
     """(replicas, CPUs and GPUs of each): by default a replica takes a GPU for each device of its engine (tensor x
     data parallel), and there are as many as the cluster's GPUs allow (one on a cluster without GPUs)."""
     ex = spec.executor
-    gpus = ex.num_gpus if ex.num_gpus is not None else (float(spec.model.world_size) if cluster_gpus else 0.0)
+    gpus = ex.num_gpus if ex.num_gpus is not None else (float(spec.engine.world_size) if cluster_gpus else 0.0)
     replicas = ex.num_replicas or (max(1, int(cluster_gpus // gpus)) if gpus else 1)
     if gpus * replicas > cluster_gpus:
         log.warning("%d replicas of %g GPU(s) need more than the cluster's %g GPUs: some wait for GPUs to join",
@@ -220,7 +221,7 @@ class RayExecutor:
             shards = plan_shards(spec, plan.files, plan.limit)
         except Exception as e:  # noqa: BLE001 - a read task failed: missing or corrupt input
             raise _job_error(e) from None
-        telemetry = Telemetry(spec.batching.max_batch_tokens, start=plan.wall_start)
+        telemetry = Telemetry(spec.engine.token_budget, start=plan.wall_start)
         telemetry.stages.add("startup", time.perf_counter() - plan.wall_start)
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
         board = ray.remote(JobBoard).options(num_cpus=0, scheduling_strategy=here,  # beside the driver
@@ -237,7 +238,7 @@ class RayExecutor:
                 telemetry.absorb(r["telemetry"])
         first = next((r for r in snapshot["replicas"] if r.get("profile") is not None), {})
         telemetry.token_budget = first.get("token_budget", telemetry.token_budget)  # data parallel multiplies it
-        engine = engine_summary(telemetry.metrics, generate_s, telemetry.token_budget, first.get("profile"),
+        engine = engine_figures(telemetry.metrics, generate_s, telemetry.token_budget, first.get("profile"),
                                 first.get("peak_flops"), engines=replicas)
         executor = {"kind": "ray", "address": redact(self.address), "run": run_id, "num_replicas": replicas,
                     "replica_resources": {"num_cpus": cpus, "num_gpus": gpus}, "windows": snapshot["windows"],
@@ -245,7 +246,7 @@ class RayExecutor:
                     "replicas": [_replica_stats(r) for r in snapshot["replicas"]]}
         return Execution(run=Counts.total(writer.committed_stats(f"{run_id}-")), generate_s=generate_s,
                          engine=engine, telemetry=telemetry.to_dict(), executor=executor,
-                         dtype=first.get("dtype", plan.spec.model.dtype))
+                         dtype=first.get("dtype", plan.spec.engine.dtype))
 
     def _run(self, plan: RunPlan, shards: ShardPlan, replica_job: ReplicaJob, writer: OutputWriter,
              stop: StopRequest, resources: tuple[int, float, float]) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from batchgen.bench.flops import engine_peak_flops
+from batchgen.engine.flops import engine_peak_flops
 from batchgen.crashpoints import crash_point
 from batchgen.engine import LLM
 from batchgen.io.committer import PartCommitter
@@ -175,7 +175,7 @@ class EngineReplica:
                                    start=time.perf_counter() - (time.time() - job.plan.epoch_start))
         self.telemetry.stages.add("startup", time.perf_counter() - started)
         info = {"node": socket.gethostname(), "pid": os.getpid(), "startup_s": round(time.perf_counter() - started, 3),
-                "profile": self.llm.engine.executor.profile, "peak_flops": engine_peak_flops(self.llm.config),
+                "profile": self.llm.profile(), "peak_flops": engine_peak_flops(self.llm.config),
                 "token_budget": self.llm.engine.token_budget, "dtype": self.llm.config.dtype_choice.name}
         self.link = BoardLink(job.board, info, spec.output.lease_timeout_s)
         self.feed = EngineFeed(self.llm, self.telemetry, self.link.stop)

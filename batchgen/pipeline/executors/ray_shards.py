@@ -104,7 +104,7 @@ _committed: dict[str, set[str]] = {}
 
 def _tokenizer(spec: JobSpec) -> tuple[Any, int]:
     """The model's tokenizer and context, loaded once per worker process."""
-    key = (spec.model.path, spec.model.max_model_len)
+    key = (spec.model.path, spec.engine.max_model_len)
     if key not in _tokenizers:
         _tokenizers[key] = preflight.load_tokenizer(spec)
     return _tokenizers[key]

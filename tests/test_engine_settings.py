@@ -1,0 +1,159 @@
+"""Engine settings have one home: every EngineConfig knob is settable from a job spec and from `bench`, under
+its own name, and reaches the EngineConfig actually built; the previous release's names still work, with a
+warning naming the new one."""
+from __future__ import annotations
+
+import logging
+from dataclasses import Field, fields
+
+import pytest
+from click.testing import CliRunner
+
+from batchgen.bench import options as bench_options
+from batchgen.cli import main
+from batchgen.engine import LLM
+from batchgen.engine.config import EngineConfig, engine_knobs, knob_default
+from batchgen.pipeline import engine_spec
+from batchgen.pipeline.engine_spec import JOB_DEFAULTS, LEGACY_KEYS
+from batchgen.pipeline.spec import SpecError, spec_from_dict
+
+BASE = {"name": "j", "model": {"path": "m"}, "input": {"path": "in.jsonl"}, "prompt": {"template": "{{ text }}"},
+        "output": {"path": "out/"}}
+
+
+def probe_value(f: Field):
+    """A valid value for the knob that is neither its engine default nor its job default."""
+    default = JOB_DEFAULTS.get(f.name, knob_default(f))
+    if f.metadata["choices"]:
+        return next(c for c in f.metadata["choices"] if c != default)
+    if isinstance(default, bool):
+        return not default
+    if isinstance(default, int):
+        return default * 3
+    if isinstance(default, float):
+        return default / 2
+    if default is None and f.name in ("max_model_len", "kv_cache_memory"):
+        return {"max_model_len": 777, "kv_cache_memory": 12345678}[f.name]
+    raise AssertionError(f"add a test value for the new knob {f.name} (default {default!r})")
+
+
+PROBES = {f.name: probe_value(f) for f in engine_knobs()}
+
+
+def yaml_text(value) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def test_the_knobs_are_every_engine_config_field_but_the_model_and_its_storage():
+    assert {f.name for f in fields(EngineConfig)} - set(PROBES) == {"model", "storage_options"}
+    assert all(f.metadata["help"] for f in engine_knobs())
+
+
+def test_every_knob_is_settable_with_set_and_reaches_the_engine_config():
+    overrides = [f"engine.{name}={yaml_text(value)}" for name, value in PROBES.items()]
+    spec = spec_from_dict({**BASE, "storage_options": {"anon": True}}, overrides, env={})
+    config = spec.engine_config()
+    assert {name: getattr(config, name) for name in PROBES} == PROBES
+    assert config.model == "m" and config.storage_options == {"anon": True}
+
+
+def test_job_defaults_differ_from_the_engine_only_where_declared():
+    config = spec_from_dict(BASE, env={}).engine_config()
+    for f in engine_knobs():
+        assert getattr(config, f.name) == JOB_DEFAULTS.get(f.name, knob_default(f)), f.name
+    assert config.max_num_batched_tokens == 16384  # as batching.max_batch_tokens was
+
+
+def test_a_bad_knob_value_is_a_spec_error_naming_its_key():
+    errs = pytest.raises(SpecError, spec_from_dict, BASE, ["engine.cuda_graphs=sometimes",
+                                                          "engine.gpu_memory_utilization=1.5"], env={}).value.errors
+    assert sorted(e.split(":")[0] for e in errs) == ["engine.cuda_graphs", "engine.gpu_memory_utilization"]
+    errs = pytest.raises(SpecError, spec_from_dict, BASE, ["engine.max_num_batched_tokens=8"], env={}).value.errors
+    assert errs == ["engine: max_num_batched_tokens must be at least block_size"]
+
+
+class Built(Exception):
+    pass
+
+
+def bench_config(monkeypatch, args: list[str]) -> tuple[EngineConfig | None, str]:
+    """The EngineConfig `bench` builds its engine from, stopped before any model loads."""
+    built: list[EngineConfig] = []
+
+    def capture(config):
+        built.append(config)
+        raise Built
+
+    monkeypatch.setattr(LLM, "from_config", staticmethod(capture))
+    result = CliRunner().invoke(main, ["bench", "--model", "m", *args])
+    return (built[0] if built else None), result.output
+
+
+def bench_args(values: dict) -> list[str]:
+    out = []
+    for name, value in values.items():
+        flag = "--" + name.replace("_", "-")
+        out += [flag if value else "--no-" + flag[2:]] if isinstance(value, bool) else [flag, str(value)]
+    return out
+
+
+def test_every_knob_is_a_bench_option_and_reaches_the_engine_config(monkeypatch):
+    config, output = bench_config(monkeypatch, bench_args(PROBES))
+    assert config is not None, output
+    assert {name: getattr(config, name) for name in PROBES} == PROBES and config.model == "m"
+
+
+def test_bench_defaults_are_the_engine_defaults(monkeypatch):
+    config, output = bench_config(monkeypatch, [])
+    assert config is not None, output
+    assert config == EngineConfig(model="m")
+
+
+@pytest.fixture
+def warnings_afresh(monkeypatch, caplog):
+    monkeypatch.setattr(engine_spec, "_warned", set())
+    caplog.set_level(logging.WARNING)
+    return caplog
+
+
+@pytest.mark.parametrize("old", [".".join(k) for k in LEGACY_KEYS])
+def test_an_old_spec_key_still_works_and_warns_once_with_its_new_name(old, warnings_afresh):
+    section, key = old.split(".")
+    new = LEGACY_KEYS[(section, key)]
+    value = PROBES[new]
+    data = {**BASE, section: {**BASE.get(section, {}), key: value}}
+    for _ in range(2):
+        assert getattr(spec_from_dict(data, env={}).engine_config(), new) == value
+    assert getattr(spec_from_dict(BASE, [f"{old}={yaml_text(value)}"], env={}).engine, new) == value
+    warnings = [r.getMessage() for r in warnings_afresh.records if "deprecated" in r.getMessage()]
+    assert len(warnings) == 1 and old in warnings[0] and f"engine.{new}" in warnings[0]
+
+
+def test_an_old_and_a_new_spec_key_together_are_an_error_naming_both(warnings_afresh):
+    data = {**BASE, "batching": {"max_batch_tokens": 512}, "engine": {"max_num_batched_tokens": 1024}}
+    errs = pytest.raises(SpecError, spec_from_dict, data, env={}).value.errors
+    assert len(errs) == 1 and "batching.max_batch_tokens" in errs[0] and "engine.max_num_batched_tokens" in errs[0]
+    errs = pytest.raises(SpecError, spec_from_dict, {**BASE, "model": {"path": "m", "dtype": "float32"},
+                                                     "engine": {"dtype": "float16"}}, env={}).value.errors
+    assert errs == ["model.dtype: deprecated name of engine.dtype, and both are given; keep engine.dtype"]
+
+
+def test_set_with_an_old_name_overrides_the_new_key_of_the_file(warnings_afresh):
+    data = {**BASE, "engine": {"device": "auto", "max_num_batched_tokens": 1024}}
+    spec = spec_from_dict(data, ["model.device=cpu", "batching.max_batch_tokens=64"], env={})
+    assert (spec.engine.device, spec.engine.max_num_batched_tokens) == ("cpu", 64)
+
+
+@pytest.mark.parametrize("old", list(bench_options.LEGACY_OPTIONS))
+def test_an_old_bench_option_still_works_and_warns_with_its_new_name(old, monkeypatch, caplog):
+    knob, flag_value = bench_options.LEGACY_OPTIONS[old]
+    value = PROBES[knob] if flag_value is None else flag_value
+    new = "--" + knob.replace("_", "-")
+    with caplog.at_level(logging.WARNING, logger="batchgen.bench.options"):
+        config, output = bench_config(monkeypatch, [old] + ([] if flag_value is not None else [str(value)]))
+    assert config is not None, output
+    assert getattr(config, knob) == value
+    assert any(old in r.getMessage() and new in r.getMessage() for r in caplog.records)
+    both, output = bench_config(monkeypatch, [old] + ([] if flag_value is not None else [str(value)])
+                                + bench_args({knob: PROBES[knob]}))
+    assert both is None and old in output and new in output
