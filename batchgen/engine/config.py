@@ -216,6 +216,10 @@ class EngineConfig:
     data_parallel_size: int = 1
     enable_expert_parallel: bool = False
     distributed_timeout_s: float = 600.0  # longest wait for a worker's step (and a collective's peers)
+    # Data + expert parallel at tensor-parallel size 1: None swaps exact token counts between ranks (four
+    # host waits per MoE layer); a factor in (0, 1] sends fixed parts of that times the most tokens of a
+    # replica, with no host wait (1.0 never drops a token; below, overflow is dropped: parallel/expert.py).
+    expert_capacity_factor: float | None = None
     measure_communication: bool = False  # time collectives on CUDA too (synchronises: benchmarks only)
     # Overlapped scheduling: the host schedules and prepares step N+1 while the device runs step N.
     # "auto": on for one CUDA device; off on CPU, where the host's work would take cores from the model.
