@@ -319,6 +319,8 @@ def compile_all(targets: list[str], report_spills: bool = False,
                 if stores or loads:
                     spills.append(f"{target} {launch.describe()}: {registers} registers, "
                                   f"{stores} bytes spill stores, {loads} bytes spill loads")
+                print(f"{target} {launch.describe()}: {registers} registers, {stores + loads} bytes spilled",
+                      flush=True)
             compiled += 1
     return compiled, skipped, spills
 
