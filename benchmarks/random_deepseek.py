@@ -56,15 +56,20 @@ def shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
     return out
 
 
+def config(size: str) -> dict:
+    """The HF config of a size of SIZES."""
+    return {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "rms_norm_eps": 1e-6,
+            "max_position_embeddings": 32768, "hidden_act": "silu", "bos_token_id": 0, "eos_token_id": 1,
+            "tie_word_embeddings": False, "first_k_dense_replace": 1, "n_shared_experts": 1, "n_group": 8,
+            "topk_group": 4, "norm_topk_prob": True, "routed_scaling_factor": 2.5, "rope_interleave": True,
+            "rope_scaling": {"type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
+                             "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+            "rope_theta": 10000.0, **SIZES[size]}
+
+
 def main() -> None:
     args = parse_args(__doc__, SIZES)
-    cfg = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "rms_norm_eps": 1e-6,
-           "max_position_embeddings": 32768, "hidden_act": "silu", "bos_token_id": 0, "eos_token_id": 1,
-           "tie_word_embeddings": False, "first_k_dense_replace": 1, "n_shared_experts": 1, "n_group": 8,
-           "topk_group": 4, "norm_topk_prob": True, "routed_scaling_factor": 2.5, "rope_interleave": True,
-           "rope_scaling": {"type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
-                            "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
-           "rope_theta": 10000.0, **SIZES[args.size]}
+    cfg = config(args.size)
     write_random_model(Path(args.out), cfg, shapes(cfg), args.device, args.fp8)
 
 

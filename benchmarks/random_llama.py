@@ -113,11 +113,14 @@ def parse_args(doc: str, sizes: dict) -> argparse.Namespace:
     return ap.parse_args()
 
 
+BASE = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256,
+        "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "max_position_embeddings": 16384,
+        "hidden_act": "silu", "bos_token_id": 0, "eos_token_id": 1}
+
+
 def main() -> None:
     args = parse_args(__doc__, SIZES)
-    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256,
-           "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "max_position_embeddings": 16384,
-           "hidden_act": "silu", "bos_token_id": 0, "eos_token_id": 1, **SIZES[args.size]}
+    cfg = {**BASE, **SIZES[args.size]}
     write_random_model(Path(args.out), cfg, shapes(cfg), args.device, args.fp8)
 
 

@@ -1,6 +1,7 @@
 """The expert exchanges between data-parallel replicas (two gloo ranks on CPU) against one process."""
 from __future__ import annotations
 
+import math
 import multiprocessing as mp
 import traceback
 from pathlib import Path
@@ -9,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from batchgen.engine.parallel.expert import AllToAllExchange, TokenExchange
+from batchgen.engine.parallel.expert import AllToAllExchange, PaddedAllToAllExchange, TokenExchange
 from batchgen.engine.parallel.group import CommGroup
 
 EXPERTS, TOP_K, HIDDEN = 12, 3, 16
@@ -32,11 +33,17 @@ def experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, local: ra
     return (x.float() * factor).to(x.dtype)
 
 
+def make(kind: str, group: CommGroup):
+    if kind.startswith("padded"):  # "padded-F": capacity factor F
+        return PaddedAllToAllExchange(group, float(kind.split("-")[1]))
+    return (AllToAllExchange if kind == "all-to-all" else TokenExchange)(group)
+
+
 def rank_main(rank: int, world: int, init: str, kind: str, results) -> None:
     try:
         dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
         group = CommGroup(rank, world, dist.group.WORLD)
-        exchange = (AllToAllExchange if kind == "all-to-all" else TokenExchange)(group)
+        exchange = make(kind, group)
         exchange.begin_step(COUNTS)
         x, weights, ids = routed_tokens(rank)
         per_rank = EXPERTS // world
@@ -44,7 +51,9 @@ def rank_main(rank: int, world: int, init: str, kind: str, results) -> None:
         routed = exchange.dispatch(x, weights, ids, EXPERTS)
         out = exchange.combine(experts(routed.x, routed.topk_weights, routed.topk_ids, local))
         # plain arrays: a tensor would travel as a handle to this process's memory, gone once it exits
-        results.put((rank, (out.float().numpy(), str(out.dtype)), routed.x.shape[0]))
+        # Padding rows carry no expert (ids -1): the rows that reached this rank with work in them.
+        rows = int((routed.topk_ids >= 0).any(1).sum())
+        results.put((rank, (out.float().numpy(), str(out.dtype)), rows))
         dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - the parent reports it
         results.put((rank, traceback.format_exc(), -1))
@@ -88,3 +97,36 @@ def test_exchange_sums_every_experts_output_for_each_replica(kind, tmp_path):
         expected_rows = sum(len({int(e) // (EXPERTS // len(COUNTS)) for e in row})
                             for r in range(len(COUNTS)) for row in routed_tokens(r)[2])
         assert received == expected_rows < len(COUNTS) * sum(COUNTS)
+
+
+def routed_pairs(capacity: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per replica, (tokens, ranks) masks: the ranks holding one of a token's experts, and of those the pairs
+    that fit the rank's capacity (its first ``capacity`` tokens bound there, in token order)."""
+    ranks, per_rank = len(COUNTS), EXPERTS // len(COUNTS)
+    pairs = []
+    for replica in range(ranks):
+        ids = routed_tokens(replica)[2]
+        wanted = torch.zeros(ids.shape[0], ranks, dtype=torch.bool).scatter_(1, ids // per_rank, True)
+        pairs.append((wanted, wanted & (wanted.long().cumsum(0) <= capacity)))
+    return pairs
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("factor", [1.0, 0.5])
+def test_padded_exchange_is_exact_at_full_capacity_and_drops_overflow_in_token_order(factor, tmp_path):
+    got = run_ranks(f"padded-{factor}", tmp_path)
+    pairs = routed_pairs(max(1, math.ceil(factor * max(COUNTS))))
+    dropped = sum(int((wanted & ~kept).sum()) for wanted, kept in pairs)
+    assert (dropped == 0) if factor == 1.0 else (dropped > 0)
+    per_rank = EXPERTS // len(COUNTS)
+    for rank, (out, _) in got.items():
+        x, weights, ids = routed_tokens(rank)
+        kept = pairs[rank][1]
+        # The sum of the expert outputs of the ranks each token's pairs were kept on.
+        expected = torch.zeros(x.shape[0], HIDDEN)
+        for r in range(len(COUNTS)):
+            expected += experts(x, weights, ids, range(r * per_rank, (r + 1) * per_rank)).float() * kept[:, r:r + 1]
+        values, dtype = out
+        assert values.shape == tuple(expected.shape) and dtype == str(torch.bfloat16)
+        torch.testing.assert_close(torch.from_numpy(values), expected, atol=3e-2, rtol=3e-2)
+    assert sum(rows for _, rows in got.values()) == sum(int(kept.sum()) for _, kept in pairs)

@@ -179,6 +179,48 @@ def test_decode_matches_torch(head_dim, group, dtype, num_splits):
     close(out, expected, dtype)
 
 
+def test_decode_splits_are_sized_per_sequence(monkeypatch):
+    """Under CUDA graphs the launch is planned for the model's limit (here 128K keys); a 1,000-key context
+    must still spread over ceil(1000 / 256) splits, not fill one split sized for 128K keys."""
+    written = {}
+
+    def nan_buffers(out, num_splits, slots):
+        part_out, part_lse, *strides = real_split_buffers(out, num_splits, slots)
+        written["lse"] = part_lse.fill_(float("nan"))
+        return (part_out, part_lse, *strides)
+
+    real_split_buffers = decode_attention.split_buffers
+    monkeypatch.setattr(decode_attention, "split_buffers", nan_buffers)
+    ctx = [1000]
+    batch = PagedBatch([c - 1 for c in ctx], [1], 2, 64, F32)
+    q, k, v = rand(1, 4, 64), rand(1, 2, 64), rand(1, 2, 64)
+    expected = batch.run(TorchAttentionBackend(), q, k, v, 0.125)
+    k_cache, v_cache = batch.k_cache.clone(), batch.v_cache.clone()
+    kv_store.store_kv(k, v, k_cache, v_cache, batch.meta.slot_mapping)
+    out = decode_attention.decode_attention(q, k_cache, v_cache, batch.meta.context_lens, batch.meta.block_tables,
+                                            128 * 1024, 0.125)
+    close(out, expected, F32)
+    active = (~written["lse"][0].isnan()).sum(-1)  # per head: the splits that held keys
+    assert active.tolist() == [math.ceil(1000 / 256)] * 4
+
+
+def test_mixed_step_runs_its_decode_rows_in_the_decode_kernel():
+    # Two prefill chunks and three decodes (one of them the final 1-token chunk of a prompt).
+    prefix_lens, query_lens = [40, 0, 300, 16, 2], [1, 60, 1, 33, 1]
+    batch = PagedBatch(prefix_lens, query_lens, 2, 64, F32)
+    q, k, v = rand(sum(query_lens), 6, 64), rand(sum(query_lens), 2, 64), rand(sum(query_lens), 2, 64)
+    expected = batch.run(TorchAttentionBackend(), q, k, v, 0.125)
+    close(batch.run(TritonAttentionBackend(), q, k, v, 0.125), expected, F32)
+    assert batch.meta.decode_rows.tolist() == [[0, 0], [2, 61], [4, 95]]
+    assert sorted(seq for seq, _ in batch.meta.prefill_work.tolist()) == [1, 3]
+    # As a CUDA graph runs it: padded tile and slot lists, the launch planned for the model's limit.
+    batch.meta.max_seqlen_k = 32 * 1024
+    batch.meta.prefill_work = prefill_work(query_lens, batch.meta.context_lens_list, skip_decodes=True,
+                                           capacity=prefill_tile_capacity(128, 8)).to(DEVICE)
+    batch.meta.decode_rows = decode_attention.decode_rows(query_lens, capacity=8).to(DEVICE)
+    close(batch.run(TritonAttentionBackend(), q, k, v, 0.125), expected, F32)
+
+
 def test_prefill_work_lists_tiles_longest_first_and_pads():
     # Sequence 1 (300 new tokens after a 100-token prefix) has three tiles of 128 rows.
     work = prefill_work([5, 300, 0], [5, 400, 0]).tolist()

@@ -150,3 +150,25 @@ def check_both_forms(layer: MLAAttention) -> None:
         assert planned.prefill.context_slots.tolist() == slots[13:].tolist()
         mixed = layer.attend(mixed_rows, planned)
         torch.testing.assert_close(mixed, torch.cat((expanded[12:13], expanded[13 + 5:])), rtol=1e-5, atol=1e-5)
+
+
+def test_prefill_kernel_key_offsets_past_int32():
+    """A 128-head rank's expanded keys (row stride 32,768) pass 2**31 elements at 65,536 keys; the same
+    overflow at test size: rows 2**23 elements apart, 300 keys. The buffer is virtual memory: only the rows
+    written are ever touched."""
+    from batchgen.engine.kernels.mla import mla_prefill
+    from batchgen.engine.kernels.prefill_attention import prefill_work
+
+    gen = torch.Generator().manual_seed(5)
+    nope, rope, v_dim, keys, queries, row_stride = 16, 8, 16, 300, 3, 1 << 23
+    assert (keys - 1) * row_stride >= 2**31
+    rows = torch.empty(keys * row_stride, dtype=torch.bfloat16).as_strided((keys, 1, nope + v_dim), (row_stride, 1, 1))
+    rows.copy_(torch.randn(keys, 1, nope + v_dim, generator=gen))
+    k_nope, v = rows[..., :nope], rows[..., nope:]
+    k_pe = torch.randn(keys, rope, generator=gen).to(torch.bfloat16)
+    q = torch.randn(queries, 1, nope + rope, generator=gen).to(torch.bfloat16)
+    cu_q, cu_k = torch.tensor([0, queries], dtype=torch.int32), torch.tensor([0, keys], dtype=torch.int32)
+    out = mla_prefill(q, k_nope, v, k_pe, cu_q, cu_k, prefill_work([queries], [keys]), 0.3)
+    plan = LatentPrefill(None, torch.empty(0), cu_q, cu_k, [queries], [keys])
+    ref = TorchMLABackend().prefill(q.double(), k_nope.double(), v.double(), k_pe.double(), plan, 0.3)
+    torch.testing.assert_close(out.double(), ref, **TOL[torch.bfloat16])

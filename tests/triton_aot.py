@@ -4,10 +4,11 @@ The interpreter accepts programs the real compiler rejects (dot shapes, dtype mi
 types), so this records the launches the kernel wrappers make on CPU tensors, without running
 them, and compiles each one for real CUDA targets (ptxas ships with Triton).
 
-    TRITON_INTERPRET=0 python -m tests.triton_aot [--spills] [sm_90 sm_80 ...]
+    TRITON_INTERPRET=0 python -m tests.triton_aot [--spills] [--wide] [sm_90 sm_80 ...]
 
 FP8 launches are compiled only for targets with FP8 tensor cores (sm_89 and newer). --spills runs
-ptxas -v on each binary and lists the launches that spill registers.
+ptxas -v on each binary and lists the launches that spill registers; --wide compiles only the
+launches at head dims 80/96/192/256 and those with int64 key offsets.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
+from typing import Callable
 
 os.environ["TRITON_INTERPRET"] = "0"
 
@@ -27,6 +29,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource, make_backend  # noqa: E402
 from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
 
+WIDE_HEAD_DIMS = (80, 96, 192, 256)  # padded to a power of two in the kernels (80, 96, 192); Gemma's 256
 FP8_MIN_ARCH = 89  # FP8 tensor cores: Ada, Hopper, Blackwell
 LAUNCH_OPTIONS = ("num_warps", "num_stages")
 # Shared memory one block may use (bytes), by compute capability: a launch over it fails on the device.
@@ -77,16 +80,17 @@ def record_launches(calls) -> list[Launch]:
 
 
 def engine_kernel_calls() -> None:
-    """One call of each wrapper in the shapes the engine uses: bf16/fp16/fp32, head dims 64 and 128."""
+    """One call of each wrapper in the shapes the engine uses: bf16/fp16/fp32, head dims 64 and 128, and in
+    bf16 the head dims padded to a power of two (80, 96, 192) and Gemma's 256."""
     from batchgen.engine.kernels.activation import gelu_tanh_and_mul, silu_and_mul
-    from batchgen.engine.kernels.decode_attention import decode_attention
+    from batchgen.engine.kernels.decode_attention import decode_attention, decode_rows
     from batchgen.engine.kernels.kv_store import store_kv
     from batchgen.engine.kernels.norm import rms_norm
     from batchgen.engine.kernels.prefill_attention import flash_attn_varlen_func, prefill_attention, prefill_work
     from batchgen.engine.kernels.rotary import apply_rotary
 
     for dtype, head_dim in ((torch.bfloat16, 64), (torch.bfloat16, 128), (torch.float16, 128),
-                            (torch.float32, 64), (torch.float32, 128)):
+                            (torch.float32, 64), (torch.float32, 128), *((torch.bfloat16, d) for d in WIDE_HEAD_DIMS)):
         heads, kv_heads, tokens, block = 32, 8, 40, 16
         q = torch.zeros(tokens, heads, head_dim, dtype=dtype)
         k = torch.zeros(tokens, kv_heads, head_dim, dtype=dtype)
@@ -107,6 +111,9 @@ def engine_kernel_calls() -> None:
             decode_attention(q[:2], cache, cache, ctx, tables, 256, 0.1, num_splits=splits)
             decode_attention(q[:2], cache, cache, ctx, tables, 256, 0.1, num_splits=splits, sliding_window=8,
                              softcap=50.0)
+            # The decode rows of a mixed step (gathered from the packed step's queries).
+            decode_attention(q, cache, cache, ctx, tables, 256, 0.1, num_splits=splits, out=q,
+                             rows=decode_rows([1, 39]))
         hidden = torch.zeros(tokens, 4096, dtype=dtype)
         weight = torch.ones(4096, dtype=dtype)
         rms_norm(hidden, weight, 1e-5)
@@ -222,6 +229,13 @@ def mla_kernel_calls() -> None:
         mla_prefill(torch.zeros(tokens, heads, nope + rope, dtype=dtype), kv[..., :nope], kv[..., nope:],
                     latent[:, rank:], torch.tensor([0, 15, tokens], dtype=torch.int32),
                     torch.tensor([0, 20, 50], dtype=torch.int32), prefill_work([15, 25], [20, 30]), 0.1)
+    # A 128-head rank's keys past 2**31 elements (int64 key offsets), as meta tensors: recorded, never run.
+    keys, heads = 140_000, 128
+    kv = torch.zeros(keys, heads, nope + v_dim, dtype=torch.bfloat16, device="meta")
+    latent = torch.zeros(keys, rank + rope, dtype=torch.bfloat16, device="meta")
+    mla_prefill(torch.zeros(tokens, heads, nope + rope, dtype=torch.bfloat16, device="meta"), kv[..., :nope],
+                kv[..., nope:], latent[:, rank:], torch.tensor([0, tokens], dtype=torch.int32),
+                torch.tensor([0, keys], dtype=torch.int32), prefill_work([tokens], [keys]), 0.1)
 
 
 def all_kernel_calls() -> None:
@@ -268,15 +282,23 @@ def ptxas_spills(kernel, target: str) -> tuple[int, int, int]:
     return registers, stores, loads
 
 
-def compile_all(targets: list[str], report_spills: bool = False) -> tuple[int, int, list[str]]:
-    """Compiles every recorded launch for each target (e.g. "sm_90").
+def is_wide(launch: Launch) -> bool:
+    """A launch at a head dim of WIDE_HEAD_DIMS, or with int64 key offsets: the likeliest to spill."""
+    names = launch.fn.arg_names
+    constants = {names[path[0]]: v for path, v in launch.constexprs.items()}
+    return constants.get("HEAD_DIM") in WIDE_HEAD_DIMS or constants.get("LONG") is True
+
+
+def compile_all(targets: list[str], report_spills: bool = False,
+                keep: Callable[[Launch], bool] = lambda launch: True) -> tuple[int, int, list[str]]:
+    """Compiles every recorded launch that ``keep`` selects for each target (e.g. "sm_90").
 
     Returns (launches compiled, FP8 launches skipped on targets without FP8, a line per launch
     that spills registers when ``report_spills``).
     """
     seen, compiled, skipped, spills = set(), 0, 0, []
     for launch in record_launches(all_kernel_calls):
-        if launch.key() in seen:
+        if launch.key() in seen or not keep(launch):
             continue
         seen.add(launch.key())
         for target in targets:
@@ -297,17 +319,19 @@ def compile_all(targets: list[str], report_spills: bool = False) -> tuple[int, i
                 if stores or loads:
                     spills.append(f"{target} {launch.describe()}: {registers} registers, "
                                   f"{stores} bytes spill stores, {loads} bytes spill loads")
+                print(f"{target} {launch.describe()}: {registers} registers, {stores + loads} bytes spilled",
+                      flush=True)
             compiled += 1
     return compiled, skipped, spills
 
 
 if __name__ == "__main__":
     args = sys.argv[1:]
-    report_spills = "--spills" in args
-    targets = [a for a in args if a != "--spills"] or ["sm_90"]
+    report_spills, wide_only = "--spills" in args, "--wide" in args
+    targets = [a for a in args if not a.startswith("--")] or ["sm_90"]
     if not compiler_rejects_bad_kernel(targets[0]):
         sys.exit("the compiler accepted a bad kernel: this check proves nothing")
-    compiled, skipped, spills = compile_all(targets, report_spills)
+    compiled, skipped, spills = compile_all(targets, report_spills, is_wide if wide_only else lambda launch: True)
     print(f"compiled {compiled} kernel launches for {', '.join(targets)}")
     if skipped:
         print(f"skipped {skipped} FP8 launches on targets older than sm_{FP8_MIN_ARCH}")

@@ -233,6 +233,9 @@ class EngineConfig:
     enable_expert_parallel: bool = knob(False, "split a mixture of experts' experts over all the devices")
     distributed_timeout_s: float = knob(600.0, "longest wait for a worker's step (and a collective's peers)",
                                         gt=0)
+    expert_capacity_factor: float | None = knob(None, "data + expert parallel at TP 1: a padded all-to-all with "
+                                                      "no host waits, sending this times a replica's most tokens "
+                                                      "(1.0 exact; below, overflow is dropped)", gt=0, le=1)
     measure_communication: bool = knob(False, "time collectives on CUDA too (synchronises: benchmarks only)")
     overlap_schedule: str = knob("auto", "the host prepares step N+1 while the device runs step N (auto: on for "
                                          "one CUDA device)", OVERLAP_MODES)

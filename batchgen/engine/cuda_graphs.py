@@ -8,8 +8,10 @@ from typing import Callable
 
 import torch
 
+from batchgen.engine.kernels.decode_attention import decode_rows
 from batchgen.engine.kernels.prefill_attention import prefill_tile_capacity, prefill_work
 from batchgen.engine.layers.attention import AttentionMetadata
+from batchgen.engine.transfer import to_device
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +62,7 @@ class _StaticInputs:
     block_tables: torch.Tensor
     logits_rows: torch.Tensor
     prefill_work: torch.Tensor
+    decode_rows: torch.Tensor
 
     @classmethod
     def allocate(cls, max_tokens: int, max_seqs: int, max_blocks: int, device: torch.device) -> "_StaticInputs":
@@ -71,7 +74,8 @@ class _StaticInputs:
                    context_lens=buf(max_seqs, dtype=torch.int32),
                    block_tables=buf(max_seqs, max_blocks, dtype=torch.int32, fill=-1),
                    logits_rows=buf(max_seqs),
-                   prefill_work=buf(prefill_tile_capacity(max_tokens, max_seqs), 2, dtype=torch.int32, fill=-1))
+                   prefill_work=buf(prefill_tile_capacity(max_tokens, max_seqs), 2, dtype=torch.int32, fill=-1),
+                   decode_rows=buf(max_seqs, 2, dtype=torch.int32, fill=-1))
 
 
 class GraphRunner:
@@ -80,7 +84,8 @@ class GraphRunner:
     Decode steps pad the batch to the next decode size; other steps pad the tokens to the next
     mixed size and the sequences to ``max_num_seqs`` (with ``mixed=False`` they run eagerly). Padded
     tokens write no KV (slot -1), padded sequences have no keys and no query tiles, and their logits
-    rows are dropped.
+    rows are dropped. A mixed step's sequences of one new token run in the decode kernel's slots
+    (``max_num_seqs`` of them, the unused ones skipped), the others in the prefill kernel's tiles.
     """
 
     def __init__(self, model: Callable, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
@@ -116,7 +121,8 @@ class GraphRunner:
             max_seqlen_k=self.max_model_len, slot_mapping=b.slot_mapping[:size],
             block_tables=b.block_tables[:seqs], query_lens=[], context_lens_list=[],
             decode_only=kind == "decode", has_cached_prefix=kind != "decode",
-            prefill_work=None if kind == "decode" else b.prefill_work[: prefill_tile_capacity(size, seqs)])
+            prefill_work=None if kind == "decode" else b.prefill_work[: prefill_tile_capacity(size, seqs)],
+            decode_rows=None if kind == "decode" else b.decode_rows)
 
     def _forward(self, kind: str, size: int) -> Callable[[], torch.Tensor]:
         meta = self._metadata(kind, size)
@@ -155,7 +161,8 @@ class GraphRunner:
             b.logits_rows[: len(logits_rows)] = logits_rows
             b.logits_rows[len(logits_rows):] = 0  # any real row: a stale one may lie past this step
             capacity = prefill_tile_capacity(size, self.max_num_seqs)
-            work = prefill_work(meta.query_lens, meta.context_lens_list, capacity=capacity)
-            b.prefill_work[:capacity] = work
+            work = prefill_work(meta.query_lens, meta.context_lens_list, capacity=capacity, skip_decodes=True)
+            b.prefill_work[:capacity] = to_device(work, b.prefill_work.device)
+            b.decode_rows[:] = to_device(decode_rows(meta.query_lens, capacity=self.max_num_seqs), b.decode_rows.device)
         self.replays[key] += 1
         return self.graphs[key]()[: len(logits_rows)]

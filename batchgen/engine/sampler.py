@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from batchgen.engine.transfer import to_device
+
 _MASK32 = 0xFFFFFFFF
 _MUL = 0x45D9F3B  # < 2**31, so products of 32-bit values never overflow int64
 
@@ -42,10 +44,10 @@ class TokenBitmask:
 def apply_token_bitmask(logits: torch.Tensor, mask: TokenBitmask) -> None:
     """Sets the logits of disallowed tokens to -inf, in place, in the masked rows only."""
     vocab = logits.shape[-1]
-    bits = mask.bits.to(logits.device, non_blocking=True)
+    bits = to_device(mask.bits, logits.device)
     shifts = torch.arange(32, device=logits.device, dtype=torch.int32)
     allowed = ((bits[:, :, None] >> shifts) & 1).bool().flatten(1)[:, :vocab]
-    rows = torch.tensor(mask.rows, device=logits.device, dtype=torch.int64)
+    rows = to_device(mask.rows, logits.device, torch.int64)
     logits[rows] = logits[rows].masked_fill_(~allowed, float("-inf"))
 
 

@@ -14,6 +14,7 @@ import torch
 
 from batchgen.engine.sampler import SamplingBatch, TokenBitmask
 from batchgen.engine.sequence import placeholder_row
+from batchgen.engine.transfer import to_device
 
 if TYPE_CHECKING:
     from batchgen.engine.scheduler import ScheduledSeq
@@ -43,11 +44,11 @@ class SamplingRows:
 
     def to_batch(self, device: torch.device, bitmask: TokenBitmask | None) -> SamplingBatch:
         return SamplingBatch(
-            temperatures=torch.tensor(self.temperatures, dtype=torch.float32, device=device),
-            top_ks=torch.tensor(self.top_ks, dtype=torch.int64, device=device),
-            top_ps=torch.tensor(self.top_ps, dtype=torch.float32, device=device),
-            seeds=torch.tensor(self.seeds, dtype=torch.int64, device=device),
-            steps=torch.tensor(self.steps, dtype=torch.int64, device=device),
+            temperatures=to_device(self.temperatures, device, torch.float32),
+            top_ks=to_device(self.top_ks, device, torch.int64),
+            top_ps=to_device(self.top_ps, device, torch.float32),
+            seeds=to_device(self.seeds, device, torch.int64),
+            steps=to_device(self.steps, device, torch.int64),
             want_logprobs=any(self.logprobs),
             all_greedy=all(t == 0 for t in self.temperatures),
             any_top_k_or_p=any(k > 0 or p < 1 for k, p in zip(self.top_ks, self.top_ps)),

@@ -100,7 +100,7 @@ def _build_runner(spec: WorkerSpec) -> ModelRunner:
     model_cfg = ModelConfig.from_hf(source.config)
     parallel = init_distributed(spec.rank, cfg.tensor_parallel_size, cfg.data_parallel_size,
                                 cfg.expert_parallel(model_cfg), device, spec.init_method,
-                                cfg.distributed_timeout_s, clock)
+                                cfg.distributed_timeout_s, clock, cfg.expert_capacity_factor)
     return ModelRunner(cfg, model_cfg, source, spec.max_model_len, parallel, device)
 
 

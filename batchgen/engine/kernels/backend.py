@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from batchgen.engine.kernels.activation import gelu_tanh_and_mul, silu_and_mul
-from batchgen.engine.kernels.decode_attention import decode_attention
+from batchgen.engine.kernels.decode_attention import decode_attention, decode_rows
 from batchgen.engine.kernels.fp8.gemm import fp8_linear
 from batchgen.engine.kernels.fused_moe import fused_moe
 from batchgen.engine.kernels.kv_store import store_kv
@@ -14,10 +14,12 @@ from batchgen.engine.kernels.prefill_attention import prefill_attention, prefill
 from batchgen.engine.kernels.rotary import apply_rotary
 from batchgen.engine.layers.attention import AttentionMetadata
 from batchgen.engine.layers.mla import LatentPrefill
+from batchgen.engine.transfer import to_device
 
 
 class TritonAttentionBackend:
-    """Paged decode kernel for decode-only steps; the varlen prefill kernel for everything else."""
+    """The paged decode kernel for the rows of one new token (decode-only steps, and the decodes of a
+    mixed step); the varlen prefill kernel for the longer queries."""
 
     name = "triton"
 
@@ -33,14 +35,18 @@ class TritonAttentionBackend:
             return decode_attention(q, k_cache, v_cache, meta.context_lens, meta.block_tables,
                                     meta.max_seqlen_k, scale, **options)
         if meta.prefill_work is None:  # once per step: every layer shares the metadata
-            meta.prefill_work = prefill_work(meta.query_lens, meta.context_lens_list).to(q.device)
+            plan_mixed_step(meta, q.device)
         if not meta.has_cached_prefix:
-            return prefill_attention(q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_q, meta.prefill_work, scale,
-                                     **options)
-        # New keys come from k/v directly; only the prefix before them is read from the cache.
-        return prefill_attention(q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_q, meta.prefill_work, scale,
-                                 k_cache=k_cache, v_cache=v_cache, context_lens=meta.context_lens,
-                                 block_tables=meta.block_tables, **options)
+            out = prefill_attention(q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_q, meta.prefill_work, scale,
+                                    **options)
+        else:  # new keys come from k/v directly; only the prefix before them is read from the cache
+            out = prefill_attention(q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_q, meta.prefill_work, scale,
+                                    k_cache=k_cache, v_cache=v_cache, context_lens=meta.context_lens,
+                                    block_tables=meta.block_tables, **options)
+        if meta.decode_rows is not None:
+            decode_attention(q, k_cache, v_cache, meta.context_lens, meta.block_tables, meta.max_seqlen_k, scale,
+                             out=out, rows=meta.decode_rows, **options)
+        return out
 
 
 class TritonMLABackend:
@@ -58,8 +64,16 @@ class TritonMLABackend:
     def prefill(self, q: torch.Tensor, k_nope: torch.Tensor, v: torch.Tensor, k_pe: torch.Tensor,
                 plan: LatentPrefill, scale: float) -> torch.Tensor:
         if "work" not in plan.memo:  # once per step: every layer shares the plan
-            plan.memo["work"] = prefill_work(plan.query_lens, plan.context_lens).to(q.device)
+            plan.memo["work"] = to_device(prefill_work(plan.query_lens, plan.context_lens), q.device)
         return mla_prefill(q, k_nope, v, k_pe, plan.cu_seqlens_q, plan.cu_seqlens_k, plan.memo["work"], scale)
+
+
+def plan_mixed_step(meta: AttentionMetadata, device: torch.device) -> None:
+    """Sets the step's query tiles and, when it has rows of one new token next to longer queries, its
+    decode slots (those rows then leave the tile list)."""
+    split = 1 in meta.query_lens and meta.max_seqlen_q > 1
+    meta.prefill_work = to_device(prefill_work(meta.query_lens, meta.context_lens_list, skip_decodes=split), device)
+    meta.decode_rows = to_device(decode_rows(meta.query_lens), device) if split else None
 
 
 def triton_kernels() -> dict[str, object]:

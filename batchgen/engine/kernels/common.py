@@ -24,6 +24,22 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def needs_long_offsets(*tensors: torch.Tensor) -> bool:
+    """Whether a row offset (row index * stride(0)) of any of these tensors can pass 2**31 elements: then
+    the kernels compute key offsets in int64 (a variant compiled only for such sizes: int64 offset tiles
+    cost registers)."""
+    return any(t.shape[0] * t.stride(0) >= 2**31 for t in tensors)
+
+
+@triton.jit
+def row_offsets(rows, LONG: tl.constexpr):
+    """rows as offsets that cannot overflow when LONG (int64), else as they are (int32)."""
+    if LONG:
+        return rows.to(tl.int64)
+    else:
+        return rows
+
+
 @triton.jit
 def mma(a, b, PREC: tl.constexpr, UPCAST: tl.constexpr):
     """a @ b accumulated in fp32."""

@@ -12,8 +12,10 @@ import torch
 import triton
 import triton.language as tl
 
-from batchgen.engine.kernels.common import INTERPRET, LOG2E, dot_precision, fold_scores, mma
-from batchgen.engine.kernels.decode_attention import merge_splits, num_decode_splits, split_buffers, split_context
+from batchgen.engine.kernels.common import (
+    INTERPRET, LOG2E, dot_precision, fold_scores, mma, needs_long_offsets, row_offsets,
+)
+from batchgen.engine.kernels.decode_attention import merge_splits, plan_splits, sequence_split, split_buffers
 # The tile list (prefill_work) is cut in query tiles of _BLOCK_M rows; this kernel walks the same list.
 from batchgen.engine.kernels.prefill_attention import _BLOCK_M as PREFILL_BLOCK_M, query_tile
 
@@ -45,7 +47,7 @@ def store_latent(latent: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.
 
 @triton.jit
 def _mla_decode_kernel(
-    Q, Cache, ctx_lens, block_tables, Out, PartOut, PartLse, qk_scale, split_len, num_heads,
+    Q, Cache, ctx_lens, block_tables, Out, PartOut, PartLse, qk_scale, num_splits, min_split, num_heads,
     stride_qb, stride_qh, stride_cb, stride_cs, stride_bt, stride_ob, stride_oh,
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
     RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
@@ -56,6 +58,7 @@ def _mla_decode_kernel(
     seq = tl.program_id(0)
     split = tl.program_id(2)
     ctx = tl.load(ctx_lens + seq)
+    _, split_len = sequence_split(ctx, ctx, num_splits, min_split)
     start = split * split_len
     if start >= ctx:
         return
@@ -117,14 +120,12 @@ def mla_decode(q: torch.Tensor, cache: torch.Tensor, context_lens: torch.Tensor,
         return out
     block_h = 16  # tl.dot's smallest tile; a larger one would re-read each latent tile less often
     head_blocks = triton.cdiv(num_heads, block_h)
-    if num_splits is None:
-        num_splits = num_decode_splits(batch, head_blocks, max_context, q.device)
-    split_len, num_splits = split_context(max_context, num_splits)
+    num_splits, min_split = plan_splits(max_context, num_splits, batch, head_blocks, q.device)
     direct = num_splits == 1
-    part_out, part_lse, part_strides, lse_strides = split_buffers(out, num_splits)
+    part_out, part_lse, part_strides, lse_strides = split_buffers(out, num_splits, batch)
     block_n, num_stages = _decode_tiles(rank, q.dtype)
     _mla_decode_kernel[(batch, head_blocks, num_splits)](
-        q, cache, context_lens, block_tables, out, part_out, part_lse, scale * LOG2E, split_len, num_heads,
+        q, cache, context_lens, block_tables, out, part_out, part_lse, scale * LOG2E, num_splits, min_split, num_heads,
         q.stride(0), q.stride(1), *cache.stride()[:2], block_tables.stride(0), out.stride(0), out.stride(1),
         *part_strides, *lse_strides,
         RANK=rank, ROPE=width - rank, BLOCK_R=triton.next_power_of_2(rank),
@@ -133,15 +134,16 @@ def mla_decode(q: torch.Tensor, cache: torch.Tensor, context_lens: torch.Tensor,
         num_warps=4, num_stages=num_stages,
     )
     if not direct:
-        merge_splits(part_out, part_lse, context_lens, out, split_len)
+        merge_splits(part_out, part_lse, context_lens, out, min_split)
     return out
 
 
 @triton.jit
 def _mla_prefill_tile(acc, m_i, l_i, q_nope, q_pe, k_nope_base, v_base, k_pe_base, pos, valid, mask,
                       stride_kt, stride_vt, stride_pt, offs_d, mask_d, offs_p, mask_p, offs_v, mask_v, qk_scale,
-                      USE_MASK: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
+                      USE_MASK: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, LONG: tl.constexpr):
     """Folds the keys at ``pos`` (those ``valid`` exist) into (acc, max, sum); ``mask`` (M, N) when USE_MASK."""
+    pos = row_offsets(pos, LONG)  # a 128-head rank's keys pass 2**31 elements at 64K keys
     k_t = tl.load(k_nope_base + pos[None, :] * stride_kt + offs_d[:, None], mask=valid[None, :] & mask_d[:, None],
                   other=0.0)
     pe_t = tl.load(k_pe_base + pos[None, :] * stride_pt + offs_p[:, None], mask=valid[None, :] & mask_p[:, None],
@@ -160,6 +162,7 @@ def _mla_prefill_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_pt, stride_ot, stride_oh,
     NOPE: tl.constexpr, ROPE: tl.constexpr, V_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
     BLOCK_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+    LONG: tl.constexpr,
 ):
     # As the varlen prefill kernel: one program per (head, query tile of the step's tile list); a
     # sequence's keys are its whole context, contiguous, and its queries its last q_len tokens.
@@ -193,14 +196,14 @@ def _mla_prefill_kernel(
         acc, m_i, l_i = _mla_prefill_tile(acc, m_i, l_i, q_nope, q_pe, k_nope_base, v_base, k_pe_base, pos,
                                           pos < kc_len, mask_m[:, None], stride_kt, stride_vt, stride_pt,
                                           offs_d, mask_d, offs_p, mask_p, offs_v, mask_v, qk_scale,
-                                          False, PREC, UPCAST)
+                                          False, PREC, UPCAST, LONG)
     for n0 in range(full_end, end, BLOCK_N):
         pos = n0 + offs_n
         valid = pos < kc_len
         mask = valid[None, :] & (pos[None, :] <= diag + offs_m[:, None])
         acc, m_i, l_i = _mla_prefill_tile(acc, m_i, l_i, q_nope, q_pe, k_nope_base, v_base, k_pe_base, pos,
                                           valid, mask, stride_kt, stride_vt, stride_pt, offs_d, mask_d, offs_p,
-                                          mask_p, offs_v, mask_v, qk_scale, True, PREC, UPCAST)
+                                          mask_p, offs_v, mask_v, qk_scale, True, PREC, UPCAST, LONG)
 
     l_i = tl.where(l_i == 0.0, 1.0, l_i)
     out_rows = Out + (q_start + offs_m).to(tl.int64)[:, None] * stride_ot + head * stride_oh
@@ -234,6 +237,6 @@ def mla_prefill(q: torch.Tensor, k_nope: torch.Tensor, v: torch.Tensor, k_pe: to
         NOPE=nope, ROPE=rope, V_DIM=v_dim, BLOCK_D=max(16, triton.next_power_of_2(nope)),
         BLOCK_P=max(16, triton.next_power_of_2(rope)), BLOCK_V=max(16, triton.next_power_of_2(v_dim)),
         BLOCK_M=PREFILL_BLOCK_M, BLOCK_N=block_n, PREC=dot_precision(q.dtype), UPCAST=INTERPRET,
-        num_warps=num_warps, num_stages=num_stages,
+        LONG=needs_long_offsets(k_nope, v, k_pe), num_warps=num_warps, num_stages=num_stages,
     )
     return out

@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 
 from batchgen.engine.kernels.common import (
-    INTERPRET, LOG2E, NO_WINDOW, attend_paged_range, dot_precision, softmax_step,
+    INTERPRET, LOG2E, NO_WINDOW, attend_paged_range, dot_precision, needs_long_offsets, row_offsets, softmax_step,
 )
 
 
@@ -30,7 +30,7 @@ def _prefill_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_PREFIX: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
-    SOFTCAP: tl.constexpr,
+    SOFTCAP: tl.constexpr, LONG: tl.constexpr,
 ):
     # One program per (head, query tile); `work` lists the tiles as (sequence, first row), the ones
     # with the most keys to visit first, padded with sequence -1 (so a fixed grid can be captured).
@@ -86,23 +86,23 @@ def _prefill_kernel(
     v_base = V + k_start.to(tl.int64) * stride_vt + kv_head * stride_vh
     # Tiles that slide out of the window for some rows of this block (none without a window).
     for n0 in range(start, lo_full, BLOCK_N):
-        pos = n0 + offs_n
+        pos = row_offsets(n0 + offs_n, LONG)
         k_t = tl.load(k_base + pos[None, :] * stride_kt + offs_d[:, None], mask=mask_d[:, None], other=0.0)
         v = tl.load(v_base + pos[:, None] * stride_vt + offs_d[None, :], mask=mask_d[None, :], other=0.0)
         mask = pos[None, :] > diag + offs_m[:, None] - window
         acc, m_i, l_i = softmax_step(acc, m_i, l_i, q, k_t, v, mask, qk_scale, True, PREC, UPCAST,
                                      softcap, SOFTCAP)
     # Tiles every row of this query block sees in full: no mask. Offsets within one sequence fit
-    # int32; 64-bit offset tiles made ptxas spill registers at head dim 128.
+    # int32 unless LONG; 64-bit offset tiles made ptxas spill registers at head dim 128.
     for n0 in range(lo_full, full_end, BLOCK_N):
-        pos = n0 + offs_n
+        pos = row_offsets(n0 + offs_n, LONG)
         k_t = tl.load(k_base + pos[None, :] * stride_kt + offs_d[:, None], mask=mask_d[:, None], other=0.0)
         v = tl.load(v_base + pos[:, None] * stride_vt + offs_d[None, :], mask=mask_d[None, :], other=0.0)
         acc, m_i, l_i = softmax_step(acc, m_i, l_i, q, k_t, v, mask_m[:, None], qk_scale,
                                      False, PREC, UPCAST, softcap, SOFTCAP)
     # Tiles on the diagonal or at the ragged end.
     for n0 in range(full_end, end, BLOCK_N):
-        pos = n0 + offs_n
+        pos = row_offsets(n0 + offs_n, LONG)
         valid = pos < kc_len
         k_t = tl.load(k_base + pos[None, :] * stride_kt + offs_d[:, None],
                       mask=valid[None, :] & mask_d[:, None], other=0.0)
@@ -140,14 +140,16 @@ def prefill_tile_capacity(num_tokens: int, num_seqs: int) -> int:
 
 
 def prefill_work(query_lens: Sequence[int], context_lens: Sequence[int],
-                 capacity: int | None = None) -> torch.Tensor:
+                 capacity: int | None = None, skip_decodes: bool = False) -> torch.Tensor:
     """The query tiles of a step as int32 (N, 2) rows (sequence, first query row), built on the host.
 
     Tiles with the most keys to visit come first; with ``capacity`` the list is padded to that
-    many rows with sequence -1, which the kernel skips.
+    many rows with sequence -1, which the kernel skips. ``skip_decodes`` leaves out the sequences of
+    one new token (the decode kernel computes those: a tile of 128 query rows would hold one).
     """
     tiles = sorted(((ctx - q_len + m + _BLOCK_M, seq, m)
                     for seq, (q_len, ctx) in enumerate(zip(query_lens, context_lens))
+                    if not (skip_decodes and q_len == 1)
                     for m in range(0, q_len, _BLOCK_M)), reverse=True)
     rows = [(seq, m) for _, seq, m in tiles]
     if capacity is not None:
@@ -198,7 +200,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_M=_BLOCK_M, BLOCK_N=block_n, BLOCK_SIZE=block_size, CAUSAL=causal,
         HAS_PREFIX=has_prefix, PREC=dot_precision(q.dtype), UPCAST=INTERPRET, SOFTCAP=bool(softcap),
-        num_warps=num_warps, num_stages=num_stages,
+        LONG=needs_long_offsets(k, v), num_warps=num_warps, num_stages=num_stages,
     )
     return out
 

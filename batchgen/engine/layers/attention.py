@@ -30,6 +30,9 @@ class AttentionMetadata:
     decode_only: bool | None = None
     has_cached_prefix: bool | None = None
     prefill_work: torch.Tensor | None = None  # Triton's query-tile list, built by the first layer
+    # Triton's decode slots of a mixed step (sequence, query row), built with prefill_work, which then
+    # leaves those sequences out; None: the prefill kernel computes every row.
+    decode_rows: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.decode_only is None:

@@ -27,6 +27,7 @@ from batchgen.engine.layers.ops import KernelSet
 from batchgen.engine.layers.rotary import pairwise_to_half_order, yarn_softmax_scale
 from batchgen.engine.model_source import as_tensor
 from batchgen.engine.parallel.group import SINGLE, CommGroup
+from batchgen.engine.transfer import to_device
 
 LATENT_NORM_EPS = 1e-6  # transformers builds q_a_layernorm and kv_a_layernorm with the default eps
 
@@ -75,8 +76,8 @@ class MLAMetadata(AttentionMetadata):
         prefills = [i for i, n in enumerate(q_lens) if n > 1]
         dev = meta.block_tables.device
         if decodes:
-            rows = torch.tensor(decodes, device=dev)
-            planned.decode = LatentDecode(torch.tensor([starts[i] for i in decodes], device=dev),
+            rows = to_device(decodes, dev, torch.int64)
+            planned.decode = LatentDecode(to_device([starts[i] for i in decodes], dev, torch.int64),
                                           meta.block_tables[rows], meta.context_lens[rows],
                                           max(ctx_lens[i] for i in decodes))
         if prefills:
@@ -89,14 +90,14 @@ def _plan_prefill(meta: AttentionMetadata, seqs: list[int], starts: list[int], b
     dev = meta.block_tables.device
     q_lens = [meta.query_lens[i] for i in seqs]
     ctx_lens = [meta.context_lens_list[i] for i in seqs]
-    tokens = None if whole_step else torch.cat([torch.arange(starts[i], starts[i + 1]) for i in seqs]).to(dev)
-    cu_q, cu_k = (torch.tensor([0, *lens], dtype=torch.int32).cumsum(0, dtype=torch.int32).to(dev)
+    tokens = None if whole_step else to_device(torch.cat([torch.arange(starts[i], starts[i + 1]) for i in seqs]), dev)
+    cu_q, cu_k = (to_device(torch.tensor([0, *lens], dtype=torch.int32).cumsum(0, dtype=torch.int32), dev)
                   for lens in (q_lens, ctx_lens))
     total = sum(ctx_lens)
-    seq = torch.repeat_interleave(torch.arange(len(seqs), device=dev), torch.tensor(ctx_lens, device=dev),
+    seq = torch.repeat_interleave(torch.arange(len(seqs), device=dev), to_device(ctx_lens, dev, torch.int64),
                                   output_size=total)
     pos = torch.arange(total, device=dev) - cu_k[seq]
-    tables = meta.block_tables[torch.tensor(seqs, device=dev)]
+    tables = meta.block_tables[to_device(seqs, dev, torch.int64)]
     slots = tables[seq, pos // block_size].long() * block_size + pos % block_size
     return LatentPrefill(tokens, slots, cu_q, cu_k, q_lens, ctx_lens)
 

@@ -24,7 +24,8 @@ def backend_for(device: torch.device) -> str:
 
 
 def init_distributed(rank: int, tp_size: int, dp_size: int, expert_parallel: bool, device: torch.device,
-                     init_method: str, timeout_s: float, clock: CommClock) -> ParallelContext:
+                     init_method: str, timeout_s: float, clock: CommClock,
+                     expert_capacity_factor: float | None = None) -> ParallelContext:
     """Joins the world of ``tp_size * dp_size`` ranks; rank = replica * tp_size + tensor-parallel rank.
 
     Every rank creates every group, in the same order, as torch.distributed requires.
@@ -39,7 +40,7 @@ def init_distributed(rank: int, tp_size: int, dp_size: int, expert_parallel: boo
     tp = CommGroup(tp_rank, tp_size, tp_handles[replica], clock)
     dp = CommGroup(replica, dp_size, dp_handles[tp_rank], clock)
     return ParallelContext(tp=tp, dp=dp, expert_parallel=expert_parallel, clock=clock,
-                           exchange=make_exchange(dp, tp))
+                           exchange=make_exchange(dp, tp, expert_capacity_factor))
 
 
 def shutdown_distributed() -> None:

@@ -15,7 +15,9 @@ class CommClock:
     """Seconds spent inside collectives since the last ``reset`` (waiting for a slower rank included).
 
     On CUDA the collectives are asynchronous, so they are only timed when ``sync`` is set: then each
-    one is bracketed by device synchronisations, which costs throughput (benchmarks only).
+    one is bracketed by device synchronisations, which costs throughput (benchmarks only). A collective
+    recorded into a CUDA graph is not timed at all: a synchronisation during stream capture is illegal,
+    and the host time of a capture says nothing of the replays (graph steps report no communication).
     """
 
     enabled: bool = True
@@ -28,7 +30,7 @@ class CommClock:
 
     @contextmanager
     def measure(self) -> Iterator[None]:
-        if not self.enabled:
+        if not self.enabled or (self.sync and torch.cuda.is_current_stream_capturing()):
             yield
             return
         if self.sync:
