@@ -9,6 +9,7 @@ import torch
 from batchgen.engine.dtype import DtypeChoice, check_dtype_name, resolve_dtype
 from batchgen.engine.layers.rotary import SCALINGS
 from batchgen.engine.models.registry import UnsupportedModelError, architecture_of  # noqa: F401 (re-export)
+from batchgen.engine.parallel.balancer import EplbConfig
 from batchgen.engine.quantization import FP8_WEIGHTS_MODES, QuantizationConfig, parse_quantization
 
 ROPE_SCALINGS = tuple(SCALINGS)
@@ -220,6 +221,10 @@ class EngineConfig:
     # Overlapped scheduling: the host schedules and prepares step N+1 while the device runs step N.
     # "auto": on for one CUDA device; off on CPU, where the host's work would take cores from the model.
     overlap_schedule: str = "auto"
+    # Expert-parallel load balancing (vLLM's names): measure expert loads, replicate hot experts into
+    # redundant slots and rebalance placements during the job; eplb_config keys: see EplbConfig.
+    enable_eplb: bool = False
+    eplb_config: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         check_dtype_name(self.dtype)
@@ -237,6 +242,9 @@ class EngineConfig:
             raise ValueError("tensor_parallel_size and data_parallel_size must be >= 1")
         if self.distributed_timeout_s <= 0:
             raise ValueError("distributed_timeout_s must be > 0")
+        EplbConfig.from_dict(self.eplb_config)
+        if self.enable_eplb and not self.enable_expert_parallel:
+            raise ValueError("enable_eplb needs enable_expert_parallel (it balances experts split over ranks)")
 
     @property
     def world_size(self) -> int:

@@ -51,6 +51,12 @@ class LLM:
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
+    def metrics(self) -> dict:
+        """The engine's totals since the last reset (``engine.metrics``) as a dict; ``["eplb"]`` holds the
+        expert load balancer's report (balancedness before/after, rebalances, moved bytes, per-layer loads)
+        with ``enable_eplb``, else None."""
+        return self.engine.metrics.as_dict()
+
     def _token_ids(self, prompt: Prompt) -> list[int]:
         return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
 

@@ -354,6 +354,8 @@ class LLMEngine:
             replica_tokens=tuple(i.num_tokens if i is not None else 0 for i in inputs)
             if len(inputs) > 1 else ())
         self.metrics.add_step(record)
+        for o in ran:
+            self.metrics.add_eplb(o.eplb)
         for listener in self.step_listeners:
             listener(record)
 

@@ -69,6 +69,12 @@ class EngineMetrics:
     replica_tokens: list[int] = field(default_factory=list)  # tokens computed by each data-parallel replica
     decode_host_time_s: float = 0.0  # engine host time of the decode steps, outside the model
     decode_prepare_time_s: float = 0.0  # of decode_time_s, building the steps' tensors on the host
+    # Expert-parallel load balancing (enable_eplb): the balancer's latest report (see EplbReport), else None.
+    eplb: dict | None = None
+
+    def add_eplb(self, report: dict | None) -> None:
+        if report is not None:
+            self.eplb = report
 
     def add_step(self, r: StepRecord) -> None:
         if r.decode_only:

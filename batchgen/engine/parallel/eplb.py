@@ -9,7 +9,8 @@ otherwise over all ranks. Two things of our own: a layer keeps its current place
 lowers its busiest rank's load, and a new placement is matched to the current ranks and slots so that
 as few experts as possible change place.
 
-Slot s of ``P`` lives on rank ``s // (P // N)``. Everything here is plain torch on the CPU.
+Slot s of ``P`` lives on rank ``s // (P // N)``. Everything here is plain torch on the CPU (whatever the
+default device: models are built under a device context).
 """
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from collections import Counter
 from dataclasses import dataclass
 
 import torch
+
+CPU = torch.device("cpu")
 
 
 @dataclass(frozen=True)
@@ -46,18 +49,18 @@ class Placement:
 
     def replica_counts(self) -> torch.Tensor:
         """(layers, logical experts): how many slots hold each expert."""
-        counts = torch.zeros(self.num_layers, self.num_logical, dtype=torch.long)
+        counts = torch.zeros(self.num_layers, self.num_logical, dtype=torch.long, device=CPU)
         return counts.scatter_add_(1, self.phy2log, torch.ones_like(self.phy2log))
 
     def rank_loads(self, loads: torch.Tensor) -> torch.Tensor:
         """(layers, ranks): the tokens each rank computes when each expert's ``loads`` (layers, experts)
         are split evenly over its replicas."""
-        per_replica = loads.double() / self.replica_counts().clamp(min=1)
+        per_replica = loads.cpu().double() / self.replica_counts().clamp(min=1)
         return per_replica.gather(1, self.phy2log).view(self.num_layers, self.num_ranks, -1).sum(-1)
 
     def log2phy(self, max_replicas: int) -> torch.Tensor:
         """(layers, logical experts, ``max_replicas``): each expert's slots in ascending order, -1 padded."""
-        out = torch.full((self.num_layers, self.num_logical, max_replicas), -1, dtype=torch.long)
+        out = torch.full((self.num_layers, self.num_logical, max_replicas), -1, dtype=torch.long, device=CPU)
         for layer, row in enumerate(self.phy2log.tolist()):
             seen = [0] * self.num_logical
             for slot, expert in enumerate(row):
@@ -77,7 +80,7 @@ def balancedness(rank_loads: torch.Tensor) -> float:
 
 def contiguous_placement(num_layers: int, num_experts: int, num_ranks: int) -> Placement:
     """Rank r holds experts r*E/N ... (r+1)*E/N - 1: the placement without load balancing."""
-    return Placement(torch.arange(num_experts).repeat(num_layers, 1), num_experts, num_ranks)
+    return Placement(torch.arange(num_experts, device=CPU).repeat(num_layers, 1), num_experts, num_ranks)
 
 
 def initial_placement(num_layers: int, num_experts: int, num_redundant: int, num_ranks: int,
@@ -85,7 +88,7 @@ def initial_placement(num_layers: int, num_experts: int, num_redundant: int, num
     """Before any load is measured: contiguous, or (with redundant slots) the policy on even loads."""
     if num_redundant == 0:
         return contiguous_placement(num_layers, num_experts, num_ranks)
-    return rebalance(torch.ones(num_layers, num_experts), num_experts + num_redundant, num_ranks,
+    return rebalance(torch.ones(num_layers, num_experts, device=CPU), num_experts + num_redundant, num_ranks,
                      num_groups, num_nodes)
 
 
@@ -107,7 +110,7 @@ def rebalance(loads: torch.Tensor, num_slots: int, num_ranks: int, num_groups: i
     hierarchical = num_nodes > 1 and num_groups % num_nodes == 0
     rows = []
     for layer in range(layers):
-        load = loads[layer].double().tolist()
+        load = loads[layer].cpu().double().tolist()
         old = current.phy2log[layer].tolist() if current is not None else None
         if hierarchical:
             ranks = _place_hierarchical(load, num_slots, num_ranks, num_groups, num_nodes, old)
@@ -118,7 +121,7 @@ def rebalance(loads: torch.Tensor, num_slots: int, num_ranks: int, num_groups: i
         if old is not None and _max_rank_load(old, load, num_ranks) <= _max_rank_load(row, load, num_ranks):
             row = old
         rows.append(row)
-    return Placement(torch.tensor(rows, dtype=torch.long), experts, num_ranks)
+    return Placement(torch.tensor(rows, dtype=torch.long, device=CPU), experts, num_ranks)
 
 
 def _check_shape(experts: int, slots: int, ranks: int, groups: int, nodes: int) -> None:

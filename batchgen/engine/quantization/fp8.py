@@ -111,7 +111,7 @@ class Fp8MoEMethod(MoEMethod):
         self.computes_in_fp8 = keep
 
     def create_weights(self, moe: FusedMoE) -> None:
-        e, size, hidden = len(moe.experts), moe.local_size, moe.hidden_size
+        e, size, hidden = len(moe.slots), moe.local_size, moe.hidden_size
         for name, rows, cols, projection in (("gate_up_proj", 2 * size, hidden, "gate_up"),
                                              ("down_proj", hidden, size, "down")):
             setattr(moe, name, expert_parameter(moe, (e, rows, cols), projection, FP8_DTYPE))
