@@ -1,5 +1,6 @@
 """Routing over expert replicas through both exchanges (three gloo ranks): every token's pairs arrive exactly
-once, before and after the map is swapped, and the outputs equal one process's."""
+once, before and after the map is swapped, and the outputs equal one process's; FP8 experts moved between
+two ranks with their scales."""
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -44,6 +45,27 @@ def stand_in_experts(x, weights, slot_ids, phy2log, local: range) -> torch.Tenso
     return x * factor
 
 
+def spawn_ranks(target, ranks: int, tmp_path, *args) -> dict:
+    """Runs ``target(rank, init, *args, results)`` on gloo ranks; their results by rank (a failure re-raised)."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(r, f"file://{tmp_path / 'init'}", *args, results))
+             for r in range(ranks)]
+    for p in procs:
+        p.start()
+    try:
+        got = dict(results.get(timeout=120) for _ in procs)
+    finally:  # no rank outlives the test
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    errors = [v for v in got.values() if isinstance(v, str)]
+    assert not errors, errors[0]
+    return got
+
+
 def rank_main(rank: int, init: str, kind: str, results) -> None:
     try:
         dist.init_process_group("gloo", init_method=init, rank=rank, world_size=RANKS)
@@ -77,22 +99,7 @@ def rank_main(rank: int, init: str, kind: str, results) -> None:
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("kind", ["all-gather", "all-to-all"])
 def test_routing_over_replicas_delivers_every_pair_once(kind, tmp_path):
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=rank_main, args=(r, f"file://{tmp_path / 'init'}", kind, results))
-             for r in range(RANKS)]
-    for p in procs:
-        p.start()
-    try:
-        got = dict(results.get(timeout=120) for _ in procs)
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-                p.join()
-    errors = [v for v in got.values() if isinstance(v, str)]
-    assert not errors, errors[0]
+    got = spawn_ranks(rank_main, RANKS, tmp_path, kind)
     all_ids = torch.cat([routed_tokens(r)[2] for r in range(RANKS)])
     expected_loads = torch.bincount(all_ids.flatten(), minlength=EXPERTS)
     for step, placement in enumerate(placements()):
@@ -110,3 +117,68 @@ def test_routing_over_replicas_delivers_every_pair_once(kind, tmp_path):
             reference = x * (weights * (ids + 1)).sum(1, keepdim=True)
             torch.testing.assert_close(torch.from_numpy(got[r][step][0]), reference)
     assert not torch.equal(placements()[0].phy2log, placements()[1].phy2log)
+
+
+FP8_EXPERTS, FP8_SIZE = 4, 128  # per expert: gate|up (256, 128), down (128, 128): whole 128x128 blocks
+
+
+def fp8_experts() -> list[tuple[torch.Tensor, ...]]:
+    """(gate_up, its scales, down, its scales) per expert, blocks of different magnitudes."""
+    from tests.test_fp8_models import quantized
+
+    gen = torch.Generator().manual_seed(3)
+    return [(*quantized(2 * FP8_SIZE, FP8_SIZE, "block", gen), *quantized(FP8_SIZE, FP8_SIZE, "block", gen))
+            for _ in range(FP8_EXPERTS)]
+
+
+def fp8_rank_main(rank: int, init: str, results) -> None:
+    try:
+        from batchgen.engine.kernels.fp8.format import dequantize_fp8_weight
+        from batchgen.engine.layers.moe import FusedMoE
+        from batchgen.engine.layers.ops import make_kernel_set
+        from batchgen.engine.parallel.context import ParallelContext
+        from batchgen.engine.parallel.expert_moves import plan_moves, move_slots
+        from tests.test_fp8_models import fp8_layers
+
+        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+        group = CommGroup(rank, 2, dist.group.WORLD)
+        parallel = ParallelContext(dp=group, expert_parallel=True, balance_experts=True, redundant_experts=2,
+                                   ep=group)
+        with fp8_layers("block"):
+            moe = FusedMoE(FP8_EXPERTS, FP8_SIZE, FP8_SIZE, make_kernel_set("torch"), parallel)
+        experts = fp8_experts()
+        for name, part in (("gate_up_proj", 0), ("down_proj", 2)):
+            for offset in (0, 1):  # stacked weights, then their scales
+                param = getattr(moe, name + ("_scale" if offset else ""))
+                param.weight_loader(param, torch.stack([e[part + offset] for e in experts]))
+        loaded = list(moe.slot_experts)
+        old = parallel.expert_placement(FP8_EXPERTS).phy2log[0].tolist()
+        new = rebalance(torch.tensor([[1.0, 1.0, 1.0, 30.0]]), FP8_EXPERTS + 2, 2,
+                        current=parallel.expert_placement(FP8_EXPERTS)).phy2log[0].tolist()
+        sent = move_slots(moe, plan_moves(old, new, 3), group)
+        dense = [(dequantize_fp8_weight(moe.gate_up_proj[j], moe.gate_up_proj_scale[j], torch.float32),
+                  dequantize_fp8_weight(moe.down_proj[j], moe.down_proj_scale[j], torch.float32)) for j in range(3)]
+        results.put((rank, (loaded, old, new, sent, [(a.numpy(), b.numpy()) for a, b in dense])))
+        dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - the parent reports it
+        results.put((rank, traceback.format_exc()))
+
+
+@pytest.mark.timeout(240)
+def test_fp8_experts_move_with_their_scales(tmp_path):
+    from batchgen.engine.kernels.fp8.format import dequantize_fp8_weight
+
+    got = spawn_ranks(fp8_rank_main, 2, tmp_path)
+    experts = fp8_experts()
+    expected = [(dequantize_fp8_weight(gu, gus, torch.float32), dequantize_fp8_weight(d, ds, torch.float32))
+                for gu, gus, d, ds in experts]
+    total_sent = 0
+    for rank, (loaded, old, new, sent, dense) in got.items():
+        assert loaded == old[3 * rank:3 * rank + 3]  # the loader filled every slot, replicas included
+        assert new.count(3) > 1 and new != old
+        for j, (gate_up, down) in enumerate(dense):
+            logical = new[3 * rank + j]
+            torch.testing.assert_close(torch.from_numpy(gate_up), expected[logical][0], rtol=0, atol=0)
+            torch.testing.assert_close(torch.from_numpy(down), expected[logical][1], rtol=0, atol=0)
+        total_sent += sent
+    assert total_sent > 0
