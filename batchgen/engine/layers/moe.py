@@ -12,7 +12,7 @@ from torch import nn
 
 from batchgen.engine.layers.linear import (
     ReplicatedLinear, check_shape, copy_weight, current_weight_methods, divide, matmul_params, new_parameter,
-    param_shape, param_span,
+    param_shape, param_span, shard_span,
 )
 from batchgen.engine.layers.ops import KernelSet
 from batchgen.engine.model_source import Weight
@@ -157,7 +157,7 @@ class FusedMoE(nn.Module):
                 copy_weight(target, loaded.narrow(1, *param_span(param, 1, start, local, size)))
             else:
                 check_shape(loaded, param_shape(param, (size, hidden)))
-                rows = target.narrow(0, *param_span(param, 0, 0 if kind == "gate" else local, local, 2 * local))
+                rows = target.narrow(0, *shard_span(param, 0 if kind == "gate" else local, local, 2 * local))
                 copy_weight(rows, loaded.narrow(0, *param_span(param, 0, start, local, size)))
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
