@@ -322,8 +322,10 @@ class LLMEngine:
                              error=seq.grammar.error)
 
     def reset_metrics(self) -> None:
-        """Starts the counters in ``metrics`` afresh (e.g. after a warm-up)."""
-        self.metrics = EngineMetrics()
+        """Starts the counters in ``metrics`` afresh (e.g. after a warm-up); the expert load balancer's
+        latest report stays (its placement stays in use)."""
+        previous = getattr(self, "metrics", None)
+        self.metrics = EngineMetrics(eplb=previous.eplb if previous is not None else None)
 
     def shutdown(self) -> None:
         """Stops the executor's workers and the grammar compiler; the engine cannot run afterwards."""
