@@ -53,3 +53,22 @@ def test_eplb_settings_are_checked(tiny_model):
         EngineConfig(model=str(tiny_model), eplb_config={"step_interval": "10"})
     with pytest.raises(ValueError, match="enable_eplb needs enable_expert_parallel"):
         EngineConfig(model=str(tiny_model), enable_eplb=True)
+
+
+@pytest.mark.timeout(300)
+def test_calibrate_once_rebalances_once_and_keeps_the_placement(tiny_model_factory):
+    """Calibrated on the first 3 steps, then reported every 4 steps without moving anything again."""
+    path = tiny_model_factory("deepseek-v3")
+    single = make_llm(path)
+    prompts, params = workload(single)
+    expected = single.generate(prompts, params)
+    config = {"num_redundant_experts": 2, "window_size": 3, "step_interval": 4, "calibrate_once": True}
+    with make_llm(path, data_parallel_size=2, enable_expert_parallel=True, enable_eplb=True,
+                  eplb_config=config) as llm:
+        reports = []
+        llm.engine.step_listeners.append(lambda r: r.eplb is not None and reports.append(r.eplb))
+        assert_same_outputs(expected, llm.generate(prompts, params))
+    assert len(reports) >= 3 and reports[0]["steps"] == 3
+    assert [r["rebalances"] for r in reports] == [1] * len(reports)
+    assert all(r["moved_bytes"] == reports[0]["moved_bytes"] > 0 for r in reports)
+    assert [r["steps"] for r in reports[1:]] == [4 * (i + 1) for i in range(len(reports) - 1)]
