@@ -68,7 +68,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=48)
     ap.add_argument("--prompt-len", type=int, default=96)
     ap.add_argument("--redundant", type=int, default=8)
-    ap.add_argument("--hot-bias", type=float, default=0.8)
+    ap.add_argument("--hot-bias", type=float, default=1.5)
     args = ap.parse_args()
     print(f"torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}, "
           f"{torch.get_num_threads()} threads")
