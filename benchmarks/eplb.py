@@ -4,8 +4,8 @@
 
 A DeepSeek-V3-shaped tiny model (multi-head latent attention, sigmoid routing with expert bias over 8
 groups keeping 4, top-8 of 32 routed experts + 1 shared, the first layer dense) whose expert-choice bias
-sends about 40 % of the routed pairs to the top 10 % of experts. Each run is data parallel with expert
-parallelism on gloo (CPU). EPLB calibrates once on the first steps' loads, then keeps the placement.
+sends about 37 % of the routed pairs to the top 10 % of experts (3 of each token's 8 choices, the most
+top-8 allows). Each run is data parallel with expert parallelism on gloo (CPU). EPLB calibrates once on the first steps' loads, then keeps the placement.
 Prints balancedness (mean / max tokens per rank, contiguous placement vs EPLB's, on the same loads), the
 share of pairs the hottest experts received, step time off and on, and the rebalance's cost.
 """
