@@ -416,3 +416,42 @@ def test_quantization_configs_parse(config, scheme, suffix, static):
 def test_unsupported_quantization_configs_name_what_is_wrong(config, message):
     with pytest.raises(UnsupportedQuantizationError, match=message):
         parse_quantization({"quantization_config": config})
+
+
+@pytest.mark.parametrize("arch,spec", [
+    # gate|up 320|320 (the up shard starts inside a block); q 320 | k 64 | v 64 (k starts inside one)
+    ("llama", dict(hidden=320, heads=5, kv_heads=1, head_dim=64, config=dict(intermediate_size=320))),
+    # experts' gate|up 192|192
+    ("qwen3-moe", dict(MOE, config=dict(moe_intermediate_size=192, num_experts=4))),
+])
+def test_block_fp8_fused_shards_off_the_block_grid_load_on_one_device(tmp_path_factory, arch, spec):
+    """Each fused shard keeps its own 128x128 blocks (its last one partial), as the checkpoint stores them."""
+    source = build(tmp_path_factory, arch, spec)
+    fp8 = convert_folder(source, tmp_path_factory.mktemp(f"fp8-ragged-{arch}"), "block")
+    twin = dequantized_twin(fp8, tmp_path_factory.mktemp(f"twin-ragged-{arch}") / "m")
+    _, prompts, expected = generate(twin)
+    _, _, got = generate(fp8, prompts)
+    assert_same_outputs(got, expected, 1e-4)
+
+
+def test_fused_shards_with_their_own_blocks_are_dequantized_where_fp8_is_kept():
+    """The FP8 GEMM reads one block grid: a layer whose shards keep their own blocks runs dequantized."""
+    gen = torch.Generator().manual_seed(2)
+    config = QuantizationConfig("fp8", "block", "weight_scale_inv")
+    methods = choose_weight_methods(config, make_kernel_set("triton"), torch.device("cpu"), torch.float32, "fp8")
+    gate, up = quantized(192, 256, "block", gen), quantized(192, 256, "block", gen)
+    with weight_methods(methods):
+        layer = MergedColumnParallelLinear(256, [192, 192])
+    assert layer.weight_scale.shape == (4, 2)  # 2 block rows per shard, not 3 for 384 rows
+    for shard, (w, scale) in enumerate((gate, up)):
+        layer.weight_loader(layer.weight, w, shard)
+        layer.weight_scale.weight_loader(layer.weight_scale, scale, shard)
+    layer.quant_method.finish_loading(layer)
+    assert layer.weight.dtype == torch.float32 and not hasattr(layer, "weight_scale")
+    expected = torch.cat([dequantize_fp8_weight(*gate, torch.float32), dequantize_fp8_weight(*up, torch.float32)])
+    torch.testing.assert_close(layer.weight, expected, rtol=0, atol=0)
+    # Under tensor parallelism a rank boundary inside a block (160 of 320 rows) still fails clearly.
+    with weight_methods(methods):
+        split = MergedColumnParallelLinear(256, [320, 320], tp=CommGroup(1, 2))
+    with pytest.raises(ValueError, match="does not align to the 128-element scale blocks"):
+        split.weight_scale.weight_loader(split.weight_scale, quantized(320, 256, "block", gen)[1], 0)

@@ -9,6 +9,7 @@ import torch
 from batchgen.engine.dtype import DTYPE_NAMES, DtypeChoice, resolve_dtype
 from batchgen.engine.layers.rotary import SCALINGS
 from batchgen.engine.models.registry import UnsupportedModelError, architecture_of  # noqa: F401 (re-export)
+from batchgen.engine.parallel.balancer import EplbConfig
 from batchgen.engine.quantization import FP8_WEIGHTS_MODES, QuantizationConfig, parse_quantization
 
 ROPE_SCALINGS = tuple(SCALINGS)
@@ -239,6 +240,10 @@ class EngineConfig:
     measure_communication: bool = knob(False, "time collectives on CUDA too (synchronises: benchmarks only)")
     overlap_schedule: str = knob("auto", "the host prepares step N+1 while the device runs step N (auto: on for "
                                          "one CUDA device)", OVERLAP_MODES)
+    enable_eplb: bool = knob(False, "expert-parallel load balancing: measure expert loads, replicate hot experts "
+                                    "and rebalance placements during the job")
+    eplb_config: dict = knob({}, "EPLB settings: num_redundant_experts, window_size, step_interval, "
+                                 "log_balancedness, calibrate_once, skip_unprofitable")
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -253,6 +258,9 @@ class EngineConfig:
                     raise ValueError(f"{f.name} must be {sign} {bound}, got {value!r}")
         if self.max_num_batched_tokens < self.block_size:
             raise ValueError("max_num_batched_tokens must be at least block_size")
+        EplbConfig.from_dict(self.eplb_config)
+        if self.enable_eplb and not self.enable_expert_parallel:
+            raise ValueError("enable_eplb needs enable_expert_parallel (it balances experts split over ranks)")
 
     @property
     def world_size(self) -> int:

@@ -58,7 +58,9 @@ class LLM:
     def metrics(self, wall_s: float | None = None, counters: EngineMetrics | None = None) -> dict[str, Any]:
         """The engine's counters since its last ``reset_metrics`` (or ``counters``, totals a caller summed from
         step records) and the figures derived from them, as plain data: rates, budget use, achieved FLOP/s and
-        ``mfu`` (None where the GPU's peak is unknown) over ``wall_s`` (default: the steps' own time)."""
+        ``mfu`` (None where the GPU's peak is unknown) over ``wall_s`` (default: the steps' own time). ``["eplb"]`` is
+        the expert load balancer's report (balancedness before/after, rebalances, moved bytes, per-layer loads)
+        with ``enable_eplb``, else None."""
         m = self.engine.metrics if counters is None else counters
         wall = m.prefill_time_s + m.decode_time_s if wall_s is None else wall_s
         return engine_figures(m, wall, self.engine.token_budget, self.profile(), engine_peak_flops(self.config))

@@ -322,8 +322,11 @@ class LLMEngine:
                              error=seq.grammar.error)
 
     def reset_metrics(self) -> None:
-        """Starts the counters in ``metrics`` afresh (e.g. after a warm-up)."""
+        """Starts the counters in ``metrics`` afresh (e.g. after a warm-up); the expert load balancer's
+        latest report stays (its placement stays in use)."""
+        previous = getattr(self, "metrics", None)
         self.metrics = EngineMetrics()
+        self.metrics.eplb = previous.eplb if previous is not None else None
 
     def shutdown(self) -> None:
         """Stops the executor's workers and the grammar compiler; the engine cannot run afterwards."""
@@ -352,7 +355,7 @@ class LLMEngine:
             comm_time_s=max((o.comm_s for o in ran), default=0.0),
             host_time_s=launched.host_s, prepare_time_s=max((o.prepare_s for o in ran), default=0.0),
             replica_tokens=tuple(i.num_tokens if i is not None else 0 for i in inputs)
-            if len(inputs) > 1 else ())
+            if len(inputs) > 1 else (), eplb=next((o.eplb for o in ran if o.eplb is not None), None))
         self.metrics.add_step(record)
         for listener in self.step_listeners:
             listener(record)

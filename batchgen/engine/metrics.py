@@ -17,7 +17,8 @@ class StepRecord:
     rank; 0 on one device). ``replica_tokens`` are the tokens each data-parallel replica computed.
     ``host_time_s`` is the engine's own time for the step outside the model (scheduling it, writing it down,
     applying its tokens), and ``prepare_time_s`` of ``duration_s`` the executor's building of its tensors:
-    the host work that leaves the device idle unless steps overlap.
+    the host work that leaves the device idle unless steps overlap. ``eplb`` is the expert load balancer's
+    report on the steps that evaluated the placement (``enable_eplb``; see ``EplbReport``), else None.
     """
 
     start_s: float
@@ -37,6 +38,7 @@ class StepRecord:
     host_time_s: float = 0.0
     prepare_time_s: float = 0.0
     replica_tokens: tuple[int, ...] = ()
+    eplb: dict | None = None
 
     @property
     def decode_only(self) -> bool:
@@ -70,6 +72,11 @@ class EngineMetrics:
     decode_host_time_s: float = 0.0  # engine host time of the decode steps, outside the model
     decode_prepare_time_s: float = 0.0  # of decode_time_s, building the steps' tensors on the host
 
+    def __post_init__(self) -> None:
+        # The expert load balancer's latest report (enable_eplb): a state, not a total, so not a field
+        # (fields add up across processes).
+        self.eplb: dict | None = None
+
     def add_step(self, r: StepRecord) -> None:
         if r.decode_only:
             self.decode_steps += 1
@@ -94,10 +101,12 @@ class EngineMetrics:
             self.replica_tokens += [0] * (len(r.replica_tokens) - len(self.replica_tokens))
         for i, n in enumerate(r.replica_tokens):
             self.replica_tokens[i] += n
+        if r.eplb is not None:
+            self.eplb = r.eplb
 
     @property
     def prefix_cache_hit_rate(self) -> float:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
     def as_dict(self) -> dict:
-        return {**asdict(self), "prefix_cache_hit_rate": self.prefix_cache_hit_rate}
+        return {**asdict(self), "prefix_cache_hit_rate": self.prefix_cache_hit_rate, "eplb": self.eplb}

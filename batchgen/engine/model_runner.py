@@ -17,6 +17,7 @@ from batchgen.engine.layers.attention import AttentionMetadata
 from batchgen.engine.layers.ops import default_backend, fused_moe, make_kernel_set
 from batchgen.engine.model_source import ModelSource
 from batchgen.engine.models.registry import build_model
+from batchgen.engine.parallel.balancer import EplbConfig, ExpertBalancer, with_load_balancing
 from batchgen.engine.parallel.context import SINGLE_PROCESS, ParallelContext
 from batchgen.engine.quantization import choose_weight_methods, load_checkpoint
 from batchgen.engine.sampler import sample
@@ -38,6 +39,7 @@ class ModelRunner:
 
     def __init__(self, engine: EngineConfig, model_cfg: ModelConfig, source: ModelSource, max_model_len: int,
                  parallel: ParallelContext = SINGLE_PROCESS, device: torch.device | None = None):
+        parallel = with_load_balancing(parallel, engine.enable_eplb, engine.eplb_config)
         self.engine, self.model_cfg, self.parallel = engine, model_cfg, parallel
         self.device, self.dtype = device or engine.torch_device(), engine.torch_dtype
         self.block_size, self.max_model_len = engine.block_size, max_model_len
@@ -48,6 +50,8 @@ class ModelRunner:
         load_checkpoint(self.model, source.weights)
         self.profile = self.model.profile()
         self.kv_layout = self.model.kv_layout()
+        self.balancer = ExpertBalancer(self.model, parallel, EplbConfig.from_dict(engine.eplb_config),
+                                       self.profile.active_params) if parallel.balance_experts else None
         self.kernels.prepare_model(self.model)  # after the profile: it may replace modules (prepacking)
         log.info("model %s: %s on %s, attention backend %s; %s; weights %s", source.name, engine.dtype_choice.name,
                  self.device, self.kernels.attention.name, self.profile.summary(), self.profile.weight_format)
@@ -144,7 +148,14 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, step: StepInput) -> "LaunchedStep":
         """Queues the step's work on the device; its sampled tokens stay there (for the next step's
-        deferred tokens) until ``result`` copies them back, the step's one synchronisation."""
+        deferred tokens) until ``result`` copies them back, the step's one synchronisation. With expert
+        load balancing the balancer files the step's expert loads afterwards (and may rebalance)."""
+        launched = self._launch(step)
+        if self.balancer is not None:
+            launched.eplb = self.balancer.end_step(time.perf_counter() - launched.start)
+        return launched
+
+    def _launch(self, step: StepInput) -> "LaunchedStep":
         start = time.perf_counter()
         self.parallel.clock.reset()
         if step.dp_num_tokens:
@@ -212,10 +223,11 @@ class LaunchedStep:
     logprobs: torch.Tensor | None = None
     padded: int = 0
     copied: "torch.cuda.Event | None" = None  # on CUDA: when tokens and logprobs have reached the host
+    eplb: dict | None = None  # the expert load balancer's report, on the steps that evaluated it
 
     def result(self) -> StepOutput:
         runner = self.runner
-        out = StepOutput(padded_tokens=self.padded, prepare_s=self.prepare_s)
+        out = StepOutput(padded_tokens=self.padded, prepare_s=self.prepare_s, eplb=self.eplb)
         if self.copied is not None:
             self.copied.synchronize()
         if self.tokens is not None:

@@ -97,6 +97,7 @@ class StepOutput:
 
     ``prepare_s`` of ``compute_s`` went to building the step's tensors on the host; ``compute_s`` and ``comm_s`` split the worker's time in the step (collectives, waiting for slower
     ranks included, count as communication); ``padded_tokens`` were computed only to fit a CUDA graph.
+    ``eplb``: the expert load balancer's report, on the steps that evaluated the placement (else None).
     """
 
     tokens: list[int] = field(default_factory=list)
@@ -105,6 +106,7 @@ class StepOutput:
     compute_s: float = 0.0
     comm_s: float = 0.0
     prepare_s: float = 0.0
+    eplb: dict | None = None
 
 
 @dataclass

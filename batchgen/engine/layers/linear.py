@@ -63,6 +63,16 @@ def param_span(param: nn.Parameter, dim: int, start: int, length: int, total: in
     return start // group, -(-length // group)
 
 
+def shard_span(param: nn.Parameter, start: int, length: int, total: int) -> tuple[int, int]:
+    """Like ``param_span`` on dim 0, for the place of a fused shard starting at row ``start`` of this rank's
+    ``total`` rows: a block scale kept per shard (``param.shard_starts``: shard start row -> its first scale
+    row) gives each shard its own block rows, wherever the shard starts."""
+    starts = getattr(param, "shard_starts", None)
+    if starts and start in starts:
+        return starts[start], param_span(param, 0, 0, length, length)[1]
+    return param_span(param, 0, start, length, total)
+
+
 def param_shape(param: nn.Parameter, weight_shape: Sequence[int]) -> tuple[int, ...]:
     """The shape ``param`` has for a weight (part) of ``weight_shape`` (scales: one value per group)."""
     return tuple(param_span(param, d, 0, n, n)[1] for d, n in enumerate(weight_shape))
@@ -160,6 +170,10 @@ class LinearBase(nn.Module):
             inp = divide(inp, self.tp_size, "input size")
         return out, inp
 
+    def local_shard_rows(self) -> list[int]:
+        """This rank's rows of each fused shard, in order (none: the layer is not fused)."""
+        return []
+
     def shard_size(self, shard_id: Any) -> int:
         """Output rows of the whole (unsplit) weight, or of one of its fused shards."""
         if shard_id is not None:
@@ -223,6 +237,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def shard_names(self) -> tuple:
         return tuple(range(len(self.output_sizes)))
 
+    def local_shard_rows(self) -> list[int]:
+        return [self.shard_layout(s)[1] for s in self.shard_names()]
+
     def shard_layout(self, shard_id: Any) -> tuple[int, int, int]:
         """(offset in this rank's rows, rows, offset in the checkpoint tensor) of one shard."""
         local = [divide(s, self.tp_size, "output size") for s in self.output_sizes]
@@ -246,7 +263,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         size = self.shard_size(shard_id)
         check_shape(loaded, (param_shape(param, (size,))[0], *param.shape[1:]))
         offset, rows, source_offset = self.shard_layout(shard_id)
-        copy_weight(param.data.narrow(0, *param_span(param, 0, offset, rows, self.local_out)),
+        copy_weight(param.data.narrow(0, *shard_span(param, offset, rows, self.local_out)),
                     loaded.narrow(0, *param_span(param, 0, source_offset, rows, size)))
 
 

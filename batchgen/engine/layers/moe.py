@@ -12,12 +12,13 @@ from torch import nn
 
 from batchgen.engine.layers.linear import (
     ReplicatedLinear, check_shape, copy_weight, current_weight_methods, divide, matmul_params, new_parameter,
-    param_shape, param_span,
+    param_shape, param_span, shard_span,
 )
 from batchgen.engine.layers.ops import KernelSet
 from batchgen.engine.model_source import Weight
 from batchgen.engine.parallel.context import SINGLE_PROCESS, ParallelContext
 from batchgen.engine.parallel.expert import TokenExchange
+from batchgen.engine.parallel.expert_map import ExpertMap
 
 EXPERT_SHARDS = ("gate", "up", "down")
 
@@ -64,7 +65,7 @@ class MoEMethod:
     computes_in_fp8 = False
 
     def create_weights(self, moe: "FusedMoE") -> None:
-        e, size, hidden = len(moe.experts), moe.local_size, moe.hidden_size
+        e, size, hidden = len(moe.slots), moe.local_size, moe.hidden_size
         moe.gate_up_proj = expert_parameter(moe, (e, 2 * size, hidden), "gate_up", moe.params_dtype)
         moe.down_proj = expert_parameter(moe, (e, hidden, size), "down", moe.params_dtype)
 
@@ -91,6 +92,11 @@ class FusedMoE(nn.Module):
     whole experts, ``parallel.local_experts``, and the pairs routed elsewhere are skipped. Either way
     the tensor-parallel ranks' partial outputs are summed. The ``quant_method`` decides how the weights
     are held (FP8 experts add ``*_scale`` parameters, sliced by the same loader).
+
+    The stacked parameters' first dim is this rank's physical ``slots``; ``slot_experts`` says which logical
+    expert each holds. Without load balancing slot e holds expert e. With it (``parallel.balance_experts``)
+    there are ``num_slots`` = experts + redundant slots, a hot expert may fill several, the router's logical
+    ids go through ``expert_map`` and the experts compute physical slot ids.
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, kernels: KernelSet,
@@ -98,13 +104,24 @@ class FusedMoE(nn.Module):
         super().__init__()
         self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
         self.tp, self.split = parallel.tp, parallel.expert_tp
-        self.experts = parallel.local_experts(num_experts)
+        self.slots, self.slot_experts = parallel.expert_slots(num_experts)
+        self.num_slots = num_experts + parallel.redundant_experts
+        # The logical experts whose weights this rank loads, and the local slots each fills.
+        self.experts = self.slots if self.num_slots == num_experts else tuple(sorted(set(self.slot_experts)))
+        self._local_slots: dict[int, list[int]] = {}
+        for i, e in enumerate(self.slot_experts):
+            self._local_slots.setdefault(e, []).append(i)
+        self.expert_map = self._initial_map(parallel) if parallel.balance_experts else None
         self.local_size = divide(intermediate_size, self.split.size, "expert intermediate size")
         self.params_dtype = torch.get_default_dtype()
         self.kernels = kernels
         methods = current_weight_methods()
         self.quant_method: MoEMethod = methods.moe if methods is not None else UNQUANTIZED_MOE
         self.quant_method.create_weights(self)
+
+    def _initial_map(self, parallel: ParallelContext) -> ExpertMap:
+        placement = parallel.expert_placement(self.num_experts)
+        return ExpertMap(placement.log2phy(parallel.redundant_experts + 1)[0], torch.get_default_device())
 
     def expert_params(self) -> int:
         """Parameters of one whole expert (all ranks)."""
@@ -132,23 +149,24 @@ class FusedMoE(nn.Module):
         expert, kind = shard_id
         if not 0 <= expert < self.num_experts or kind not in EXPERT_SHARDS:
             raise ValueError(f"no expert shard {shard_id!r} among {self.num_experts} experts")
-        if expert not in self.experts:  # another expert-parallel rank's: not even read
-            return
-        start, target = self.split.rank * local, param.data[expert - self.experts.start]
-        if kind == "down":
-            check_shape(loaded, param_shape(param, (hidden, size)))
-            copy_weight(target, loaded.narrow(1, *param_span(param, 1, start, local, size)))
-        else:
-            check_shape(loaded, param_shape(param, (size, hidden)))
-            rows = target.narrow(0, *param_span(param, 0, 0 if kind == "gate" else local, local, 2 * local))
-            copy_weight(rows, loaded.narrow(0, *param_span(param, 0, start, local, size)))
+        start = self.split.rank * local
+        for slot in self._local_slots.get(expert, ()):  # none: another expert-parallel rank's, not even read
+            target = param.data[slot]
+            if kind == "down":
+                check_shape(loaded, param_shape(param, (hidden, size)))
+                copy_weight(target, loaded.narrow(1, *param_span(param, 1, start, local, size)))
+            else:
+                check_shape(loaded, param_shape(param, (size, hidden)))
+                rows = target.narrow(0, *shard_span(param, 0 if kind == "gate" else local, local, 2 * local))
+                copy_weight(rows, loaded.narrow(0, *param_span(param, 0, start, local, size)))
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        if len(self.experts) == self.num_experts:
+        """``topk_ids``: slot ids (expert ids without load balancing) of every routed pair."""
+        if len(self.slots) == self.num_slots:
             out = self.quant_method.apply(self, x, topk_weights, topk_ids)
         else:  # local indices; -1 for the pairs another rank computes
-            local = topk_ids - self.experts.start
-            local.masked_fill_((local < 0) | (local >= len(self.experts)), -1)
+            local = topk_ids - self.slots.start
+            local.masked_fill_((local < 0) | (local >= len(self.slots)), -1)
             out = self.quant_method.apply(self, x, topk_weights, local, skip_negative=True)
         return self.tp.all_reduce(out)
 
@@ -191,7 +209,10 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = self.gate(x)
-        routed = self.exchange.dispatch(x, topk_weights, topk_ids, self.experts.num_experts)
+        experts = self.experts
+        if experts.expert_map is not None:  # load balancing: logical experts -> their replicas' slots
+            topk_ids = experts.expert_map.route(topk_ids, self.exchange.first_token)
+        routed = self.exchange.dispatch(x, topk_weights, topk_ids, experts.num_slots)
         out = self.exchange.combine(self.experts(routed.x, routed.topk_weights, routed.topk_ids))
         if self.shared_expert is not None:
             shared = self.shared_expert(x)

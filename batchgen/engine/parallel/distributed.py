@@ -40,7 +40,8 @@ def init_distributed(rank: int, tp_size: int, dp_size: int, expert_parallel: boo
     tp = CommGroup(tp_rank, tp_size, tp_handles[replica], clock)
     dp = CommGroup(replica, dp_size, dp_handles[tp_rank], clock)
     return ParallelContext(tp=tp, dp=dp, expert_parallel=expert_parallel, clock=clock,
-                           exchange=make_exchange(dp, tp, expert_capacity_factor))
+                           exchange=make_exchange(dp, tp, expert_capacity_factor),
+                           ep=CommGroup(rank, world, dist.group.WORLD, clock))
 
 
 def shutdown_distributed() -> None:

@@ -56,6 +56,11 @@ class TokenExchange:
         self.sizes = tuple(sizes)
         self._rows = None
 
+    @property
+    def first_token(self) -> int:
+        """This replica's first token's index among the step's tokens of every replica."""
+        return sum(self.sizes[: self.dp.rank]) if self.active else 0
+
     def dispatch(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                  num_experts: int) -> RoutedTokens:
         """This replica's routed tokens (T, H) -> every replica's, in replica order."""

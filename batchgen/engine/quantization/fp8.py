@@ -31,6 +31,22 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _starts(sizes: list[int]) -> list[int]:
+    return [sum(sizes[:i]) for i in range(len(sizes))]
+
+
+def dequantize_shards(weight: torch.Tensor, scale: nn.Parameter | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An FP8 weight (..., N, K) in ``dtype``; a fused weight whose shards keep their own block scales
+    (``scale.shard_starts``) shard by shard."""
+    starts = getattr(scale, "shard_starts", None)
+    if not starts:
+        return dequantize_fp8_weight(weight, scale, dtype)
+    bounds = [*starts.items(), (weight.shape[-2], None)]
+    return torch.cat([dequantize_fp8_weight(weight[..., w0:w1, :],
+                                            scale[..., s0:s0 + _cdiv(w1 - w0, FP8_BLOCK), :], dtype)
+                      for (w0, s0), (w1, _) in zip(bounds, bounds[1:])], dim=-2)
+
+
 class Fp8Scales:
     """The scale layout of one checkpoint: its parameter shape and group, and how a loaded scale fits it."""
 
@@ -45,6 +61,22 @@ class Fp8Scales:
         param = new_parameter(shape, loader, torch.float32)
         param.group = self.group
         return param
+
+    def shard_starts(self, shard_rows: list[int]) -> dict[int, int] | None:
+        """Block scales of a fused weight whose shards (``shard_rows`` rows each) do not all start on a block:
+        each shard keeps its own blocks (its last one partial), as the checkpoint stores them; shard start
+        row -> its first scale row. None where the shards align (or scales are not blocked)."""
+        if not self.block or all(start % FP8_BLOCK == 0 for start in _starts(shard_rows)):
+            return None
+        return dict(zip(_starts(shard_rows), _starts([_cdiv(n, FP8_BLOCK) for n in shard_rows])))
+
+    def fused_shape(self, rows: int, cols: int, shard_rows: list[int]) -> tuple[tuple[int, int], dict | None]:
+        """The scale shape of a (fused) weight of ``rows`` x ``cols``, and its ``shard_starts``."""
+        starts = self.shard_starts(shard_rows)
+        shape = self.shape(rows, cols)
+        if starts:
+            shape = (sum(_cdiv(n, FP8_BLOCK) for n in shard_rows), shape[1])
+        return shape, starts
 
     def fit(self, loaded: Weight, rows: int, experts: int | None = None) -> torch.Tensor:
         """A checkpoint scale as float32 in the parameter's layout: block scales as they are; per-row ones
@@ -71,8 +103,9 @@ class Fp8LinearMethod(LinearMethod):
         layer.weight = new_parameter((layer.local_out, layer.local_in), layer.weight_loader, FP8_DTYPE,
                                      layer.shard_ids)
         layer.weight.tp_dim = layer.tp_dim
-        layer.weight_scale = self.scales.new(self.scales.shape(layer.local_out, layer.local_in),
-                                             self._scale_loader(layer))
+        shape, starts = self.scales.fused_shape(layer.local_out, layer.local_in, layer.local_shard_rows())
+        layer.weight_scale = self.scales.new(shape, self._scale_loader(layer))
+        layer.weight_scale.shard_starts = starts
         layer.weight_scale.tp_dim, layer.weight_scale.shard_ids = layer.tp_dim, layer.shard_ids
 
     def _scale_loader(self, layer: LinearBase):
@@ -84,10 +117,11 @@ class Fp8LinearMethod(LinearMethod):
         return self.kernels.fp8_linear(x, layer.weight, layer.weight_scale, bias)
 
     def dense_weight(self, layer: LinearBase) -> torch.Tensor:
-        return dequantize_fp8_weight(layer.weight, layer.weight_scale, layer.params_dtype)
+        return dequantize_shards(layer.weight, layer.weight_scale, layer.params_dtype)
 
     def finish_loading(self, layer: LinearBase) -> None:
-        if not self.keep:
+        # Shards with their own blocks: the FP8 GEMM reads one block layout, so such a layer is dequantized.
+        if not self.keep or layer.weight_scale.shard_starts:
             layer.weight = nn.Parameter(self.dense_weight(layer), requires_grad=False)
             del layer.weight_scale
             layer.quant_method = UNQUANTIZED
@@ -111,12 +145,13 @@ class Fp8MoEMethod(MoEMethod):
         self.computes_in_fp8 = keep
 
     def create_weights(self, moe: FusedMoE) -> None:
-        e, size, hidden = len(moe.experts), moe.local_size, moe.hidden_size
+        e, size, hidden = len(moe.slots), moe.local_size, moe.hidden_size
         for name, rows, cols, projection in (("gate_up_proj", 2 * size, hidden, "gate_up"),
                                              ("down_proj", hidden, size, "down")):
             setattr(moe, name, expert_parameter(moe, (e, rows, cols), projection, FP8_DTYPE))
-            scale = expert_parameter(moe, (e, *self.scales.shape(rows, cols)), projection, torch.float32)
-            scale.group = self.scales.group
+            shape, starts = self.scales.fused_shape(rows, cols, [size, size] if projection == "gate_up" else [])
+            scale = expert_parameter(moe, (e, *shape), projection, torch.float32)
+            scale.group, scale.shard_starts = self.scales.group, starts
             scale.weight_loader = self._scale_loader(moe)
             setattr(moe, f"{name}_scale", scale)
 
@@ -136,10 +171,10 @@ class Fp8MoEMethod(MoEMethod):
                                      skip_negative=skip_negative)
 
     def finish_loading(self, moe: FusedMoE) -> None:
-        if self.keep:
+        if self.keep and not moe.gate_up_proj_scale.shard_starts:  # else dequantized, as a linear layer is
             return
         for name in ("gate_up_proj", "down_proj"):
-            weight = dequantize_fp8_weight(getattr(moe, name), getattr(moe, f"{name}_scale"), moe.params_dtype)
+            weight = dequantize_shards(getattr(moe, name), getattr(moe, f"{name}_scale"), moe.params_dtype)
             setattr(moe, name, nn.Parameter(weight, requires_grad=False))
             delattr(moe, f"{name}_scale")
         moe.quant_method = UNQUANTIZED_MOE

@@ -1,0 +1,74 @@
+"""Expert-parallel load balancing in the engine: outputs equal one process while placements change mid-run."""
+from __future__ import annotations
+
+import pytest
+
+from batchgen.engine.config import EngineConfig
+from tests.test_parallel import assert_gone, assert_same_outputs, make_llm, workload
+
+# Rebalanced every 3 steps on a 2-step window: the loads of so few tokens change from window to window,
+# so the placement changes (and weights move) several times in one run.
+EPLB = {"num_redundant_experts": 2, "window_size": 2, "step_interval": 3, "skip_unprofitable": False}
+
+
+def run_with_eplb(path, **parallel):
+    single = make_llm(path)
+    prompts, params = workload(single)
+    expected = single.generate(prompts, params)
+    with make_llm(path, enable_expert_parallel=True, enable_eplb=True, eplb_config=EPLB, **parallel) as llm:
+        pids = llm.engine.executor.pids
+        got = llm.generate(prompts, params)
+        report = llm.metrics()["eplb"]
+    assert_gone(pids)
+    assert_same_outputs(expected, got)
+    return report
+
+
+def check_report(report: dict, layers: int, experts: int) -> None:
+    assert report["rebalances"] >= 2 and report["moved_bytes"] > 0 and report["rebalance_time_s"] > 0
+    assert len(report["layers"]) == layers and all(len(row) == experts for row in report["layers"])
+    assert report["totals"] == [sum(col) for col in zip(*report["layers"])]
+    assert 0 < report["balancedness_before"] <= 1 and 0 < report["balancedness_after"] <= 1
+
+
+@pytest.mark.timeout(300)
+def test_data_and_expert_parallel_with_rebalancing_equals_one_process(tiny_model_factory):
+    """DeepSeek-V3 (grouped router, shared expert) over two replicas: the all-to-all exchange routes to
+    replicas of the hot experts, and the weights move between the replicas mid-run."""
+    report = run_with_eplb(tiny_model_factory("deepseek-v3"), data_parallel_size=2)
+    check_report(report, layers=2, experts=8)
+
+
+@pytest.mark.timeout(300)
+def test_tensor_and_expert_parallel_with_rebalancing_equals_one_process(tiny_model_factory):
+    """Qwen3-MoE over two tensor-parallel ranks holding whole experts (their outputs all-reduced)."""
+    report = run_with_eplb(tiny_model_factory("qwen3-moe"), tensor_parallel_size=2)
+    check_report(report, layers=2, experts=8)
+
+
+def test_eplb_settings_are_checked(tiny_model):
+    with pytest.raises(ValueError, match="unknown eplb_config key.*'window'"):
+        EngineConfig(model=str(tiny_model), enable_expert_parallel=True, eplb_config={"window": 3})
+    with pytest.raises(ValueError, match="'step_interval' must be int"):
+        EngineConfig(model=str(tiny_model), eplb_config={"step_interval": "10"})
+    with pytest.raises(ValueError, match="enable_eplb needs enable_expert_parallel"):
+        EngineConfig(model=str(tiny_model), enable_eplb=True)
+
+
+@pytest.mark.timeout(300)
+def test_calibrate_once_rebalances_once_and_keeps_the_placement(tiny_model_factory):
+    """Calibrated on the first 3 steps, then reported every 4 steps without moving anything again."""
+    path = tiny_model_factory("deepseek-v3")
+    single = make_llm(path)
+    prompts, params = workload(single)
+    expected = single.generate(prompts, params)
+    config = {"num_redundant_experts": 2, "window_size": 3, "step_interval": 4, "calibrate_once": True}
+    with make_llm(path, data_parallel_size=2, enable_expert_parallel=True, enable_eplb=True,
+                  eplb_config=config) as llm:
+        reports = []
+        llm.engine.step_listeners.append(lambda r: r.eplb is not None and reports.append(r.eplb))
+        assert_same_outputs(expected, llm.generate(prompts, params))
+    assert len(reports) >= 3 and reports[0]["steps"] == 3
+    assert [r["rebalances"] for r in reports] == [1] * len(reports)
+    assert all(r["moved_bytes"] == reports[0]["moved_bytes"] > 0 for r in reports)
+    assert [r["steps"] for r in reports[1:]] == [4 * (i + 1) for i in range(len(reports) - 1)]
