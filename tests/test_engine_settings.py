@@ -3,6 +3,7 @@ its own name, and reaches the EngineConfig actually built; the previous release'
 warning naming the new one."""
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import Field, fields
 
@@ -32,8 +33,11 @@ def probe_value(f: Field):
         return default * 3
     if isinstance(default, float):
         return default / 2
-    if default is None and f.name in ("max_model_len", "kv_cache_memory"):
-        return {"max_model_len": 777, "kv_cache_memory": 12345678}[f.name]
+    none_probes = {"max_model_len": 777, "kv_cache_memory": 12345678, "expert_capacity_factor": 0.5}
+    if default is None and f.name in none_probes:
+        return none_probes[f.name]
+    if default == {} and f.name == "eplb_config":
+        return {"num_redundant_experts": 2, "calibrate_once": True}
     raise AssertionError(f"add a test value for the new knob {f.name} (default {default!r})")
 
 
@@ -41,6 +45,8 @@ PROBES = {f.name: probe_value(f) for f in engine_knobs()}
 
 
 def yaml_text(value) -> str:
+    if isinstance(value, dict):
+        return json.dumps(value)
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 
@@ -93,7 +99,7 @@ def bench_args(values: dict) -> list[str]:
     out = []
     for name, value in values.items():
         flag = "--" + name.replace("_", "-")
-        out += [flag if value else "--no-" + flag[2:]] if isinstance(value, bool) else [flag, str(value)]
+        out += [flag if value else "--no-" + flag[2:]] if isinstance(value, bool) else [flag, yaml_text(value)]
     return out
 
 

@@ -1,6 +1,7 @@
 """`bench`'s engine options, one per EngineConfig knob under vLLM's names, and the old names they replaced."""
 from __future__ import annotations
 
+import json
 import logging
 import types
 from dataclasses import Field
@@ -24,6 +25,23 @@ LEGACY_OPTIONS: dict[str, tuple[str, Any]] = {
 }
 
 
+class JsonObject(click.ParamType):
+    """A JSON object on the command line (``--eplb-config '{"num_redundant_experts": 8}'``), as vLLM takes one."""
+
+    name = "JSON"
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> dict:
+        if isinstance(value, dict):
+            return value
+        try:
+            parsed = json.loads(value)
+        except json.JSONDecodeError as e:
+            self.fail(f"not JSON: {e.msg} at character {e.pos}", param, ctx)
+        if not isinstance(parsed, dict):
+            self.fail(f"expected a JSON object, got {type(parsed).__name__}", param, ctx)
+        return parsed
+
+
 def option_name(f: Field) -> str:
     return "--" + f.name.replace("_", "-")
 
@@ -42,7 +60,7 @@ def _click_type(f: Field) -> Any:
     base = _base_type(f)
     if base is int and "ge" in meta["limits"]:
         return click.IntRange(min=int(meta["limits"]["ge"]))
-    return {int: click.INT, float: click.FLOAT, str: click.STRING}[base]
+    return {int: click.INT, float: click.FLOAT, str: click.STRING, dict: JsonObject()}[base]
 
 
 def _option(f: Field) -> Callable:
