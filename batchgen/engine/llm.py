@@ -6,9 +6,9 @@ from typing import Any, Iterable, Iterator, Sequence as Seq
 from tqdm import tqdm
 
 from batchgen.engine.config import EngineConfig
-from batchgen.engine.llm_engine import LLMEngine
-from batchgen.engine.outputs import RequestOutput
-from batchgen.engine.sampling_params import SamplingParams
+from batchgen.engine.core.llm_engine import LLMEngine
+from batchgen.engine.core.outputs import RequestOutput
+from batchgen.engine.sampling.params import SamplingParams
 
 Prompt = str | list[int]
 

@@ -10,14 +10,14 @@ import torch
 
 from batchgen.engine.config import EngineConfig, ModelConfig
 from batchgen.engine.executor.step import StepInput, StepOutput
-from batchgen.engine.kv_cache import kv_budget_bytes
+from batchgen.engine.core.kv_cache import kv_budget_bytes
 from batchgen.engine.layers.attention import AttentionMetadata
 from batchgen.engine.layers.ops import default_backend, fused_moe, make_kernel_set
 from batchgen.engine.model_source import ModelSource
 from batchgen.engine.models.registry import build_model
 from batchgen.engine.parallel.context import SINGLE_PROCESS, ParallelContext
 from batchgen.engine.quantization import choose_weight_methods, load_checkpoint
-from batchgen.engine.sampler import sample
+from batchgen.engine.sampling.sampler import sample
 
 if TYPE_CHECKING:
     from batchgen.engine.cuda_graphs import GraphRunner

@@ -8,7 +8,7 @@ from dataclasses import asdict, fields
 from typing import Any, Callable, Iterable, Iterator, TypeVar
 
 from batchgen.bench.flops import PeakFlops, linear_flops
-from batchgen.engine.metrics import EngineMetrics, StepRecord
+from batchgen.engine.core.metrics import EngineMetrics, StepRecord
 from batchgen.engine.models.base import ModelProfile
 from batchgen.pipeline.rows import ResultRow
 

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from batchgen.engine.config import ModelConfig
-from batchgen.engine.kv_cache import KVLayout
+from batchgen.engine.core.kv_cache import KVLayout
 from batchgen.engine.layers.attention import AttentionMetadata
 from batchgen.engine.layers.linear import (
     ParallelLMHead, VocabParallelEmbedding, default_weight_loader, matmul_params,

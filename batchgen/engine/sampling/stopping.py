@@ -1,7 +1,7 @@
 """When a sequence is finished, and the text it returns (cut before a stop string)."""
 from __future__ import annotations
 
-from batchgen.engine.sequence import Sequence
+from batchgen.engine.core.sequence import Sequence
 
 STOP_TAIL_TOKENS = 8  # extra tokens decoded around a stop string, for tokens that span it
 

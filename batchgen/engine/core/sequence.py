@@ -5,10 +5,10 @@ from dataclasses import dataclass, field
 from enum import Enum, auto
 from typing import TYPE_CHECKING
 
-from batchgen.engine.sampling_params import SamplingParams
+from batchgen.engine.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
-    from batchgen.engine.structured import GrammarState
+    from batchgen.engine.sampling.structured import GrammarState
 
 
 def placeholder(row: int) -> int:

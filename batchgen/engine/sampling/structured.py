@@ -16,8 +16,8 @@ from typing import Any, Sequence
 
 import torch
 
-from batchgen.engine.sampler import TokenBitmask
-from batchgen.engine.sampling_params import SamplingParams
+from batchgen.engine.sampling.sampler import TokenBitmask
+from batchgen.engine.sampling.params import SamplingParams
 
 log = logging.getLogger(__name__)
 

@@ -5,8 +5,8 @@ from collections import deque
 from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass, field
 
-from batchgen.engine.block_manager import BlockManager
-from batchgen.engine.sequence import Sequence, SequenceStatus
+from batchgen.engine.core.block_manager import BlockManager
+from batchgen.engine.core.sequence import Sequence, SequenceStatus
 
 
 @dataclass

@@ -4,7 +4,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from batchgen.engine.sequence import Sequence
+from batchgen.engine.core.sequence import Sequence
 
 
 @dataclass
