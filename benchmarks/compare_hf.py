@@ -27,7 +27,7 @@ import torch
 from batchgen.bench.flops import attention_flops, measure_matmul_flops
 from batchgen.bench.workload import from_documents
 from batchgen.engine import LLM, SamplingParams
-from batchgen.engine.hub import resolve_model_path
+from batchgen.engine.loading.hub import resolve_model_path
 
 DATA = Path(__file__).resolve().parent.parent / "jobs" / "data" / "articles.jsonl"
 

@@ -24,7 +24,7 @@ from torch.profiler import ProfilerActivity, profile
 from batchgen.bench.flops import attention_flops, measure_matmul_flops
 from batchgen.bench.workload import from_documents
 from batchgen.engine import LLM, SamplingParams
-from batchgen.engine.hub import resolve_model_path
+from batchgen.engine.loading.hub import resolve_model_path
 
 DATA = Path(__file__).resolve().parent.parent / "jobs" / "data" / "articles.jsonl"
 

@@ -50,6 +50,6 @@ def tiny_model_any(request, tiny_model_factory) -> Path:
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
     """The real SmolLM2-135M-Instruct GGUF, fetched once into the batchgen cache."""
-    from batchgen.engine.hub import resolve_builtin
+    from batchgen.engine.loading.hub import resolve_builtin
 
     return Path(resolve_builtin("smollm2-135m-instruct"))

@@ -19,8 +19,8 @@ from safetensors.torch import load_file, save_file
 
 from batchgen.engine import LLM, SamplingParams
 from batchgen.engine.config import ModelConfig, MoEConfig, UnsupportedModelError
-from batchgen.engine.gguf_arch import gguf_arch
-from batchgen.engine.gguf_loader import iter_gguf_weights
+from batchgen.engine.loading.gguf.arch import gguf_arch
+from batchgen.engine.loading.gguf.loader import iter_gguf_weights
 from batchgen.engine.layers.mla import MLAAttention
 from batchgen.engine.layers.mlp import GatedMLP
 from batchgen.engine.layers.moe import SparseMoeBlock
@@ -28,7 +28,7 @@ from batchgen.engine.layers.ops import apply_rotary, make_kernel_set
 from batchgen.engine.layers.rotary import (
     cos_sin_cache, pairwise_to_half_order, rope_attention_factor, rope_inv_freq, yarn_softmax_scale,
 )
-from batchgen.engine.loader import load_model_source
+from batchgen.engine.loading.loader import load_model_source
 from batchgen.engine.models.deepseek import DeepseekV2Router, DeepseekV3Router
 from batchgen.engine.models.registry import build_model
 from tests.engine_helpers import assert_like_hf, mixed_prompts

@@ -12,9 +12,9 @@ from gguf import GGMLQuantizationType as Q
 from safetensors.torch import load_file
 
 from batchgen.engine.config import ModelConfig
-from batchgen.engine.gguf_loader import dequantize_tensor, load_gguf
+from batchgen.engine.loading.gguf.loader import dequantize_tensor, load_gguf
 from batchgen.engine.layers.ops import make_kernel_set
-from batchgen.engine.loader import load_model_source
+from batchgen.engine.loading.loader import load_model_source
 from batchgen.engine.models.registry import build_model
 from tests.gguf_writer import expected_weight, write_gguf
 from tests.test_tokenizer import write_tokenizer_metadata
@@ -111,7 +111,7 @@ def test_quantized_round_trip(tiny_model_factory, tmp_path, qtype):
                                                 ("gemma3", 62, 168)])
 def test_gemma_attention_scale_follows_llama_cpp(tmp_path, arch, layers, scalar):
     """Files carry no query_pre_attn_scalar: the 27B models use hidden / heads, the others head_dim."""
-    from batchgen.engine.gguf_loader import gguf_config
+    from batchgen.engine.loading.gguf.loader import gguf_config
 
     hidden, heads = {("gemma2", 46): (4608, 32), ("gemma3", 62): (5376, 32)}.get((arch, layers), (2304, 8))
     w = gguf.GGUFWriter(str(tmp_path / "g.gguf"), arch)
@@ -129,8 +129,8 @@ def test_gemma_attention_scale_follows_llama_cpp(tmp_path, arch, layers, scalar)
 
 
 def test_unknown_architecture_and_tensor(tiny_model, tmp_path):
-    from batchgen.engine.gguf_arch import gguf_arch
-    from batchgen.engine.gguf_loader import hf_tensor_name
+    from batchgen.engine.loading.gguf.arch import gguf_arch
+    from batchgen.engine.loading.gguf.loader import hf_tensor_name
 
     path = tmp_path / "phi.gguf"
     w = gguf.GGUFWriter(str(path), "phi2")

@@ -14,9 +14,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from batchgen.engine import hub
-from batchgen.engine.loader import UnsupportedWeightsError, load_model_source
-from batchgen.engine.model_source import LazyTensor, as_tensor
+from batchgen.engine.loading import hub
+from batchgen.engine.loading.loader import UnsupportedWeightsError, load_model_source
+from batchgen.engine.loading.model_source import LazyTensor, as_tensor
 from batchgen.engine.tokenizer import Tokenizer
 from tests.s3_server import moto_server, s3  # noqa: F401  (fixtures)
 

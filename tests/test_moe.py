@@ -115,7 +115,7 @@ def test_expert_parallel_ranks_read_only_their_experts(tmp_path):
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from batchgen.engine.model_source import LazyTensor
+    from batchgen.engine.loading.model_source import LazyTensor
 
     kernels = make_kernel_set("torch")
     gate_up, down = torch.randn(4, 16, 4), torch.randn(4, 4, 8)

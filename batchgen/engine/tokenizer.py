@@ -122,13 +122,6 @@ class Tokenizer:
                    clean_up_tokenization_spaces=bool(cfg.get("clean_up_tokenization_spaces", False)),
                    extra_special_tokens=extra)
 
-    @classmethod
-    def from_gguf(cls, source: Any) -> "Tokenizer":
-        """Rebuilds the tokenizer from GGUF metadata; ``source`` is a path, a GGUFReader or its fields."""
-        from batchgen.engine.gguf_tokenizer import tokenizer_from_gguf
-
-        return tokenizer_from_gguf(source)
-
     # ---- properties ---------------------------------------------------------------------------------
     @property
     def backend(self) -> _HFTokenizer:

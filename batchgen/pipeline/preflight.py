@@ -10,7 +10,7 @@ from jinja2 import Environment, nodes
 from batchgen.engine import LLM
 from batchgen.engine.config import ModelConfig
 from batchgen.engine.core.llm_engine import model_context_len
-from batchgen.engine.loader import load_model_source
+from batchgen.engine.loading.loader import load_model_source
 from batchgen.io import InputError, OutputError, OutputWriter, expand_inputs, read_columns, redact
 from batchgen.io.fingerprint import difference, fingerprints
 from batchgen.io.lease import LeaseSettings

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Callable
 from batchgen.engine.core.block_manager import BlockManager
 from batchgen.engine.config import EngineConfig, ModelConfig
 from batchgen.engine.executor import StepInput, StepOutput, SubmittedStep, build_step_input, make_executor
-from batchgen.engine.loader import load_model_source
+from batchgen.engine.loading.loader import load_model_source
 from batchgen.engine.core.metrics import EngineMetrics, StepRecord
 from batchgen.engine.core.outputs import RequestOutput
 from batchgen.engine.sampling.params import SamplingParams
@@ -24,7 +24,7 @@ from batchgen.engine.sampling.structured import (
 )
 
 if TYPE_CHECKING:
-    from batchgen.engine.model_runner import ModelRunner
+    from batchgen.engine.executor.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
 

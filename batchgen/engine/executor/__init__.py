@@ -12,7 +12,7 @@ from typing import Protocol, Sequence
 from batchgen.engine.config import EngineConfig, ModelConfig
 from batchgen.engine.executor.step import SamplingRows, StepInput, StepOutput, build_step_input
 from batchgen.engine.core.kv_cache import KVLayout
-from batchgen.engine.model_source import ModelSource
+from batchgen.engine.loading.model_source import ModelSource
 from batchgen.engine.models.base import ModelProfile
 
 

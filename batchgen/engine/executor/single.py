@@ -8,8 +8,8 @@ import torch
 
 from batchgen.engine.config import EngineConfig, ModelConfig
 from batchgen.engine.executor.step import StepInput, StepOutput
-from batchgen.engine.model_runner import LaunchedStep, ModelRunner
-from batchgen.engine.model_source import ModelSource
+from batchgen.engine.executor.model_runner import LaunchedStep, ModelRunner
+from batchgen.engine.loading.model_source import ModelSource
 
 
 class SingleProcessExecutor:

@@ -25,7 +25,7 @@ from batchgen.engine.layers.linear import ColumnParallelLinear, ReplicatedLinear
 from batchgen.engine.layers.norm import RMSNorm
 from batchgen.engine.layers.ops import KernelSet
 from batchgen.engine.layers.rotary import pairwise_to_half_order, yarn_softmax_scale
-from batchgen.engine.model_source import as_tensor
+from batchgen.engine.loading.model_source import as_tensor
 from batchgen.engine.parallel.group import SINGLE, CommGroup
 
 LATENT_NORM_EPS = 1e-6  # transformers builds q_a_layernorm and kv_a_layernorm with the default eps

@@ -15,7 +15,7 @@ from batchgen.engine.layers.linear import (
     param_shape, param_span,
 )
 from batchgen.engine.layers.ops import KernelSet
-from batchgen.engine.model_source import Weight
+from batchgen.engine.loading.model_source import Weight
 from batchgen.engine.parallel.context import SINGLE_PROCESS, ParallelContext
 from batchgen.engine.parallel.expert import TokenExchange
 

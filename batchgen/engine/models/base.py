@@ -22,7 +22,7 @@ from batchgen.engine.layers.linear import (
 from batchgen.engine.layers.norm import RMSNorm
 from batchgen.engine.layers.ops import KernelSet
 from batchgen.engine.layers.rotary import cos_sin_cache
-from batchgen.engine.model_source import Weight
+from batchgen.engine.loading.model_source import Weight
 from batchgen.engine.parallel.context import SINGLE_PROCESS, ParallelContext
 
 

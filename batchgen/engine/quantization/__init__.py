@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from batchgen.engine.layers.linear import LinearMethod
     from batchgen.engine.layers.moe import MoEMethod
     from batchgen.engine.layers.ops import KernelSet
-    from batchgen.engine.model_source import Weight
+    from batchgen.engine.loading.model_source import Weight
     from batchgen.engine.models.base import CausalLM
 
 __all__ = ["FP8_WEIGHTS_MODES", "QuantizationConfig", "UnsupportedQuantizationError", "WeightMethods",

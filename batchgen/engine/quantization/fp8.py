@@ -23,7 +23,7 @@ from batchgen.engine.kernels.fp8.format import FP8_BLOCK, FP8_DTYPE, dequantize_
 from batchgen.engine.layers.linear import UNQUANTIZED, LinearBase, LinearMethod, new_parameter
 from batchgen.engine.layers.moe import UNQUANTIZED_MOE, FusedMoE, MoEMethod, expert_parameter
 from batchgen.engine.layers.ops import KernelSet
-from batchgen.engine.model_source import Weight, as_tensor
+from batchgen.engine.loading.model_source import Weight, as_tensor
 from batchgen.engine.quantization.config import QuantizationConfig
 
 

@@ -5,8 +5,8 @@ import json
 from pathlib import Path
 from typing import Iterator
 
-from batchgen.engine.hub import resolve_model_path
-from batchgen.engine.model_source import LazyTensor, ModelSource
+from batchgen.engine.loading.hub import resolve_model_path
+from batchgen.engine.loading.model_source import LazyTensor, ModelSource
 from batchgen.engine.tokenizer import Tokenizer
 
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -83,7 +83,7 @@ def load_model_source(path_or_name: str, storage_options: dict | None = None, we
         if len(ggufs) == 1:  # a folder that only holds one GGUF file
             path = ggufs[0]
     if path.is_file() and path.suffix == ".gguf":
-        from batchgen.engine.gguf_loader import load_gguf
+        from batchgen.engine.loading.gguf.loader import load_gguf
 
         source = load_gguf(str(path))
         source.name = str(path_or_name)

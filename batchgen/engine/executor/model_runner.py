@@ -13,14 +13,14 @@ from batchgen.engine.executor.step import StepInput, StepOutput
 from batchgen.engine.core.kv_cache import kv_budget_bytes
 from batchgen.engine.layers.attention import AttentionMetadata
 from batchgen.engine.layers.ops import default_backend, fused_moe, make_kernel_set
-from batchgen.engine.model_source import ModelSource
+from batchgen.engine.loading.model_source import ModelSource
 from batchgen.engine.models.registry import build_model
 from batchgen.engine.parallel.context import SINGLE_PROCESS, ParallelContext
 from batchgen.engine.quantization import choose_weight_methods, load_checkpoint
 from batchgen.engine.sampling.sampler import sample
 
 if TYPE_CHECKING:
-    from batchgen.engine.cuda_graphs import GraphRunner
+    from batchgen.engine.executor.cuda_graphs import GraphRunner
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ class ModelRunner:
         if self.parallel.exchanges_tokens:
             log.info("CUDA graphs off: the expert exchange between replicas changes shape every step")
             return None
-        from batchgen.engine.cuda_graphs import GraphRunner  # imports triton
+        from batchgen.engine.executor.cuda_graphs import GraphRunner  # imports triton
 
         with torch.inference_mode():
             return GraphRunner(self.model, self.engine.max_num_seqs, self.engine.max_num_batched_tokens,

@@ -7,7 +7,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from batchgen.engine.gguf_metadata import as_int
+from batchgen.engine.loading.gguf.metadata import as_int
 
 Getter = Callable[..., Any]  # get(key, default=None): the metadata value "{arch}.{key}"
 

@@ -8,11 +8,11 @@ from typing import Any, Iterator, Mapping
 import numpy as np
 import torch
 
-from batchgen.engine.gguf_arch import GGUFArch, gguf_arch
-from batchgen.engine.gguf_metadata import as_int, field_value, gguf_fields
-from batchgen.engine.model_source import ModelSource
+from batchgen.engine.loading.gguf.arch import GGUFArch, gguf_arch
+from batchgen.engine.loading.gguf.metadata import as_int, field_value, gguf_fields
+from batchgen.engine.loading.model_source import ModelSource
 from batchgen.engine.models.registry import gguf_architecture
-from batchgen.engine.tokenizer import Tokenizer
+from batchgen.engine.loading.gguf.tokenizer import tokenizer_from_gguf
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -238,7 +238,7 @@ def load_gguf(path: str) -> ModelSource:
     fields = gguf_fields(reader)
     config = gguf_config(fields, {t.name: t for t in reader.tensors})
     layout = gguf_arch(field_value(fields, "general.architecture"))
-    tokenizer = Tokenizer.from_gguf(reader)
+    tokenizer = tokenizer_from_gguf(reader)
     eos_ids = tokenizer.eos_token_ids or ([config["eos_token_id"]] if "eos_token_id" in config else [])
     return ModelSource(config=config, weights=lambda: iter_gguf_weights(reader, config, layout),
                        tokenizer=tokenizer,

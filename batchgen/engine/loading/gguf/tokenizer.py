@@ -6,7 +6,8 @@ from typing import Any, Mapping
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as _HFTokenizer
 
-from batchgen.engine.gguf_metadata import field_value, gguf_fields
+from batchgen.engine.loading.gguf.metadata import field_value, gguf_fields
+from batchgen.engine.tokenizer import Tokenizer
 
 # GGUF token types (gguf.TokenType): only these two change how the tokenizer is built.
 _CONTROL, _USER_DEFINED = 3, 4
@@ -130,10 +131,8 @@ _SENTENCEPIECE_BUILDERS = {"gemma": _build_gemma, "gemma2": _build_gemma, "gemma
                            "phi3": _build_phi3}
 
 
-def tokenizer_from_gguf(source: Any):
-    """A ``batchgen.engine.tokenizer.Tokenizer`` built from a GGUF file's tokenizer metadata."""
-    from batchgen.engine.tokenizer import Tokenizer
-
+def tokenizer_from_gguf(source: Any) -> Tokenizer:
+    """Rebuilds the tokenizer from GGUF metadata; ``source`` is a path, a GGUFReader or its fields."""
     fields = gguf_fields(source)
     kind = field_value(fields, "tokenizer.ggml.model")
     tokens = field_value(fields, "tokenizer.ggml.tokens")
