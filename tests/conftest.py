@@ -16,7 +16,7 @@ from tests.tiny_models import ARCH_CONFIGS, MLA_ARCHS, MOE_ARCHS, VISION_ARCHS, 
 def cpu_kernels_loaded():
     """The fused CPU kernels built (once per machine) and loaded from the real batchgen cache before any
     test points BATCHGEN_CACHE elsewhere; where they cannot be built, the engine's fallback applies."""
-    from batchgen.engine.cpu.build import load_kernels
+    from batchgen.engine.backends.cpu.build import load_kernels
 
     load_kernels()
 

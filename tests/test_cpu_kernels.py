@@ -14,13 +14,13 @@ import pytest
 import torch
 
 from batchgen.engine import LLM, SamplingParams
-from batchgen.engine.cpu import build, ops
-from batchgen.engine.cpu.features import cpu_features
-from batchgen.engine.layers import ops as torch_ops
-from batchgen.engine.layers.attention import AttentionMetadata
-from batchgen.engine.layers.ops import make_kernel_set
+from batchgen.engine.backends.cpu import build, ops
+from batchgen.engine.backends.cpu.features import cpu_features
+from batchgen.engine.backends.interface import AttentionMetadata
+from batchgen.engine.backends.select import make_kernel_set
+from batchgen.engine.backends.torch import ops as torch_ops
+from batchgen.engine.backends.torch.attention import TorchAttentionBackend
 from batchgen.engine.layers.rotary import cos_sin_cache
-from batchgen.engine.layers.torch_attention import TorchAttentionBackend
 from tests.engine_helpers import mixed_prompts
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -244,7 +244,7 @@ def test_a_killed_builds_lock_file_does_not_block_loading(kernels):
     stale = build.build_dir(cpu_features()) / "lock"
     stale.touch()
     try:
-        code = "from batchgen.engine.cpu import build; assert build.load_kernels(); print('loaded')"
+        code = "from batchgen.engine.backends.cpu import build; assert build.load_kernels(); print('loaded')"
         done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=90,
                               env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
         assert done.returncode == 0 and "loaded" in done.stdout, done.stderr
@@ -256,8 +256,8 @@ def test_a_killed_builds_lock_file_does_not_block_loading(kernels):
 # micro-kernels stop at AVX2 (so bf16 has no fused path); or oneDNN has AVX512-BF16 but no AMX.
 SIMULATED = textwrap.dedent("""
     import torch
-    from batchgen.engine.cpu import build, ops
-    from batchgen.engine.cpu.features import cpu_features
+    from batchgen.engine.backends.cpu import build, ops
+    from batchgen.engine.backends.cpu.features import cpu_features
     from batchgen.engine.dtype import resolve_dtype
     from tests.test_cpu_kernels import attention_step, fp64_attention
     assert cpu_features().isa == "{isa}", cpu_features()
@@ -292,7 +292,7 @@ def test_other_cpu_kinds(kernels, env, isa, dtypes, auto):
 
 
 def test_prepacked_bf16_linears(kernels, tiny_model):
-    from batchgen.engine.cpu.prepack import PrepackedLinear, prepack_linears, prepacking_works
+    from batchgen.engine.backends.cpu.prepack import PrepackedLinear, prepack_linears, prepacking_works
     from batchgen.engine.layers.linear import ColumnParallelLinear, ReplicatedLinear
     from batchgen.engine.layers.moe import TopKRouter
 

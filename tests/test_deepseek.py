@@ -18,13 +18,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from batchgen.engine import LLM, SamplingParams
-from batchgen.engine.config import ModelConfig, MoEConfig, UnsupportedModelError
-from batchgen.engine.loading.gguf.arch import gguf_arch
-from batchgen.engine.loading.gguf.loader import iter_gguf_weights
+from batchgen.engine.backends.select import make_kernel_set
+from batchgen.engine.backends.torch.ops import apply_rotary
+from batchgen.engine.config import MoEConfig, ModelConfig, UnsupportedModelError
 from batchgen.engine.layers.mla import MLAAttention
 from batchgen.engine.layers.mlp import GatedMLP
 from batchgen.engine.layers.moe import SparseMoeBlock
-from batchgen.engine.layers.ops import apply_rotary, make_kernel_set
+from batchgen.engine.loading.gguf.arch import gguf_arch
+from batchgen.engine.loading.gguf.loader import iter_gguf_weights
 from batchgen.engine.layers.rotary import (
     cos_sin_cache, pairwise_to_half_order, rope_attention_factor, rope_inv_freq, yarn_softmax_scale,
 )

@@ -7,9 +7,8 @@ import logging
 import pytest
 import torch
 
-from batchgen.engine import LLM
-from batchgen.engine import dtype as dtype_mod
-from batchgen.engine.cpu.features import CpuFeatures, _cpuinfo
+from batchgen.engine import LLM, dtype as dtype_mod
+from batchgen.engine.backends.cpu.features import CpuFeatures, _cpuinfo
 from batchgen.engine.dtype import resolve_dtype
 from batchgen.pipeline.spec import SpecError, spec_from_dict
 

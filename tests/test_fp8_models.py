@@ -17,12 +17,12 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from batchgen.engine import LLM, SamplingParams
-from batchgen.engine.kernels.fp8.format import FP8_DTYPE, dequantize_fp8_weight, quantize_fp8
+from batchgen.engine.backends.triton.fp8.format import FP8_DTYPE, dequantize_fp8_weight, quantize_fp8
 from batchgen.engine.layers.linear import (
     ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear, weight_methods,
 )
+from batchgen.engine.backends.select import make_kernel_set
 from batchgen.engine.layers.moe import FusedMoE
-from batchgen.engine.layers.ops import make_kernel_set
 from batchgen.engine.parallel.context import ParallelContext
 from batchgen.engine.parallel.group import CommGroup
 from batchgen.engine.quantization import (

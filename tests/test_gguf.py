@@ -11,9 +11,9 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from safetensors.torch import load_file
 
+from batchgen.engine.backends.select import make_kernel_set
 from batchgen.engine.config import ModelConfig
 from batchgen.engine.loading.gguf.loader import dequantize_tensor, load_gguf
-from batchgen.engine.layers.ops import make_kernel_set
 from batchgen.engine.loading.loader import load_model_source
 from batchgen.engine.models.registry import build_model
 from tests.gguf_writer import expected_weight, write_gguf

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from batchgen.engine.backends.interface import AttentionMetadata, LatentPrefill
+from batchgen.engine.backends.select import make_kernel_set
+from batchgen.engine.backends.torch.mla import TorchMLABackend
 from batchgen.engine.config import ModelConfig
-from batchgen.engine.layers.attention import AttentionMetadata
-from batchgen.engine.layers.mla import LatentPrefill, MLAAttention, MLAMetadata
-from batchgen.engine.layers.ops import make_kernel_set
+from batchgen.engine.layers.mla import MLAAttention, MLAMetadata
 from batchgen.engine.layers.rotary import cos_sin_cache
-from batchgen.engine.layers.torch_mla import TorchMLABackend
 
 pytest.importorskip("triton")
 TOL = {torch.float32: dict(rtol=1e-4, atol=1e-4), torch.bfloat16: dict(rtol=3e-2, atol=3e-2)}
@@ -24,7 +24,7 @@ def paged(num_blocks: int, seed: int) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_decode_kernel_matches_torch(dtype, num_splits):
-    from batchgen.engine.kernels.mla import mla_decode
+    from batchgen.engine.backends.triton.mla import mla_decode
 
     gen = torch.Generator().manual_seed(num_splits)
     rank, rope, heads, block = 48, 8, 20, 16  # a rank that is no power of two, heads over two head blocks
@@ -40,8 +40,8 @@ def test_decode_kernel_matches_torch(dtype, num_splits):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prefill_kernel_matches_torch(dtype):
-    from batchgen.engine.kernels.mla import mla_prefill
-    from batchgen.engine.kernels.prefill_attention import prefill_work
+    from batchgen.engine.backends.triton.mla import mla_prefill
+    from batchgen.engine.backends.triton.prefill_attention import prefill_work
 
     gen = torch.Generator().manual_seed(1)
     nope, rope, v_dim, heads = 16, 8, 24, 3  # v wider than nope: no shared head dim
@@ -59,7 +59,7 @@ def test_prefill_kernel_matches_torch(dtype):
 
 
 def test_store_latent_skips_padding_slots():
-    from batchgen.engine.kernels.mla import store_latent
+    from batchgen.engine.backends.triton.mla import store_latent
 
     rows = torch.randn(5, 40)
     cache = torch.zeros(3, 4, 40)

@@ -7,8 +7,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from batchgen.engine.backends.select import make_kernel_set
 from batchgen.engine.config import ModelConfig, UnsupportedModelError
-from batchgen.engine.layers.ops import make_kernel_set
 from batchgen.engine.models.base import CausalLM
 from batchgen.engine.models.registry import ARCHITECTURES, build_model, gguf_architecture, supported_names
 

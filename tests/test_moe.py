@@ -12,9 +12,10 @@ from safetensors.torch import load_file
 
 from batchgen.cli import main
 from batchgen.engine import LLM, SamplingParams
+from batchgen.engine.backends.select import make_kernel_set
+from batchgen.engine.backends.torch.ops import fused_moe
 from batchgen.engine.config import ModelConfig
 from batchgen.engine.layers.moe import FusedMoE, TopKRouter
-from batchgen.engine.layers.ops import fused_moe, make_kernel_set
 from batchgen.engine.models.qwen_moe import QwenMoeRouter
 from batchgen.engine.models.registry import build_model
 from batchgen.engine.parallel import CommGroup, ParallelContext

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from batchgen.engine import LLM, SamplingParams
-from batchgen.engine.layers.ops import default_backend
+from batchgen.engine.backends.select import default_backend
 from tests.engine_helpers import mixed_prompts
 
 pytest.importorskip("triton")

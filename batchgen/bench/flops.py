@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from batchgen.engine.backends.select import make_kernel_set
 from batchgen.engine.config import EngineConfig, ModelConfig
-from batchgen.engine.layers.ops import make_kernel_set
 from batchgen.engine.models.base import ModelProfile
 from batchgen.engine.models.registry import build_model
 

@@ -11,8 +11,8 @@ import torch
 from batchgen.bench.flops import PeakFlops, attention_flops, engine_peak_flops, linear_flops, measure_matmul_flops
 from batchgen.bench.workload import Workload, synthetic
 from batchgen.engine import LLM, SamplingParams
-from batchgen.engine.dtype import DtypeChoice
 from batchgen.engine.core.metrics import EngineMetrics
+from batchgen.engine.dtype import DtypeChoice
 from batchgen.engine.models.base import ModelProfile
 
 log = logging.getLogger(__name__)

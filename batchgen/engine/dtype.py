@@ -9,7 +9,7 @@ from typing import Literal
 
 import torch
 
-from batchgen.engine.cpu.features import CpuFeatures, cpu_features
+from batchgen.engine.backends.cpu.features import CpuFeatures, cpu_features
 
 log = logging.getLogger(__name__)
 

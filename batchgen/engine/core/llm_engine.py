@@ -8,16 +8,16 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
-from batchgen.engine.core.block_manager import BlockManager
 from batchgen.engine.config import EngineConfig, ModelConfig
-from batchgen.engine.executor import StepInput, StepOutput, SubmittedStep, build_step_input, make_executor
-from batchgen.engine.loading.loader import load_model_source
+from batchgen.engine.core.block_manager import BlockManager
 from batchgen.engine.core.metrics import EngineMetrics, StepRecord
 from batchgen.engine.core.outputs import RequestOutput
-from batchgen.engine.sampling.params import SamplingParams
-from batchgen.engine.sampling.sampler import TokenBitmask
 from batchgen.engine.core.scheduler import ScheduledSeq, ScheduledStep, Scheduler
 from batchgen.engine.core.sequence import Sequence, placeholder
+from batchgen.engine.executor import StepInput, StepOutput, SubmittedStep, build_step_input, make_executor
+from batchgen.engine.loading.loader import load_model_source
+from batchgen.engine.sampling.params import SamplingParams
+from batchgen.engine.sampling.sampler import TokenBitmask
 from batchgen.engine.sampling.stopping import finish_reason, output_text
 from batchgen.engine.sampling.structured import (
     EXTRA_HINT, GrammarCompiler, GrammarState, grammar_key, structured_available, token_bitmask,

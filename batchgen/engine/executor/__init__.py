@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import Protocol, Sequence
 
 from batchgen.engine.config import EngineConfig, ModelConfig
-from batchgen.engine.executor.step import SamplingRows, StepInput, StepOutput, build_step_input
 from batchgen.engine.core.kv_cache import KVLayout
+from batchgen.engine.executor.step import SamplingRows, StepInput, StepOutput, build_step_input
 from batchgen.engine.loading.model_source import ModelSource
 from batchgen.engine.models.base import ModelProfile
 

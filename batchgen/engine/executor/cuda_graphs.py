@@ -8,8 +8,8 @@ from typing import Callable
 
 import torch
 
-from batchgen.engine.kernels.prefill_attention import prefill_tile_capacity, prefill_work
-from batchgen.engine.layers.attention import AttentionMetadata
+from batchgen.engine.backends.interface import AttentionMetadata
+from batchgen.engine.backends.triton.prefill_attention import prefill_tile_capacity, prefill_work
 
 log = logging.getLogger(__name__)
 

@@ -8,11 +8,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from batchgen.engine.backends.interface import AttentionMetadata
+from batchgen.engine.backends.select import default_backend, make_kernel_set
+from batchgen.engine.backends.torch.ops import fused_moe
 from batchgen.engine.config import EngineConfig, ModelConfig
-from batchgen.engine.executor.step import StepInput, StepOutput
 from batchgen.engine.core.kv_cache import kv_budget_bytes
-from batchgen.engine.layers.attention import AttentionMetadata
-from batchgen.engine.layers.ops import default_backend, fused_moe, make_kernel_set
+from batchgen.engine.executor.step import StepInput, StepOutput
 from batchgen.engine.loading.model_source import ModelSource
 from batchgen.engine.models.registry import build_model
 from batchgen.engine.parallel.context import SINGLE_PROCESS, ParallelContext

@@ -7,8 +7,8 @@ from typing import Sequence
 import torch
 
 from batchgen.engine.config import EngineConfig, ModelConfig
-from batchgen.engine.executor.step import StepInput, StepOutput
 from batchgen.engine.executor.model_runner import LaunchedStep, ModelRunner
+from batchgen.engine.executor.step import StepInput, StepOutput
 from batchgen.engine.loading.model_source import ModelSource
 
 

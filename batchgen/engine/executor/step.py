@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-from batchgen.engine.sampling.sampler import SamplingBatch, TokenBitmask
 from batchgen.engine.core.sequence import placeholder_row
+from batchgen.engine.sampling.sampler import SamplingBatch, TokenBitmask
 
 if TYPE_CHECKING:
     from batchgen.engine.core.scheduler import ScheduledSeq

@@ -20,8 +20,8 @@ from multiprocessing.connection import Connection
 import torch
 
 from batchgen.engine.config import EngineConfig, ModelConfig
-from batchgen.engine.loading.loader import load_model_source
 from batchgen.engine.executor.model_runner import ModelRunner
+from batchgen.engine.loading.loader import load_model_source
 from batchgen.engine.parallel.distributed import init_distributed, shutdown_distributed
 from batchgen.engine.parallel.group import CommClock
 

@@ -13,14 +13,14 @@ from typing import Any, ClassVar, Iterable, Sequence
 import torch
 from torch import nn
 
+from batchgen.engine.backends.interface import AttentionMetadata
 from batchgen.engine.config import ModelConfig
 from batchgen.engine.core.kv_cache import KVLayout
-from batchgen.engine.layers.attention import AttentionMetadata
 from batchgen.engine.layers.linear import (
     ParallelLMHead, VocabParallelEmbedding, default_weight_loader, matmul_params,
 )
+from batchgen.engine.backends.interface import KernelSet
 from batchgen.engine.layers.norm import RMSNorm
-from batchgen.engine.layers.ops import KernelSet
 from batchgen.engine.layers.rotary import cos_sin_cache
 from batchgen.engine.loading.model_source import Weight
 from batchgen.engine.parallel.context import SINGLE_PROCESS, ParallelContext

@@ -11,10 +11,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from batchgen.engine.backends.interface import KernelSet
 from batchgen.engine.config import ModelConfig
 from batchgen.engine.layers.mlp import GatedMLP
 from batchgen.engine.layers.norm import OffsetRMSNorm
-from batchgen.engine.layers.ops import KernelSet
 from batchgen.engine.layers.rotary import cos_sin_cache
 from batchgen.engine.models.base import CausalLM, DecoderLayer
 from batchgen.engine.models.llama import LlamaAttention, LlamaForCausalLM

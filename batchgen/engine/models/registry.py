@@ -9,11 +9,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
+    from batchgen.engine.backends.interface import KernelSet
     from batchgen.engine.config import ModelConfig
-    from batchgen.engine.layers.ops import KernelSet
     from batchgen.engine.models.base import CausalLM
-    from batchgen.engine.quantization import WeightMethods
     from batchgen.engine.parallel.context import ParallelContext
+    from batchgen.engine.quantization import WeightMethods
 
 
 class UnsupportedModelError(ValueError):

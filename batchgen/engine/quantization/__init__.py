@@ -20,9 +20,9 @@ from batchgen.engine.quantization.config import (
 )
 
 if TYPE_CHECKING:
+    from batchgen.engine.backends.interface import KernelSet
     from batchgen.engine.layers.linear import LinearMethod
     from batchgen.engine.layers.moe import MoEMethod
-    from batchgen.engine.layers.ops import KernelSet
     from batchgen.engine.loading.model_source import Weight
     from batchgen.engine.models.base import CausalLM
 

@@ -16,8 +16,8 @@ from typing import Any, Sequence
 
 import torch
 
-from batchgen.engine.sampling.sampler import TokenBitmask
 from batchgen.engine.sampling.params import SamplingParams
+from batchgen.engine.sampling.sampler import TokenBitmask
 
 log = logging.getLogger(__name__)
 

@@ -10,9 +10,9 @@ import torch
 
 from batchgen.engine.loading.gguf.arch import GGUFArch, gguf_arch
 from batchgen.engine.loading.gguf.metadata import as_int, field_value, gguf_fields
+from batchgen.engine.loading.gguf.tokenizer import tokenizer_from_gguf
 from batchgen.engine.loading.model_source import ModelSource
 from batchgen.engine.models.registry import gguf_architecture
-from batchgen.engine.loading.gguf.tokenizer import tokenizer_from_gguf
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",

@@ -12,10 +12,12 @@ import torch
 import triton
 import triton.language as tl
 
-from batchgen.engine.kernels.common import INTERPRET, LOG2E, dot_precision, fold_scores, mma
-from batchgen.engine.kernels.decode_attention import merge_splits, num_decode_splits, split_buffers, split_context
+from batchgen.engine.backends.triton.common import INTERPRET, LOG2E, dot_precision, fold_scores, mma
+from batchgen.engine.backends.triton.decode_attention import (
+    merge_splits, num_decode_splits, split_buffers, split_context
+)
 # The tile list (prefill_work) is cut in query tiles of _BLOCK_M rows; this kernel walks the same list.
-from batchgen.engine.kernels.prefill_attention import _BLOCK_M as PREFILL_BLOCK_M, query_tile
+from batchgen.engine.backends.triton.prefill_attention import _BLOCK_M as PREFILL_BLOCK_M, query_tile
 
 
 @triton.jit

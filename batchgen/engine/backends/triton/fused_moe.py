@@ -14,11 +14,11 @@ import torch
 import triton
 import triton.language as tl
 
-from batchgen.engine.kernels.activation import silu_and_mul
-from batchgen.engine.kernels.common import INTERPRET, dot_precision, gemm_tile, grouped_tile_order
-from batchgen.engine.kernels.fp8.format import FP8_BLOCK, FP8_DTYPE
-from batchgen.engine.kernels.fp8.gemm import WeightScaleArgs, weight_scale_args
-from batchgen.engine.kernels.fp8.quant import quantize_fp8_activation
+from batchgen.engine.backends.triton.activation import silu_and_mul
+from batchgen.engine.backends.triton.common import INTERPRET, dot_precision, gemm_tile, grouped_tile_order
+from batchgen.engine.backends.triton.fp8.format import FP8_BLOCK, FP8_DTYPE
+from batchgen.engine.backends.triton.fp8.gemm import WeightScaleArgs, weight_scale_args
+from batchgen.engine.backends.triton.fp8.quant import quantize_fp8_activation
 
 
 @dataclass(frozen=True)

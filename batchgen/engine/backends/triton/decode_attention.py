@@ -5,7 +5,7 @@ import torch
 import triton
 import triton.language as tl
 
-from batchgen.engine.kernels.common import INTERPRET, LOG2E, NO_WINDOW, attend_paged_range, dot_precision
+from batchgen.engine.backends.triton.common import INTERPRET, LOG2E, NO_WINDOW, attend_paged_range, dot_precision
 
 _BLOCK_N = 64
 _MIN_SPLIT_LEN = 256

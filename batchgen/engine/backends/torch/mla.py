@@ -7,10 +7,10 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from batchgen.engine.layers.torch_attention import causal_attention
+from batchgen.engine.backends.torch.attention import causal_attention
 
 if TYPE_CHECKING:
-    from batchgen.engine.layers.mla import LatentPrefill
+    from batchgen.engine.backends.interface import LatentPrefill
 
 
 class TorchMLABackend:

@@ -1,15 +1,8 @@
-"""The torch reference ops (RMSNorm, rotary, gated activations, mixture of experts) and the kernel set a model uses."""
+"""The torch reference ops: RMSNorm, rotary, gated activations, mixture of experts."""
 from __future__ import annotations
-
-from dataclasses import dataclass, field
-from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
-from batchgen.engine.layers.attention import AttentionBackend
-from batchgen.engine.layers.torch_mla import TorchMLABackend
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -73,54 +66,3 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     weighted = expert_out.float() * topk_weights.flatten()[order, None]
     out = torch.zeros(num_tokens, w2.shape[1], dtype=torch.float32, device=x.device)
     return out.index_add_(0, tokens, weighted).to(x.dtype)
-
-
-def keep_weights(model: nn.Module) -> None:
-    """The default ``KernelSet.prepare_model``: weights stay as loaded."""
-
-
-@dataclass
-class KernelSet:
-    """The implementations a model calls; torch everywhere, fused C++ on CPU, or Triton kernels on the GPU
-    path. ``prepare_model`` runs once after the weights are loaded (e.g. to prepack them).
-
-    ``fused_moe(x, w13, w2, topk_weights, topk_ids, skip_negative=False)``: see the torch version.
-    """
-
-    attention: AttentionBackend
-    rms_norm: Callable = rms_norm
-    apply_rotary: Callable = apply_rotary
-    silu_and_mul: Callable = silu_and_mul
-    gelu_tanh_and_mul: Callable = gelu_tanh_and_mul
-    fused_moe: Callable = fused_moe
-    prepare_model: Callable[[nn.Module], None] = keep_weights
-    # y = x @ dequant(weight)^T (+ bias) with FP8 weights and scales; None: the set has no FP8 GEMM.
-    fp8_linear: Callable | None = None
-    mla: Any = field(default_factory=TorchMLABackend)  # latent attention (layers.mla.MLABackend)
-
-
-def make_kernel_set(backend: str) -> KernelSet:
-    """Build the kernel set for ``backend``: "torch", "cpu" (fused C++ kernels; torch's ops where they
-    cannot be built) or "triton"."""
-    if backend == "torch":
-        from batchgen.engine.layers.torch_attention import TorchAttentionBackend
-        return KernelSet(attention=TorchAttentionBackend())
-    if backend == "cpu":
-        from batchgen.engine.cpu.kernels import cpu_kernels
-        kernels = cpu_kernels()
-        return KernelSet(**kernels) if kernels else make_kernel_set("torch")
-    if backend == "triton":
-        from batchgen.engine.kernels.backend import triton_kernels
-        return KernelSet(**triton_kernels())
-    raise ValueError(f"unknown attention_backend {backend!r}; expected 'torch', 'cpu' or 'triton'")
-
-
-def default_backend(device: torch.device) -> str:
-    """Triton on CUDA when it is installed, the fused CPU kernels on CPU, torch otherwise."""
-    if device.type == "cuda":
-        try:
-            import triton  # noqa: F401
-            return "triton"
-        except ImportError:
-            return "torch"
-    return "cpu" if device.type == "cpu" else "torch"

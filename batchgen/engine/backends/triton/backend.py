@@ -3,17 +3,16 @@ from __future__ import annotations
 
 import torch
 
-from batchgen.engine.kernels.activation import gelu_tanh_and_mul, silu_and_mul
-from batchgen.engine.kernels.decode_attention import decode_attention
-from batchgen.engine.kernels.fp8.gemm import fp8_linear
-from batchgen.engine.kernels.fused_moe import fused_moe
-from batchgen.engine.kernels.kv_store import store_kv
-from batchgen.engine.kernels.mla import mla_decode, mla_prefill, store_latent
-from batchgen.engine.kernels.norm import rms_norm
-from batchgen.engine.kernels.prefill_attention import prefill_attention, prefill_work
-from batchgen.engine.kernels.rotary import apply_rotary
-from batchgen.engine.layers.attention import AttentionMetadata
-from batchgen.engine.layers.mla import LatentPrefill
+from batchgen.engine.backends.interface import AttentionMetadata, LatentPrefill
+from batchgen.engine.backends.triton.activation import gelu_tanh_and_mul, silu_and_mul
+from batchgen.engine.backends.triton.decode_attention import decode_attention
+from batchgen.engine.backends.triton.fp8.gemm import fp8_linear
+from batchgen.engine.backends.triton.fused_moe import fused_moe
+from batchgen.engine.backends.triton.kv_store import store_kv
+from batchgen.engine.backends.triton.mla import mla_decode, mla_prefill, store_latent
+from batchgen.engine.backends.triton.norm import rms_norm
+from batchgen.engine.backends.triton.prefill_attention import prefill_attention, prefill_work
+from batchgen.engine.backends.triton.rotary import apply_rotary
 
 
 class TritonAttentionBackend:

@@ -1,10 +1,10 @@
 """The CPU kernel set: fused C++ attention and elementwise ops where they could be built, prepacked bf16 weights."""
 from __future__ import annotations
 
-from batchgen.engine.cpu import ops
-from batchgen.engine.cpu.attention import CpuAttentionBackend
-from batchgen.engine.cpu.build import load_kernels
-from batchgen.engine.cpu.prepack import prepack_linears
+from batchgen.engine.backends.cpu import ops
+from batchgen.engine.backends.cpu.attention import CpuAttentionBackend
+from batchgen.engine.backends.cpu.build import load_kernels
+from batchgen.engine.backends.cpu.prepack import prepack_linears
 
 
 def cpu_kernels() -> dict[str, object] | None:

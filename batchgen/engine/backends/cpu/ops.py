@@ -1,6 +1,6 @@
 """Python entry points of the fused CPU kernels (``torch.ops.batchgen_cpu``), with torch's ops as fallback.
 
-Each function has the signature of its torch reference in :mod:`batchgen.engine.layers.ops` (or of the
+Each function has the signature of its torch reference in :mod:`batchgen.engine.backends.torch.ops` (or of the
 torch attention backend) and falls back to it for dtypes the kernels do not run here.
 """
 from __future__ import annotations
@@ -10,7 +10,7 @@ from functools import lru_cache
 
 import torch
 
-from batchgen.engine.layers import ops as torch_ops
+from batchgen.engine.backends.torch import ops as torch_ops
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ def usable_dtypes() -> frozenset[torch.dtype]:
 
 
 def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    from batchgen.engine.layers.torch_attention import causal_attention
+    from batchgen.engine.backends.torch.attention import causal_attention
 
     return causal_attention(q.float(), k.float(), v.float(), 0.25)
 

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import torch
 
-from batchgen.engine.cpu import ops
-from batchgen.engine.layers.attention import AttentionMetadata
-from batchgen.engine.layers.torch_attention import TorchAttentionBackend
+from batchgen.engine.backends.cpu import ops
+from batchgen.engine.backends.interface import AttentionMetadata
+from batchgen.engine.backends.torch.attention import TorchAttentionBackend
 
 
 class CpuAttentionBackend(TorchAttentionBackend):

@@ -18,7 +18,7 @@ from typing import Iterator
 
 import torch
 
-from batchgen.engine.cpu.features import CpuFeatures, cpu_features
+from batchgen.engine.backends.cpu.features import CpuFeatures, cpu_features
 
 log = logging.getLogger(__name__)
 

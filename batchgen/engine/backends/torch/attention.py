@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from batchgen.engine.layers.attention import AttentionMetadata
+from batchgen.engine.backends.interface import AttentionMetadata
 
 # Score elements one soft-capped matmul may hold (64 MiB of fp32); longer prompts go in query chunks.
 _MAX_SCORES = 1 << 24

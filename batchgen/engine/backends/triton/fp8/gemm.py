@@ -7,9 +7,9 @@ import torch
 import triton
 import triton.language as tl
 
-from batchgen.engine.kernels.common import INTERPRET, gemm_tile, grouped_tile_order
-from batchgen.engine.kernels.fp8.format import FP8_BLOCK, FP8_DTYPE, weight_scale_group
-from batchgen.engine.kernels.fp8.quant import quantize_fp8_activation
+from batchgen.engine.backends.triton.common import INTERPRET, gemm_tile, grouped_tile_order
+from batchgen.engine.backends.triton.fp8.format import FP8_BLOCK, FP8_DTYPE, weight_scale_group
+from batchgen.engine.backends.triton.fp8.quant import quantize_fp8_activation
 
 
 @dataclass(frozen=True)

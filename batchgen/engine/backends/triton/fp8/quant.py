@@ -5,8 +5,8 @@ import torch
 import triton
 import triton.language as tl
 
-from batchgen.engine.kernels.common import INTERPRET
-from batchgen.engine.kernels.fp8.format import ACTIVATION_GROUP, FP8_DTYPE, FP8_MAX, MIN_AMAX
+from batchgen.engine.backends.triton.common import INTERPRET
+from batchgen.engine.backends.triton.fp8.format import ACTIVATION_GROUP, FP8_DTYPE, FP8_MAX, MIN_AMAX
 
 _GROUPS_PER_PROGRAM = 8
 

@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from batchgen.engine.kernels.common import (
+from batchgen.engine.backends.triton.common import (
     INTERPRET, LOG2E, NO_WINDOW, attend_paged_range, dot_precision, softmax_step,
 )
 
