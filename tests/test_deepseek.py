@@ -20,12 +20,14 @@ from safetensors.torch import load_file, save_file
 from batchgen.engine import LLM, SamplingParams
 from batchgen.engine.backends.select import make_kernel_set
 from batchgen.engine.backends.torch.ops import apply_rotary
-from batchgen.engine.config import MoEConfig, ModelConfig, UnsupportedModelError
+from batchgen.engine.config import MoEConfig
 from batchgen.engine.layers.mla import MLAAttention
 from batchgen.engine.layers.mlp import GatedMLP
 from batchgen.engine.layers.moe import SparseMoeBlock
 from batchgen.engine.loading.gguf.arch import gguf_arch
 from batchgen.engine.loading.gguf.loader import iter_gguf_weights
+from batchgen.engine.models.errors import UnsupportedModelError
+from batchgen.engine.models.registry import model_config
 from batchgen.engine.layers.rotary import (
     cos_sin_cache, pairwise_to_half_order, rope_attention_factor, rope_inv_freq, yarn_softmax_scale,
 )
@@ -179,7 +181,7 @@ def test_layers_profile_and_latent_cache(tiny_model_factory, arch):
 def test_checkpoint_names_loading_and_errors(tiny_model_factory):
     folder = tiny_model_factory("deepseek-v3")
     weights = load_file(str(folder / "model.safetensors"))
-    cfg = ModelConfig.from_hf(folder_config(folder))
+    cfg = model_config(folder_config(folder))
 
     def model():
         return build_model(cfg, make_kernel_set("torch"), 64, torch.float32, "cpu")
@@ -191,7 +193,7 @@ def test_checkpoint_names_loading_and_errors(tiny_model_factory):
     with pytest.raises(ValueError, match=r"missing weights: layers\.2\.mlp\.gate\.e_score_correction_bias$"):
         model().load_weights(weights.items())
     with pytest.raises(UnsupportedModelError, match="mlp_bias"):
-        build_model(ModelConfig.from_hf({**folder_config(folder), "mlp_bias": True}), make_kernel_set("torch"), 8,
+        build_model(model_config({**folder_config(folder), "mlp_bias": True}), make_kernel_set("torch"), 8,
                     torch.float32, "meta")
 
 
@@ -264,7 +266,7 @@ def test_gguf_round_trip_matches_the_folder(tiny_model_factory, tmp_path, arch, 
     assert sorted(loaded) == sorted(original)
     for name, tensor in original.items():
         assert torch.equal(loaded[name], tensor), name
-    ours, ref = ModelConfig.from_hf(source.config), ModelConfig.from_hf(folder_config(folder))
+    ours, ref = model_config(source.config), model_config(folder_config(folder))
     assert ours.architecture == ref.architecture and ours.mla == ref.mla and ours.moe == ref.moe
     assert (ours.num_heads, ours.hidden_size, ours.intermediate_size) == (ref.num_heads, ref.hidden_size,
                                                                             ref.intermediate_size)

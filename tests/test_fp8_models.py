@@ -26,7 +26,7 @@ from batchgen.engine.layers.moe import FusedMoE
 from batchgen.engine.parallel.context import ParallelContext
 from batchgen.engine.parallel.group import CommGroup
 from batchgen.engine.quantization import (
-    QuantizationConfig, UnsupportedQuantizationError, choose_weight_methods, parse_quantization,
+    QuantizationConfig, UnsupportedQuantizationError, choose_weight_methods, parse_quantization
 )
 from batchgen.engine.quantization.checkpoint import convert_folder, is_quantized_weight
 from tests.engine_helpers import TEXT, mixed_prompts

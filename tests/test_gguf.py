@@ -12,10 +12,9 @@ from gguf import GGMLQuantizationType as Q
 from safetensors.torch import load_file
 
 from batchgen.engine.backends.select import make_kernel_set
-from batchgen.engine.config import ModelConfig
 from batchgen.engine.loading.gguf.loader import dequantize_tensor, load_gguf
 from batchgen.engine.loading.loader import load_model_source
-from batchgen.engine.models.registry import build_model
+from batchgen.engine.models.registry import build_model, model_config
 from tests.gguf_writer import expected_weight, write_gguf
 from tests.test_tokenizer import write_tokenizer_metadata
 
@@ -25,7 +24,7 @@ GGUF_ARCHS = ["llama", "llama-tied", "mistral", "qwen2", "qwen3", "mixtral", "qw
 
 
 def built(cfg: dict):
-    return build_model(ModelConfig.from_hf(cfg), make_kernel_set("torch"), 64, torch.float32, "cpu")
+    return build_model(model_config(cfg), make_kernel_set("torch"), 64, torch.float32, "cpu")
 
 
 @pytest.mark.parametrize("arch", GGUF_ARCHS)
@@ -45,7 +44,7 @@ def test_f32_round_trip_is_exact(tiny_model_factory, tmp_path, arch):
     hf_cfg = json.loads((folder / "config.json").read_text())
     cfg = source.config
     assert cfg["architectures"] == (["LlamaForCausalLM"] if arch == "mistral" else hf_cfg["architectures"])
-    ours, ref = ModelConfig.from_hf(cfg), ModelConfig.from_hf(hf_cfg)
+    ours, ref = model_config(cfg), model_config(hf_cfg)
     for key in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
                 "head_dim", "rotary_dim", "max_position_embeddings", "tie_word_embeddings", "sliding_window", "moe"):
         assert getattr(ours, key) == getattr(ref, key), key

@@ -11,6 +11,7 @@ from batchgen.engine.backends.torch.mla import TorchMLABackend
 from batchgen.engine.config import ModelConfig
 from batchgen.engine.layers.mla import MLAAttention, MLAMetadata
 from batchgen.engine.layers.rotary import cos_sin_cache
+from batchgen.engine.models.registry import model_config
 
 pytest.importorskip("triton")
 TOL = {torch.float32: dict(rtol=1e-4, atol=1e-4), torch.bfloat16: dict(rtol=3e-2, atol=3e-2)}
@@ -72,7 +73,7 @@ def test_store_latent_skips_padding_slots():
 
 # ---- the layer: absorbed decode and expanded prefill over the same cache ----------------------------------
 def tiny_mla_config(q_lora_rank: int | None) -> ModelConfig:
-    return ModelConfig.from_hf({
+    return model_config({
         "architectures": ["DeepseekV3ForCausalLM"], "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
         "num_hidden_layers": 1, "num_attention_heads": 4, "q_lora_rank": q_lora_rank, "kv_lora_rank": 24,
         "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 12, "n_routed_experts": 4,

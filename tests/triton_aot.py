@@ -183,17 +183,16 @@ def fp8_model_kernel_calls() -> None:
     ``FP8_MODELS``, in bf16, at decode (1, 8, 24 rows) and prefill (512, 2048 rows) sizes. The layers
     are built on the meta device: shapes, dtypes and strides as on the GPU, no memory."""
     from batchgen.engine.backends.select import make_kernel_set
-    from batchgen.engine.config import ModelConfig
     from batchgen.engine.layers.linear import LinearBase
     from batchgen.engine.layers.moe import FusedMoE, TopKRouter
-    from batchgen.engine.models.registry import build_model
+    from batchgen.engine.models.registry import build_model, model_config
     from batchgen.engine.quantization import choose_weight_methods
     from batchgen.engine.quantization.checkpoint import quantization_config
 
     kernels = make_kernel_set("triton")
     for shape, schemes in FP8_MODELS:
         for scheme in schemes:
-            cfg = ModelConfig.from_hf(dict(shape, vocab_size=1024, num_hidden_layers=1,
+            cfg = model_config(dict(shape, vocab_size=1024, num_hidden_layers=1,
                                            quantization_config=quantization_config(scheme)))
             methods = choose_weight_methods(cfg.quantization, kernels, torch.device("meta"), torch.bfloat16, "fp8")
             model = build_model(cfg, kernels, 16, torch.bfloat16, "meta", methods=methods)

@@ -8,9 +8,9 @@ from typing import Any
 from jinja2 import Environment, nodes
 
 from batchgen.engine import LLM
-from batchgen.engine.config import ModelConfig
 from batchgen.engine.core.llm_engine import model_context_len
 from batchgen.engine.loading.loader import load_model_source
+from batchgen.engine.models.registry import model_config
 from batchgen.io import InputError, OutputError, OutputWriter, expand_inputs, read_columns, redact
 from batchgen.io.fingerprint import difference, fingerprints
 from batchgen.io.lease import LeaseSettings
@@ -141,7 +141,7 @@ def load_tokenizer(spec: JobSpec) -> tuple[Any, int]:
     its weight files)."""
     try:
         source = load_model_source(spec.model.path, spec.storage_options, weights=False)
-        return source.tokenizer, model_context_len(ModelConfig.from_hf(source.config), spec.model.max_model_len)
+        return source.tokenizer, model_context_len(model_config(source.config), spec.model.max_model_len)
     except Exception as e:  # noqa: BLE001 - bad paths, unsupported architectures, bad tokenizers alike
         raise _model_failure(spec, "the tokenizer of ", e) from None
 

@@ -16,6 +16,7 @@ from batchgen.engine.core.scheduler import ScheduledSeq, ScheduledStep, Schedule
 from batchgen.engine.core.sequence import Sequence, placeholder
 from batchgen.engine.executor import StepInput, StepOutput, SubmittedStep, build_step_input, make_executor
 from batchgen.engine.loading.loader import load_model_source
+from batchgen.engine.models.registry import model_config
 from batchgen.engine.sampling.params import SamplingParams
 from batchgen.engine.sampling.sampler import TokenBitmask
 from batchgen.engine.sampling.stopping import finish_reason, output_text
@@ -103,7 +104,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         source = load_model_source(config.model, config.storage_options)
-        self.model_config = ModelConfig.from_hf(source.config)
+        self.model_config = model_config(source.config)
         self.tokenizer = source.tokenizer
         self.max_model_len = model_context_len(self.model_config, config.max_model_len)
         self.executor = make_executor(config, self.model_config, source, self.max_model_len)

@@ -18,13 +18,14 @@ import torch
 from torch import nn
 
 from batchgen.engine.backends.interface import AttentionMetadata, KernelSet
-from batchgen.engine.config import MoEConfig, ModelConfig, UnsupportedModelError
+from batchgen.engine.config import MoEConfig, ModelConfig
 from batchgen.engine.layers.linear import default_weight_loader, new_parameter
 from batchgen.engine.layers.mla import MLAAttention, MLAMetadata
 from batchgen.engine.layers.mlp import GatedMLP
 from batchgen.engine.layers.moe import FusedMoE, SparseMoeBlock, TopKRouter
 from batchgen.engine.layers.rotary import cos_sin_cache
 from batchgen.engine.models.base import CausalLM, WeightRule, expert_rules
+from batchgen.engine.models.errors import UnsupportedModelError
 from batchgen.engine.parallel.context import SINGLE_PROCESS, ParallelContext
 
 # transformers' defaults for keys a config.json may leave out.

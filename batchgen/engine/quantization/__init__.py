@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Callable, Iterable
 import torch
 
 from batchgen.engine.quantization.config import (
-    QuantizationConfig, UnsupportedQuantizationError, parse_quantization,
+    FP8_WEIGHTS_MODES, QuantizationConfig, UnsupportedQuantizationError, parse_quantization,
 )
 
 if TYPE_CHECKING:
@@ -30,12 +30,6 @@ __all__ = ["FP8_WEIGHTS_MODES", "QuantizationConfig", "UnsupportedQuantizationEr
            "choose_weight_methods", "fp8_tensor_cores", "load_checkpoint", "parse_quantization"]
 
 log = logging.getLogger(__name__)
-
-# "auto": FP8 compute where the device has FP8 tensor cores and the kernel set an FP8 GEMM, else
-# dequantize at load; "fp8": always keep FP8 (needs the Triton kernel set; on CPU under the Triton
-# interpreter, for tests); "dequantize": always dequantize to the model dtype.
-FP8_WEIGHTS_MODES = ("auto", "fp8", "dequantize")
-
 
 @dataclass(frozen=True)
 class WeightMethods:
