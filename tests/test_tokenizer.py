@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from batchgen.engine.loading.gguf.tokenizer import tokenizer_from_gguf
-from batchgen.engine.tokenizer import Tokenizer
+from batchgen.engine.tokenizer import ModelTokenizer
 
 TRICKY = [
     "Hello world", " leading space", "  two  spaces  ", "trailing\n", "", "   ", "x",
@@ -25,7 +25,7 @@ CHATS = [
 ]
 
 
-def assert_same_as_hf(ours: Tokenizer, hf, texts=TRICKY, chats=CHATS) -> None:
+def assert_same_as_hf(ours: ModelTokenizer, hf, texts=TRICKY, chats=CHATS) -> None:
     for text in texts:
         for special in (True, False):
             ids = ours.encode(text, add_special_tokens=special)
@@ -48,7 +48,7 @@ def assert_same_as_hf(ours: Tokenizer, hf, texts=TRICKY, chats=CHATS) -> None:
 def test_hf_dir_matches_transformers(tiny_model):
     from transformers import AutoTokenizer
 
-    assert_same_as_hf(Tokenizer.from_hf_dir(tiny_model), AutoTokenizer.from_pretrained(tiny_model))
+    assert_same_as_hf(ModelTokenizer.from_hf_dir(tiny_model), AutoTokenizer.from_pretrained(tiny_model))
 
 
 @pytest.mark.parametrize("bos_in_post_processor", [False, True])
@@ -74,7 +74,7 @@ def test_hf_dir_config_variants(tiny_model, tmp_path, bos_in_post_processor):
             "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
             "special_tokens": {"<|endoftext|>": {"id": "<|endoftext|>", "ids": [0], "tokens": ["<|endoftext|>"]}}}
         (folder / "tokenizer.json").write_text(json.dumps(tok))
-    ours, hf = Tokenizer.from_hf_dir(folder), AutoTokenizer.from_pretrained(folder)
+    ours, hf = ModelTokenizer.from_hf_dir(folder), AutoTokenizer.from_pretrained(folder)
     assert (ours.encode("hi")[0] == ours.bos_token_id) == bos_in_post_processor
     assert ours.apply_chat_template(CHATS[0], tokenize=False).startswith("<|endoftext|><|im_start|>user")
     assert_same_as_hf(ours, hf, texts=TRICKY + ["Hello , world . I do n't know !"])
@@ -82,13 +82,13 @@ def test_hf_dir_config_variants(tiny_model, tmp_path, bos_in_post_processor):
 
 def test_hf_dir_without_tokenizer_json(tmp_path):
     with pytest.raises(FileNotFoundError, match="tokenizer.json"):
-        Tokenizer.from_hf_dir(tmp_path)
+        ModelTokenizer.from_hf_dir(tmp_path)
 
 
 def test_chat_template_helpers_and_sandbox(tiny_model):
     from jinja2.exceptions import SecurityError, TemplateError
 
-    tok = Tokenizer.from_hf_dir(tiny_model)
+    tok = ModelTokenizer.from_hf_dir(tiny_model)
     msgs = [{"role": "user", "content": "héllo <b>"}]
     tok.chat_template = "{{ messages | tojson }}{{ eos_token }}"
     assert tok.apply_chat_template(msgs, tokenize=False) == json.dumps(msgs, ensure_ascii=False) + "<|im_end|>"

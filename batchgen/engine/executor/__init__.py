@@ -22,7 +22,7 @@ class SubmittedStep(Protocol):
         ...
 
 
-class Executor(Protocol):
+class StepExecutor(Protocol):
     num_blocks: int
     profile: ModelProfile
     kv_layout: KVLayout
@@ -38,7 +38,7 @@ class Executor(Protocol):
     def shutdown(self) -> None: ...
 
 
-def make_executor(config: EngineConfig, model_cfg: ModelConfig, source: ModelSource, max_model_len: int) -> Executor:
+def make_executor(config: EngineConfig, model_cfg: ModelConfig, source: ModelSource, max_model_len: int) -> StepExecutor:
     """In-process for a single device; one worker process per device otherwise."""
     if config.world_size == 1:
         from batchgen.engine.executor.single import SingleProcessExecutor
@@ -49,4 +49,5 @@ def make_executor(config: EngineConfig, model_cfg: ModelConfig, source: ModelSou
     return MultiprocExecutor(config, model_cfg, source.path, max_model_len)
 
 
-__all__ = ["Executor", "SubmittedStep", "SamplingRows", "StepInput", "StepOutput", "build_step_input", "make_executor"]
+__all__ = ["SamplingRows", "StepExecutor", "StepInput", "StepOutput", "SubmittedStep", "build_step_input",
+           "make_executor"]

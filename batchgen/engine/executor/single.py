@@ -34,21 +34,21 @@ class SingleProcessExecutor:
     def execute(self, steps: Sequence[StepInput | None]) -> list[StepOutput | None]:
         return self.submit(steps).result()
 
-    def submit(self, steps: Sequence[StepInput | None]) -> "SubmittedStep":
+    def submit(self, steps: Sequence[StepInput | None]) -> "InProcessStep":
         """Starts the step; the step submitted next may refer to its sampled tokens (``deferred_rows``)."""
         (step,) = steps
         if step is None:
-            return SubmittedStep(None)
+            return InProcessStep(None)
         if self._stream is None:
-            return SubmittedStep(self.runner.launch(step))
-        return SubmittedStep(self._stream.submit(self.runner.launch, step))
+            return InProcessStep(self.runner.launch(step))
+        return InProcessStep(self._stream.submit(self.runner.launch, step))
 
     def shutdown(self) -> None:
         if self._stream is not None:
             self._stream.shutdown(wait=True)
 
 
-class SubmittedStep:
+class InProcessStep:
     """A step in flight on the device; ``result`` waits for its outputs (one per replica)."""
 
     def __init__(self, launched: LaunchedStep | Future | None):

@@ -7,7 +7,7 @@ from typing import Iterator
 
 from batchgen.engine.loading.hub import resolve_model_path
 from batchgen.engine.loading.model_source import LazyTensor, ModelSource
-from batchgen.engine.tokenizer import Tokenizer
+from batchgen.engine.tokenizer import ModelTokenizer
 
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
@@ -64,7 +64,7 @@ def load_hf_dir(folder: str | Path, name: str = "", weights: bool = True) -> Mod
     return ModelSource(
         config=_read_json(config_file),
         weights=(lambda: iter_safetensors(files)) if weights else _no_weights,
-        tokenizer=Tokenizer.from_hf_dir(folder),
+        tokenizer=ModelTokenizer.from_hf_dir(folder),
         generation_config=_read_json(gen_file) if gen_file.is_file() else {},
         name=name or folder.name,
     )

@@ -77,7 +77,7 @@ class ModelSource:
 
     config: dict
     weights: Callable[[], Iterator[tuple[str, Weight]]]
-    tokenizer: "object"  # batchgen.engine.tokenizer.Tokenizer
+    tokenizer: "object"  # batchgen.engine.tokenizer.ModelTokenizer
     generation_config: dict = field(default_factory=dict)
     name: str = ""
     path: str = ""  # the local folder or file it was read from (what worker processes load again)

@@ -7,7 +7,7 @@ from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tok
 from tokenizers import Tokenizer as _HFTokenizer
 
 from batchgen.engine.loading.gguf.metadata import field_value, gguf_fields
-from batchgen.engine.tokenizer import Tokenizer
+from batchgen.engine.tokenizer import ModelTokenizer
 
 # GGUF token types (gguf.TokenType): only these two change how the tokenizer is built.
 _CONTROL, _USER_DEFINED = 3, 4
@@ -131,7 +131,7 @@ _SENTENCEPIECE_BUILDERS = {"gemma": _build_gemma, "gemma2": _build_gemma, "gemma
                            "phi3": _build_phi3}
 
 
-def tokenizer_from_gguf(source: Any) -> Tokenizer:
+def tokenizer_from_gguf(source: Any) -> ModelTokenizer:
     """Rebuilds the tokenizer from GGUF metadata; ``source`` is a path, a GGUFReader or its fields."""
     fields = gguf_fields(source)
     kind = field_value(fields, "tokenizer.ggml.model")
@@ -166,7 +166,7 @@ def tokenizer_from_gguf(source: Any) -> Tokenizer:
     backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])
 
     eos = [t for t in (token_at("eos_token_id"), token_at("eot_token_id")) if t]
-    return Tokenizer(backend, bos_token=token_at("bos_token_id"), eos_tokens=list(dict.fromkeys(eos)),
+    return ModelTokenizer(backend, bos_token=token_at("bos_token_id"), eos_tokens=list(dict.fromkeys(eos)),
                      pad_token=token_at("padding_token_id"), unk_token=token_at("unknown_token_id"),
                      chat_template=field_value(fields, "tokenizer.chat_template"),
                      add_bos_token=add_bos, add_eos_token=field_value(fields, "tokenizer.ggml.add_eos_token"))
