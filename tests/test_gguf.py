@@ -140,7 +140,7 @@ def test_unknown_architecture_and_tensor(tiny_model, tmp_path):
         load_gguf(str(path))
     with pytest.raises(ValueError, match="blk.0.attn_qkv.weight"):
         hf_tensor_name("blk.0.attn_qkv.weight")
-    assert hf_tensor_name("rope_freqs.weight", "llama", gguf_arch("llama")) is None
+    assert hf_tensor_name("rope_freqs.weight", arch=gguf_arch("llama")) is None
     with pytest.raises(FileNotFoundError):
         load_gguf(str(tmp_path / "missing.gguf"))
 

@@ -43,6 +43,16 @@ class WeightRule:
         return name[: m.start()] + m.expand(self.target) + name[m.end():], shard
 
 
+@dataclass(frozen=True)
+class CheckpointNames:
+    """How an architecture's Hugging Face checkpoints name a layer's mixture of experts: its weight rules read
+    them, and the GGUF loader maps llama.cpp's tensor names onto them."""
+
+    moe_module: str = "mlp"
+    expert_projections: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # gate, up, down
+    shared_expert: str = "shared_expert"
+
+
 def expert_rules(module: str = "mlp", names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
                  target: str = "mlp") -> tuple[WeightRule, ...]:
     """Per-expert checkpoint tensors ``{module}.experts.{e}.{gate|up|down name}.weight`` stacked into
@@ -138,6 +148,7 @@ class CausalLM(nn.Module):
     activations: ClassVar[tuple[str, ...]] = ("silu",)
     # Checkpoint name -> (parameter, shard); the first matching rule wins, unmatched names load as-is.
     weight_rules: ClassVar[tuple[WeightRule, ...]] = ()
+    checkpoint_names: ClassVar[CheckpointNames] = CheckpointNames()
     decoder_layer: ClassVar[type[DecoderLayer]] = DecoderLayer
     # The kinds of step whose forward can be replayed from a CUDA graph (fixed shapes, no host sizing).
     graph_step_kinds: ClassVar[tuple[str, ...]] = ("decode", "mixed")

@@ -12,7 +12,8 @@ from batchgen.engine.loading.gguf.arch import GGUFArch, gguf_arch
 from batchgen.engine.loading.gguf.metadata import as_int, field_value, gguf_fields
 from batchgen.engine.loading.gguf.tokenizer import tokenizer_from_gguf
 from batchgen.engine.loading.model_source import ModelSource
-from batchgen.engine.models.registry import gguf_architecture
+from batchgen.engine.models.base import CheckpointNames
+from batchgen.engine.models.registry import architecture_of, gguf_architecture
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -45,10 +46,6 @@ _MOE_LAYER_NAMES = {
     "ffn_up_shexp.weight": "{moe}.{shared}.up_proj.weight",
     "ffn_down_shexp.weight": "{moe}.{shared}.down_proj.weight",
 }
-# How HF names a layer's MoE module and its experts' (gate, up, down) projections, by model_type.
-_MOE_HF_NAMES = {"mixtral": ("block_sparse_moe", ("w1", "w3", "w2"))}
-_MOE_HF_DEFAULT = ("mlp", ("gate_proj", "up_proj", "down_proj"))
-_SHARED_EXPERT_NAMES = {"deepseek_v2": "shared_experts", "deepseek_v3": "shared_experts"}
 # Routing llama.cpp hard-codes for an architecture when the file does not say (expert_weights_norm).
 _GGUF_DEFAULTS = {"qwen3moe": {"norm_topk_prob": True}}
 _BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
@@ -56,8 +53,10 @@ _EXPERTS = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down|gate_up)_exps\.weight")
 _SPLIT_KV_B = re.compile(r"blk\.(\d+)\.attn_(k|v)_b\.weight")
 
 
-def hf_tensor_name(gguf_name: str, model_type: str = "llama", arch: GGUFArch = GGUFArch()) -> str | None:
-    """The HF parameter name for a GGUF tensor name, or None for tensors HF models do not have."""
+def hf_tensor_name(gguf_name: str, names: CheckpointNames = CheckpointNames(), arch: GGUFArch = GGUFArch()
+                   ) -> str | None:
+    """The HF parameter name for a GGUF tensor name (MoE parts named as the model class declares), or None for
+    tensors HF models do not have."""
     if gguf_name in arch.config_tensors:
         return None
     if gguf_name in _GLOBAL_NAMES:
@@ -67,17 +66,15 @@ def hf_tensor_name(gguf_name: str, model_type: str = "llama", arch: GGUFArch = G
     if m and m.group(2) in layer_names:
         return f"model.layers.{m.group(1)}.{layer_names[m.group(2)]}"
     if m and m.group(2) in _MOE_LAYER_NAMES:
-        moe = _MOE_HF_NAMES.get(model_type, _MOE_HF_DEFAULT)[0]
-        shared = _SHARED_EXPERT_NAMES.get(model_type, "shared_expert")
-        name = _MOE_LAYER_NAMES[m.group(2)].format(moe=moe, shared=shared)
+        name = _MOE_LAYER_NAMES[m.group(2)].format(moe=names.moe_module, shared=names.shared_expert)
         return f"model.layers.{m.group(1)}.{name}"
     raise ValueError(f"GGUF tensor {gguf_name!r} has no known Hugging Face equivalent")
 
 
-def expert_tensors(gguf_name: str, stacked: torch.Tensor, model_type: str) -> list[tuple[str, torch.Tensor]]:
+def expert_tensors(gguf_name: str, stacked: torch.Tensor, names: CheckpointNames) -> list[tuple[str, torch.Tensor]]:
     """HF per-expert tensors from a GGUF stacked expert tensor (E, I, H) / (E, H, I) / gate|up (E, 2I, H)."""
     layer, proj = _EXPERTS.fullmatch(gguf_name).groups()
-    moe, (gate, up, down) = _MOE_HF_NAMES.get(model_type, _MOE_HF_DEFAULT)
+    moe, (gate, up, down) = names.moe_module, names.expert_projections
     if proj == "gate_up":
         halves = {gate: stacked[:, : stacked.shape[1] // 2], up: stacked[:, stacked.shape[1] // 2:]}
     else:
@@ -198,11 +195,11 @@ def dequantize_tensor(tensor: Any) -> torch.Tensor:
 
 def iter_gguf_weights(reader: Any, config: dict, arch: GGUFArch) -> Iterator[tuple[str, torch.Tensor]]:
     """Yields ``(hf_name, float32 tensor)``, dequantizing one tensor at a time (stacked experts split per expert)."""
-    model_type = config["model_type"]
+    names = architecture_of(config).model_class().checkpoint_names
     split_kv_b: dict[str, dict[str, torch.Tensor]] = {}  # layer -> its attn_k_b / attn_v_b, until both are read
     for tensor in reader.tensors:
         if _EXPERTS.fullmatch(tensor.name):
-            yield from expert_tensors(tensor.name, dequantize_tensor(tensor), model_type)
+            yield from expert_tensors(tensor.name, dequantize_tensor(tensor), names)
             continue
         if m := _SPLIT_KV_B.fullmatch(tensor.name):
             pair = split_kv_b.setdefault(m[1], {})
@@ -211,7 +208,7 @@ def iter_gguf_weights(reader: Any, config: dict, arch: GGUFArch) -> Iterator[tup
                 yield f"model.layers.{m[1]}.self_attn.kv_b_proj.weight", _merge_kv_b(pair["k"], pair["v"])
                 del split_kv_b[m[1]]
             continue
-        name = hf_tensor_name(tensor.name, model_type, arch)
+        name = hf_tensor_name(tensor.name, names, arch)
         if name is None:
             continue
         weight = dequantize_tensor(tensor)
