@@ -13,13 +13,13 @@ its first ``kv_lora_rank`` dims), and ``W_UV[h]`` maps the result back per head.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
-from typing import Any, Protocol, Sequence
+from dataclasses import dataclass, fields
+from typing import Any, Sequence
 
 import torch
 from torch import nn
 
-from batchgen.engine.backends.interface import AttentionMetadata, KernelSet
+from batchgen.engine.backends.interface import AttentionMetadata, KernelSet, LatentPrefill
 from batchgen.engine.config import ModelConfig
 from batchgen.engine.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, divide
 from batchgen.engine.layers.norm import RMSNorm
