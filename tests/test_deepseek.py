@@ -34,7 +34,7 @@ from batchgen.engine.layers.rotary import (
 from batchgen.engine.loading.loader import load_model_source
 from batchgen.engine.models.deepseek import DeepseekV2Router, DeepseekV3Router
 from batchgen.engine.models.registry import build_model
-from tests.engine_helpers import assert_like_hf, mixed_prompts
+from tests.engine_helpers import assert_like_hf, mixed_prompts, model_runner
 from tests.gguf_writer import EXPERT, EXPERT_PROJ, gguf_name, new_writer
 
 
@@ -117,7 +117,7 @@ def test_softmax_scale_matches_transformers(tiny_model_factory):
     for arch in ("deepseek-v2", "deepseek-v3"):
         path = str(tiny_model_factory(arch))
         llm = LLM(path, dtype="float32", device="cpu", kv_cache_memory=1 << 20)
-        scale = llm.engine.runner.model.layers[0].self_attn.scale
+        scale = model_runner(llm).model.layers[0].self_attn.scale
         assert scale == pytest.approx(hf_model(path).model.layers[0].self_attn.scaling, rel=1e-12)
     assert yarn_softmax_scale(None) == 1.0 and yarn_softmax_scale({"rope_type": "yarn", "factor": 4.0}) == 1.0
 
@@ -154,7 +154,7 @@ def test_layers_profile_and_latent_cache(tiny_model_factory, arch):
 
     folder = tiny_model_factory(arch)
     llm = LLM(str(folder), dtype="float32", device="cpu", kv_cache_memory=1 << 20)
-    runner, cfg = llm.engine.runner, llm.engine.model_config
+    runner, cfg = model_runner(llm), llm.engine.model_config
     mla, moe = cfg.mla, cfg.moe
     layers = runner.model.layers
     assert isinstance(layers[0].mlp, GatedMLP) and all(isinstance(m.mlp, SparseMoeBlock) for m in layers[1:])

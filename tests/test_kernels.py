@@ -14,13 +14,14 @@ from batchgen.engine.backends.triton import activation, decode_attention, kv_sto
 from batchgen.engine.backends.triton.backend import TritonAttentionBackend  # noqa: E402
 from batchgen.engine.backends.triton.common import INTERPRET  # noqa: E402
 from batchgen.engine.backends.triton.prefill_attention import (  # noqa: E402
-    flash_attn_varlen_func, prefill_attention, prefill_tile_capacity, prefill_work,
+    prefill_attention, prefill_tile_capacity, prefill_work,
 )
 from batchgen.engine.backends.interface import AttentionMetadata  # noqa: E402
 from batchgen.engine.backends.select import make_kernel_set  # noqa: E402
 from batchgen.engine.backends.torch import ops  # noqa: E402
 from batchgen.engine.backends.torch.attention import TorchAttentionBackend, causal_attention  # noqa: E402
 from batchgen.engine.layers.attention import Attention  # noqa: E402
+from tests.flash_attn import flash_attn_varlen_func  # noqa: E402
 
 DEVICE = "cpu" if INTERPRET else "cuda"
 BLOCK_SIZE = 16

@@ -82,10 +82,9 @@ def engine_kernel_calls() -> None:
     from batchgen.engine.backends.triton.decode_attention import decode_attention
     from batchgen.engine.backends.triton.kv_store import store_kv
     from batchgen.engine.backends.triton.norm import rms_norm
-    from batchgen.engine.backends.triton.prefill_attention import (
-        flash_attn_varlen_func, prefill_attention, prefill_work
-    )
+    from batchgen.engine.backends.triton.prefill_attention import prefill_attention, prefill_work
     from batchgen.engine.backends.triton.rotary import apply_rotary
+    from tests.flash_attn import flash_attn_varlen_func
 
     for dtype, head_dim in ((torch.bfloat16, 64), (torch.bfloat16, 128), (torch.float16, 128),
                             (torch.float32, 64), (torch.float32, 128)):

@@ -6,7 +6,7 @@ import logging
 import random
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 from batchgen.engine.config import EngineConfig, ModelConfig
 from batchgen.engine.core.block_manager import BlockManager
@@ -23,9 +23,6 @@ from batchgen.engine.sampling.stopping import finish_reason, output_text
 from batchgen.engine.sampling.structured import (
     EXTRA_HINT, GrammarCompiler, GrammarState, grammar_key, structured_available, token_bitmask,
 )
-
-if TYPE_CHECKING:
-    from batchgen.engine.executor.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
 
@@ -128,14 +125,6 @@ class LLMEngine:
         self._in_flight: InFlightStep | None = None
         self._last_done = 0.0  # when the latest step's tokens arrived
         self.reset_metrics()
-
-    @property
-    def runner(self) -> "ModelRunner":
-        """The model runner, when the model runs in this process (a single device)."""
-        runner = getattr(self.executor, "runner", None)
-        if runner is None:
-            raise AttributeError("the model runs in worker processes: this process has no model runner")
-        return runner
 
     @property
     def scheduler(self) -> Scheduler:
