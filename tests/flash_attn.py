@@ -1,4 +1,4 @@
-"""flash-attn's varlen calling convention over the Triton prefill kernel, so tests call it like the reference library."""
+"""flash-attn's varlen calling convention over the Triton prefill kernel: tests call it like that library."""
 from __future__ import annotations
 
 import torch

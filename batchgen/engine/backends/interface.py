@@ -1,4 +1,4 @@
-"""The kernel interfaces every backend implements: step metadata, attention and latent-attention backends, the kernel set."""
+"""The kernel interfaces every backend implements: step metadata, (latent) attention backends, the kernel set."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

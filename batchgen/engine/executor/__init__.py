@@ -38,7 +38,8 @@ class StepExecutor(Protocol):
     def shutdown(self) -> None: ...
 
 
-def make_executor(config: EngineConfig, model_cfg: ModelConfig, source: ModelSource, max_model_len: int) -> StepExecutor:
+def make_executor(config: EngineConfig, model_cfg: ModelConfig, source: ModelSource,
+                  max_model_len: int) -> StepExecutor:
     """In-process for a single device; one worker process per device otherwise."""
     if config.world_size == 1:
         from batchgen.engine.executor.single import SingleProcessExecutor

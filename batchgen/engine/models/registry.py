@@ -50,7 +50,7 @@ ARCHITECTURES = (
     Architecture("MixtralForCausalLM", "mixtral", "mixtral", gguf="llama", moe=True),
     Architecture("Qwen2MoeForCausalLM", "qwen_moe", "qwen2_moe", gguf="qwen2moe", moe=True),
     Architecture("Qwen3MoeForCausalLM", "qwen_moe", "qwen3_moe", gguf="qwen3moe", moe=True),
-    # llama.cpp's deepseek2 holds both; its sigmoid gating marks V3 (see gguf_loader).
+    # llama.cpp's deepseek2 holds both; its sigmoid gating marks V3 (see loading/gguf/arch.py).
     Architecture("DeepseekV2ForCausalLM", "deepseek", "deepseek_v2", gguf="deepseek2", moe=True),
     Architecture("DeepseekV3ForCausalLM", "deepseek", "deepseek_v3"),
 )
