@@ -16,11 +16,11 @@ import time
 
 import torch
 
-from batchgen.engine.cpu.build import load_kernels
-from batchgen.engine.cpu.features import cpu_features
-from batchgen.engine.cpu.ops import varlen_causal_attention
-from batchgen.engine.layers.attention import AttentionMetadata
-from batchgen.engine.layers.torch_attention import TorchAttentionBackend
+from batchgen.engine.backends.cpu.build import load_kernels
+from batchgen.engine.backends.cpu.features import cpu_features
+from batchgen.engine.backends.cpu.ops import varlen_causal_attention
+from batchgen.engine.backends.interface import AttentionMetadata
+from batchgen.engine.backends.torch.attention import TorchAttentionBackend
 
 BLOCK = 16
 

@@ -57,7 +57,7 @@ def random_checkpoint(folder: Path, cfg: dict, shapes: dict[str, tuple[int, ...]
     import torch
     from random_llama import write_tokenizer
 
-    from batchgen.engine import loader
+    from batchgen.engine.loading import loader
     from batchgen.engine.quantization.checkpoint import quantization_config, quantize_tensor
 
     folder.mkdir(parents=True, exist_ok=True)

@@ -21,10 +21,11 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from batchgen.engine.flops import attention_flops, measure_matmul_flops
+from batchgen.engine.flops import attention_flops
+from batchgen.engine.matmul_rate import measure_matmul_flops
 from batchgen.bench.workload import from_documents
 from batchgen.engine import LLM, SamplingParams
-from batchgen.engine.hub import resolve_model_path
+from batchgen.engine.loading.hub import resolve_model_path
 
 DATA = Path(__file__).resolve().parent.parent / "jobs" / "data" / "articles.jsonl"
 

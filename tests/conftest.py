@@ -16,7 +16,7 @@ from tests.tiny_models import ARCH_CONFIGS, MLA_ARCHS, MOE_ARCHS, VISION_ARCHS, 
 def cpu_kernels_loaded():
     """The fused CPU kernels built (once per machine) and loaded from the real batchgen cache before any
     test points BATCHGEN_CACHE elsewhere; where they cannot be built, the engine's fallback applies."""
-    from batchgen.engine.cpu.build import load_kernels
+    from batchgen.engine.backends.cpu.build import load_kernels
 
     load_kernels()
 
@@ -50,6 +50,6 @@ def tiny_model_any(request, tiny_model_factory) -> Path:
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
     """The real SmolLM2-135M-Instruct GGUF, fetched once into the batchgen cache."""
-    from batchgen.engine.hub import resolve_builtin
+    from batchgen.engine.loading.hub import resolve_builtin
 
     return Path(resolve_builtin("smollm2-135m-instruct"))

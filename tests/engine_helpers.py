@@ -6,6 +6,7 @@ import functools
 import torch
 
 from batchgen.engine import LLM
+from batchgen.engine.executor.model_runner import ModelRunner
 
 TEXT = ("Batch inference reads prompts, sorts them by length and writes outputs. "
         "The quick brown fox jumps over the lazy dog. Numbers like 12345 appear too. ")
@@ -14,6 +15,14 @@ TEXT = ("Batch inference reads prompts, sorts them by length and writes outputs.
 def mixed_prompts(llm: LLM, repeats=(1, 5, 2, 9, 3)) -> list[list[int]]:
     """Prompts of very different lengths, as token ids."""
     return [llm.tokenizer.encode(f"{i}: " + TEXT * r) for i, r in enumerate(repeats)]
+
+
+def model_runner(llm: LLM) -> ModelRunner:
+    """The model runner of an engine whose model runs in this process (a single device)."""
+    runner = getattr(llm.engine.executor, "runner", None)
+    if runner is None:
+        raise AttributeError("the model runs in worker processes: this process has no model runner")
+    return runner
 
 
 @functools.lru_cache(maxsize=8)

@@ -4,12 +4,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from batchgen.engine.kernels.common import INTERPRET
-from batchgen.engine.kernels.fp8.format import (
+from batchgen.engine.backends.triton.common import INTERPRET
+from batchgen.engine.backends.triton.fp8.format import (
     ACTIVATION_GROUP, FP8_BLOCK, FP8_DTYPE, FP8_MAX, MIN_AMAX, dequantize_fp8, dequantize_fp8_weight,
     expand_scale, quantize_fp8,
 )
-from batchgen.engine.layers import ops
+from batchgen.engine.backends.torch import ops
 
 # |x - dequant(quant(x))| <= E4M3_REL * |x| + E4M3_SUBNORMAL * scale: half the spacing of three
 # mantissa bits, and half the subnormal spacing 2^-9 for values below 2^-6 (in units of the scale).

@@ -13,10 +13,10 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
-from batchgen.engine.kernels import decode_attention, kv_store  # noqa: E402
-from batchgen.engine.kernels.backend import TritonAttentionBackend  # noqa: E402
-from batchgen.engine.kernels.prefill_attention import flash_attn_varlen_func  # noqa: E402
-from batchgen.engine.layers.torch_attention import TorchAttentionBackend, causal_attention  # noqa: E402
+from batchgen.engine.backends.torch.attention import TorchAttentionBackend, causal_attention  # noqa: E402
+from batchgen.engine.backends.triton import decode_attention, kv_store  # noqa: E402
+from batchgen.engine.backends.triton.backend import TritonAttentionBackend  # noqa: E402
+from tests.flash_attn import flash_attn_varlen_func  # noqa: E402
 from tests.test_kernels import BF16, BLOCK_SIZE, F32, PagedBatch, close, cu_lens, rand  # noqa: E402
 
 

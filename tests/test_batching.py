@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from batchgen.pipeline.batching import length_bucket, prompt_sort_key, sort_window, token_budget_batches
+from batchgen.pipeline.batching import length_bucket, prompt_sort_key, sort_window
 
 
 class Counted:
@@ -73,30 +73,3 @@ def test_prompt_sort_key_groups_shared_prefixes():
     prefixes = [tuple(p[:4]) for p in out]
     assert prefixes == sorted(prefixes, reverse=True)  # all in one bucket: each prefix group is contiguous
     assert length_bucket(200) > length_bucket(100) > length_bucket(1) == 0 == length_bucket(0)
-
-
-@pytest.mark.parametrize("seed", range(30))
-def test_token_budget_batches(seed):
-    rng = random.Random(seed)
-    items = random_lengths(rng, rng.randint(0, 300))
-    budget = rng.randint(1, 3000)
-    max_seqs = rng.randint(1, 40)
-    batches = list(token_budget_batches(iter(items), lambda x: x[1], budget, max_seqs))
-    assert [x for b in batches for x in b] == items  # every item once, order kept
-    for i, b in enumerate(batches):
-        assert 1 <= len(b) <= max_seqs
-        total = sum(n for _, n in b)
-        assert total <= budget or len(b) == 1  # only a lone over-budget item may exceed it
-        if i + 1 < len(batches) and len(b) < max_seqs:
-            assert total + batches[i + 1][0][1] > budget  # greedy: the next item did not fit
-
-
-def test_token_budget_batches_holds_one_batch():
-    src = Counted([1] * 100)
-    gen = token_budget_batches(src, lambda n: n, max_batch_tokens=10, max_seqs=100)
-    assert next(gen) == [1] * 10
-    assert src.pulled == 11  # the item that overflowed starts the next batch
-    with pytest.raises(ValueError):
-        list(token_budget_batches([1], lambda n: n, 0, 1))
-    with pytest.raises(ValueError):
-        list(token_budget_batches([1], lambda n: n, 1, 0))

@@ -11,7 +11,7 @@ from batchgen.bench.workload import from_documents, parse_length, synthetic
 from batchgen.cli import main
 from batchgen.engine.config import ModelConfig
 from batchgen.engine.flops import attention_flops
-from batchgen.engine.layers.ops import make_kernel_set
+from batchgen.engine.backends.torch.ops import make_kernel_set
 from batchgen.engine.models.base import ModelProfile
 from batchgen.engine.models.registry import build_model
 
@@ -77,7 +77,7 @@ def test_workloads():
 
 
 def test_params_of_smollm2_shape():
-    cfg = ModelConfig.from_hf({"architectures": ["LlamaForCausalLM"], "vocab_size": 49152, "hidden_size": 576,
+    cfg = model_config({"architectures": ["LlamaForCausalLM"], "vocab_size": 49152, "hidden_size": 576,
                                "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
                                "num_key_value_heads": 3, "tie_word_embeddings": True})
     profile = config_profile(cfg)
@@ -89,7 +89,7 @@ def test_params_of_smollm2_shape():
 
 
 def test_attention_flops_count_keys_per_position():
-    cfg = ModelConfig.from_hf({"architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size": 64,
+    cfg = model_config({"architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size": 64,
                                "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
                                "num_key_value_heads": 2})
     profile = config_profile(cfg)
@@ -136,7 +136,7 @@ def test_bench_reports_the_weight_format_of_an_fp8_checkpoint(tiny_model, tmp_pa
 
 
 def test_attention_flops_of_sliding_window_layers_stop_growing_at_the_window():
-    cfg = ModelConfig.from_hf({"architectures": ["Gemma2ForCausalLM"], "vocab_size": 100, "hidden_size": 64,
+    cfg = model_config({"architectures": ["Gemma2ForCausalLM"], "vocab_size": 100, "hidden_size": 64,
                                "intermediate_size": 128, "num_hidden_layers": 3, "num_attention_heads": 4,
                                "num_key_value_heads": 2, "head_dim": 16, "sliding_window": 3})
     profile = config_profile(cfg)
@@ -164,7 +164,7 @@ def test_profile_of_deepseek_v3_shape():
     """DeepSeek-V3 as published: 671B parameters, about 37B of them used per token."""
     from transformers import DeepseekV3Config
 
-    cfg = ModelConfig.from_hf({**DeepseekV3Config().to_dict(), "architectures": ["DeepseekV3ForCausalLM"]})
+    cfg = model_config({**DeepseekV3Config().to_dict(), "architectures": ["DeepseekV3ForCausalLM"]})
     profile = config_profile(cfg)
     hidden, heads, expert = 7168, 128, 3 * 7168 * 2048
     attention = 7168 * 1536 + 1536 * heads * 192 + 7168 * 576 + 512 * heads * (128 + 128) + heads * 128 * 7168

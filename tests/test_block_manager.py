@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 from batchgen.engine import LLM, SamplingParams
-from batchgen.engine.block_manager import BlockManager
-from batchgen.engine.sampling_params import SamplingParams as Params
-from batchgen.engine.sequence import Sequence
+from batchgen.engine.core.block_manager import BlockManager
+from batchgen.engine.core.sequence import Sequence
+from batchgen.engine.sampling.params import SamplingParams as Params
 from tests.engine_helpers import TEXT
 
 

@@ -14,14 +14,14 @@ import pytest
 import torch
 
 from batchgen.engine import LLM, SamplingParams
-from batchgen.engine.cpu import build, ops
-from batchgen.engine.cpu.features import cpu_features
-from batchgen.engine.layers import ops as torch_ops
-from batchgen.engine.layers.attention import AttentionMetadata
-from batchgen.engine.layers.ops import make_kernel_set
+from batchgen.engine.backends.cpu import build, ops
+from batchgen.engine.backends.cpu.features import cpu_features
+from batchgen.engine.backends.interface import AttentionMetadata
+from batchgen.engine.backends.select import make_kernel_set
+from batchgen.engine.backends.torch import ops as torch_ops
+from batchgen.engine.backends.torch.attention import TorchAttentionBackend
 from batchgen.engine.layers.rotary import cos_sin_cache
-from batchgen.engine.layers.torch_attention import TorchAttentionBackend
-from tests.engine_helpers import mixed_prompts
+from tests.engine_helpers import mixed_prompts, model_runner
 
 ROOT = Path(__file__).resolve().parents[1]
 F32, BF16 = torch.float32, torch.bfloat16
@@ -193,8 +193,8 @@ def test_engine_runs_the_fused_kernels_and_matches_the_torch_backend(kernels, ti
     """Chunked prefill, mixed prefill/decode steps and prefix-cache hits all go through the fused op."""
     kw = dict(dtype="float32", device="cpu", max_num_batched_tokens=64, kv_cache_memory=16 << 20)
     fused, plain = LLM(str(tiny_model), **kw), LLM(str(tiny_model), attention_backend="torch", **kw)
-    assert fused.engine.runner.kernels.attention.name == "cpu"
-    assert plain.engine.runner.kernels.attention.name == "torch"
+    assert model_runner(fused).kernels.attention.name == "cpu"
+    assert model_runner(plain).kernels.attention.name == "torch"
     shared = fused.tokenizer.encode("Instruction: " + "summarize carefully. " * 12)
     prompts = mixed_prompts(fused) + [shared + fused.tokenizer.encode(f" doc {i}") for i in range(3)]
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=True)
@@ -224,7 +224,7 @@ def test_missing_compiler_falls_back_to_torch_with_one_warning(fresh_build, monk
         llm = LLM(str(tiny_model), dtype="float32", device="cpu", kv_cache_memory=4 << 20)
         out = llm.generate([[1, 2, 3, 4, 5]], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))[0]
     assert first.attention.name == second.attention.name == "torch"
-    assert llm.engine.runner.kernels.attention.name == "torch" and len(out.token_ids) == 3
+    assert model_runner(llm).kernels.attention.name == "torch" and len(out.token_ids) == 3
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "no C++ compiler found" in warnings[0], warnings
 
@@ -244,7 +244,7 @@ def test_a_killed_builds_lock_file_does_not_block_loading(kernels):
     stale = build.build_dir(cpu_features()) / "lock"
     stale.touch()
     try:
-        code = "from batchgen.engine.cpu import build; assert build.load_kernels(); print('loaded')"
+        code = "from batchgen.engine.backends.cpu import build; assert build.load_kernels(); print('loaded')"
         done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=90,
                               env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
         assert done.returncode == 0 and "loaded" in done.stdout, done.stderr
@@ -256,8 +256,8 @@ def test_a_killed_builds_lock_file_does_not_block_loading(kernels):
 # micro-kernels stop at AVX2 (so bf16 has no fused path); or oneDNN has AVX512-BF16 but no AMX.
 SIMULATED = textwrap.dedent("""
     import torch
-    from batchgen.engine.cpu import build, ops
-    from batchgen.engine.cpu.features import cpu_features
+    from batchgen.engine.backends.cpu import build, ops
+    from batchgen.engine.backends.cpu.features import cpu_features
     from batchgen.engine.dtype import resolve_dtype
     from tests.test_cpu_kernels import attention_step, fp64_attention
     assert cpu_features().isa == "{isa}", cpu_features()
@@ -292,7 +292,7 @@ def test_other_cpu_kinds(kernels, env, isa, dtypes, auto):
 
 
 def test_prepacked_bf16_linears(kernels, tiny_model):
-    from batchgen.engine.cpu.prepack import PrepackedLinear, prepack_linears, prepacking_works
+    from batchgen.engine.backends.cpu.prepack import PrepackedLinear, prepack_linears, prepacking_works
     from batchgen.engine.layers.linear import ColumnParallelLinear, ReplicatedLinear
     from batchgen.engine.layers.moe import TopKRouter
 
@@ -310,7 +310,7 @@ def test_prepacked_bf16_linears(kernels, tiny_model):
     assert isinstance(model[0], PrepackedLinear) and model[1] is fp32_layer and model[3] is router
     kw = dict(dtype="bfloat16", device="cpu", max_num_batched_tokens=64, kv_cache_memory=8 << 20)
     fused, plain = LLM(str(tiny_model), **kw), LLM(str(tiny_model), attention_backend="torch", **kw)
-    assert sum(isinstance(m, PrepackedLinear) for m in fused.engine.runner.model.modules()) > 2
+    assert sum(isinstance(m, PrepackedLinear) for m in model_runner(fused).model.modules()) > 2
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=True)
     prompts = mixed_prompts(fused)
     a, b = fused.generate(prompts, params), plain.generate(prompts, params)
@@ -326,7 +326,7 @@ def test_windowed_and_soft_capped_layers_take_the_torch_path(kernels, tiny_model
     path = str(tiny_model_factory(arch))
     kw = dict(dtype="float32", device="cpu", max_num_batched_tokens=48, kv_cache_memory=16 << 20)
     fused, plain = LLM(path, **kw), LLM(path, attention_backend="torch", **kw)
-    assert fused.engine.runner.kernels.attention.name == "cpu"
+    assert model_runner(fused).kernels.attention.name == "cpu"
     prompts = mixed_prompts(fused, repeats=(1, 4, 2))
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=True)
     got, expected = fused.generate(prompts, params), plain.generate(prompts, params)

@@ -18,20 +18,23 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from batchgen.engine import LLM, SamplingParams
-from batchgen.engine.config import ModelConfig, MoEConfig, UnsupportedModelError
-from batchgen.engine.gguf_arch import gguf_arch
-from batchgen.engine.gguf_loader import iter_gguf_weights
+from batchgen.engine.backends.select import make_kernel_set
+from batchgen.engine.backends.torch.ops import apply_rotary
+from batchgen.engine.config import MoEConfig
 from batchgen.engine.layers.mla import MLAAttention
 from batchgen.engine.layers.mlp import GatedMLP
 from batchgen.engine.layers.moe import SparseMoeBlock
-from batchgen.engine.layers.ops import apply_rotary, make_kernel_set
+from batchgen.engine.loading.gguf.arch import gguf_arch
+from batchgen.engine.loading.gguf.loader import iter_gguf_weights
+from batchgen.engine.models.errors import UnsupportedModelError
+from batchgen.engine.models.registry import model_config
 from batchgen.engine.layers.rotary import (
     cos_sin_cache, pairwise_to_half_order, rope_attention_factor, rope_inv_freq, yarn_softmax_scale,
 )
-from batchgen.engine.loader import load_model_source
+from batchgen.engine.loading.loader import load_model_source
 from batchgen.engine.models.deepseek import DeepseekV2Router, DeepseekV3Router
 from batchgen.engine.models.registry import build_model
-from tests.engine_helpers import assert_like_hf, mixed_prompts
+from tests.engine_helpers import assert_like_hf, mixed_prompts, model_runner
 from tests.gguf_writer import EXPERT, EXPERT_PROJ, gguf_name, new_writer
 
 
@@ -114,7 +117,7 @@ def test_softmax_scale_matches_transformers(tiny_model_factory):
     for arch in ("deepseek-v2", "deepseek-v3"):
         path = str(tiny_model_factory(arch))
         llm = LLM(path, dtype="float32", device="cpu", kv_cache_memory=1 << 20)
-        scale = llm.engine.runner.model.layers[0].self_attn.scale
+        scale = model_runner(llm).model.layers[0].self_attn.scale
         assert scale == pytest.approx(hf_model(path).model.layers[0].self_attn.scaling, rel=1e-12)
     assert yarn_softmax_scale(None) == 1.0 and yarn_softmax_scale({"rope_type": "yarn", "factor": 4.0}) == 1.0
 
@@ -151,7 +154,7 @@ def test_layers_profile_and_latent_cache(tiny_model_factory, arch):
 
     folder = tiny_model_factory(arch)
     llm = LLM(str(folder), dtype="float32", device="cpu", kv_cache_memory=1 << 20)
-    runner, cfg = llm.engine.runner, llm.engine.model_config
+    runner, cfg = model_runner(llm), llm.engine.model_config
     mla, moe = cfg.mla, cfg.moe
     layers = runner.model.layers
     assert isinstance(layers[0].mlp, GatedMLP) and all(isinstance(m.mlp, SparseMoeBlock) for m in layers[1:])
@@ -178,7 +181,7 @@ def test_layers_profile_and_latent_cache(tiny_model_factory, arch):
 def test_checkpoint_names_loading_and_errors(tiny_model_factory):
     folder = tiny_model_factory("deepseek-v3")
     weights = load_file(str(folder / "model.safetensors"))
-    cfg = ModelConfig.from_hf(folder_config(folder))
+    cfg = model_config(folder_config(folder))
 
     def model():
         return build_model(cfg, make_kernel_set("torch"), 64, torch.float32, "cpu")
@@ -190,7 +193,7 @@ def test_checkpoint_names_loading_and_errors(tiny_model_factory):
     with pytest.raises(ValueError, match=r"missing weights: layers\.2\.mlp\.gate\.e_score_correction_bias$"):
         model().load_weights(weights.items())
     with pytest.raises(UnsupportedModelError, match="mlp_bias"):
-        build_model(ModelConfig.from_hf({**folder_config(folder), "mlp_bias": True}), make_kernel_set("torch"), 8,
+        build_model(model_config({**folder_config(folder), "mlp_bias": True}), make_kernel_set("torch"), 8,
                     torch.float32, "meta")
 
 
@@ -263,7 +266,7 @@ def test_gguf_round_trip_matches_the_folder(tiny_model_factory, tmp_path, arch, 
     assert sorted(loaded) == sorted(original)
     for name, tensor in original.items():
         assert torch.equal(loaded[name], tensor), name
-    ours, ref = ModelConfig.from_hf(source.config), ModelConfig.from_hf(folder_config(folder))
+    ours, ref = model_config(source.config), model_config(folder_config(folder))
     assert ours.architecture == ref.architecture and ours.mla == ref.mla and ours.moe == ref.moe
     assert (ours.num_heads, ours.hidden_size, ours.intermediate_size) == (ref.num_heads, ref.hidden_size,
                                                                             ref.intermediate_size)

@@ -7,11 +7,11 @@ import logging
 import pytest
 import torch
 
-from batchgen.engine import LLM
-from batchgen.engine import dtype as dtype_mod
-from batchgen.engine.cpu.features import CpuFeatures, _cpuinfo
+from batchgen.engine import LLM, dtype as dtype_mod
+from batchgen.engine.backends.cpu.features import CpuFeatures, _cpuinfo
 from batchgen.engine.dtype import resolve_dtype
 from batchgen.pipeline.spec import SpecError, spec_from_dict
+from tests.engine_helpers import model_runner
 
 CPU = torch.device("cpu")
 AVX2_ONLY = CpuFeatures("AMD EPYC (simulated)", frozenset({"avx2", "fma", "f16c"}), "AVX2")
@@ -96,7 +96,7 @@ def test_llm_default_dtype_follows_the_cpu(simulate, tiny_model, caplog):
     with caplog.at_level(logging.INFO, logger="batchgen.engine.dtype"):
         llm = LLM(str(tiny_model), device="cpu", kv_cache_memory=4 << 20, attention_backend="torch")
     assert llm.config.dtype == "auto" and llm.config.dtype_choice.name == "float32"
-    assert {p.dtype for p in llm.engine.runner.model.parameters()} == {torch.float32}
+    assert {p.dtype for p in model_runner(llm).model.parameters()} == {torch.float32}
     assert sum("dtype auto -> float32" in r.getMessage() for r in caplog.records) == 1
 
 

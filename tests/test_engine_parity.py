@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from batchgen.engine import LLM, SamplingParams
-from tests.engine_helpers import TEXT, assert_like_hf, hf_greedy, hf_logprobs, mixed_prompts
+from tests.engine_helpers import TEXT, assert_like_hf, hf_greedy, hf_logprobs, mixed_prompts, model_runner
 from tests.tiny_models import MLA_ARCHS, MOE_ARCHS
 
 # Architectures with sliding-window layers (all of them, or interleaved with global ones).
@@ -69,7 +69,7 @@ def test_mlp_in_row_chunks_matches_hf(tiny_model_factory, arch):
     every step of 48 tokens has several chunks and a remainder (Gemma 2: its extra norms per chunk)."""
     path = tiny_model_factory(arch)
     llm = make_llm(path)
-    layers = llm.engine.runner.model.layers
+    layers = model_runner(llm).model.layers
     for layer in layers:
         layer.chunk_tokens = 7
     prompts = mixed_prompts(llm, repeats=(1, 3))

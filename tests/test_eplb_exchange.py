@@ -133,9 +133,9 @@ def fp8_experts() -> list[tuple[torch.Tensor, ...]]:
 
 def fp8_rank_main(rank: int, init: str, results) -> None:
     try:
-        from batchgen.engine.kernels.fp8.format import dequantize_fp8_weight
+        from batchgen.engine.backends.triton.fp8.format import dequantize_fp8_weight
         from batchgen.engine.layers.moe import FusedMoE
-        from batchgen.engine.layers.ops import make_kernel_set
+        from batchgen.engine.backends.torch.ops import make_kernel_set
         from batchgen.engine.parallel.context import ParallelContext
         from batchgen.engine.parallel.expert_moves import plan_moves, move_slots
         from tests.test_fp8_models import fp8_layers
@@ -166,7 +166,7 @@ def fp8_rank_main(rank: int, init: str, results) -> None:
 
 @pytest.mark.timeout(240)
 def test_fp8_experts_move_with_their_scales(tmp_path):
-    from batchgen.engine.kernels.fp8.format import dequantize_fp8_weight
+    from batchgen.engine.backends.triton.fp8.format import dequantize_fp8_weight
 
     got = spawn_ranks(fp8_rank_main, 2, tmp_path)
     experts = fp8_experts()

@@ -8,13 +8,13 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
-from batchgen.engine.kernels.common import INTERPRET  # noqa: E402
-from batchgen.engine.kernels.fp8.format import (  # noqa: E402
+from batchgen.engine.backends.triton.common import INTERPRET  # noqa: E402
+from batchgen.engine.backends.triton.fp8.format import (  # noqa: E402
     ACTIVATION_GROUP, FP8_DTYPE, FP8_MAX, MIN_AMAX, WEIGHT_BLOCK, dequantize_fp8, dequantize_fp8_weight,
     quantize_fp8, weight_scale_group,
 )
-from batchgen.engine.kernels.fp8.gemm import fp8_linear, w8a8_matmul  # noqa: E402
-from batchgen.engine.kernels.fp8.quant import quantize_fp8_activation  # noqa: E402
+from batchgen.engine.backends.triton.fp8.gemm import fp8_linear, w8a8_matmul  # noqa: E402
+from batchgen.engine.backends.triton.fp8.quant import quantize_fp8_activation  # noqa: E402
 from tests.kernel_references import ACCUM_EPS, e4m3_error  # noqa: E402
 
 DEVICE = "cpu" if INTERPRET else "cuda"

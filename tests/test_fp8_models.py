@@ -17,19 +17,19 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from batchgen.engine import LLM, SamplingParams
-from batchgen.engine.kernels.fp8.format import FP8_DTYPE, dequantize_fp8_weight, quantize_fp8
+from batchgen.engine.backends.triton.fp8.format import FP8_DTYPE, dequantize_fp8_weight, quantize_fp8
 from batchgen.engine.layers.linear import (
     ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear, weight_methods,
 )
+from batchgen.engine.backends.select import make_kernel_set
 from batchgen.engine.layers.moe import FusedMoE
-from batchgen.engine.layers.ops import make_kernel_set
 from batchgen.engine.parallel.context import ParallelContext
 from batchgen.engine.parallel.group import CommGroup
 from batchgen.engine.quantization import (
-    QuantizationConfig, UnsupportedQuantizationError, choose_weight_methods, parse_quantization,
+    QuantizationConfig, UnsupportedQuantizationError, choose_weight_methods, parse_quantization
 )
 from batchgen.engine.quantization.checkpoint import convert_folder, is_quantized_weight
-from tests.engine_helpers import TEXT, mixed_prompts
+from tests.engine_helpers import TEXT, mixed_prompts, model_runner
 from tests.tiny_models import build_tiny_model
 
 # Dims that make 128x128 blocks meaningful: q 256 | k 128 | v 128 rows, gate|up 640 | 640 (experts
@@ -143,10 +143,10 @@ def test_block_fp8_checkpoint_dequantized_at_load_matches_its_twin(checkpoints, 
     llm, prompts, got = generate(fp8)
     _, _, expected = generate(twin, prompts)
     assert_same_outputs(got, expected, bound=1e-6)
-    model = llm.engine.runner.model
+    model = model_runner(llm).model
     assert all(p.dtype == torch.float32 for p in model.parameters())
     assert not any(name.endswith("_scale") for name, _ in model.named_parameters())
-    assert "dequantized to float32" in llm.engine.runner.profile.weight_format
+    assert "dequantized to float32" in model_runner(llm).profile.weight_format
 
 
 @pytest.mark.parametrize("scheme", ["block", "channel"])
@@ -162,7 +162,7 @@ def test_deepseek_v3_fp8_checkpoint_dequantized_at_load_matches_its_twin(checkpo
     got = llm.generate(prompts, PARAMS)
     _, _, expected = generate(twin, prompts)
     assert_same_outputs(got, expected, bound=1e-6)
-    attn = llm.engine.runner.model.layers[0].self_attn
+    attn = model_runner(llm).model.layers[0].self_attn
     assert attn.w_uk.dtype == torch.float32 and attn.w_uk.data_ptr() == attn.kv_b_proj.weight.data_ptr()
 
 
@@ -213,7 +213,7 @@ def test_static_activation_scales_are_read_past(checkpoints, tmp_path):
 def prefill_logits(llm: LLM, prompts: list[list[int]]) -> torch.Tensor:
     """Every logits row a prefill-only run computes (captured at the LM head), in step order."""
     rows: list[torch.Tensor] = []
-    hook = llm.engine.runner.model.lm_head.register_forward_hook(lambda m, i, out: rows.append(out.float().clone()))
+    hook = model_runner(llm).model.lm_head.register_forward_hook(lambda m, i, out: rows.append(out.float().clone()))
     try:
         llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
     finally:
@@ -237,10 +237,10 @@ def test_fp8_weights_kept_under_the_triton_interpreter_match_the_twin(checkpoint
     assert got.shape == expected.shape and got.shape[0] == len(prompts)
     error = (got - expected).norm(dim=-1) / expected.norm(dim=-1)
     assert (error <= FP8_LOGITS_BOUND).all() and (error > 1e-3).all(), error  # activations went through FP8
-    model, profile = llm.engine.runner.model, llm.engine.runner.profile
+    model, profile = model_runner(llm).model, model_runner(llm).profile
     qkv = model.layers[1].self_attn.qkv_proj
     assert qkv.weight.dtype == FP8_DTYPE
-    twin_qkv = reference.engine.runner.model.layers[1].self_attn.qkv_proj
+    twin_qkv = model_runner(reference).model.layers[1].self_attn.qkv_proj
     assert torch.equal(qkv.quant_method.dense_weight(qkv), twin_qkv.weight)
     assert profile.fp8_active_params > 0.9 * profile.active_params and "run in FP8" in profile.weight_format
     if arch == "qwen3-moe":

@@ -8,9 +8,9 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
-from batchgen.engine.kernels.common import INTERPRET  # noqa: E402
-from batchgen.engine.kernels.fp8.format import WEIGHT_BLOCK, quantize_fp8  # noqa: E402
-from batchgen.engine.kernels.fused_moe import fused_moe, moe_align_block_size  # noqa: E402
+from batchgen.engine.backends.triton.common import INTERPRET  # noqa: E402
+from batchgen.engine.backends.triton.fp8.format import WEIGHT_BLOCK, quantize_fp8  # noqa: E402
+from batchgen.engine.backends.triton.fused_moe import fused_moe, moe_align_block_size  # noqa: E402
 from tests.kernel_references import fp8_moe_reference_and_bound, reference_moe  # noqa: E402
 
 DEVICE = "cpu" if INTERPRET else "cuda"

@@ -11,11 +11,10 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from safetensors.torch import load_file
 
-from batchgen.engine.config import ModelConfig
-from batchgen.engine.gguf_loader import dequantize_tensor, load_gguf
-from batchgen.engine.layers.ops import make_kernel_set
-from batchgen.engine.loader import load_model_source
-from batchgen.engine.models.registry import build_model
+from batchgen.engine.backends.select import make_kernel_set
+from batchgen.engine.loading.gguf.loader import dequantize_tensor, load_gguf
+from batchgen.engine.loading.loader import load_model_source
+from batchgen.engine.models.registry import build_model, model_config
 from tests.gguf_writer import expected_weight, write_gguf
 from tests.test_tokenizer import write_tokenizer_metadata
 
@@ -25,7 +24,7 @@ GGUF_ARCHS = ["llama", "llama-tied", "mistral", "qwen2", "qwen3", "mixtral", "qw
 
 
 def built(cfg: dict):
-    return build_model(ModelConfig.from_hf(cfg), make_kernel_set("torch"), 64, torch.float32, "cpu")
+    return build_model(model_config(cfg), make_kernel_set("torch"), 64, torch.float32, "cpu")
 
 
 @pytest.mark.parametrize("arch", GGUF_ARCHS)
@@ -45,7 +44,7 @@ def test_f32_round_trip_is_exact(tiny_model_factory, tmp_path, arch):
     hf_cfg = json.loads((folder / "config.json").read_text())
     cfg = source.config
     assert cfg["architectures"] == (["LlamaForCausalLM"] if arch == "mistral" else hf_cfg["architectures"])
-    ours, ref = ModelConfig.from_hf(cfg), ModelConfig.from_hf(hf_cfg)
+    ours, ref = model_config(cfg), model_config(hf_cfg)
     for key in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
                 "head_dim", "rotary_dim", "max_position_embeddings", "tie_word_embeddings", "sliding_window", "moe"):
         assert getattr(ours, key) == getattr(ref, key), key
@@ -111,7 +110,7 @@ def test_quantized_round_trip(tiny_model_factory, tmp_path, qtype):
                                                 ("gemma3", 62, 168)])
 def test_gemma_attention_scale_follows_llama_cpp(tmp_path, arch, layers, scalar):
     """Files carry no query_pre_attn_scalar: the 27B models use hidden / heads, the others head_dim."""
-    from batchgen.engine.gguf_loader import gguf_config
+    from batchgen.engine.loading.gguf.loader import gguf_config
 
     hidden, heads = {("gemma2", 46): (4608, 32), ("gemma3", 62): (5376, 32)}.get((arch, layers), (2304, 8))
     w = gguf.GGUFWriter(str(tmp_path / "g.gguf"), arch)
@@ -129,8 +128,8 @@ def test_gemma_attention_scale_follows_llama_cpp(tmp_path, arch, layers, scalar)
 
 
 def test_unknown_architecture_and_tensor(tiny_model, tmp_path):
-    from batchgen.engine.gguf_arch import gguf_arch
-    from batchgen.engine.gguf_loader import hf_tensor_name
+    from batchgen.engine.loading.gguf.arch import gguf_arch
+    from batchgen.engine.loading.gguf.loader import hf_tensor_name
 
     path = tmp_path / "phi.gguf"
     w = gguf.GGUFWriter(str(path), "phi2")
@@ -141,7 +140,7 @@ def test_unknown_architecture_and_tensor(tiny_model, tmp_path):
         load_gguf(str(path))
     with pytest.raises(ValueError, match="blk.0.attn_qkv.weight"):
         hf_tensor_name("blk.0.attn_qkv.weight")
-    assert hf_tensor_name("rope_freqs.weight", "llama", gguf_arch("llama")) is None
+    assert hf_tensor_name("rope_freqs.weight", arch=gguf_arch("llama")) is None
     with pytest.raises(FileNotFoundError):
         load_gguf(str(tmp_path / "missing.gguf"))
 

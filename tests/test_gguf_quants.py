@@ -10,7 +10,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from batchgen.engine.gguf_loader import dequantize_tensor
+from batchgen.engine.loading.gguf.loader import dequantize_tensor
 
 FLOATS = {Q.F32: np.float32, Q.F16: np.float16, Q.F64: np.float64}
 INTEGERS = (Q.I8, Q.I16, Q.I32, Q.I64)

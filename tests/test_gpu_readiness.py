@@ -8,13 +8,13 @@ import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from batchgen.engine.cuda_graphs import GraphRunner
+from batchgen.engine.executor.cuda_graphs import GraphRunner
 from batchgen.engine.executor.step import StepInput
-from batchgen.engine.kernels.backend import plan_mixed_step
+from batchgen.engine.backends.triton.backend import plan_mixed_step
 from batchgen.engine.layers.mla import MLAMetadata
-from batchgen.engine.model_runner import ModelRunner, padded_block_tables
+from batchgen.engine.executor.model_runner import ModelRunner, padded_block_tables
 from batchgen.engine.parallel.group import CommClock
-from batchgen.engine.sampler import TokenBitmask, apply_token_bitmask
+from batchgen.engine.sampling.sampler import TokenBitmask, apply_token_bitmask
 
 aten = torch.ops.aten
 

@@ -10,15 +10,18 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
-from batchgen.engine.kernels import activation, decode_attention, kv_store, norm, rotary  # noqa: E402
-from batchgen.engine.kernels.backend import TritonAttentionBackend  # noqa: E402
-from batchgen.engine.kernels.common import INTERPRET  # noqa: E402
-from batchgen.engine.kernels.prefill_attention import (  # noqa: E402
-    flash_attn_varlen_func, prefill_attention, prefill_tile_capacity, prefill_work,
+from batchgen.engine.backends.triton import activation, decode_attention, kv_store, norm, rotary  # noqa: E402
+from batchgen.engine.backends.triton.backend import TritonAttentionBackend  # noqa: E402
+from batchgen.engine.backends.triton.common import INTERPRET  # noqa: E402
+from batchgen.engine.backends.triton.prefill_attention import (  # noqa: E402
+    prefill_attention, prefill_tile_capacity, prefill_work,
 )
-from batchgen.engine.layers import ops  # noqa: E402
-from batchgen.engine.layers.attention import Attention, AttentionMetadata  # noqa: E402
-from batchgen.engine.layers.torch_attention import TorchAttentionBackend, causal_attention  # noqa: E402
+from batchgen.engine.backends.interface import AttentionMetadata  # noqa: E402
+from batchgen.engine.backends.select import make_kernel_set  # noqa: E402
+from batchgen.engine.backends.torch import ops  # noqa: E402
+from batchgen.engine.backends.torch.attention import TorchAttentionBackend, causal_attention  # noqa: E402
+from batchgen.engine.layers.attention import Attention  # noqa: E402
+from tests.flash_attn import flash_attn_varlen_func  # noqa: E402
 
 DEVICE = "cpu" if INTERPRET else "cuda"
 BLOCK_SIZE = 16
@@ -316,7 +319,7 @@ def test_gated_activations(shape, dtype, name):
 # --- the kernel set through the attention layer ---------------------------------------------
 
 def test_triton_kernel_set_runs_chunked_prefill_then_decode():
-    kernels = ops.make_kernel_set("triton")
+    kernels = make_kernel_set("triton")
     assert isinstance(kernels.attention, TritonAttentionBackend)
     assert kernels.rms_norm is norm.rms_norm and kernels.apply_rotary is rotary.apply_rotary
     assert kernels.silu_and_mul is activation.silu_and_mul

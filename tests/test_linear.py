@@ -11,7 +11,7 @@ from batchgen.engine.layers.linear import (
     ColumnParallelLinear, MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, ReplicatedLinear,
     RowParallelLinear, VocabParallelEmbedding,
 )
-from batchgen.engine.model_source import LazyTensor
+from batchgen.engine.loading.model_source import LazyTensor
 from batchgen.engine.parallel import CommGroup
 
 

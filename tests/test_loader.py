@@ -14,10 +14,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from batchgen.engine import hub
-from batchgen.engine.loader import UnsupportedWeightsError, load_model_source
-from batchgen.engine.model_source import LazyTensor, as_tensor
-from batchgen.engine.tokenizer import Tokenizer
+from batchgen.engine.loading import hub
+from batchgen.engine.loading.loader import UnsupportedWeightsError, load_model_source
+from batchgen.engine.loading.model_source import LazyTensor, as_tensor
+from batchgen.engine.tokenizer import ModelTokenizer
 from tests.s3_server import moto_server, s3  # noqa: F401  (fixtures)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
@@ -43,7 +43,7 @@ def test_hf_folder_single_file(tiny_model):
     assert source.config == json.loads((tiny_model / "config.json").read_text())
     assert "rope_parameters" in source.config  # passed through as written
     assert source.generation_config == {"eos_token_id": [2]}
-    assert isinstance(source.tokenizer, Tokenizer) and source.tokenizer.eos_token_ids == [2]
+    assert isinstance(source.tokenizer, ModelTokenizer) and source.tokenizer.eos_token_ids == [2]
     loaded, stored = _weights(source), load_file(str(tiny_model / "model.safetensors"))
     assert loaded.keys() == stored.keys()
     assert all(torch.equal(loaded[k], stored[k]) and loaded[k].dtype == stored[k].dtype for k in stored)

@@ -5,12 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from batchgen.engine.backends.interface import AttentionMetadata, LatentPrefill
+from batchgen.engine.backends.select import make_kernel_set
+from batchgen.engine.backends.torch.mla import TorchMLABackend
 from batchgen.engine.config import ModelConfig
-from batchgen.engine.layers.attention import AttentionMetadata
-from batchgen.engine.layers.mla import LatentPrefill, MLAAttention, MLAMetadata
-from batchgen.engine.layers.ops import make_kernel_set
+from batchgen.engine.layers.mla import MLAAttention, MLAMetadata
 from batchgen.engine.layers.rotary import cos_sin_cache
-from batchgen.engine.layers.torch_mla import TorchMLABackend
+from batchgen.engine.models.registry import model_config
 
 pytest.importorskip("triton")
 TOL = {torch.float32: dict(rtol=1e-4, atol=1e-4), torch.bfloat16: dict(rtol=3e-2, atol=3e-2)}
@@ -24,7 +25,7 @@ def paged(num_blocks: int, seed: int) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_decode_kernel_matches_torch(dtype, num_splits):
-    from batchgen.engine.kernels.mla import mla_decode
+    from batchgen.engine.backends.triton.mla import mla_decode
 
     gen = torch.Generator().manual_seed(num_splits)
     rank, rope, heads, block = 48, 8, 20, 16  # a rank that is no power of two, heads over two head blocks
@@ -40,8 +41,8 @@ def test_decode_kernel_matches_torch(dtype, num_splits):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prefill_kernel_matches_torch(dtype):
-    from batchgen.engine.kernels.mla import mla_prefill
-    from batchgen.engine.kernels.prefill_attention import prefill_work
+    from batchgen.engine.backends.triton.mla import mla_prefill
+    from batchgen.engine.backends.triton.prefill_attention import prefill_work
 
     gen = torch.Generator().manual_seed(1)
     nope, rope, v_dim, heads = 16, 8, 24, 3  # v wider than nope: no shared head dim
@@ -59,7 +60,7 @@ def test_prefill_kernel_matches_torch(dtype):
 
 
 def test_store_latent_skips_padding_slots():
-    from batchgen.engine.kernels.mla import store_latent
+    from batchgen.engine.backends.triton.mla import store_latent
 
     rows = torch.randn(5, 40)
     cache = torch.zeros(3, 4, 40)
@@ -72,7 +73,7 @@ def test_store_latent_skips_padding_slots():
 
 # ---- the layer: absorbed decode and expanded prefill over the same cache ----------------------------------
 def tiny_mla_config(q_lora_rank: int | None) -> ModelConfig:
-    return ModelConfig.from_hf({
+    return model_config({
         "architectures": ["DeepseekV3ForCausalLM"], "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
         "num_hidden_layers": 1, "num_attention_heads": 4, "q_lora_rank": q_lora_rank, "kv_lora_rank": 24,
         "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 12, "n_routed_experts": 4,
@@ -156,8 +157,8 @@ def test_prefill_kernel_key_offsets_past_int32():
     """A 128-head rank's expanded keys (row stride 32,768) pass 2**31 elements at 65,536 keys; the same
     overflow at test size: rows 2**23 elements apart, 300 keys. The buffer is virtual memory: only the rows
     written are ever touched."""
-    from batchgen.engine.kernels.mla import mla_prefill
-    from batchgen.engine.kernels.prefill_attention import prefill_work
+    from batchgen.engine.backends.triton.mla import mla_prefill
+    from batchgen.engine.backends.triton.prefill_attention import prefill_work
 
     gen = torch.Generator().manual_seed(5)
     nope, rope, v_dim, keys, queries, row_stride = 16, 8, 16, 300, 3, 1 << 23

@@ -7,17 +7,17 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from batchgen.engine.config import ModelConfig, UnsupportedModelError
-from batchgen.engine.layers.ops import make_kernel_set
+from batchgen.engine.backends.select import make_kernel_set
 from batchgen.engine.models.base import CausalLM
-from batchgen.engine.models.registry import ARCHITECTURES, build_model, gguf_architecture, supported_names
+from batchgen.engine.models.errors import UnsupportedModelError
+from batchgen.engine.models.registry import ARCHITECTURES, build_model, gguf_architecture, model_config, supported_names
 
 TINY = {"vocab_size": 100, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2}
 
 
 def build(cfg: dict, max_positions: int = 64):
-    return build_model(ModelConfig.from_hf(cfg), make_kernel_set("torch"), max_positions, torch.float32, "cpu")
+    return build_model(model_config(cfg), make_kernel_set("torch"), max_positions, torch.float32, "cpu")
 
 
 def test_registry_classes_and_the_unsupported_architecture_error():
@@ -25,7 +25,7 @@ def test_registry_classes_and_the_unsupported_architecture_error():
         cls = arch.model_class()
         assert issubclass(cls, CausalLM) and cls.__name__ == arch.name
     with pytest.raises(UnsupportedModelError) as err:
-        ModelConfig.from_hf({"architectures": ["GPT2LMHeadModel"], **TINY})
+        model_config({"architectures": ["GPT2LMHeadModel"], **TINY})
     assert "GPT2LMHeadModel" in str(err.value)
     assert all(name in str(err.value) for name in supported_names())
 
@@ -43,7 +43,7 @@ def test_gguf_architectures_come_from_the_registry():
 
 
 def test_config_fields_for_moe_and_partial_rotary():
-    cfg = ModelConfig.from_hf({"architectures": ["Qwen2MoeForCausalLM"], **TINY, "num_experts": 8,
+    cfg = model_config({"architectures": ["Qwen2MoeForCausalLM"], **TINY, "num_experts": 8,
                                "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                                "shared_expert_intermediate_size": 64, "mlp_only_layers": [0],
                                "partial_rotary_factor": 0.5})
@@ -51,10 +51,10 @@ def test_config_fields_for_moe_and_partial_rotary():
     moe = cfg.moe
     assert (moe.num_experts, moe.top_k, moe.intermediate_size, moe.shared_intermediate_size) == (8, 2, 32, 64)
     assert moe.num_shared_experts == 1 and moe.mlp_only_layers == (0,) and moe.norm_topk_prob is False
-    mixtral = ModelConfig.from_hf({"architectures": ["MixtralForCausalLM"], **TINY, "num_local_experts": 4,
+    mixtral = model_config({"architectures": ["MixtralForCausalLM"], **TINY, "num_local_experts": 4,
                                    "num_experts_per_tok": 2})
     assert mixtral.moe.intermediate_size == 96 and mixtral.moe.num_shared_experts == 0
-    assert ModelConfig.from_hf({"architectures": ["LlamaForCausalLM"], **TINY}).moe is None
+    assert model_config({"architectures": ["LlamaForCausalLM"], **TINY}).moe is None
 
 
 def test_kv_layout_is_declared_by_the_attention_layers():
@@ -148,6 +148,6 @@ def test_gemma3_config_layouts_parse_alike():
 
 def test_unsupported_activation_and_bidirectional_gemma_are_named():
     with pytest.raises(UnsupportedModelError, match="'gelu'.*LlamaForCausalLM.*silu"):
-        ModelConfig.from_hf({"architectures": ["LlamaForCausalLM"], **TINY, "hidden_act": "gelu"})
+        model_config({"architectures": ["LlamaForCausalLM"], **TINY, "hidden_act": "gelu"})
     with pytest.raises(UnsupportedModelError, match="bidirectional"):
-        ModelConfig.from_hf({"architectures": ["Gemma3ForCausalLM"], **TINY, "use_bidirectional_attention": True})
+        model_config({"architectures": ["Gemma3ForCausalLM"], **TINY, "use_bidirectional_attention": True})

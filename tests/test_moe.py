@@ -12,11 +12,11 @@ from safetensors.torch import load_file
 
 from batchgen.cli import main
 from batchgen.engine import LLM, SamplingParams
-from batchgen.engine.config import ModelConfig
+from batchgen.engine.backends.select import make_kernel_set
+from batchgen.engine.backends.torch.ops import fused_moe
 from batchgen.engine.layers.moe import FusedMoE, TopKRouter
-from batchgen.engine.layers.ops import fused_moe, make_kernel_set
 from batchgen.engine.models.qwen_moe import QwenMoeRouter
-from batchgen.engine.models.registry import build_model
+from batchgen.engine.models.registry import build_model, model_config
 from batchgen.engine.parallel import CommGroup, ParallelContext
 from tests.job_helpers import check_output, records, spec_dict, write_jsonl
 from tests.tiny_models import MLA_ARCHS, MOE_ARCHS
@@ -115,7 +115,7 @@ def test_expert_parallel_ranks_read_only_their_experts(tmp_path):
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from batchgen.engine.model_source import LazyTensor
+    from batchgen.engine.loading.model_source import LazyTensor
 
     kernels = make_kernel_set("torch")
     gate_up, down = torch.randn(4, 16, 4), torch.randn(4, 4, 8)
@@ -152,7 +152,7 @@ def test_missing_expert_is_named(tiny_model_factory):
     folder = tiny_model_factory("qwen2-moe")
     weights = load_file(str(folder / "model.safetensors"))
     del weights["model.layers.2.mlp.experts.5.up_proj.weight"]
-    cfg = ModelConfig.from_hf(json.loads((folder / "config.json").read_text()))
+    cfg = model_config(json.loads((folder / "config.json").read_text()))
     model = build_model(cfg, make_kernel_set("torch"), 64, torch.float32, "cpu")
     with pytest.raises(ValueError, match=r"missing weights: layers\.2\.mlp\.experts\.gate_up_proj\[expert 5 up\]$"):
         model.load_weights(weights.items())

@@ -17,7 +17,7 @@ from batchgen.cli import main
 from batchgen.engine import LLM, SamplingParams
 from batchgen.engine.executor import StepInput
 from batchgen.engine.executor.multiproc import WorkerError
-from batchgen.engine.structured import structured_available
+from batchgen.engine.sampling.structured import structured_available
 from batchgen.pipeline.runner import run_job
 from batchgen.pipeline.spec import spec_from_dict
 from tests.engine_helpers import TEXT

@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 from batchgen.cli import main
 from batchgen.engine import LLM
-from batchgen.engine.loader import load_model_source
+from batchgen.engine.loading.loader import load_model_source
 from batchgen.io import read_output
 from batchgen.pipeline.errors import JobError
 from batchgen.pipeline.plan import Rates, format_plan, plan_job, rates_from

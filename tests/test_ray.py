@@ -22,7 +22,7 @@ import pytest
 from batchgen.io import read_output
 from batchgen.io.manifest import PartId, entry_ids
 from batchgen.pipeline.errors import JobError, JobInterrupted
-from batchgen.pipeline.executors import RAY_EXTRA_HINT
+from batchgen.pipeline.executors.ray_extra import RAY_EXTRA_HINT
 from batchgen.pipeline.runner import run_job
 from batchgen.pipeline.spec import spec_from_dict
 from batchgen.report.data import load_report_data

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from batchgen.engine import LLM, SamplingParams
-from batchgen.engine.sampler import SamplingBatch, sample, seeded_uniform
+from batchgen.engine.sampling.sampler import SamplingBatch, sample, seeded_uniform
 from tests.engine_helpers import TEXT, mixed_prompts
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from batchgen.pipeline.executors import RAY_EXTRA_HINT, ray_available
+from batchgen.pipeline.executors.ray_extra import RAY_EXTRA_HINT, ray_available
 from batchgen.pipeline.render import required_columns
 from batchgen.pipeline.spec import JobSpec, SpecError, load_spec, spec_from_dict
 

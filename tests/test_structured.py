@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from batchgen.engine import LLM, SamplingParams
-from batchgen.engine.sampler import TokenBitmask, apply_token_bitmask
-from batchgen.engine.structured import EXTRA_HINT, GrammarCompiler
+from batchgen.engine.sampling.sampler import TokenBitmask, apply_token_bitmask
+from batchgen.engine.sampling.structured import EXTRA_HINT, GrammarCompiler
 from tests.engine_helpers import TEXT, mixed_prompts
 
 pytest.importorskip("xgrammar")
@@ -142,7 +142,7 @@ def test_bad_constraints_fail_alone(llm, monkeypatch):
                                        SamplingParams(max_tokens=4, temperature=0)])
     assert outs[0].finish_reason == "error" and "regex" in outs[0].error
     assert outs[1].finish_reason in ("stop", "length")
-    monkeypatch.setattr("batchgen.engine.llm_engine.structured_available", lambda: False)
+    monkeypatch.setattr("batchgen.engine.core.llm_engine.structured_available", lambda: False)
     out = llm.generate([TEXT], SamplingParams(max_tokens=4, choice=["a"]))[0]
     assert out.finish_reason == "error" and out.error == EXTRA_HINT
 

@@ -10,7 +10,7 @@ import threading
 import pytest
 
 from batchgen.engine import LLM, SamplingParams
-from batchgen.engine.metrics import EngineMetrics, StepRecord
+from batchgen.engine.core.metrics import EngineMetrics, StepRecord
 from batchgen.io import count_rows, read_rows
 from batchgen.pipeline.runner import run_job
 from batchgen.pipeline.steps import estimate_steps

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from batchgen.engine.tokenizer import Tokenizer
+from batchgen.engine.loading.gguf.tokenizer import tokenizer_from_gguf
+from batchgen.engine.tokenizer import ModelTokenizer
 
 TRICKY = [
     "Hello world", " leading space", "  two  spaces  ", "trailing\n", "", "   ", "x",
@@ -24,7 +25,7 @@ CHATS = [
 ]
 
 
-def assert_same_as_hf(ours: Tokenizer, hf, texts=TRICKY, chats=CHATS) -> None:
+def assert_same_as_hf(ours: ModelTokenizer, hf, texts=TRICKY, chats=CHATS) -> None:
     for text in texts:
         for special in (True, False):
             ids = ours.encode(text, add_special_tokens=special)
@@ -47,7 +48,7 @@ def assert_same_as_hf(ours: Tokenizer, hf, texts=TRICKY, chats=CHATS) -> None:
 def test_hf_dir_matches_transformers(tiny_model):
     from transformers import AutoTokenizer
 
-    assert_same_as_hf(Tokenizer.from_hf_dir(tiny_model), AutoTokenizer.from_pretrained(tiny_model))
+    assert_same_as_hf(ModelTokenizer.from_hf_dir(tiny_model), AutoTokenizer.from_pretrained(tiny_model))
 
 
 @pytest.mark.parametrize("bos_in_post_processor", [False, True])
@@ -73,7 +74,7 @@ def test_hf_dir_config_variants(tiny_model, tmp_path, bos_in_post_processor):
             "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
             "special_tokens": {"<|endoftext|>": {"id": "<|endoftext|>", "ids": [0], "tokens": ["<|endoftext|>"]}}}
         (folder / "tokenizer.json").write_text(json.dumps(tok))
-    ours, hf = Tokenizer.from_hf_dir(folder), AutoTokenizer.from_pretrained(folder)
+    ours, hf = ModelTokenizer.from_hf_dir(folder), AutoTokenizer.from_pretrained(folder)
     assert (ours.encode("hi")[0] == ours.bos_token_id) == bos_in_post_processor
     assert ours.apply_chat_template(CHATS[0], tokenize=False).startswith("<|endoftext|><|im_start|>user")
     assert_same_as_hf(ours, hf, texts=TRICKY + ["Hello , world . I do n't know !"])
@@ -81,13 +82,13 @@ def test_hf_dir_config_variants(tiny_model, tmp_path, bos_in_post_processor):
 
 def test_hf_dir_without_tokenizer_json(tmp_path):
     with pytest.raises(FileNotFoundError, match="tokenizer.json"):
-        Tokenizer.from_hf_dir(tmp_path)
+        ModelTokenizer.from_hf_dir(tmp_path)
 
 
 def test_chat_template_helpers_and_sandbox(tiny_model):
     from jinja2.exceptions import SecurityError, TemplateError
 
-    tok = Tokenizer.from_hf_dir(tiny_model)
+    tok = ModelTokenizer.from_hf_dir(tiny_model)
     msgs = [{"role": "user", "content": "héllo <b>"}]
     tok.chat_template = "{{ messages | tojson }}{{ eos_token }}"
     assert tok.apply_chat_template(msgs, tokenize=False) == json.dumps(msgs, ensure_ascii=False) + "<|im_end|>"
@@ -155,7 +156,7 @@ def _hf_gguf_tokenizer(path: Path):
 @pytest.mark.parametrize("pre,add_bos", [("gpt2", False), ("qwen2", None), ("llama-bpe", True)])
 def test_gguf_byte_level_bpe_matches_transformers(tiny_model, tmp_path, pre, add_bos):
     path = _write_gguf(tmp_path / "tok.gguf", lambda w: write_tokenizer_metadata(w, tiny_model, pre, add_bos))
-    ours = Tokenizer.from_gguf(str(path))
+    ours = tokenizer_from_gguf(str(path))
     assert_same_as_hf(ours, _hf_gguf_tokenizer(path))
     assert (ours.encode("x")[0] == ours.bos_token_id) == bool(add_bos)
     assert len(ours.encode("<|im_start|>", add_special_tokens=False)) == 1
@@ -188,7 +189,7 @@ def _sentencepiece_metadata(writer) -> None:
 
 def test_gguf_sentencepiece_bpe_matches_transformers(tmp_path):
     path = _write_gguf(tmp_path / "sp.gguf", _sentencepiece_metadata)
-    ours, hf = Tokenizer.from_gguf(str(path)), _hf_gguf_tokenizer(path)
+    ours, hf = tokenizer_from_gguf(str(path)), _hf_gguf_tokenizer(path)
     texts = TRICKY + ["The quick brown fox <tool> jumps", "Summarize the following article"]
     for text in texts:
         ids = ours.encode(text)
@@ -251,7 +252,7 @@ def test_gguf_gemma_sentencepiece_matches_transformers(tmp_path):
     path = _write_sentencepiece_gguf(tmp_path / "gemma.gguf", "gemma3", tokens, types, bos_token_id=2,
                                      eos_token_id=1, unk_token_id=3, pad_token_id=0, add_bos_token=True,
                                      chat_template=GEMMA_CHAT)
-    ours, hf = Tokenizer.from_gguf(str(path)), _hf_gguf_tokenizer(path)
+    ours, hf = tokenizer_from_gguf(str(path)), _hf_gguf_tokenizer(path)
     assert_same_as_hf(ours, hf, texts=SENTENCEPIECE_TRICKY)
     assert ours.encode("fox")[0] == ours.bos_token_id == 2
     assert ours.decode(ours.encode("  two   spaces"), skip_special_tokens=True) == "  two   spaces"
@@ -268,9 +269,9 @@ def test_gguf_phi3_sentencepiece_matches_transformers(tmp_path):
     chat = "{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}<|end|>\n{% endfor %}<|assistant|>\n"
     path = _write_sentencepiece_gguf(tmp_path / "phi3.gguf", "phi3", tokens, types, bos_token_id=1,
                                      eos_token_id=2, unk_token_id=0, add_bos_token=False, chat_template=chat)
-    ours, hf = Tokenizer.from_gguf(str(path)), _hf_gguf_tokenizer(path)
+    ours, hf = tokenizer_from_gguf(str(path)), _hf_gguf_tokenizer(path)
     assert_same_as_hf(ours, hf, texts=SENTENCEPIECE_TRICKY, chats=[CHATS[0]])
-    as_llama = Tokenizer.from_gguf(str(_write_sentencepiece_gguf(tmp_path / "llama.gguf", "llama", tokens, types,
+    as_llama = tokenizer_from_gguf(str(_write_sentencepiece_gguf(tmp_path / "llama.gguf", "llama", tokens, types,
                                                                  bos_token_id=1, unk_token_id=0)))
     assert as_llama.encode("  hi", False) != ours.encode("  hi", False)  # Metaspace would drop a space
 
@@ -281,13 +282,13 @@ def test_gguf_unsupported_tokenizer_model(tmp_path):
         w.add_token_list(["<pad>", "a"])
 
     with pytest.raises(NotImplementedError, match="t5"):
-        Tokenizer.from_gguf(str(_write_gguf(tmp_path / "t5.gguf", fill)))
+        tokenizer_from_gguf(str(_write_gguf(tmp_path / "t5.gguf", fill)))
 
 
 # ---- the real SmolLM2 file --------------------------------------------------------------------------
 @pytest.mark.slow
 def test_smollm2_gguf_tokenizer_matches_transformers(smollm2_gguf):
-    ours = Tokenizer.from_gguf(str(smollm2_gguf))
+    ours = tokenizer_from_gguf(str(smollm2_gguf))
     hf = _hf_gguf_tokenizer(smollm2_gguf)
     assert_same_as_hf(ours, hf)
     assert (ours.bos_token_id, ours.eos_token_ids, ours.pad_token_id, ours.vocab_size) == (1, [2], 2, 49152)

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from batchgen.engine import LLM, SamplingParams
-from batchgen.engine.layers.ops import default_backend
-from tests.engine_helpers import mixed_prompts
+from batchgen.engine.backends.select import default_backend
+from tests.engine_helpers import mixed_prompts, model_runner
 
 pytest.importorskip("triton")
 pytestmark = pytest.mark.slow
@@ -59,7 +59,7 @@ def graphed_and_eager(path: str, repeats: tuple[int, ...], max_tokens: int):
         assert a.token_ids == b.token_ids
         assert len(a.logprobs) == len(b.logprobs)
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) <= 1e-4
-    return graphed.engine.runner.graphs
+    return model_runner(graphed).graphs
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered")  # padded rows hold uninitialized values

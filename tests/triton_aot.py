@@ -82,12 +82,12 @@ def record_launches(calls) -> list[Launch]:
 def engine_kernel_calls() -> None:
     """One call of each wrapper in the shapes the engine uses: bf16/fp16/fp32, head dims 64 and 128, and in
     bf16 the head dims padded to a power of two (80, 96, 192) and Gemma's 256."""
-    from batchgen.engine.kernels.activation import gelu_tanh_and_mul, silu_and_mul
-    from batchgen.engine.kernels.decode_attention import decode_attention, decode_rows
-    from batchgen.engine.kernels.kv_store import store_kv
-    from batchgen.engine.kernels.norm import rms_norm
-    from batchgen.engine.kernels.prefill_attention import flash_attn_varlen_func, prefill_attention, prefill_work
-    from batchgen.engine.kernels.rotary import apply_rotary
+    from batchgen.engine.backends.triton.activation import gelu_tanh_and_mul, silu_and_mul
+    from batchgen.engine.backends.triton.decode_attention import decode_attention, decode_rows
+    from batchgen.engine.backends.triton.kv_store import store_kv
+    from batchgen.engine.backends.triton.norm import rms_norm
+    from batchgen.engine.backends.triton.prefill_attention import flash_attn_varlen_func, prefill_attention, prefill_work
+    from batchgen.engine.backends.triton.rotary import apply_rotary
 
     for dtype, head_dim in ((torch.bfloat16, 64), (torch.bfloat16, 128), (torch.float16, 128),
                             (torch.float32, 64), (torch.float32, 128), *((torch.bfloat16, d) for d in WIDE_HEAD_DIMS)):
@@ -126,10 +126,10 @@ def engine_kernel_calls() -> None:
 def moe_and_fp8_kernel_calls() -> None:
     """Fused MoE with float and FP8 experts, FP8 activation quantization and the w8a8 GEMM: every
     row tile size, scale layout and dtype the wrappers pick, in DeepSeek-V3-like shapes."""
-    from batchgen.engine.kernels.fp8.format import FP8_DTYPE
-    from batchgen.engine.kernels.fp8.gemm import w8a8_matmul
-    from batchgen.engine.kernels.fp8.quant import quantize_fp8_activation
-    from batchgen.engine.kernels.fused_moe import fused_moe
+    from batchgen.engine.backends.triton.fp8.format import FP8_DTYPE
+    from batchgen.engine.backends.triton.fp8.gemm import w8a8_matmul
+    from batchgen.engine.backends.triton.fp8.quant import quantize_fp8_activation
+    from batchgen.engine.backends.triton.fused_moe import fused_moe
 
     hidden, inter, experts, top_k = 1024, 256, 16, 4
 
@@ -187,18 +187,17 @@ def fp8_model_kernel_calls() -> None:
     """The FP8 launches of the model path: each FP8 linear and expert layer of one decoder layer of
     ``FP8_MODELS``, in bf16, at decode (1, 8, 24 rows) and prefill (512, 2048 rows) sizes. The layers
     are built on the meta device: shapes, dtypes and strides as on the GPU, no memory."""
-    from batchgen.engine.config import ModelConfig
+    from batchgen.engine.backends.select import make_kernel_set
     from batchgen.engine.layers.linear import LinearBase
     from batchgen.engine.layers.moe import FusedMoE, TopKRouter
-    from batchgen.engine.layers.ops import make_kernel_set
-    from batchgen.engine.models.registry import build_model
+    from batchgen.engine.models.registry import build_model, model_config
     from batchgen.engine.quantization import choose_weight_methods
     from batchgen.engine.quantization.checkpoint import quantization_config
 
     kernels = make_kernel_set("triton")
     for shape, schemes in FP8_MODELS:
         for scheme in schemes:
-            cfg = ModelConfig.from_hf(dict(shape, vocab_size=1024, num_hidden_layers=1,
+            cfg = model_config(dict(shape, vocab_size=1024, num_hidden_layers=1,
                                            quantization_config=quantization_config(scheme)))
             methods = choose_weight_methods(cfg.quantization, kernels, torch.device("meta"), torch.bfloat16, "fp8")
             model = build_model(cfg, kernels, 16, torch.bfloat16, "meta", methods=methods)
@@ -213,8 +212,8 @@ def fp8_model_kernel_calls() -> None:
                         module(x, torch.zeros(rows, 8, device="meta"), ids)
 def mla_kernel_calls() -> None:
     """Latent attention in DeepSeek-V3's shapes (latent 512 + 64, heads of nope 128 + rope 64, v 128)."""
-    from batchgen.engine.kernels.mla import mla_decode, mla_prefill, store_latent
-    from batchgen.engine.kernels.prefill_attention import prefill_work
+    from batchgen.engine.backends.triton.mla import mla_decode, mla_prefill, store_latent
+    from batchgen.engine.backends.triton.prefill_attention import prefill_work
 
     rank, rope, nope, v_dim, heads, tokens = 512, 64, 128, 128, 16, 40
     for dtype in (torch.bfloat16, torch.float16, torch.float32):

@@ -12,7 +12,8 @@ import torch
 from batchgen.bench.workload import Workload, synthetic
 from batchgen.engine import LLM, SamplingParams
 from batchgen.engine.config import EngineConfig, engine_knobs
-from batchgen.engine.flops import attention_flops, engine_peak_flops, linear_flops, measure_matmul_flops, mfu
+from batchgen.engine.flops import attention_flops, engine_peak_flops, linear_flops, mfu
+from batchgen.engine.matmul_rate import measure_matmul_flops
 
 log = logging.getLogger(__name__)
 DEFAULT_MODEL = "smollm2-135m-instruct"

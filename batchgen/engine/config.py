@@ -1,4 +1,4 @@
-"""Model and engine configuration."""
+"""Model and engine configuration, as plain data (``models.registry.model_config`` parses a config.json)."""
 from __future__ import annotations
 
 from dataclasses import MISSING, Field, dataclass, field, fields
@@ -7,13 +7,8 @@ from typing import Any
 import torch
 
 from batchgen.engine.dtype import DTYPE_NAMES, DtypeChoice, resolve_dtype
-from batchgen.engine.layers.rotary import SCALINGS
-from batchgen.engine.models.registry import UnsupportedModelError, architecture_of  # noqa: F401 (re-export)
 from batchgen.engine.parallel.balancer import EplbConfig
-from batchgen.engine.quantization import FP8_WEIGHTS_MODES, QuantizationConfig, parse_quantization
-
-ROPE_SCALINGS = tuple(SCALINGS)
-_ROPE_ALIASES = {"su": "longrope"}  # early Phi-3 configs name LongRoPE "su"
+from batchgen.engine.quantization.config import FP8_WEIGHTS_MODES, QuantizationConfig
 
 
 def _ints(value: Any) -> tuple[int, ...]:
@@ -91,30 +86,10 @@ class MLAConfig:
         return self.kv_lora_rank + self.qk_rope_head_dim
 
 
-def _rope(cfg: dict[str, Any]) -> tuple[float, dict | None]:
-    """(base, scaling dict or None) from a config dict, either transformers' layout."""
-    rope = dict(cfg.get("rope_parameters") or {})  # transformers >= 5 keeps rope settings here
-    rope.update(cfg.get("rope_scaling") or {})
-    theta = float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0)
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    kind = _ROPE_ALIASES.get(kind, kind)
-    if kind == "default":
-        return theta, None
-    if kind not in ROPE_SCALINGS:
-        raise UnsupportedModelError(f"unsupported rope scaling {kind!r}; supported: {', '.join(ROPE_SCALINGS)}")
-    scaling = {**rope, "rope_type": kind}
-    if cfg.get("original_max_position_embeddings"):  # older configs keep it at the top level
-        scaling.setdefault("original_max_position_embeddings", int(cfg["original_max_position_embeddings"]))
-    if kind == "yarn":  # transformers' default for the pre-scaling context
-        scaling.setdefault("original_max_position_embeddings", int(cfg.get("max_position_embeddings", 4096)))
-    if kind == "longrope" and not scaling.get("factor"):  # transformers' default: the context extension
-        scaling["factor"] = int(cfg["max_position_embeddings"]) / scaling["original_max_position_embeddings"]
-    return theta, scaling
-
-
 @dataclass
 class ModelConfig:
-    """The architecture facts every model needs, parsed from a Hugging Face config dict.
+    """The architecture facts every model needs, parsed from a Hugging Face config dict
+    (:func:`batchgen.engine.models.registry.model_config`).
 
     Model-specific switches (biases, q/k norm, which layers are sparse or local, soft caps) are not
     fields: each model's file reads them from ``hf`` (the config.json dict as the model class's
@@ -144,44 +119,6 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         self.rotary_dim = self.rotary_dim or self.head_dim
-
-    @classmethod
-    def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
-        arch = architecture_of(cfg)
-        model_class = arch.model_class()
-        cfg = model_class.hf_config(cfg)
-        activation = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
-        if activation not in model_class.activations:
-            raise UnsupportedModelError(f"unsupported hidden activation {activation!r} for {arch.name}; "
-                                        f"supported: {', '.join(model_class.activations)}")
-        rope_theta, rope_scaling = _rope(cfg)
-        heads = cfg["num_attention_heads"]
-        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-        rope = cfg.get("rope_parameters") or {}
-        rotary_factor = float(cfg.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0)
-        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
-        return cls(
-            architecture=arch.name,
-            vocab_size=cfg["vocab_size"],
-            hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
-            num_layers=cfg["num_hidden_layers"],
-            num_heads=heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=head_dim,
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=rope_theta,
-            rope_scaling=rope_scaling,
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", False)),
-            sliding_window=window or None,
-            rotary_dim=int(head_dim * rotary_factor),
-            moe=MoEConfig.from_hf(cfg),
-            mla=MLAConfig.from_hf(cfg),
-            quantization=parse_quantization(cfg),
-            hf=cfg,
-        )
 
 
 ATTENTION_BACKENDS = ("torch", "cpu", "triton")

@@ -8,8 +8,8 @@ from typing import Literal
 
 import torch
 
-from batchgen.engine.cpu.features import CpuFeatures, cpu_features
-from batchgen.engine.flops import measure_matmul_flops
+from batchgen.engine.backends.cpu.features import CpuFeatures, cpu_features
+from batchgen.engine.matmul_rate import measure_matmul_flops
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ def _one_core_gflops(dtype: torch.dtype) -> float:
 
 def matmul_rates(features: CpuFeatures) -> dict[str, float]:
     """GFLOP/s of a small matmul in bf16 and fp32, measured once per machine and cached on disk."""
-    from batchgen.engine.hub import cache_dir
+    from batchgen.engine.loading.hub import cache_dir
 
     path = cache_dir() / "cpu" / f"matmul-{features.key()}-torch{torch.__version__}.json"
     try:

@@ -2,13 +2,12 @@
 budget use, MFU) derived from the engine's counters, under one key name each."""
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from batchgen.engine.metrics import EngineMetrics
+from batchgen.engine.core.metrics import EngineMetrics
 
 if TYPE_CHECKING:
     from batchgen.engine.config import EngineConfig
@@ -20,7 +19,6 @@ GPU_PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "H800": 989e12, "A100": 312e12,
                  "B200": 2250e12, "B300": 2250e12, "GH200": 989e12}
 GPU_PEAK_FP8 = {"H200": 1979e12, "H100": 1979e12, "H800": 1979e12, "L40S": 733e12, "L4": 242.5e12,
                 "B200": 4500e12, "B300": 4500e12, "GH200": 1979e12}
-BENCH_MATMUL_SHAPE = {"cpu": (2048, 576, 1536), "cuda": (8192, 8192, 8192)}  # tokens x hidden @ hidden x ffn
 
 
 def causal_keys(start: int, end: int, window: int | None = None) -> int:
@@ -44,39 +42,6 @@ def linear_flops(profile: ModelProfile, tokens_computed: int, tokens_generated: 
     """(FLOPs of the linear layers and the logits, the part of them multiplied in FP8)."""
     return (2 * profile.active_params * tokens_computed + 2 * profile.lm_head_params * tokens_generated,
             2 * profile.fp8_active_params * tokens_computed)
-
-
-def measure_matmul_flops(dtype: torch.dtype, device: torch.device | None = None,
-                         shape: tuple[int, int, int] | None = None, *, seconds: float = 1.0, repeats: int = 1,
-                         min_iters: int = 1, threads: int | None = None) -> float:
-    """FLOP/s of one representative matmul on ``device``: the best of ``repeats`` rounds, each of at least
-    ``min_iters`` matmuls and ``seconds`` (``threads``: CPU threads to use meanwhile; default: torch's)."""
-    device = device or torch.device("cpu")
-    m, k, n = shape or BENCH_MATMUL_SHAPE.get(device.type, BENCH_MATMUL_SHAPE["cuda"])
-    gen = torch.Generator().manual_seed(0)
-    a = torch.randn(m, k, generator=gen).to(device, dtype)
-    b = torch.randn(k, n, generator=gen).to(device, dtype)
-    out = torch.empty(m, n, dtype=dtype, device=device)
-    before = torch.get_num_threads()
-    if threads:
-        torch.set_num_threads(threads)
-    try:
-        for _ in range(3):
-            torch.mm(a, b, out=out)
-        _sync(device)
-        best = float("inf")
-        for _ in range(repeats):
-            iters, start = 0, time.perf_counter()
-            while iters < min_iters or time.perf_counter() - start < seconds:
-                torch.mm(a, b, out=out)
-                iters += 1
-                if device.type != "cpu" and iters % 10 == 0:
-                    _sync(device)
-            _sync(device)
-            best = min(best, (time.perf_counter() - start) / iters)
-    finally:
-        torch.set_num_threads(before)
-    return 2 * m * k * n / best
 
 
 def datasheet_peak(name: str, table: dict[str, float]) -> float | None:
@@ -184,8 +149,3 @@ def _decode_host_times(m: EngineMetrics) -> dict[str, float | None]:
     return {"decode_host_ms_per_step": round(1e3 * host / m.decode_steps, 3),
             "decode_step_ms": round(1e3 * step / m.decode_steps, 3),
             "decode_host_share_of_step": round(host / step, 4) if step else None}
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)

@@ -8,11 +8,11 @@ from tqdm import tqdm
 
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.flops import engine_figures, engine_peak_flops
-from batchgen.engine.llm_engine import LLMEngine
-from batchgen.engine.metrics import EngineMetrics
+from batchgen.engine.core.llm_engine import LLMEngine
+from batchgen.engine.core.metrics import EngineMetrics
 from batchgen.engine.models.base import ModelProfile
-from batchgen.engine.outputs import RequestOutput
-from batchgen.engine.sampling_params import SamplingParams
+from batchgen.engine.core.outputs import RequestOutput
+from batchgen.engine.sampling.params import SamplingParams
 
 Prompt = str | list[int]
 

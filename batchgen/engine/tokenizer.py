@@ -1,4 +1,4 @@
-"""Tokenizer wrapper over the `tokenizers` library with sandboxed Jinja2 chat templates."""
+"""A model's tokenizer: a wrapper over the `tokenizers` library with sandboxed Jinja2 chat templates."""
 from __future__ import annotations
 
 import json
@@ -53,7 +53,7 @@ def _clean_up_spaces(text: str) -> str:
     return text
 
 
-class Tokenizer:
+class ModelTokenizer:
     """Encodes, decodes and renders chat prompts; behaves like the equivalent HF fast tokenizer."""
 
     def __init__(self, tokenizer: _HFTokenizer, *, bos_token: str | None = None,
@@ -91,7 +91,7 @@ class Tokenizer:
 
     # ---- constructors -------------------------------------------------------------------------------
     @classmethod
-    def from_hf_dir(cls, path: str | Path) -> "Tokenizer":
+    def from_hf_dir(cls, path: str | Path) -> "ModelTokenizer":
         """Loads ``tokenizer.json`` plus ``tokenizer_config.json`` / ``chat_template.jinja`` from a folder.
 
         As in transformers 5, BOS/EOS insertion comes from tokenizer.json's post-processor; the config's
@@ -121,13 +121,6 @@ class Tokenizer:
                    chat_template=template,
                    clean_up_tokenization_spaces=bool(cfg.get("clean_up_tokenization_spaces", False)),
                    extra_special_tokens=extra)
-
-    @classmethod
-    def from_gguf(cls, source: Any) -> "Tokenizer":
-        """Rebuilds the tokenizer from GGUF metadata; ``source`` is a path, a GGUFReader or its fields."""
-        from batchgen.engine.gguf_tokenizer import tokenizer_from_gguf
-
-        return tokenizer_from_gguf(source)
 
     # ---- properties ---------------------------------------------------------------------------------
     @property

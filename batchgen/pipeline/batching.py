@@ -1,4 +1,4 @@
-"""Length bucketing: bounded look-ahead sorting and token-budget batches, independent of the engine."""
+"""Length bucketing: bounded look-ahead sorting, independent of the engine."""
 from __future__ import annotations
 
 import math
@@ -39,27 +39,3 @@ def sort_window(
         chunk.sort(key=key, reverse=descending)  # list.sort stays stable with reverse=True
         yield from chunk
         del chunk  # drop it before reading the next window, or two windows would be held
-
-
-def token_budget_batches(
-    items: Iterable[T], length_fn: Callable[[T], int], max_batch_tokens: int, max_seqs: int
-) -> Iterator[list[T]]:
-    """Greedily groups consecutive items into batches of at most ``max_batch_tokens`` total length and
-    ``max_seqs`` items, keeping their order. An item longer than the budget goes alone in its own batch.
-    Only the batch being filled is held.
-    """
-    if max_batch_tokens < 1:
-        raise ValueError(f"max_batch_tokens must be >= 1, got {max_batch_tokens}")
-    if max_seqs < 1:
-        raise ValueError(f"max_seqs must be >= 1, got {max_seqs}")
-    batch: list[T] = []
-    used = 0
-    for item in items:
-        n = length_fn(item)
-        if batch and (used + n > max_batch_tokens or len(batch) >= max_seqs):
-            yield batch
-            batch, used = [], 0
-        batch.append(item)
-        used += n
-    if batch:
-        yield batch

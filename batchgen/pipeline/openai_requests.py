@@ -5,7 +5,7 @@ from typing import Any, Mapping
 
 from batchgen.engine import SamplingParams
 from batchgen.io.openai_batch import CHAT_URL, COMPLETIONS_URL, BatchRequestError, parse_request
-from batchgen.pipeline.render import RenderError, Tokenizer
+from batchgen.pipeline.render import PromptTokenizer, RenderError
 from batchgen.pipeline.sampling import SamplingSpec, schema_problem
 
 CARRY_COLUMNS = ["url"]  # what the OpenAI Batch writer needs besides the row id (the custom_id)
@@ -26,7 +26,7 @@ def prompt_chars(messages: list[dict[str, str]] | None, prompt: str | list[int] 
 class OpenAIPrompts:
     """Each line's messages (through the chat template) or prompt, with its settings over the spec's sampling."""
 
-    def __init__(self, tokenizer: Tokenizer, sampling: SamplingSpec, max_chars: int) -> None:
+    def __init__(self, tokenizer: PromptTokenizer, sampling: SamplingSpec, max_chars: int) -> None:
         self.tokenizer = tokenizer
         self.sampling = sampling
         self.max_chars = max_chars  # longer prompts are refused before they are tokenized

@@ -8,9 +8,9 @@ from typing import Any
 from jinja2 import Environment, nodes
 
 from batchgen.engine import LLM
-from batchgen.engine.config import ModelConfig
-from batchgen.engine.llm_engine import model_context_len
-from batchgen.engine.loader import load_model_source
+from batchgen.engine.core.llm_engine import model_context_len
+from batchgen.engine.loading.loader import load_model_source
+from batchgen.engine.models.registry import model_config
 from batchgen.io import InputError, OutputError, OutputWriter, expand_inputs, read_columns, redact
 from batchgen.io.fingerprint import difference, fingerprints
 from batchgen.io.lease import LeaseSettings

@@ -12,7 +12,9 @@ TruncateMode = Literal["error", "left", "right"]
 _ENV = ImmutableSandboxedEnvironment(undefined=StrictUndefined, autoescape=False)
 
 
-class Tokenizer(Protocol):
+class PromptTokenizer(Protocol):
+    """What rendering a prompt needs from a tokenizer (the engine's ModelTokenizer is one)."""
+
     def encode(self, text: str) -> list[int]: ...
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]: ...
@@ -51,7 +53,7 @@ def _is_null(value: Any) -> bool:
 class PromptRenderer:
     """Turns input rows into prompt token ids; any per-row failure raises :class:`RenderError`."""
 
-    def __init__(self, template: str, system: str | None, chat: bool, tokenizer: Tokenizer) -> None:
+    def __init__(self, template: str, system: str | None, chat: bool, tokenizer: PromptTokenizer) -> None:
         check_template(template)
         self.template = _ENV.from_string(template)
         self.columns = required_columns(template)

@@ -8,8 +8,8 @@ from typing import Annotated, Any, get_type_hints
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, create_model, model_validator
 
-from batchgen.engine.sampling_params import CONSTRAINTS, PARAM_LIMITS, SamplingParams
-from batchgen.engine.structured import EXTRA_HINT, structured_available
+from batchgen.engine.sampling.params import CONSTRAINTS, PARAM_LIMITS, SamplingParams
+from batchgen.engine.sampling.structured import EXTRA_HINT, structured_available
 from batchgen.io import InputError, read_bytes, redact
 
 # Where a job differs from the engine: deterministic, longer outputs by default.

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from batchgen.engine.config import EngineConfig
 from batchgen.io.redaction import redact
 from batchgen.pipeline.engine_spec import EngineSpec, move_legacy_keys, renamed_path
-from batchgen.pipeline.executors import RAY_EXTRA_HINT, ray_available
+from batchgen.pipeline.executors.ray_extra import RAY_EXTRA_HINT, ray_available
 from batchgen.pipeline.render import check_template
 from batchgen.pipeline.sampling import OneOrMany, SamplingSpec, check_constraints
 

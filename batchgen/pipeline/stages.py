@@ -11,7 +11,7 @@ from batchgen.io import InputRow, read_rows, redact
 from batchgen.pipeline.batching import prompt_sort_key, sort_window
 from batchgen.pipeline.errors import JobError
 from batchgen.pipeline.openai_requests import OpenAIPrompts
-from batchgen.pipeline.render import PromptRenderer, RenderError, Tokenizer, TruncateMode, fit_chars, truncate
+from batchgen.pipeline.render import PromptRenderer, PromptTokenizer, RenderError, TruncateMode, fit_chars, truncate
 from batchgen.pipeline.rows import Request, ResultRow, carried_values, error_row
 from batchgen.pipeline.spec import JobSpec
 
@@ -85,7 +85,7 @@ class TemplatePrompts:
         return self.renderer.encode(text), self.params
 
 
-def prompt_source(spec: JobSpec, tokenizer: Tokenizer) -> PromptSource:
+def prompt_source(spec: JobSpec, tokenizer: PromptTokenizer) -> PromptSource:
     """OpenAI Batch lines bring their own prompts and settings; other inputs go through the spec's template."""
     if spec.input.format == "openai":
         return OpenAIPrompts(tokenizer, spec.sampling, spec.batching.prompt_chars())
@@ -140,7 +140,7 @@ class Preparer:
                 yield Request(row_id, carried, ids, params, row.source)
 
 
-def job_preparer(spec: JobSpec, tokenizer: Tokenizer, model_len: int, carry: list[str],
+def job_preparer(spec: JobSpec, tokenizer: PromptTokenizer, model_len: int, carry: list[str],
                  committed: set[str], ids: IdAssigner | None = None) -> Preparer:
     """The job's row preparation for a model of context ``model_len``; the run and ``batchgen plan`` both
     use it, so that the plan's token counts are the run's. ``ids``: see :class:`PlannedIds` (default: assign

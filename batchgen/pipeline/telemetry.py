@@ -7,7 +7,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, fields
 from typing import Any, Callable, Iterable, Iterator, TypeVar
 
-from batchgen.engine.metrics import EngineMetrics, StepRecord
+from batchgen.engine.core.metrics import EngineMetrics, StepRecord
 from batchgen.pipeline.rows import ResultRow
 
 T = TypeVar("T")

@@ -14,11 +14,8 @@ __all__ = ["ReportData", "ReportError", "build_report", "default_target", "write
 
 def build_report(output: str, storage_options: dict[str, Any] | None = None) -> str:
     """The report page of the output folder ``output`` (local or any fsspec URL) as HTML text."""
-    try:
-        from batchgen.report.page import render_page  # matplotlib: only when a report is drawn
-    except ImportError as e:
-        raise ReportError(f"batchgen report needs matplotlib ({e}); install it with "
-                          f"pip install 'matplotlib>=3.7'") from None
+    from batchgen.report.page import render_page  # matplotlib: only when a report is drawn
+
     return render_page(load_report_data(output, storage_options))
 
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 from typing import Protocol, Sequence
 
 from batchgen.engine.config import EngineConfig, ModelConfig
+from batchgen.engine.core.kv_cache import KVLayout
 from batchgen.engine.executor.step import SamplingRows, StepInput, StepOutput, build_step_input
-from batchgen.engine.kv_cache import KVLayout
-from batchgen.engine.model_source import ModelSource
+from batchgen.engine.loading.model_source import ModelSource
 from batchgen.engine.models.base import ModelProfile
 
 
@@ -22,7 +22,7 @@ class SubmittedStep(Protocol):
         ...
 
 
-class Executor(Protocol):
+class StepExecutor(Protocol):
     num_blocks: int
     profile: ModelProfile
     kv_layout: KVLayout
@@ -38,7 +38,8 @@ class Executor(Protocol):
     def shutdown(self) -> None: ...
 
 
-def make_executor(config: EngineConfig, model_cfg: ModelConfig, source: ModelSource, max_model_len: int) -> Executor:
+def make_executor(config: EngineConfig, model_cfg: ModelConfig, source: ModelSource,
+                  max_model_len: int) -> StepExecutor:
     """In-process for a single device; one worker process per device otherwise."""
     if config.world_size == 1:
         from batchgen.engine.executor.single import SingleProcessExecutor
@@ -49,4 +50,5 @@ def make_executor(config: EngineConfig, model_cfg: ModelConfig, source: ModelSou
     return MultiprocExecutor(config, model_cfg, source.path, max_model_len)
 
 
-__all__ = ["Executor", "SubmittedStep", "SamplingRows", "StepInput", "StepOutput", "build_step_input", "make_executor"]
+__all__ = ["SamplingRows", "StepExecutor", "StepInput", "StepOutput", "SubmittedStep", "build_step_input",
+           "make_executor"]

@@ -22,10 +22,10 @@ from typing import Sequence
 
 import torch
 
+from batchgen.engine.backends.select import default_backend, make_kernel_set
 from batchgen.engine.config import EngineConfig, ModelConfig
 from batchgen.engine.executor.step import FinishedStep, StepInput, StepOutput
 from batchgen.engine.executor.worker import WorkerSpec, receive, worker_main
-from batchgen.engine.layers.ops import default_backend, make_kernel_set
 from batchgen.engine.models.registry import build_model
 from batchgen.engine.parallel.context import ParallelContext
 from batchgen.engine.parallel.distributed import free_port

@@ -7,9 +7,9 @@ from typing import Sequence
 import torch
 
 from batchgen.engine.config import EngineConfig, ModelConfig
+from batchgen.engine.executor.model_runner import LaunchedStep, ModelRunner
 from batchgen.engine.executor.step import StepInput, StepOutput
-from batchgen.engine.model_runner import LaunchedStep, ModelRunner
-from batchgen.engine.model_source import ModelSource
+from batchgen.engine.loading.model_source import ModelSource
 
 
 class SingleProcessExecutor:
@@ -34,21 +34,21 @@ class SingleProcessExecutor:
     def execute(self, steps: Sequence[StepInput | None]) -> list[StepOutput | None]:
         return self.submit(steps).result()
 
-    def submit(self, steps: Sequence[StepInput | None]) -> "SubmittedStep":
+    def submit(self, steps: Sequence[StepInput | None]) -> "InProcessStep":
         """Starts the step; the step submitted next may refer to its sampled tokens (``deferred_rows``)."""
         (step,) = steps
         if step is None:
-            return SubmittedStep(None)
+            return InProcessStep(None)
         if self._stream is None:
-            return SubmittedStep(self.runner.launch(step))
-        return SubmittedStep(self._stream.submit(self.runner.launch, step))
+            return InProcessStep(self.runner.launch(step))
+        return InProcessStep(self._stream.submit(self.runner.launch, step))
 
     def shutdown(self) -> None:
         if self._stream is not None:
             self._stream.shutdown(wait=True)
 
 
-class SubmittedStep:
+class InProcessStep:
     """A step in flight on the device; ``result`` waits for its outputs (one per replica)."""
 
     def __init__(self, launched: LaunchedStep | Future | None):

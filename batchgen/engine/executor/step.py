@@ -12,12 +12,12 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-from batchgen.engine.sampler import SamplingBatch, TokenBitmask
-from batchgen.engine.sequence import placeholder_row
+from batchgen.engine.sampling.sampler import SamplingBatch, TokenBitmask
+from batchgen.engine.core.sequence import placeholder_row
 from batchgen.engine.transfer import to_device
 
 if TYPE_CHECKING:
-    from batchgen.engine.scheduler import ScheduledSeq
+    from batchgen.engine.core.scheduler import ScheduledSeq
 
 
 @dataclass

@@ -19,9 +19,10 @@ from multiprocessing.connection import Connection
 
 import torch
 
-from batchgen.engine.config import EngineConfig, ModelConfig
-from batchgen.engine.loader import load_model_source
-from batchgen.engine.model_runner import ModelRunner
+from batchgen.engine.config import EngineConfig
+from batchgen.engine.executor.model_runner import ModelRunner
+from batchgen.engine.loading.loader import load_model_source
+from batchgen.engine.models.registry import model_config
 from batchgen.engine.parallel.distributed import init_distributed, shutdown_distributed
 from batchgen.engine.parallel.group import CommClock
 
@@ -97,7 +98,7 @@ def _build_runner(spec: WorkerSpec) -> ModelRunner:
     clock = CommClock(enabled=device.type == "cpu" or cfg.measure_communication,
                       sync=device.type == "cuda" and cfg.measure_communication)
     source = load_model_source(spec.model_path, cfg.storage_options)
-    model_cfg = ModelConfig.from_hf(source.config)
+    model_cfg = model_config(source.config)
     parallel = init_distributed(spec.rank, cfg.tensor_parallel_size, cfg.data_parallel_size,
                                 cfg.expert_parallel(model_cfg), device, spec.init_method,
                                 cfg.distributed_timeout_s, clock, cfg.expert_capacity_factor)

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from batchgen.engine.model_source import Weight, as_tensor
+from batchgen.engine.loading.model_source import Weight, as_tensor
 from batchgen.engine.parallel.group import SINGLE, CommGroup
 
 

@@ -13,36 +13,22 @@ its first ``kv_lora_rank`` dims), and ``W_UV[h]`` maps the result back per head.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
-from typing import Any, Protocol, Sequence
+from dataclasses import dataclass, fields
+from typing import Any, Sequence
 
 import torch
 from torch import nn
 
+from batchgen.engine.backends.interface import AttentionMetadata, KernelSet, LatentPrefill
 from batchgen.engine.config import ModelConfig
-from batchgen.engine.layers.attention import AttentionMetadata
 from batchgen.engine.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, divide
 from batchgen.engine.layers.norm import RMSNorm
-from batchgen.engine.layers.ops import KernelSet
 from batchgen.engine.layers.rotary import pairwise_to_half_order, yarn_softmax_scale
-from batchgen.engine.model_source import as_tensor
+from batchgen.engine.loading.model_source import as_tensor
 from batchgen.engine.parallel.group import SINGLE, CommGroup
 from batchgen.engine.transfer import to_device
 
 LATENT_NORM_EPS = 1e-6  # transformers builds q_a_layernorm and kv_a_layernorm with the default eps
-
-
-@dataclass
-class LatentPrefill:
-    """The sequences of a step that prefill (more than one new token), packed for the expanded path."""
-
-    tokens: torch.Tensor | None  # rows of their new tokens in the step; None: every row of the step
-    context_slots: torch.Tensor  # int64 (sum of context_lens,): cache slot of each context token, packed
-    cu_seqlens_q: torch.Tensor  # int32 (n+1,)
-    cu_seqlens_k: torch.Tensor  # int32 (n+1,), prefix sums of context_lens
-    query_lens: list[int]
-    context_lens: list[int]
-    memo: dict[str, Any] = field(default_factory=dict)  # per-step data a backend derives once (tile lists)
 
 
 @dataclass
@@ -100,28 +86,6 @@ def _plan_prefill(meta: AttentionMetadata, seqs: list[int], starts: list[int], b
     tables = meta.block_tables[to_device(seqs, dev, torch.int64)]
     slots = tables[seq, pos // block_size].long() * block_size + pos % block_size
     return LatentPrefill(tokens, slots, cu_q, cu_k, q_lens, ctx_lens)
-
-
-class MLABackend(Protocol):
-    """Stores latent rows and computes the two attention forms of a step.
-
-    Shapes: cache (num_blocks, block_size, R + P); q of decode (B, H, R + P); prefill q (T, H, N + P),
-    k_nope (Tk, H, N), v (Tk, H, V), k_pe (Tk, P), all possibly strided views with unit last stride.
-    """
-
-    name: str
-
-    def store_latent(self, latent: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None: ...
-
-    def decode(self, q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
-               context_lens: torch.Tensor, max_context: int, value_dim: int, scale: float) -> torch.Tensor:
-        """MQA of q over each sequence's cached rows; values are the rows' first value_dim dims."""
-        ...
-
-    def prefill(self, q: torch.Tensor, k_nope: torch.Tensor, v: torch.Tensor, k_pe: torch.Tensor,
-                plan: LatentPrefill, scale: float) -> torch.Tensor:
-        """Causal attention of each sequence's new tokens over its whole context (queries at the end)."""
-        ...
 
 
 def _reorder_rows_on_load(param: nn.Parameter, order: torch.Tensor) -> None:

@@ -4,8 +4,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from batchgen.engine.backends.interface import KernelSet
 from batchgen.engine.layers.linear import MergedColumnParallelLinear, RowParallelLinear
-from batchgen.engine.layers.ops import KernelSet
 from batchgen.engine.parallel.group import SINGLE, CommGroup
 
 

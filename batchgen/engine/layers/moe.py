@@ -14,8 +14,8 @@ from batchgen.engine.layers.linear import (
     ReplicatedLinear, check_shape, copy_weight, current_weight_methods, divide, matmul_params, new_parameter,
     param_shape, param_span, shard_span,
 )
-from batchgen.engine.layers.ops import KernelSet
-from batchgen.engine.model_source import Weight
+from batchgen.engine.backends.interface import KernelSet
+from batchgen.engine.loading.model_source import Weight
 from batchgen.engine.parallel.context import SINGLE_PROCESS, ParallelContext
 from batchgen.engine.parallel.expert import TokenExchange
 from batchgen.engine.parallel.expert_map import ExpertMap

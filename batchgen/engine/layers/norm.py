@@ -4,9 +4,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from batchgen.engine.backends.interface import KernelSet
 from batchgen.engine.layers.linear import copy_weight
-from batchgen.engine.layers.ops import KernelSet
-from batchgen.engine.model_source import Weight, as_tensor
+from batchgen.engine.loading.model_source import Weight, as_tensor
 
 
 class RMSNorm(nn.Module):

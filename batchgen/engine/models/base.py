@@ -13,16 +13,16 @@ from typing import Any, ClassVar, Iterable, Sequence
 import torch
 from torch import nn
 
+from batchgen.engine.backends.interface import AttentionMetadata
 from batchgen.engine.config import ModelConfig
-from batchgen.engine.kv_cache import KVLayout
-from batchgen.engine.layers.attention import AttentionMetadata
+from batchgen.engine.core.kv_cache import KVLayout
 from batchgen.engine.layers.linear import (
     ParallelLMHead, VocabParallelEmbedding, default_weight_loader, matmul_params,
 )
+from batchgen.engine.backends.interface import KernelSet
 from batchgen.engine.layers.norm import RMSNorm
-from batchgen.engine.layers.ops import KernelSet
 from batchgen.engine.layers.rotary import cos_sin_cache
-from batchgen.engine.model_source import Weight
+from batchgen.engine.loading.model_source import Weight
 from batchgen.engine.parallel.context import SINGLE_PROCESS, ParallelContext
 
 
@@ -41,6 +41,16 @@ class WeightRule:
             return None
         shard = (int(m["expert"]), self.shard) if "expert" in m.groupdict() else self.shard
         return name[: m.start()] + m.expand(self.target) + name[m.end():], shard
+
+
+@dataclass(frozen=True)
+class CheckpointNames:
+    """How an architecture's Hugging Face checkpoints name a layer's mixture of experts: its weight rules read
+    them, and the GGUF loader maps llama.cpp's tensor names onto them."""
+
+    moe_module: str = "mlp"
+    expert_projections: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # gate, up, down
+    shared_expert: str = "shared_expert"
 
 
 def expert_rules(module: str = "mlp", names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
@@ -138,6 +148,7 @@ class CausalLM(nn.Module):
     activations: ClassVar[tuple[str, ...]] = ("silu",)
     # Checkpoint name -> (parameter, shard); the first matching rule wins, unmatched names load as-is.
     weight_rules: ClassVar[tuple[WeightRule, ...]] = ()
+    checkpoint_names: ClassVar[CheckpointNames] = CheckpointNames()
     decoder_layer: ClassVar[type[DecoderLayer]] = DecoderLayer
     # The kinds of step whose forward can be replayed from a CUDA graph (fixed shapes, no host sizing).
     graph_step_kinds: ClassVar[tuple[str, ...]] = ("decode", "mixed")

@@ -17,15 +17,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from batchgen.engine.config import ModelConfig, MoEConfig, UnsupportedModelError
-from batchgen.engine.layers.attention import AttentionMetadata
+from batchgen.engine.backends.interface import AttentionMetadata, KernelSet
+from batchgen.engine.config import MoEConfig, ModelConfig
 from batchgen.engine.layers.linear import default_weight_loader, new_parameter
 from batchgen.engine.layers.mla import MLAAttention, MLAMetadata
 from batchgen.engine.layers.mlp import GatedMLP
 from batchgen.engine.layers.moe import FusedMoE, SparseMoeBlock, TopKRouter
-from batchgen.engine.layers.ops import KernelSet
 from batchgen.engine.layers.rotary import cos_sin_cache
-from batchgen.engine.models.base import CausalLM, WeightRule, expert_rules
+from batchgen.engine.models.base import CausalLM, CheckpointNames, WeightRule, expert_rules
+from batchgen.engine.models.errors import UnsupportedModelError
 from batchgen.engine.parallel.context import SINGLE_PROCESS, ParallelContext
 
 # transformers' defaults for keys a config.json may leave out.
@@ -104,11 +104,12 @@ class DeepseekV2ForCausalLM(CausalLM):
 
     config_defaults = {**_MLA_DEFAULTS, "n_shared_experts": 2, "topk_method": "greedy"}
     router_class: type[GroupedRouter] = DeepseekV2Router
+    checkpoint_names = CheckpointNames(shared_expert="shared_experts")
     weight_rules = (
         *expert_rules(),
-        WeightRule(r"\.shared_experts\.gate_proj\.", ".shared_expert.gate_up_proj.", 0),
-        WeightRule(r"\.shared_experts\.up_proj\.", ".shared_expert.gate_up_proj.", 1),
-        WeightRule(r"\.shared_experts\.", ".shared_expert."),
+        WeightRule(rf"\.{checkpoint_names.shared_expert}\.gate_proj\.", ".shared_expert.gate_up_proj.", 0),
+        WeightRule(rf"\.{checkpoint_names.shared_expert}\.up_proj\.", ".shared_expert.gate_up_proj.", 1),
+        WeightRule(rf"\.{checkpoint_names.shared_expert}\.", ".shared_expert."),
         WeightRule(r"\.gate_proj\.", ".gate_up_proj.", 0),
         WeightRule(r"\.up_proj\.", ".gate_up_proj.", 1),
     )

@@ -11,14 +11,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from batchgen.engine.backends.interface import KernelSet
 from batchgen.engine.config import ModelConfig
 from batchgen.engine.layers.mlp import GatedMLP
 from batchgen.engine.layers.norm import OffsetRMSNorm
-from batchgen.engine.layers.ops import KernelSet
 from batchgen.engine.layers.rotary import cos_sin_cache
 from batchgen.engine.models.base import CausalLM, DecoderLayer
+from batchgen.engine.models.errors import UnsupportedModelError
 from batchgen.engine.models.llama import LlamaAttention, LlamaForCausalLM
-from batchgen.engine.models.registry import UnsupportedModelError
 from batchgen.engine.parallel.context import SINGLE_PROCESS, ParallelContext
 
 # transformers' config defaults: Gemma checkpoints (Gemma 3's text_config above all) leave many keys out.

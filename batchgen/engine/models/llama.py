@@ -6,12 +6,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from batchgen.engine.backends.interface import AttentionMetadata, KernelSet
 from batchgen.engine.config import ModelConfig
-from batchgen.engine.layers.attention import Attention, AttentionMetadata
+from batchgen.engine.layers.attention import Attention
 from batchgen.engine.layers.linear import QKVParallelLinear, RowParallelLinear
 from batchgen.engine.layers.mlp import GatedMLP
 from batchgen.engine.layers.norm import RMSNorm
-from batchgen.engine.layers.ops import KernelSet
 from batchgen.engine.models.base import CausalLM, WeightRule
 from batchgen.engine.parallel.group import SINGLE, CommGroup
 

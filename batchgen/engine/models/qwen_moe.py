@@ -9,11 +9,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from batchgen.engine.backends.interface import KernelSet
 from batchgen.engine.config import ModelConfig
 from batchgen.engine.layers.linear import ReplicatedLinear
 from batchgen.engine.layers.mlp import GatedMLP
 from batchgen.engine.layers.moe import FusedMoE, SparseMoeBlock, TopKRouter
-from batchgen.engine.layers.ops import KernelSet
 from batchgen.engine.models.base import expert_rules
 from batchgen.engine.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
 from batchgen.engine.parallel.context import ParallelContext

@@ -1,4 +1,5 @@
-"""The architecture registry: Hugging Face ``architectures[0]`` (and llama.cpp's GGUF name) -> model class."""
+"""The architecture registry: Hugging Face ``architectures[0]`` (and llama.cpp's GGUF name) -> model class,
+and a config.json parsed into the ModelConfig its architecture reads."""
 from __future__ import annotations
 
 import importlib
@@ -8,16 +9,19 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from batchgen.engine.config import MLAConfig, MoEConfig, ModelConfig
+from batchgen.engine.layers.rotary import SCALINGS
+from batchgen.engine.models.errors import UnsupportedModelError
+from batchgen.engine.quantization.config import parse_quantization
+
 if TYPE_CHECKING:
-    from batchgen.engine.config import ModelConfig
-    from batchgen.engine.layers.ops import KernelSet
+    from batchgen.engine.backends.interface import KernelSet
     from batchgen.engine.models.base import CausalLM
-    from batchgen.engine.quantization import WeightMethods
     from batchgen.engine.parallel.context import ParallelContext
+    from batchgen.engine.quantization import WeightMethods
 
-
-class UnsupportedModelError(ValueError):
-    """The model's architecture or settings are not ones the engine implements."""
+ROPE_SCALINGS = tuple(SCALINGS)
+_ROPE_ALIASES = {"su": "longrope"}  # early Phi-3 configs name LongRoPE "su"
 
 
 @dataclass(frozen=True)
@@ -46,7 +50,7 @@ ARCHITECTURES = (
     Architecture("MixtralForCausalLM", "mixtral", "mixtral", gguf="llama", moe=True),
     Architecture("Qwen2MoeForCausalLM", "qwen_moe", "qwen2_moe", gguf="qwen2moe", moe=True),
     Architecture("Qwen3MoeForCausalLM", "qwen_moe", "qwen3_moe", gguf="qwen3moe", moe=True),
-    # llama.cpp's deepseek2 holds both; its sigmoid gating marks V3 (see gguf_loader).
+    # llama.cpp's deepseek2 holds both; its sigmoid gating marks V3 (see loading/gguf/arch.py).
     Architecture("DeepseekV2ForCausalLM", "deepseek", "deepseek_v2", gguf="deepseek2", moe=True),
     Architecture("DeepseekV3ForCausalLM", "deepseek", "deepseek_v3"),
 )
@@ -80,7 +84,67 @@ def gguf_architecture(gguf_name: str, has_experts: bool) -> Architecture:
     return arch
 
 
-def build_model(cfg: "ModelConfig", kernels: "KernelSet", max_positions: int, dtype: torch.dtype,
+def _rope(cfg: dict[str, Any]) -> tuple[float, dict | None]:
+    """(base, scaling dict or None) from a config dict, either transformers' layout."""
+    rope = dict(cfg.get("rope_parameters") or {})  # transformers >= 5 keeps rope settings here
+    rope.update(cfg.get("rope_scaling") or {})
+    theta = float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0)
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    kind = _ROPE_ALIASES.get(kind, kind)
+    if kind == "default":
+        return theta, None
+    if kind not in ROPE_SCALINGS:
+        raise UnsupportedModelError(f"unsupported rope scaling {kind!r}; supported: {', '.join(ROPE_SCALINGS)}")
+    scaling = {**rope, "rope_type": kind}
+    if cfg.get("original_max_position_embeddings"):  # older configs keep it at the top level
+        scaling.setdefault("original_max_position_embeddings", int(cfg["original_max_position_embeddings"]))
+    if kind == "yarn":  # transformers' default for the pre-scaling context
+        scaling.setdefault("original_max_position_embeddings", int(cfg.get("max_position_embeddings", 4096)))
+    if kind == "longrope" and not scaling.get("factor"):  # transformers' default: the context extension
+        scaling["factor"] = int(cfg["max_position_embeddings"]) / scaling["original_max_position_embeddings"]
+    return theta, scaling
+
+
+def model_config(cfg: dict[str, Any]) -> ModelConfig:
+    """The ModelConfig of a config.json dict, normalised by its architecture's model class (``hf_config``)."""
+    arch = architecture_of(cfg)
+    model_class = arch.model_class()
+    cfg = model_class.hf_config(cfg)
+    activation = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
+    if activation not in model_class.activations:
+        raise UnsupportedModelError(f"unsupported hidden activation {activation!r} for {arch.name}; "
+                                    f"supported: {', '.join(model_class.activations)}")
+    rope_theta, rope_scaling = _rope(cfg)
+    heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    rope = cfg.get("rope_parameters") or {}
+    rotary_factor = float(cfg.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0)
+    window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+    return ModelConfig(
+        architecture=arch.name,
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"],
+        num_layers=cfg["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=head_dim,
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        attention_bias=bool(cfg.get("attention_bias", False)),
+        sliding_window=window or None,
+        rotary_dim=int(head_dim * rotary_factor),
+        moe=MoEConfig.from_hf(cfg),
+        mla=MLAConfig.from_hf(cfg),
+        quantization=parse_quantization(cfg),
+        hf=cfg,
+    )
+
+
+def build_model(cfg: ModelConfig, kernels: "KernelSet", max_positions: int, dtype: torch.dtype,
                 device: torch.device | str, parallel: "ParallelContext | None" = None,
                 methods: "WeightMethods | None" = None) -> "CausalLM":
     """The model allocated directly in ``dtype`` on ``device`` (no fp32 copy first; "meta" allocates nothing),

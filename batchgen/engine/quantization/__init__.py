@@ -16,26 +16,20 @@ from typing import TYPE_CHECKING, Callable, Iterable
 import torch
 
 from batchgen.engine.quantization.config import (
-    QuantizationConfig, UnsupportedQuantizationError, parse_quantization,
+    FP8_WEIGHTS_MODES, QuantizationConfig, UnsupportedQuantizationError, parse_quantization,
 )
 
 if TYPE_CHECKING:
+    from batchgen.engine.backends.interface import KernelSet
     from batchgen.engine.layers.linear import LinearMethod
     from batchgen.engine.layers.moe import MoEMethod
-    from batchgen.engine.layers.ops import KernelSet
-    from batchgen.engine.model_source import Weight
+    from batchgen.engine.loading.model_source import Weight
     from batchgen.engine.models.base import CausalLM
 
 __all__ = ["FP8_WEIGHTS_MODES", "QuantizationConfig", "UnsupportedQuantizationError", "WeightMethods",
            "choose_weight_methods", "fp8_tensor_cores", "load_checkpoint", "parse_quantization"]
 
 log = logging.getLogger(__name__)
-
-# "auto": FP8 compute where the device has FP8 tensor cores and the kernel set an FP8 GEMM, else
-# dequantize at load; "fp8": always keep FP8 (needs the Triton kernel set; on CPU under the Triton
-# interpreter, for tests); "dequantize": always dequantize to the model dtype.
-FP8_WEIGHTS_MODES = ("auto", "fp8", "dequantize")
-
 
 @dataclass(frozen=True)
 class WeightMethods:

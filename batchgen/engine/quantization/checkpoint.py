@@ -15,7 +15,7 @@ import shutil
 from pathlib import Path
 import torch
 
-from batchgen.engine.kernels.fp8.format import WEIGHT_BLOCK, quantize_fp8
+from batchgen.engine.backends.triton.fp8.format import WEIGHT_BLOCK, quantize_fp8
 from batchgen.engine.quantization.config import BLOCK, CHANNEL, TENSOR
 
 _QUANTIZED = re.compile(r"(_proj|\.w[123])\.weight$")

@@ -13,7 +13,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from batchgen.engine.models.registry import UnsupportedModelError
+from batchgen.engine.models.errors import UnsupportedModelError
+
+# EngineConfig.fp8_weights: "auto": FP8 compute where the device has FP8 tensor cores and the kernel set an FP8
+# GEMM, else dequantize at load; "fp8": always keep FP8 (needs the Triton kernel set; on CPU under the Triton
+# interpreter, for tests); "dequantize": always dequantize to the model dtype.
+FP8_WEIGHTS_MODES = ("auto", "fp8", "dequantize")
 
 BLOCK = "block"  # one scale per 128x128 block
 CHANNEL = "channel"  # one scale per output row

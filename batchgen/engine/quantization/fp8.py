@@ -19,11 +19,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from batchgen.engine.kernels.fp8.format import FP8_BLOCK, FP8_DTYPE, dequantize_fp8_weight
+from batchgen.engine.backends.interface import KernelSet
+from batchgen.engine.backends.triton.fp8.format import FP8_BLOCK, FP8_DTYPE, dequantize_fp8_weight
 from batchgen.engine.layers.linear import UNQUANTIZED, LinearBase, LinearMethod, new_parameter
 from batchgen.engine.layers.moe import UNQUANTIZED_MOE, FusedMoE, MoEMethod, expert_parameter
-from batchgen.engine.layers.ops import KernelSet
-from batchgen.engine.model_source import Weight, as_tensor
+from batchgen.engine.loading.model_source import Weight, as_tensor
 from batchgen.engine.quantization.config import QuantizationConfig
 
 

@@ -5,11 +5,11 @@ writes the stats and ``_SUCCESS`` after them. This module stays light: the execu
 """
 from __future__ import annotations
 
-import importlib.util
 import logging
 from typing import TYPE_CHECKING
 
 from batchgen.pipeline.errors import JobError
+from batchgen.pipeline.executors.ray_extra import RAY_EXTRA_HINT, ray_available
 
 if TYPE_CHECKING:
     from batchgen.engine import LLM
@@ -17,13 +17,6 @@ if TYPE_CHECKING:
     from batchgen.pipeline.spec import JobSpec
 
 log = logging.getLogger(__name__)
-
-RAY_EXTRA_HINT = "executor kind ray needs Ray Data: pip install 'batchgen[ray]'"
-
-
-def ray_available() -> bool:
-    return importlib.util.find_spec("ray") is not None
-
 
 def executor_for(spec: JobSpec, llm: LLM | None = None) -> Executor:
     """The executor the spec asks for; ``llm`` (a loaded model) serves a local run only."""

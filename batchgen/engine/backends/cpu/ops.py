@@ -1,0 +1,107 @@
+"""Python entry points of the fused CPU kernels (``torch.ops.batchgen_cpu``), with torch's ops as fallback.
+
+Each function has the signature of its torch reference in :mod:`batchgen.engine.backends.torch.ops` (or of the
+torch attention backend) and falls back to it for dtypes the kernels do not run here.
+"""
+from __future__ import annotations
+
+import logging
+from functools import lru_cache
+
+import torch
+
+from batchgen.engine.backends.torch import ops as torch_ops
+
+log = logging.getLogger(__name__)
+
+# Keys per block (a multiple of 32) and GEMM rows per query block (all query heads of a KV head count).
+KV_BLOCK = 256
+Q_ROWS = 192
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+MAX_HEAD_DIM = 256
+
+
+@lru_cache(maxsize=1)
+def usable_dtypes() -> frozenset[torch.dtype]:
+    """The dtypes the loaded kernels compute correctly on this machine: each is tried once on a small
+    step against torch (bf16 needs oneDNN's AVX-512 or AMX micro-kernels, which a CPU may lack)."""
+    usable = set()
+    gen = torch.Generator().manual_seed(0)
+    for dtype in KERNEL_DTYPES:
+        q, k, v = (torch.randn(40, h, 16, generator=gen).to(dtype) for h in (4, 2, 2))
+        cache = torch.zeros(1, 16, 2, 16, dtype=dtype)
+        seqs = torch.tensor([0, 7, 40], dtype=torch.int32)
+        try:
+            out = varlen_causal_attention(q, k, v, cache, cache, seqs, seqs.diff(),
+                                          torch.zeros(2, 1, dtype=torch.int32), 0.25)
+        except RuntimeError as e:
+            log.info("fused CPU attention does not run %s here: %s", dtype, str(e).splitlines()[0])
+            continue
+        expected = torch.cat([_reference(q[a:b], k[a:b], v[a:b]) for a, b in ((0, 7), (7, 40))])
+        if torch.allclose(out.float(), expected, atol=3e-2 if dtype == torch.bfloat16 else 1e-4):
+            usable.add(dtype)
+        else:
+            log.warning("fused CPU attention gives wrong results in %s here; using torch's", dtype)
+    return frozenset(usable)
+
+
+def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    from batchgen.engine.backends.torch.attention import causal_attention
+
+    return causal_attention(q.float(), k.float(), v.float(), 0.25)
+
+
+def supports_attention(dtype: torch.dtype, head_dim: int) -> bool:
+    return dtype in usable_dtypes() and head_dim % 16 == 0 and head_dim <= MAX_HEAD_DIM
+
+
+def varlen_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                            v_cache: torch.Tensor, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
+                            block_tables: torch.Tensor, scale: float, kv_block: int = KV_BLOCK,
+                            q_rows: int = Q_ROWS) -> torch.Tensor:
+    """Causal attention of a packed step: q (T, Hq, D); k, v (T, Hkv, D) the step's new keys and values.
+
+    Sequence i owns rows ``cu_seqlens_q[i]:cu_seqlens_q[i+1]`` and attends to ``context_lens[i]`` keys: the
+    first ``context_lens[i] - query_len`` from the paged caches (blocks ``block_tables[i]``), then its own
+    new rows. fp32 scores and accumulation; q, k, v, caches and the output share one dtype (fp32 or bf16).
+    """
+    out = torch.empty(q.shape, dtype=q.dtype)
+    torch.ops.batchgen_cpu.varlen_causal_attention(q, k, v, k_cache, v_cache, cu_seqlens_q, context_lens,
+                                                   block_tables, scale, kv_block, q_rows, out)
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if x.dtype not in usable_dtypes() or x.dim() not in (2, 3) or weight.dtype != x.dtype:
+        return torch_ops.rms_norm(x, weight, eps, residual)
+    out = torch.empty_like(x)
+    residual_out = torch.empty_like(x) if residual is not None else None
+    torch.ops.batchgen_cpu.rms_norm(x, residual, weight, eps, out, residual_out)
+    return out, residual_out
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+                 cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if q.dtype not in usable_dtypes() or cos_sin_cache.dtype != torch.float32:
+        return torch_ops.apply_rotary(q, k, positions, cos_sin_cache)
+    torch.ops.batchgen_cpu.apply_rotary(q, k, positions, cos_sin_cache)
+    return q, k
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    if x.dtype not in usable_dtypes() or x.dim() != 2:
+        return torch_ops.silu_and_mul(x)
+    out = x.new_empty(x.shape[0], x.shape[1] // 2)
+    torch.ops.batchgen_cpu.silu_and_mul(x, out)
+    return out
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> bool:
+    """Writes k, v into the caches; False (nothing written) where the kernel does not take these tensors."""
+    heads_contiguous = all(x.stride(2) == 1 and x.stride(1) == x.shape[2] for x in (k, v))
+    if k.dtype not in usable_dtypes() or k.dtype != k_cache.dtype or not heads_contiguous:
+        return False
+    torch.ops.batchgen_cpu.store_kv(k, v, k_cache, v_cache, slot_mapping)
+    return True

@@ -1,0 +1,68 @@
+"""The torch reference ops: RMSNorm, rotary, gated activations, mixture of experts."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """RMSNorm (fp32 statistics). With ``residual``: adds it first and returns (normed, new residual)."""
+    if residual is not None:
+        x = residual = x + residual
+    return F.rms_norm(x, (x.shape[-1],), weight, eps), residual
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+                 cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox-style rotary, in place, on q (T, Hq, D) and k (T, Hkv, D); cache rows are [cos | sin], D/2 each."""
+    cos, sin = cos_sin_cache[positions].to(q.dtype).chunk(2, dim=-1)
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    for x in (q, k):
+        x1, x2 = x.chunk(2, dim=-1)
+        x1_sin = x1 * sin
+        rotated_first = x1 * cos - x2 * sin
+        x2.mul_(cos).add_(x1_sin)
+        x1.copy_(rotated_first)
+    return q, k
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) * up for a fused [gate | up] projection output."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """GELU(gate) (tanh approximation) * up for a fused [gate | up] projection output (GeGLU)."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor, skip_negative: bool = False) -> torch.Tensor:
+    """Mixture of SwiGLU experts: out[t] = sum_k topk_weights[t, k] * expert_e(x[t]), e = topk_ids[t, k].
+
+    x (T, H); w13 (E, 2I, H), gate rows then up rows; w2 (E, H, I); topk_weights float32 (T, k);
+    topk_ids (T, k) in [0, E), or -1 with ``skip_negative`` for a pair another expert-parallel rank
+    computes (it adds nothing here). The (token, expert) pairs are sorted by expert and every expert
+    that got tokens runs one GEMM over its gathered rows; the weighted rows are summed back per token
+    in float32.
+    """
+    num_tokens, top_k = topk_ids.shape
+    flat_ids = topk_ids.flatten()
+    shift = int(skip_negative)  # bin 0 counts the skipped pairs, which sort first and are dropped
+    counts = torch.bincount(flat_ids + shift if shift else flat_ids, minlength=w13.shape[0] + shift).tolist()
+    order = torch.argsort(flat_ids, stable=True)[sum(counts[:shift]):]
+    tokens = order // top_k
+    rows = x[tokens]
+    expert_out = torch.empty(rows.shape[0], w2.shape[1], dtype=x.dtype, device=x.device)
+    start = 0
+    for expert, n in enumerate(counts[shift:]):
+        if n:
+            span = slice(start, start + n)
+            expert_out[span] = F.linear(silu_and_mul(F.linear(rows[span], w13[expert])), w2[expert])
+            start += n
+    weighted = expert_out.float() * topk_weights.flatten()[order, None]
+    out = torch.zeros(num_tokens, w2.shape[1], dtype=torch.float32, device=x.device)
+    return out.index_add_(0, tokens, weighted).to(x.dtype)

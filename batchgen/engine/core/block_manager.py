@@ -1,0 +1,139 @@
+"""Paged KV-cache block allocation with prefix caching by chained block hashes."""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from batchgen.engine.core.sequence import Sequence
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: int | None = None  # set once the block is full and its KV is (being) computed
+    token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+
+def chain_hash(prev_hash: int | None, token_ids: tuple[int, ...]) -> int:
+    """Hash of a full block given the hash of the block before it, so equal hashes mean equal prefixes."""
+    return hash((prev_hash, token_ids))
+
+
+class BlockManager:
+    """Hands out fixed-size KV blocks; full, computed blocks stay findable by hash until reused.
+
+    Freed blocks keep their hash and go to the back of the free list, so a later request with the same
+    prefix can reclaim them; blocks are only wiped when handed out for new tokens. With a ``window``
+    (every attention layer reads only its latest ``window`` keys), a sequence's blocks that fall wholly
+    before the window of its next token are freed as it runs; its block table keeps -1 in their place.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 window: int | None = None):
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.window = window
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.hash_to_block: dict[int, int] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free)
+
+    def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
+        """New blocks ``seq`` needs so that its first ``num_tokens`` tokens have slots."""
+        return max(0, -(-num_tokens // self.block_size) - len(seq.block_table))
+
+    def _full_block(self, seq: Sequence, i: int) -> tuple[int, tuple[int, ...]]:
+        """Chained hash and tokens of the sequence's i-th full block, computed once per sequence."""
+        blocks = seq.full_blocks
+        while len(blocks) <= i:
+            j = len(blocks)
+            tokens = tuple(seq.token_ids[j * self.block_size:(j + 1) * self.block_size])
+            blocks.append((chain_hash(blocks[-1][0] if blocks else None, tokens), tokens))
+        return blocks[i]
+
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """Block ids that already hold the KV of the sequence's leading full blocks."""
+        if not self.enable_prefix_caching:
+            return []
+        hits = []
+        # Leave at least one token to compute: its logits are needed for the next token.
+        for i in range((seq.num_tokens - 1) // self.block_size):
+            block_hash, tokens = self._full_block(seq, i)
+            block_id = self.hash_to_block.get(block_hash)
+            if block_id is None or self.blocks[block_id].token_ids != tokens:
+                break
+            hits.append(block_id)
+        return hits
+
+    def can_admit(self, seq: Sequence) -> bool:
+        hits = self._cached_prefix(seq)
+        reclaimed = sum(1 for b in hits if self.blocks[b].ref_count == 0)
+        fresh = -(-seq.num_tokens // self.block_size) - len(hits)
+        return fresh + reclaimed <= self.num_free_blocks
+
+    def admit(self, seq: Sequence) -> int:
+        """Give a waiting sequence blocks for all its tokens, reusing cached prefix blocks; returns the
+        number of tokens the cache already held."""
+        assert not seq.block_table
+        hits = self._cached_prefix(seq)
+        for block_id in hits:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.free[block_id]
+            block.ref_count += 1
+        seq.block_table = list(hits)
+        seq.num_hashed_blocks = len(hits)
+        seq.num_computed_tokens = len(hits) * self.block_size
+        self.allocate(seq, seq.num_tokens)
+        return seq.num_computed_tokens
+
+    def allocate(self, seq: Sequence, num_tokens: int) -> None:
+        """Append fresh blocks so the first ``num_tokens`` tokens of ``seq`` have slots."""
+        for _ in range(self.blocks_needed(seq, num_tokens)):
+            block_id, _ = self.free.popitem(last=False)
+            block = self.blocks[block_id]
+            if block.hash is not None and self.hash_to_block.get(block.hash) == block_id:
+                del self.hash_to_block[block.hash]
+            block.hash, block.token_ids, block.ref_count = None, (), 1
+            seq.block_table.append(block_id)
+
+    def mark_scheduled(self, seq: Sequence, num_tokens: int) -> None:
+        """Register hashes of blocks completed by computing the first ``num_tokens`` tokens.
+
+        Called at scheduling time: every layer stores a step's K/V before any attention reads the
+        cache, so later sequences in the same step may already share these blocks.
+        """
+        if not self.enable_prefix_caching:
+            return
+        for i in range(seq.num_hashed_blocks, num_tokens // self.block_size):
+            block = self.blocks[seq.block_table[i]]
+            if block.hash is None:
+                block.hash, block.token_ids = self._full_block(seq, i)
+                self.hash_to_block.setdefault(block.hash, block.block_id)
+            seq.num_hashed_blocks = i + 1
+
+    def release_out_of_window(self, seq: Sequence) -> None:
+        """Frees the leading blocks no query from the sequence's next token on can read."""
+        if self.window is None:
+            return
+        first_needed = seq.num_computed_tokens - self.window + 1
+        for i in range(seq.num_released_blocks, max(0, first_needed // self.block_size)):
+            self._release(seq.block_table[i])
+            seq.block_table[i] = -1
+            seq.num_released_blocks = i + 1
+
+    def _release(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self.free[block_id] = None
+
+    def free_seq(self, seq: Sequence) -> None:
+        for block_id in reversed(seq.block_table[seq.num_released_blocks:]):
+            self._release(block_id)
+        seq.block_table = []
+        seq.num_computed_tokens = seq.num_hashed_blocks = seq.num_released_blocks = 0

@@ -1,0 +1,241 @@
+"""Runs one step on one rank: builds tensors from a StepInput, runs the model, samples the next tokens."""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from itertools import chain
+from typing import TYPE_CHECKING, Sequence
+
+import numpy as np
+import torch
+
+from batchgen.engine.backends.interface import AttentionMetadata
+from batchgen.engine.backends.select import default_backend, make_kernel_set
+from batchgen.engine.backends.torch.ops import fused_moe
+from batchgen.engine.config import EngineConfig, ModelConfig
+from batchgen.engine.core.kv_cache import kv_budget_bytes
+from batchgen.engine.executor.step import StepInput, StepOutput
+from batchgen.engine.loading.model_source import ModelSource
+from batchgen.engine.models.registry import build_model
+from batchgen.engine.parallel.balancer import EplbConfig, ExpertBalancer, with_load_balancing
+from batchgen.engine.parallel.context import SINGLE_PROCESS, ParallelContext
+from batchgen.engine.quantization import choose_weight_methods, load_checkpoint
+from batchgen.engine.sampling.sampler import sample
+from batchgen.engine.transfer import to_device
+
+if TYPE_CHECKING:
+    from batchgen.engine.executor.cuda_graphs import GraphRunner
+
+log = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    """Owns this rank's share of the model weights and its KV cache on one device.
+
+    Built in two stages: the weights load first and ``kv_blocks_available`` says how many KV blocks the
+    memory budget leaves; the executor then calls ``allocate_kv_cache`` with the number every rank can
+    hold (the minimum over ranks).
+    """
+
+    def __init__(self, engine: EngineConfig, model_cfg: ModelConfig, source: ModelSource, max_model_len: int,
+                 parallel: ParallelContext = SINGLE_PROCESS, device: torch.device | None = None):
+        parallel = with_load_balancing(parallel, engine.enable_eplb, engine.eplb_config)
+        self.engine, self.model_cfg, self.parallel = engine, model_cfg, parallel
+        self.device, self.dtype = device or engine.torch_device(), engine.torch_dtype
+        self.block_size, self.max_model_len = engine.block_size, max_model_len
+        self.backend = engine.attention_backend or default_backend(self.device)
+        self.kernels = make_kernel_set(self.backend)
+        self.model = build_model(model_cfg, self.kernels, max_model_len, self.dtype, self.device, parallel,
+                                 self.weight_methods())
+        load_checkpoint(self.model, source.weights)
+        self.profile = self.model.profile()
+        self.kv_layout = self.model.kv_layout()
+        self.balancer = ExpertBalancer(self.model, parallel, EplbConfig.from_dict(engine.eplb_config),
+                                       self.profile.active_params) if parallel.balance_experts else None
+        self.kernels.prepare_model(self.model)  # after the profile: it may replace modules (prepacking)
+        log.info("model %s: %s on %s, attention backend %s; %s; weights %s", source.name, engine.dtype_choice.name,
+                 self.device, self.kernels.attention.name, self.profile.summary(), self.profile.weight_format)
+        self.num_blocks = 0
+        self.graphs: GraphRunner | None = None
+        self.samples = parallel.tp.is_first  # the first tensor-parallel rank gathers the logits and samples
+        self._last_tokens: torch.Tensor | None = None  # the latest step's sampled tokens, on the device
+
+    def weight_methods(self):
+        """How the layers hold a quantized checkpoint's weights on this device (None: unquantized)."""
+        return choose_weight_methods(self.model_cfg.quantization, self.kernels, self.device, self.dtype,
+                                     self.engine.fp8_weights)
+
+    def kv_blocks_available(self) -> int:
+        """KV blocks the memory budget leaves on this rank's device."""
+        engine = self.engine
+        # Peak activations of a full step (the widest MLP/MoE intermediate per token, at 4 bytes) and
+        # the float32 logits of every sequence with the sampler's working copies (4 of them).
+        reserve = engine.max_num_batched_tokens * self.profile.activation_values_per_token * 4 \
+            + engine.max_num_seqs * self.model_cfg.vocab_size * 4 * 4
+        per_block = self.kv_layout.bytes_per_block(self.block_size, self.dtype)
+        return max(1, kv_budget_bytes(engine, self.device, reserve) // per_block)
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        """Allocates the cache in the model's layout, binds it, and captures CUDA graphs when they are on."""
+        per_block = self.kv_layout.bytes_per_block(self.block_size, self.dtype)
+        self.model.bind_kv_cache(self.kv_layout.allocate(num_blocks, self.block_size, self.dtype, self.device))
+        self.num_blocks = num_blocks
+        log.info("KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB), %d bytes per token (%s)",
+                 num_blocks, self.block_size, num_blocks * self.block_size, num_blocks * per_block / 2**20,
+                 self.kv_layout.bytes_per_token(self.dtype), self.kv_layout.describe())
+        self.graphs = self._graph_runner()
+
+    def _graph_runner(self) -> "GraphRunner | None":
+        mode, on_cuda = self.engine.cuda_graphs, self.device.type == "cuda"
+        if mode == "off" or (mode == "auto" and not (on_cuda and self.backend == "triton")):
+            return None
+        if self.backend != "triton":
+            raise ValueError("cuda_graphs='emulate' needs attention_backend='triton'")
+        if mode == "auto" and self.kernels.fused_moe is fused_moe and self.model_cfg.moe is not None:
+            log.info("CUDA graphs off: the torch mixture-of-experts path sizes its GEMMs on the host")
+            return None
+        if self.parallel.exchanges_tokens:
+            log.info("CUDA graphs off: the expert exchange between replicas changes shape every step")
+            return None
+        from batchgen.engine.executor.cuda_graphs import GraphRunner  # imports triton
+
+        with torch.inference_mode():
+            return GraphRunner(self.model, self.engine.max_num_seqs, self.engine.max_num_batched_tokens,
+                               self.max_model_len, self.block_size, self.device, capture=mode == "auto",
+                               mixed="mixed" in self.model.graph_step_kinds)
+
+    def prepare(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """Packs the step into flat tensors: no padding between sequences."""
+        query_lens, context_lens, n = step.query_lens, step.context_lens, step.num_seqs
+        dev = self.device
+        q_lens = torch.tensor(query_lens, dtype=torch.int64)
+        seq_index = torch.repeat_interleave(torch.arange(n), q_lens)
+        cu_q = torch.zeros(n + 1, dtype=torch.int64)
+        torch.cumsum(q_lens, 0, out=cu_q[1:])
+        ctx = torch.tensor(context_lens, dtype=torch.int32)
+        starts = ctx.long() - q_lens
+        positions = torch.arange(step.num_tokens) - cu_q[seq_index] + starts[seq_index]
+        block_tables = padded_block_tables(step.block_tables)
+        slots = block_tables[seq_index, positions // self.block_size].long() * self.block_size \
+            + positions % self.block_size
+        cu_k = torch.zeros(n + 1, dtype=torch.int32)
+        torch.cumsum(ctx, 0, out=cu_k[1:])
+        logits_rows = cu_q[1:][torch.tensor(step.sample_seqs, dtype=torch.int64)] - 1
+        to_dev = self._to_device
+        meta = AttentionMetadata(
+            cu_seqlens_q=to_dev(cu_q.to(torch.int32)), cu_seqlens_k=to_dev(cu_k), context_lens=to_dev(ctx),
+            max_seqlen_q=max(query_lens), max_seqlen_k=max(context_lens), slot_mapping=to_dev(slots),
+            block_tables=to_dev(block_tables), query_lens=query_lens, context_lens_list=context_lens)
+        input_ids = to_dev(torch.tensor(step.input_ids))
+        if step.deferred_positions:
+            self._fill_deferred(input_ids, step)
+        return input_ids, to_dev(positions), meta, to_dev(logits_rows)
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        return to_device(t, self.device)
+
+    def _fill_deferred(self, input_ids: torch.Tensor, step: StepInput) -> None:
+        """Writes the previous step's sampled tokens into the places scheduled before they were known."""
+        if self._last_tokens is None:
+            raise RuntimeError("a step refers to sampled tokens of a previous step that sampled none")
+        rows = self._to_device(torch.tensor(step.deferred_rows, dtype=torch.int64))
+        input_ids[self._to_device(torch.tensor(step.deferred_positions, dtype=torch.int64))] = self._last_tokens[rows]
+
+    def execute(self, step: StepInput) -> StepOutput:
+        """One forward over the packed step; the sampling rows' next tokens (on the sampling rank)."""
+        return self.launch(step).result()
+
+    @torch.inference_mode()
+    def launch(self, step: StepInput) -> "LaunchedStep":
+        """Queues the step's work on the device; its sampled tokens stay there (for the next step's
+        deferred tokens) until ``result`` copies them back, the step's one synchronisation. With expert
+        load balancing the balancer files the step's expert loads afterwards (and may rebalance)."""
+        launched = self._launch(step)
+        if self.balancer is not None:
+            launched.eplb = self.balancer.end_step(time.perf_counter() - launched.start)
+        return launched
+
+    def _launch(self, step: StepInput) -> "LaunchedStep":
+        start = time.perf_counter()
+        self.parallel.clock.reset()
+        if step.dp_num_tokens:
+            self.parallel.exchange.begin_step(step.dp_num_tokens)
+        if step.num_seqs == 0:  # an idle replica's turn in the expert exchange
+            self._run_empty()
+            return LaunchedStep(self, start, 0.0)
+        input_ids, positions, meta, logits_rows = self.prepare(step)
+        prepare_s = time.perf_counter() - start
+        graph = self.graphs.pick(meta, len(input_ids)) if self.graphs is not None else None
+        padded = graph[1] - len(input_ids) if graph is not None else 0
+        if graph is not None:
+            logits = self.graphs.run(graph, input_ids, positions, meta, logits_rows)
+        else:
+            logits = self.model(input_ids, positions, meta, logits_rows)
+        if len(logits_rows) == 0 or not self.samples:  # only non-final prompt chunks, or not the sampling rank
+            return LaunchedStep(self, start, prepare_s, padded=padded)
+        tokens, logprobs = sample(logits, step.sampling.to_batch(self.device, step.bitmask))
+        self._last_tokens = tokens
+        launched = LaunchedStep(self, start, prepare_s, self._to_host(tokens), self._to_host(logprobs), padded)
+        if self.device.type == "cuda":
+            # Queued now, the copies wait for this step alone, not for the next step queued behind it.
+            launched.copied = torch.cuda.Event()
+            launched.copied.record()
+        return launched
+
+    def _to_host(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        if t is None or self.device.type != "cuda":
+            return t
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        return host.copy_(t, non_blocking=True)
+
+    def _run_empty(self) -> None:
+        empty = torch.zeros(0, dtype=torch.int64, device=self.device)
+        meta = AttentionMetadata(
+            cu_seqlens_q=torch.zeros(1, dtype=torch.int32, device=self.device),
+            cu_seqlens_k=torch.zeros(1, dtype=torch.int32, device=self.device),
+            context_lens=torch.zeros(0, dtype=torch.int32, device=self.device), max_seqlen_q=0, max_seqlen_k=0,
+            slot_mapping=empty, block_tables=torch.zeros(0, 1, dtype=torch.int32, device=self.device),
+            query_lens=[], context_lens_list=[])
+        self.model(empty, empty, meta, empty)
+
+
+
+def padded_block_tables(tables: Sequence[Sequence[int]]) -> torch.Tensor:
+    """The block tables as one int32 (len(tables), longest) tensor, padded with -1: one pass over the
+    block ids in C (np.fromiter), no padded Python lists (256 sequences of 32K tokens: 512K ids a step)."""
+    lens = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
+    width = int(lens.max()) if len(tables) else 0
+    out = np.full((len(tables), width), -1, dtype=np.int32)
+    out[np.arange(width) < lens[:, None]] = np.fromiter(chain.from_iterable(tables), dtype=np.int32,
+                                                        count=int(lens.sum()))
+    return torch.from_numpy(out)
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose work is queued on the device; ``result`` waits for its sampled tokens (on CUDA, for
+    their copy to pinned host memory, queued right behind the step)."""
+
+    runner: ModelRunner
+    start: float
+    prepare_s: float
+    tokens: torch.Tensor | None = None
+    logprobs: torch.Tensor | None = None
+    padded: int = 0
+    copied: "torch.cuda.Event | None" = None  # on CUDA: when tokens and logprobs have reached the host
+    eplb: dict | None = None  # the expert load balancer's report, on the steps that evaluated it
+
+    def result(self) -> StepOutput:
+        runner = self.runner
+        out = StepOutput(padded_tokens=self.padded, prepare_s=self.prepare_s, eplb=self.eplb)
+        if self.copied is not None:
+            self.copied.synchronize()
+        if self.tokens is not None:
+            out.tokens = self.tokens.tolist()
+            out.logprobs = self.logprobs.tolist() if self.logprobs is not None else None
+        if runner.device.type == "cuda" and runner.parallel.clock.sync:
+            torch.cuda.synchronize(runner.device)
+        out.comm_s = runner.parallel.clock.reset()
+        out.compute_s = time.perf_counter() - self.start - out.comm_s
+        return out

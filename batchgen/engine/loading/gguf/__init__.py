@@ -1,0 +1,1 @@
+"""GGUF files: metadata, the mapping onto Hugging Face config and weight names, weights, the tokenizer rebuild."""

@@ -1,0 +1,196 @@
+"""Constrained decoding with xgrammar: grammars compiled off the step loop, one matcher per request, token bitmasks.
+
+Grammar state lives with the scheduler (rank 0); the model runner only receives the bitmask tensor of the
+rows that have a grammar. ``import xgrammar`` is deferred to the compile thread: it imports transformers.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from batchgen.engine.sampling.params import SamplingParams
+from batchgen.engine.sampling.sampler import TokenBitmask
+
+log = logging.getLogger(__name__)
+
+EXTRA_HINT = "constrained decoding (json_schema, regex, choice) needs xgrammar: pip install 'batchgen[structured]'"
+GrammarKey = tuple[str, str]
+MAX_CACHED_GRAMMARS = 256  # compiled grammars kept for reuse (least recently asked for go first)
+
+
+def structured_available() -> bool:
+    return importlib.util.find_spec("xgrammar") is not None
+
+
+def grammar_key(params: SamplingParams) -> GrammarKey | None:
+    """A hashable description of the request's constraint, the key of the compiled-grammar cache."""
+    if params.json_schema is not None:
+        schema = params.json_schema  # keys keep their order: it is the order of the output's fields
+        return "json", schema if isinstance(schema, str) else json.dumps(schema, separators=(",", ":"))
+    if params.regex is not None:
+        return "regex", params.regex
+    if params.choice is not None:
+        return "choice", json.dumps(params.choice, ensure_ascii=False)
+    return None
+
+
+def choice_grammar(choices: Sequence[str]) -> str:
+    """EBNF accepting exactly one of ``choices``."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+@dataclass
+class CompiledConstraint:
+    """A compiled grammar, and for JSON the tokens it may ever use (None: no filter)."""
+
+    grammar: Any
+    token_filter: torch.Tensor | None = None  # int32 bitmask words, ANDed into every step's mask
+
+
+class GrammarCompiler:
+    """Compiles grammars in a background thread, at most once per key.
+
+    ``submit`` returns at once with a future, so a slow schema never stalls the engine's step loop; the
+    tokenizer's vocabulary is indexed for xgrammar on the first compile, in the same thread.
+    """
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int], max_workers: int = 1):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.stop_token_ids = sorted(set(stop_token_ids))
+        self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grammar")
+        self._cache: OrderedDict[GrammarKey, Future] = OrderedDict()
+        self._lock = threading.Lock()
+        self._compiler: Any = None
+        self._no_control_bytes: torch.Tensor | None = None
+
+    def submit(self, key: GrammarKey) -> Future:
+        with self._lock:
+            future = self._cache.get(key)
+            if future is None:
+                future = self._cache[key] = self._pool.submit(self._compile, key)
+                if len(self._cache) > MAX_CACHED_GRAMMARS:  # requests hold their own futures
+                    self._cache.popitem(last=False)
+            self._cache.move_to_end(key)
+            return future
+
+    def _xgr_compiler(self):
+        if self._compiler is None:
+            import xgrammar as xgr
+
+            vocab = [""] * self.vocab_size
+            for token, index in self.tokenizer.backend.get_vocab(with_added_tokens=True).items():
+                if index < self.vocab_size:
+                    vocab[index] = token
+            meta = xgr.TokenizerInfo._detect_metadata_from_hf(self.tokenizer.backend.to_str())
+            info = xgr.TokenizerInfo(vocab, meta["vocab_type"], vocab_size=self.vocab_size,
+                                     stop_token_ids=self.stop_token_ids, add_prefix_space=meta["add_prefix_space"])
+            self._compiler = xgr.GrammarCompiler(info, max_threads=2)
+            self._no_control_bytes = _tokens_without_control_bytes(info.decoded_vocab, self.vocab_size,
+                                                                   info.special_token_ids + self.stop_token_ids)
+        return self._compiler
+
+    def _compile(self, key: GrammarKey):
+        kind, text = key
+        compiler = self._xgr_compiler()
+        try:
+            if kind == "json":
+                # Compact separators and no free whitespace: otherwise a model can emit whitespace forever.
+                # Compact JSON has no raw control character anywhere, yet xgrammar lets length-bounded
+                # strings contain them: the filter keeps them out so that every output parses.
+                grammar = compiler.compile_json_schema(text, any_whitespace=False, separators=(",", ":"))
+                return CompiledConstraint(grammar, self._no_control_bytes)
+            if kind == "regex":
+                return CompiledConstraint(compiler.compile_regex(text))
+            return CompiledConstraint(compiler.compile_grammar(choice_grammar(json.loads(text))))
+        except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError and friends for bad grammars
+            raise GrammarError(f"cannot compile the {kind} constraint: {' '.join(str(e).split())}") from None
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class GrammarError(ValueError):
+    """A constraint that cannot be compiled (an unsupported schema, a bad regex)."""
+
+
+def _tokens_without_control_bytes(decoded_vocab: Sequence[bytes], vocab_size: int,
+                                  keep: Sequence[int]) -> torch.Tensor:
+    """Bitmask words allowing every token whose bytes hold no control character (0x00-0x1f), and ``keep``."""
+    allowed = torch.zeros((vocab_size + 31) // 32 * 32, dtype=torch.bool)
+    control = bytes(range(32))
+    for token, raw in enumerate(decoded_vocab[:vocab_size]):
+        allowed[token] = bool(raw) and not any(b in control for b in raw)
+    allowed[list(keep)] = True
+    weights = torch.tensor([1 << j for j in range(32)], dtype=torch.int64)
+    words = (allowed.view(-1, 32).long() * weights).sum(1)
+    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+
+
+@dataclass
+class GrammarState:
+    """One request's grammar: its compile future, then its matcher and how many tokens it has accepted.
+
+    The matcher advances only over completion tokens it has not seen, so recomputing a preempted
+    sequence's KV never advances it twice.
+    """
+
+    future: Future
+    matcher: Any = None
+    token_filter: torch.Tensor | None = None
+    num_accepted: int = 0
+    rejected: bool = False
+    error: str | None = None
+
+    @property
+    def is_ready(self) -> bool:
+        return self.future.done()
+
+    def start(self) -> bool:
+        """Builds the matcher once the grammar is compiled; False (with ``error`` set) if compiling failed."""
+        exc = self.future.exception()
+        if exc is not None:
+            self.error = str(exc) if isinstance(exc, GrammarError) else f"{type(exc).__name__}: {exc}"
+            return False
+        import xgrammar as xgr
+
+        compiled: CompiledConstraint = self.future.result()
+        self.matcher = xgr.GrammarMatcher(compiled.grammar)
+        self.token_filter = compiled.token_filter
+        return True
+
+    def advance(self, token_ids: Sequence[int], num_prompt_tokens: int) -> None:
+        """Accepts the sequence's completion tokens that the matcher has not seen yet."""
+        for token in token_ids[num_prompt_tokens + self.num_accepted:]:
+            if self.rejected or not self.matcher.accept_token(token):
+                self.rejected = True
+                return
+            self.num_accepted += 1
+
+    @property
+    def is_terminated(self) -> bool:
+        return self.matcher.is_terminated()
+
+    @property
+    def is_complete(self) -> bool:
+        """Whether the text so far is a whole match (a stop token accepted or not)."""
+        return not self.rejected and (self.matcher.is_terminated() or self.matcher.is_completed())
+
+
+def token_bitmask(grammars: Sequence[GrammarState], rows: list[int], vocab_size: int) -> TokenBitmask:
+    """The allowed next tokens of each grammar, for the sampling rows ``rows``."""
+    words = (vocab_size + 31) // 32
+    bits = torch.full((len(grammars), words), -1, dtype=torch.int32)
+    for i, grammar in enumerate(grammars):
+        grammar.matcher.fill_next_token_bitmask(bits, i)
+        if grammar.token_filter is not None:
+            bits[i] &= grammar.token_filter
+    return TokenBitmask(bits, rows)
