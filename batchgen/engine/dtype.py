@@ -10,6 +10,7 @@ from typing import Literal
 import torch
 
 from batchgen.engine.cpu.features import CpuFeatures, cpu_features
+from batchgen.io.atomic import write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -107,10 +108,7 @@ def matmul_rates(features: CpuFeatures) -> dict[str, float]:
         pass
     rates = {name: measure_matmul_gflops(TORCH_DTYPES[name]) for name in ("bfloat16", "float32")}
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{id(rates)}")
-        tmp.write_text(json.dumps(rates))
-        tmp.replace(path)
+        write_atomic(path, json.dumps(rates).encode())
     except OSError as e:  # a read-only cache only costs the measurement next time
         log.debug("cannot cache matmul rates in %s: %s", path, e)
     return rates

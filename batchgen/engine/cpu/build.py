@@ -79,7 +79,7 @@ def build_and_load(features: CpuFeatures) -> str | None:
         return f"no C++ compiler found ({compiler()!r}; set CXX to one)"
     from torch.utils import cpp_extension
 
-    from batchgen.engine.hub import file_lock
+    from batchgen.io.lease import file_lock
 
     folder = build_dir(features)
     folder.mkdir(parents=True, exist_ok=True)
