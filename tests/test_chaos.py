@@ -233,14 +233,13 @@ FAULTS = ["reset", "reset_mid_response", "slowdown", "error500"]
 
 
 def faulty_job(env, tiny_model, tmp_path: Path, **extra: Any) -> dict[str, Any]:
-    """A job on S3 through the fault proxy; botocore does not retry, so batchgen's own retries are what is tested."""
+    """A job on S3 through the fault proxy, with the default storage options: batchgen's retries are the only ones."""
     a, b = chaos_inputs()
     client = env.client()
     for name, recs in (("a.jsonl", a), ("b.jsonl", b)):
         client.put_object(Bucket=BUCKET, Key=f"in/{name}", Body="".join(json.dumps(r) + "\n" for r in recs))
-    opts = {**env.storage_options, "config_kwargs": {"retries": {"max_attempts": 1, "mode": "standard"}}}
     return chaos_job(tiny_model, [env.url("in/a.jsonl"), env.url("in/b.jsonl")], env.url("out"),
-                     storage_options=opts, **extra)
+                     storage_options=env.storage_options, **extra)
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from batchgen.io import InputError, expand_inputs, read_columns, read_rows, redact, storage_options_for
-from batchgen.io.paths import DEFAULT_BOTO_RETRIES
+from batchgen.io.retry import BOTO_SINGLE_ATTEMPT
 
 
 def write_jsonl(path, lines: list[bytes]) -> str:
@@ -203,7 +203,7 @@ def test_storage_options_for_merges_aws_env(monkeypatch):
     opts = storage_options_for("s3://b/k", None)
     assert opts == {"endpoint_url": "http://127.0.0.1:1", "key": "envkey", "secret": "envsecret-value",
                     "token": "envtoken-value", "client_kwargs": {"region_name": "eu-west-1"},
-                    "config_kwargs": {"retries": DEFAULT_BOTO_RETRIES}}
+                    "config_kwargs": {"retries": BOTO_SINGLE_ATTEMPT}}
     explicit = storage_options_for("s3://b/k", {"key": "k2", "secret": "s2",
                                                 "endpoint_url": "http://127.0.0.1:2",
                                                 "config_kwargs": {"retries": {"max_attempts": 2}}})
@@ -260,7 +260,7 @@ def test_stream_resumes_after_transient_error(tmp_path, monkeypatch):
         return FlakyFile(f, budget=2000) if opened.count(url) == 1 else f
 
     monkeypatch.setattr(readers, "_open", flaky_open)
-    monkeypatch.setattr(readers, "_backoff", lambda attempt: None)
+    monkeypatch.setattr("batchgen.io.retry._sleep", lambda s: None)
     got = list(read_rows([jsonl], batch_rows=32))
     assert [r.values["i"] for r in got] == list(range(400)) and opened.count(jsonl) == 2
     got = list(read_rows([parquet], batch_rows=32))

@@ -13,7 +13,9 @@ import pytest
 from batchgen.io import (
     InputError, OutputError, OutputWriter, expand_inputs, read_columns, read_output, read_rows, redact,
 )
-from batchgen.io.retry import is_transient, retry
+from batchgen.io.paths import filesystem
+from batchgen.io.retry import POLICY, RetryPolicy, is_transient, retry
+from batchgen.io.store import Store
 from tests.s3_server import HOST, S3Env, faulty_s3, moto_server, s3, s3_proxy  # noqa: F401
 
 
@@ -162,8 +164,31 @@ def test_retry_helper_and_classification():
             raise ConnectionResetError("connection reset by peer")
         return "ok"
 
-    assert retry(flaky, base_delay=0.001) == "ok" and len(calls) == 3
+    fast = RetryPolicy(base_delay=0.001)
+    assert retry(flaky, policy=fast) == "ok" and len(calls) == 3
     with pytest.raises(FileNotFoundError):
-        retry(lambda: (_ for _ in ()).throw(FileNotFoundError("nope")), base_delay=0.001)
+        retry(lambda: (_ for _ in ()).throw(FileNotFoundError("nope")), policy=fast)
     assert is_transient(OSError(16, "SlowDown"))  # s3fs's SlowDown / 503
     assert not is_transient(PermissionError("AccessDenied")) and not is_transient(ValueError("bad"))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", ["slowdown", "error500"])
+def test_a_failed_request_is_tried_the_configured_number_of_times_in_all(faulty_s3, kind, monkeypatch):
+    """One retry layer: neither botocore nor s3fs retries under io.retry, so the requests that reach the store
+    are the policy's attempts, not a product of three loops (up to 5 x 5 x 6 before). (A connection reset is
+    resent once by aiohttp itself where the connection was a pooled one, below every retry layer.)"""
+    monkeypatch.setattr("batchgen.io.retry._sleep", lambda s: None)
+    proxy = faulty_s3.proxy
+    store = Store(*filesystem(faulty_s3.url("out"), faulty_s3.storage_options))  # the job's default options
+    proxy.inject(kind, 1, "PUT", "once.json")
+    before = proxy.requests
+    store.put("once.json", b"{}")
+    assert proxy.injected[kind] == 1 and proxy.requests - before == 2  # the failed try and the one after it
+    assert store.read("once.json") == b"{}"
+    proxy.inject(kind, 10**6, "PUT", "never.json")
+    before = proxy.requests
+    with pytest.raises(Exception) as failure:
+        store.put("never.json", b"{}")
+    assert is_transient(failure.value)
+    assert proxy.requests - before == POLICY.attempts and proxy.injected[kind] == 1 + POLICY.attempts

@@ -11,7 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-import batchgen.io.store as store_mod
+import batchgen.io.atomic as atomic_mod
 from batchgen.io import OutputError, OutputWriter, read_output
 from batchgen.io.committer import PartCommitter
 from batchgen.io.lease import LeaseSettings
@@ -87,7 +87,7 @@ def test_failed_part_leaves_nothing_visible(tmp_path, fmt, monkeypatch):
             raise OSError(28, "No space left on device")
         return f
 
-    monkeypatch.setattr(store_mod, "open", failing_open, raising=False)
+    monkeypatch.setattr(atomic_mod, "open", failing_open, raising=False)
     with pytest.raises(OutputError, match="part-00001"):
         w.write_part(rows(["d"]))
     monkeypatch.undo()

@@ -6,6 +6,7 @@ and prepare tasks; a capped object store; no dashboard, no token auth); it is sh
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -34,9 +35,12 @@ from tests.s3_server import HOST, moto_server, s3  # noqa: F401  (fixtures)
 ray = pytest.importorskip("ray", reason=RAY_EXTRA_HINT)
 
 from batchgen.pipeline.executors.ray import replica_resources  # noqa: E402
-from batchgen.pipeline.executors.ray_board import board_name  # noqa: E402
+from batchgen.pipeline.executors.ray_board import (  # noqa: E402
+    BoardNews, JobBoard, ReplicaInfo, WindowTicket, board_name,
+)
 from batchgen.pipeline.executors.ray_shards import plan_shards  # noqa: E402
 from batchgen.pipeline.stages import RowIds  # noqa: E402
+from batchgen.pipeline.stats import Counts  # noqa: E402
 
 RAY_PART = re.compile(r"^part-r[0-9a-f]+-s\d{5}-w\d{5}-\d{5}\.(parquet|jsonl)$")
 
@@ -167,6 +171,24 @@ def test_replica_resources_follow_the_cluster():
     assert replica_resources(spec, 8.0) == (3, 1.0, 0.5)
 
 
+def test_the_board_counts_attempts_and_refuses_windows_after_a_stop():
+    board = JobBoard()  # the actor's class, called directly: its calls run one at a time either way
+    info = ReplicaInfo(node="n", pid=1, startup_s=0.5, token_budget=64, dtype="float32")
+    a, b = board.register(info), board.register(dataclasses.replace(info, pid=2))
+    assert board.begin("s00000-w00000", a) == WindowTicket(attempt=0, run=True)
+    assert board.begin("s00000-w00000", b) == WindowTicket(attempt=1, run=True)  # a's attempt was cut short
+    assert board.report(a, Counts(rows=1, ok_rows=1, prompt_tokens=9)) == BoardNews(stop=False, lost=None)
+    board.end("s00000-w00000", b, Counts(rows=3, ok_rows=2, error_rows=1, prompt_tokens=30), {})
+    board.lease_lost("taken by another run")
+    assert board.report(a, Counts(rows=2, ok_rows=2, prompt_tokens=18)) == BoardNews(True, "taken by another run")
+    assert board.begin("s00000-w00001", a) == WindowTicket(attempt=0, run=False)
+    snapshot = board.snapshot()
+    assert snapshot.totals() == Counts(rows=5, ok_rows=4, error_rows=1, prompt_tokens=48)
+    assert (snapshot.windows, snapshot.retried, snapshot.active, snapshot.stop) == (1, 1, 0, True)
+    assert snapshot.engine() == info and [r.info.pid for r in snapshot.replicas] == [1, 2]
+    assert snapshot.generating_s() >= 0 and snapshot.replicas[1].windows == 1 and snapshot.replicas[0].windows == 0
+
+
 @pytest.mark.timeout(120)
 def test_planned_ids_equal_reading_order(ray_cluster, tmp_path):
     files, ids = job_inputs(tmp_path)
@@ -234,8 +256,8 @@ def test_a_killed_replica_loses_and_repeats_no_row(ray_cluster, tmp_path, tiny_m
         if not runs:
             return None
         snapshot = ray.get(ray.get_actor(board_name(runs.pop())).snapshot.remote())
-        busy = set(snapshot["running"].values())
-        return next((r["pid"] for r in snapshot["replicas"] if r["replica"] in busy), None)
+        busy = set(snapshot.running.values())
+        return next((r.info.pid for r in snapshot.replicas if r.replica in busy), None)
 
     def kill_it() -> None:
         pid = busy_replica()

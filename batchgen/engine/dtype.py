@@ -10,6 +10,7 @@ import torch
 
 from batchgen.engine.backends.cpu.features import CpuFeatures, cpu_features
 from batchgen.engine.matmul_rate import measure_matmul_flops
+from batchgen.io.atomic import write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -113,10 +114,7 @@ def matmul_rates(features: CpuFeatures) -> dict[str, float]:
         pass
     rates = {name: _one_core_gflops(TORCH_DTYPES[name]) for name in ("bfloat16", "float32")}
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{id(rates)}")
-        tmp.write_text(json.dumps(rates))
-        tmp.replace(path)
+        write_atomic(path, json.dumps(rates).encode())
     except OSError as e:  # a read-only cache only costs the measurement next time
         log.debug("cannot cache matmul rates in %s: %s", path, e)
     return rates

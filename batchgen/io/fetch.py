@@ -5,31 +5,23 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import logging
-import os
-import shutil
-import uuid
 from pathlib import Path
 from typing import Any, Callable
 
 import fsspec
 
 from batchgen.crashpoints import crash_point
+from batchgen.io.atomic import atomic_path, remove_leftovers
 from batchgen.io.errors import InputError
-from batchgen.io.manifest import TEMP_MARK
 from batchgen.io.paths import S3_PROTOCOLS, filesystem
 from batchgen.io.redaction import redact
-from batchgen.io.retry import retry
+from batchgen.io.retry import TransientError, retry
 
 __all__ = ["fetch"]
 
-log = logging.getLogger(__name__)
 
-_ATTEMPTS = 4  # whole-file attempts after a short or corrupt copy; failed requests are retried by retry()
-
-
-class _Mismatch(Exception):
-    """A downloaded file is not what the store lists (cut short, or corrupted)."""
+class _Mismatch(TransientError):
+    """A downloaded file is not what the store lists (cut short, or corrupted): retried like a failed request."""
 
 
 def _stored_sha256(fs: fsspec.AbstractFileSystem, path: str) -> str | None:
@@ -64,23 +56,15 @@ def _verify(local: Path, size: int | None, sha256: str | None) -> None:
 def _download(fs: fsspec.AbstractFileSystem, remote: str, local: Path, info: dict[str, Any]) -> None:
     """remote -> local, verified; nothing at local unless the whole file arrived."""
     local.parent.mkdir(parents=True, exist_ok=True)
-    partial = local.with_name(f".{local.name}{TEMP_MARK}{uuid.uuid4().hex}")
     sha256 = _stored_sha256(fs, remote)
-    try:
-        for attempt in range(1, _ATTEMPTS + 1):
-            try:
-                retry(lambda: fs.get_file(remote, str(partial)), what=f"download {remote}")
-                _verify(partial, info.get("size"), sha256)
-                break
-            except _Mismatch as exc:
-                if attempt == _ATTEMPTS:
-                    raise
-                log.warning("download of %s failed (attempt %d/%d), retrying: %s", redact(remote), attempt,
-                            _ATTEMPTS, redact(str(exc)))
+
+    def download_into(partial: str) -> None:
+        fs.get_file(remote, partial)
+        _verify(Path(partial), info.get("size"), sha256)
+
+    with atomic_path(local) as partial:
+        retry(lambda: download_into(partial), what=f"download {remote}")
         crash_point("download.file")
-        os.replace(partial, local)
-    finally:
-        partial.unlink(missing_ok=True)
 
 
 def _listing(fs: fsspec.AbstractFileSystem, root: str, url: str) -> dict[str, dict[str, Any]]:
@@ -98,12 +82,6 @@ def _listing(fs: fsspec.AbstractFileSystem, root: str, url: str) -> dict[str, di
     return files
 
 
-def _remove_leftovers(dest: Path) -> None:
-    """Temp copies of dest left by a killed process (callers serialize fetches of one dest)."""
-    for stale in [*dest.parent.glob(f".{dest.name}{TEMP_MARK}*"), *dest.parent.glob(f"..{dest.name}{TEMP_MARK}*")]:
-        shutil.rmtree(stale, ignore_errors=True) if stale.is_dir() else stale.unlink(missing_ok=True)
-
-
 def fetch(url: str, dest: Path, storage_options: dict[str, Any] | None = None,
           select: Callable[[list[str]], list[str]] | None = None) -> Path:
     """Copies the file or folder at url to dest (which must not exist) with the job's credentials and
@@ -111,23 +89,16 @@ def fetch(url: str, dest: Path, storage_options: dict[str, Any] | None = None,
     relative to it) to copy. Raises FileNotFoundError or InputError."""
     fs, root = filesystem(url, storage_options)
     root = root.rstrip("/")
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    _remove_leftovers(dest)
-    staging = dest.with_name(f".{dest.name}{TEMP_MARK}{uuid.uuid4().hex}")
+    remove_leftovers(dest)  # callers serialize fetches of one dest
     try:
         files = _listing(fs, root, url)
         chosen = select(sorted(files)) if select is not None else sorted(files)
-        for rel, info in ((r, files[r]) for r in chosen):
-            remote = f"{root}/{rel}" if rel else root
-            _download(fs, remote, staging / rel if rel else staging, info)
-        os.replace(staging, dest)
+        with atomic_path(dest) as staging:
+            for rel, info in ((r, files[r]) for r in chosen):
+                remote = f"{root}/{rel}" if rel else root
+                _download(fs, remote, Path(staging) / rel if rel else Path(staging), info)
     except FileNotFoundError:
         raise
     except Exception as exc:
         raise InputError(redact(f"cannot download {url}: {type(exc).__name__}: {exc}")) from exc
-    finally:
-        if staging.is_dir():
-            shutil.rmtree(staging, ignore_errors=True)
-        elif staging.exists():
-            staging.unlink()
     return dest

@@ -1,4 +1,5 @@
-"""One writer per output folder: a lease file with a heartbeat, taken with a create-if-absent write.
+"""One writer at a time: per output folder on any store, a lease file with a heartbeat taken with a
+create-if-absent write; per local path (a cache entry), ``file_lock``, a lock the kernel holds.
 
 The lease lives in ``<output>/_lease/lease-<generation>.json``; the highest generation is the current
 one. A run takes a free or stale lease by creating the next generation, which only one racing run can
@@ -11,6 +12,7 @@ paused process, an unreachable store), has lost the lease: it stops writing and 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -21,6 +23,8 @@ import time
 import uuid
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
+from pathlib import Path
+from typing import Iterator
 
 from batchgen.io.errors import OutputError
 from batchgen.io.redaction import redact
@@ -255,3 +259,22 @@ class Lease:
                 self.store.delete([name])
             except Exception as exc:  # noqa: BLE001 - a stale lease file only delays the next run's start
                 log.warning("could not delete the lease of %s: %s", self.display, redact(str(exc)))
+
+
+@contextlib.contextmanager
+def file_lock(path: Path) -> Iterator[None]:
+    """Serializes the processes of one machine on ``path`` (best effort where fcntl is missing); the kernel
+    drops the lock when its holder dies, even by SIGKILL, so a killed process never blocks later ones. Unlike
+    a :class:`Lease` it needs no heartbeat, and it works only where every holder shares the local disk."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - non-POSIX; callers' final renames are still atomic
+        yield
+        return
+    with open(path, "a+b") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)

@@ -10,6 +10,7 @@ from typing import Any
 
 import fsspec
 
+from batchgen.io.atomic import TEMP_MARK  # noqa: F401 - part of the folder layout: listings skip temp names
 from batchgen.io.redaction import redact
 from batchgen.io.retry import retry
 
@@ -24,7 +25,6 @@ _KEY = r"(?:[a-z0-9]+-)*\d{5,}"  # a PartId's key: [scope-]number
 PART_RE = re.compile(rf"^(?:part|errors)-({_KEY})\.(parquet|jsonl)$")  # any data file of a part
 ENTRY_RE = re.compile(rf"^part-({_KEY})\.json$")
 SCOPE_RE = re.compile(r"^[a-z0-9]+(?:-[a-z0-9]+)*$")
-TEMP_MARK = ".tmp-"
 
 
 @dataclass(frozen=True, order=True)

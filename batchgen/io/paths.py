@@ -1,4 +1,4 @@
-"""Input path expansion, per-URL storage options (AWS env, retries) and credential redaction."""
+"""Input path expansion, per-URL storage options and filesystems (AWS env, client retries off), redaction."""
 
 from __future__ import annotations
 
@@ -11,14 +11,11 @@ from fsspec.core import split_protocol
 
 from batchgen.io.errors import InputError
 from batchgen.io.redaction import redact, remember_secrets_in
-from batchgen.io.retry import retry
+from batchgen.io.retry import BOTO_SINGLE_ATTEMPT, retry, single_attempt
 
 __all__ = ["expand_inputs", "read_bytes", "redact", "storage_options_for", "filesystem", "DATA_SUFFIXES"]
 
 S3_PROTOCOLS = ("s3", "s3a")
-# botocore "standard" mode retries connection errors, 500/502/503/504 and throttling (SlowDown);
-# s3fs wraps each call in its own retry loop on top (5 attempts, not configurable per instance).
-DEFAULT_BOTO_RETRIES = {"max_attempts": 6, "mode": "standard"}
 _CREDENTIAL_OPTIONS = ("key", "secret", "token", "username", "password", "anon", "profile", "session")
 _GLOB_CHARS = "*?["
 DATA_SUFFIXES = (".parquet", ".pq", ".jsonl", ".json", ".ndjson")
@@ -35,7 +32,8 @@ def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
 
 
 def storage_options_for(url: str, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
-    """fsspec options for url: the job's options, plus AWS environment settings and retries for S3.
+    """fsspec options for url: the job's options, plus AWS environment settings for S3 and botocore's retries
+    turned off (``io.retry`` retries every storage call).
 
     Explicit options win over the environment; environment credentials are only used when the job
     gives none of its own.
@@ -59,7 +57,7 @@ def storage_options_for(url: str, storage_options: dict[str, Any] | None = None)
             base["client_kwargs"] = {"region_name": region}
         opts = _merge(base, opts)
         config = dict(opts.get("config_kwargs") or {})
-        config.setdefault("retries", dict(DEFAULT_BOTO_RETRIES))
+        config.setdefault("retries", dict(BOTO_SINGLE_ATTEMPT))
         opts["config_kwargs"] = config
     remember_secrets_in(opts)
     return opts
@@ -68,8 +66,10 @@ def storage_options_for(url: str, storage_options: dict[str, Any] | None = None)
 def filesystem(
     url: str, storage_options: dict[str, Any] | None = None
 ) -> tuple[fsspec.AbstractFileSystem, str]:
-    """(filesystem, path inside it) for url, with storage_options_for applied."""
-    return fsspec.core.url_to_fs(url, **storage_options_for(url, storage_options))
+    """(filesystem, path inside it) for url, with storage_options_for applied and the filesystem's own retry
+    loop turned down (``io.retry`` retries every storage call)."""
+    fs, path = fsspec.core.url_to_fs(url, **storage_options_for(url, storage_options))
+    return single_attempt(fs), path
 
 
 def read_bytes(url: str, storage_options: dict[str, Any] | None = None) -> bytes:

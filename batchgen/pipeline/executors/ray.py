@@ -24,7 +24,7 @@ from batchgen.engine.flops import engine_figures
 from batchgen.io import InputError, OutputError, OutputWriter, redact
 from batchgen.io.lease import LeaseLost
 from batchgen.pipeline.errors import JobError
-from batchgen.pipeline.executors.ray_board import REPORT_S, JobBoard, board_name, totals
+from batchgen.pipeline.executors.ray_board import REPORT_S, BoardSnapshot, JobBoard, ReplicaState, board_name
 from batchgen.pipeline.executors.ray_replica import WINDOWS_AT_ONCE, EngineReplica, ReplicaJob
 from batchgen.pipeline.executors.ray_shards import SHARD_CPUS, PrepareJob, ShardPlan, plan_shards, prepare_windows
 from batchgen.pipeline.interrupt import StopRequest
@@ -93,8 +93,7 @@ class _Watch:
     def __init__(self, board: Any, progress: Progress, writer: OutputWriter, stop: StopRequest) -> None:
         self.board, self.progress, self.writer, self.stop = board, progress, writer, stop
         self.failure: LeaseLost | None = None
-        self.snapshot: dict[str, Any] = {"replicas": [], "active": 0, "stop": False, "windows": 0, "retried": 0,
-                                         "failure": None}
+        self.snapshot = BoardSnapshot()
         self._seen = Counts()
         self._told = False
         self._lock = threading.Lock()
@@ -109,7 +108,7 @@ class _Watch:
             except Exception as e:  # noqa: BLE001 - the board answers at the next tick or the job fails anyway
                 log.debug("cannot read the job's board: %s", e)
 
-    def tick(self) -> dict[str, Any]:
+    def tick(self) -> BoardSnapshot:
         with self._lock:
             try:
                 self.writer.ensure_held()
@@ -121,7 +120,7 @@ class _Watch:
                 self.board.request_stop.remote()
                 self._told = True
             self.snapshot = ray.get(self.board.snapshot.remote(), timeout=60)
-            now = totals(self.snapshot)
+            now = self.snapshot.totals()
             self.progress.advance(now.rows - self._seen.rows, now.prompt_tokens - self._seen.prompt_tokens,
                                   now.completion_tokens - self._seen.completion_tokens)
             self._seen = now
@@ -130,14 +129,14 @@ class _Watch:
     def reported_failure(self) -> str | None:
         """What a replica reported failing it, if one did."""
         try:
-            return self.tick()["failure"]
+            return self.tick().failure
         except Exception:  # noqa: BLE001 - the board is gone with the job
-            return self.snapshot.get("failure")
+            return self.snapshot.failure
 
     def stopped(self) -> bool:
         """Whether a stop was requested and no window runs any more (none will start)."""
         snapshot = self.tick()
-        return snapshot["stop"] and snapshot["active"] == 0
+        return snapshot.stop and snapshot.active == 0
 
     def close(self) -> None:
         self._closed.set()
@@ -159,27 +158,18 @@ def _data_context() -> Iterator[None]:
         ctx.target_max_block_size, ctx.enable_progress_bars = saved
 
 
-def _generating_s(snapshot: dict[str, Any]) -> float:
-    """From the first window a replica began to the last one it finished: the run's time from the first
-    request to the last result, as a local run counts it (Ray's start and the replicas' model loads apart)."""
-    begins = [r["first_begin"] for r in snapshot["replicas"] if r["first_begin"]]
-    ends = [r["last_end"] for r in snapshot["replicas"] if r["last_end"]]
-    return max(0.0, max(ends) - min(begins)) if begins and ends else 0.0
-
-
-def _replica_stats(r: dict[str, Any]) -> dict[str, Any]:
-    counts = r["counts"]
-    span = (r["last_end"] - r["first_begin"]) if r["last_end"] and r["first_begin"] else 0.0
-    metrics = (r["telemetry"] or {}).get("metrics") or {}
+def _replica_stats(r: ReplicaState) -> dict[str, Any]:
+    metrics = (r.telemetry or {}).get("metrics") or {}
+    span = r.active_s
 
     def rate(n: int) -> float:
         return round(n / span, 2) if span > 0 else 0.0
 
-    return {"replica": r["replica"], "node": r["node"], "pid": r["pid"], "startup_s": r["startup_s"],
-            "windows": r["windows"], **counts, "active_s": round(span, 3),
+    return {"replica": r.replica, "node": r.info.node, "pid": r.info.pid, "startup_s": r.info.startup_s,
+            "windows": r.windows, **r.counts.to_dict(), "active_s": round(span, 3),
             "engine_busy_s": round(metrics.get("prefill_time_s", 0.0) + metrics.get("decode_time_s", 0.0), 3),
-            "rows_per_s": rate(counts["rows"]), "prompt_tokens_per_s": rate(counts["prompt_tokens"]),
-            "generated_tokens_per_s": rate(counts["completion_tokens"])}
+            "rows_per_s": rate(r.counts.rows), "prompt_tokens_per_s": rate(r.counts.prompt_tokens),
+            "generated_tokens_per_s": rate(r.counts.completion_tokens)}
 
 
 class RayExecutor:
@@ -221,8 +211,7 @@ class RayExecutor:
             shards = plan_shards(spec, plan.files, plan.limit)
         except Exception as e:  # noqa: BLE001 - a read task failed: missing or corrupt input
             raise _job_error(e) from None
-        telemetry = Telemetry(spec.engine.token_budget, start=plan.wall_start)
-        telemetry.stages.add("startup", time.perf_counter() - plan.wall_start)
+        startup_s = time.perf_counter() - plan.wall_start
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
         board = ray.remote(JobBoard).options(num_cpus=0, scheduling_strategy=here,  # beside the driver
                                              name=board_name(run_id)).remote()
@@ -232,24 +221,26 @@ class RayExecutor:
         finally:
             ray.kill(board)
         writer.refresh(cleanup=not stop.is_set())  # files of replicas killed before their commit go
-        generate_s = _generating_s(snapshot)
-        for r in snapshot["replicas"]:
-            if r["telemetry"]:
-                telemetry.absorb(r["telemetry"])
-        first = next((r for r in snapshot["replicas"] if r.get("profile") is not None), {})
-        telemetry.token_budget = first.get("token_budget", telemetry.token_budget)  # data parallel multiplies it
-        engine = engine_figures(telemetry.metrics, generate_s, telemetry.token_budget, first.get("profile"),
-                                first.get("peak_flops"), engines=replicas)
+        generate_s = snapshot.generating_s()
+        engine_info = snapshot.engine()  # every replica runs the same engine; None when none started
+        telemetry = Telemetry(engine_info.token_budget if engine_info else 0, start=plan.wall_start)
+        telemetry.stages.add("startup", startup_s)
+        for r in snapshot.replicas:
+            if r.telemetry:
+                telemetry.absorb(r.telemetry)
+        engine = engine_figures(telemetry.metrics, generate_s, telemetry.token_budget,
+                                engine_info.profile if engine_info else None,
+                                engine_info.peak_flops if engine_info else None, engines=replicas)
         executor = {"kind": "ray", "address": redact(self.address), "run": run_id, "num_replicas": replicas,
-                    "replica_resources": {"num_cpus": cpus, "num_gpus": gpus}, "windows": snapshot["windows"],
-                    "retried_windows": snapshot["retried"],
-                    "replicas": [_replica_stats(r) for r in snapshot["replicas"]]}
+                    "replica_resources": {"num_cpus": cpus, "num_gpus": gpus}, "windows": snapshot.windows,
+                    "retried_windows": snapshot.retried,
+                    "replicas": [_replica_stats(r) for r in snapshot.replicas]}
         return Execution(run=Counts.total(writer.committed_stats(f"{run_id}-")), generate_s=generate_s,
                          engine=engine, telemetry=telemetry.to_dict(), executor=executor,
-                         dtype=first.get("dtype", plan.spec.engine.dtype))
+                         dtype=engine_info.dtype if engine_info else plan.spec.engine.dtype)
 
     def _run(self, plan: RunPlan, shards: ShardPlan, replica_job: ReplicaJob, writer: OutputWriter,
-             stop: StopRequest, resources: tuple[int, float, float]) -> dict[str, Any]:
+             stop: StopRequest, resources: tuple[int, float, float]) -> BoardSnapshot:
         """Builds the dataset and drains it; returns the board's last snapshot."""
         from ray.data import ActorPoolStrategy
 

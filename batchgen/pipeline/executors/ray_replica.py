@@ -15,20 +15,20 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from batchgen.engine.flops import engine_peak_flops
-from batchgen.crashpoints import crash_point
 from batchgen.engine import LLM
+from batchgen.engine.flops import engine_peak_flops
 from batchgen.io.committer import PartCommitter
 from batchgen.io.store import Store
 from batchgen.io.paths import filesystem
 from batchgen.pipeline import preflight
 from batchgen.pipeline.errors import JobError
-from batchgen.pipeline.executors.ray_board import BoardLink
+from batchgen.pipeline.executors.ray_board import BoardLink, ReplicaInfo
 from batchgen.pipeline.executors.ray_shards import load_window
 from batchgen.pipeline.job import RunPlan
-from batchgen.pipeline.rows import Request, ResultRow, engine_row
-from batchgen.pipeline.stages import Window, admit
+from batchgen.pipeline.rows import Request, ResultRow
+from batchgen.pipeline.stages import Window
 from batchgen.pipeline.telemetry import Telemetry
+from batchgen.pipeline.window_runner import committing, run_requests
 
 log = logging.getLogger(__name__)
 
@@ -111,22 +111,18 @@ class EngineFeed:
             yield item
 
     def _loop(self) -> None:
-        clock = self.telemetry.stages
         while (first := self._queue.get()) is not None:
-            requests = chain([first], self._queued())
             try:
-                with self.telemetry.listening(self.llm.engine.step_listeners):
-                    for req, out in clock.timed(self.llm.generate_stream(admit(requests, self.stop)), "engine"):
-                        crash_point("generate")
-                        self._owner(req.row_id).deliver(engine_row(req, out, self.llm.tokenizer))
+                run_requests(self.llm, chain([first], self._queued()), self.stop, self.telemetry, self._deliver)
             except BaseException as e:  # noqa: BLE001 - every window waiting on the engine fails with it
                 self._release(lambda p: p.fail(e))
             if self.stop.is_set():
                 self._release(lambda p: p.skip())
 
-    def _owner(self, row_id: str) -> _Pending:
+    def _deliver(self, row: ResultRow) -> None:
         with self._lock:
-            return self._owners.pop(row_id)
+            owner = self._owners.pop(row.row_id)
+        owner.deliver(row)
 
     def _release(self, how: Callable[[_Pending], None]) -> None:
         """Hands every request not yet finished back to its window (nothing runs in the engine now)."""
@@ -174,9 +170,10 @@ class EngineReplica:
         self.telemetry = Telemetry(self.llm.engine.token_budget,
                                    start=time.perf_counter() - (time.time() - job.plan.epoch_start))
         self.telemetry.stages.add("startup", time.perf_counter() - started)
-        info = {"node": socket.gethostname(), "pid": os.getpid(), "startup_s": round(time.perf_counter() - started, 3),
-                "profile": self.llm.profile(), "peak_flops": engine_peak_flops(self.llm.config),
-                "token_budget": self.llm.engine.token_budget, "dtype": self.llm.config.dtype_choice.name}
+        info = ReplicaInfo(node=socket.gethostname(), pid=os.getpid(),
+                           startup_s=round(time.perf_counter() - started, 3), token_budget=self.llm.engine.token_budget,
+                           dtype=self.llm.config.dtype_choice.name, profile=self.llm.profile(),
+                           peak_flops=engine_peak_flops(self.llm.config))
         self.link = BoardLink(job.board, info, spec.output.lease_timeout_s)
         self.feed = EngineFeed(self.llm, self.telemetry, self.link.stop)
         fs, root = filesystem(spec.output.path, spec.storage_options)
@@ -208,18 +205,11 @@ class EngineReplica:
         sink = self.job.plan.part_sink(committer, on_row=self._on_row)
         sink.recorded |= self.recorded
         write = self.telemetry.stages.wrap(sink.add, "write")
-        try:
+        with committing(sink, self.telemetry):
             for row in window.errors:
                 if row.row_id not in done:
                     write(row)
             self.feed.run([r for r in window.requests if r.row_id not in done], write)
-        except BaseException:
-            sink.save_finished()
-            raise
-        finally:
-            sink.close()
-        with self.telemetry.stages.measure("write"):
-            sink.flush()
         self.recorded |= sink.recorded
         self.link.end(key, self.telemetry.state())
         return sink.run.rows

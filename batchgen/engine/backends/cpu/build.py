@@ -18,7 +18,7 @@ from typing import Iterator
 
 import torch
 
-from batchgen.engine.backends.cpu.features import CpuFeatures, cpu_features
+from batchgen.engine.cpu.features import CpuFeatures, cpu_features
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ def compiler() -> str:
 
 def build_dir(features: CpuFeatures) -> Path:
     """``<cache>/cpu/kernels-torch<version>-<isa>-<hash of sources, compiler and CPU>``."""
-    from batchgen.engine.loading.hub import cache_dir
+    from batchgen.engine.hub import cache_dir
 
     digest = hashlib.sha256()
     for name in SOURCES + HEADERS:
@@ -79,7 +79,7 @@ def build_and_load(features: CpuFeatures) -> str | None:
         return f"no C++ compiler found ({compiler()!r}; set CXX to one)"
     from torch.utils import cpp_extension
 
-    from batchgen.engine.loading.hub import file_lock
+    from batchgen.io.lease import file_lock
 
     folder = build_dir(features)
     folder.mkdir(parents=True, exist_ok=True)
