@@ -11,9 +11,9 @@ from batchgen.bench.workload import from_documents, parse_length, synthetic
 from batchgen.cli import main
 from batchgen.engine.config import ModelConfig
 from batchgen.engine.flops import attention_flops
-from batchgen.engine.backends.torch.ops import make_kernel_set
+from batchgen.engine.backends.select import make_kernel_set
 from batchgen.engine.models.base import ModelProfile
-from batchgen.engine.models.registry import build_model
+from batchgen.engine.models.registry import build_model, model_config
 
 
 def config_profile(cfg: ModelConfig) -> ModelProfile:

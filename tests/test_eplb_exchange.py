@@ -135,7 +135,7 @@ def fp8_rank_main(rank: int, init: str, results) -> None:
     try:
         from batchgen.engine.backends.triton.fp8.format import dequantize_fp8_weight
         from batchgen.engine.layers.moe import FusedMoE
-        from batchgen.engine.backends.torch.ops import make_kernel_set
+        from batchgen.engine.backends.select import make_kernel_set
         from batchgen.engine.parallel.context import ParallelContext
         from batchgen.engine.parallel.expert_moves import plan_moves, move_slots
         from tests.test_fp8_models import fp8_layers

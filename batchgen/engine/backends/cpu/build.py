@@ -18,7 +18,7 @@ from typing import Iterator
 
 import torch
 
-from batchgen.engine.cpu.features import CpuFeatures, cpu_features
+from batchgen.engine.backends.cpu.features import CpuFeatures, cpu_features
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ def compiler() -> str:
 
 def build_dir(features: CpuFeatures) -> Path:
     """``<cache>/cpu/kernels-torch<version>-<isa>-<hash of sources, compiler and CPU>``."""
-    from batchgen.engine.hub import cache_dir
+    from batchgen.engine.loading.hub import cache_dir
 
     digest = hashlib.sha256()
     for name in SOURCES + HEADERS:
