@@ -131,7 +131,7 @@ def stored_stats(writer: OutputWriter) -> dict[str, Any]:
         raise JobError(redact(f"cannot read {writer.path}/_SUCCESS: {type(e).__name__}: {e}")) from None
 
 
-def _model_failure(spec: JobSpec, what: str, e: Exception) -> JobError:
+def model_failure(spec: JobSpec, what: str, e: Exception) -> JobError:
     message = " ".join(str(e).split()) or type(e).__name__
     return JobError(redact(f"cannot load {what}{spec.resolved()['model']['path']}: {message}"))
 
@@ -143,7 +143,7 @@ def load_tokenizer(spec: JobSpec) -> tuple[Any, int]:
         source = load_model_source(spec.model.path, spec.storage_options, weights=False)
         return source.tokenizer, model_context_len(ModelConfig.from_hf(source.config), spec.model.max_model_len)
     except Exception as e:  # noqa: BLE001 - bad paths, unsupported architectures, bad tokenizers alike
-        raise _model_failure(spec, "the tokenizer of ", e) from None
+        raise model_failure(spec, "the tokenizer of ", e) from None
 
 
 def load_model(spec: JobSpec) -> LLM:
@@ -154,4 +154,4 @@ def load_model(spec: JobSpec) -> LLM:
                    storage_options=spec.storage_options, tensor_parallel_size=m.tensor_parallel_size,
                    data_parallel_size=m.data_parallel_size, enable_expert_parallel=m.enable_expert_parallel)
     except Exception as e:  # noqa: BLE001 - bad paths, unsupported architectures, bad weights alike
-        raise _model_failure(spec, "model ", e) from None
+        raise model_failure(spec, "model ", e) from None

@@ -40,7 +40,7 @@ def _generate(llm: LLM, spec: JobSpec, rows: Iterable[InputRow], preparer: Prepa
                                "queue_wait")
         start = time.perf_counter()
         with telemetry.listening(llm.engine.step_listeners):
-            outputs = llm.generate_stream(admit(requests, stop.event))
+            outputs = llm.generate_stream(admit(requests, stop.event), cancel=stop.abort)
             for req, out in clock.timed(outputs, "engine"):
                 crash_point("generate")
                 write(engine_row(req, out, llm.tokenizer))
