@@ -101,6 +101,8 @@ def test_output_changing_edits_are_refused_on_a_finished_and_a_partial_output(tm
             assert change in message, message
         assert "batching" not in message and "rows_per_part" not in message
         assert snapshot(out) == before and len(loads) == loaded  # refused before the model loads
+        res = invoke("plan", str(job), "--set", "sampling.max_tokens=3")
+        assert res.exit_code == 1 and "sampling.max_tokens: 6 -> 3" in res.stderr  # plan says what run would
     res = invoke("run", str(job), "--quiet", "--set", "sampling.max_tokens=3", "--overwrite")
     assert res.exit_code == 0, res.output
     assert {r["completion_tokens"] for r in read_output(str(out))} <= {0, 1, 2, 3}
