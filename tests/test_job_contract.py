@@ -177,6 +177,14 @@ def test_identity_keys_name_spec_fields(tmp_path, tiny_model):
         identity.spec_values(spec, ("model.nope",))
 
 
+def test_a_renamed_identity_key_keeps_old_outputs_resumable(tmp_path, tiny_model, monkeypatch):
+    now = identity.JobIdentity(identity.spec_values(make_spec(tiny_model, tmp_path / "in.jsonl", tmp_path / "o")))
+    old = {"values": {("model.precision" if k == "model.dtype" else k): v for k, v in now.values.items()}}
+    assert [c.key for c in now.changes(identity.JobIdentity.from_dict(old))] == ["model.dtype", "model.precision"]
+    monkeypatch.setitem(identity.RENAMED_KEYS, "model.precision", "model.dtype")
+    assert now.changes(identity.JobIdentity.from_dict(old)) == []
+
+
 @pytest.mark.timeout(300)
 def test_ctrl_c_aborts_after_the_grace_period_and_the_rerun_completes(tmp_path, tiny_model, tiny_llm):
     n, grace = 6, 1.0

@@ -29,6 +29,9 @@ OUTPUT_KEYS: tuple[str, ...] = (
     "input.path", "input.format", "input.id_column", "input.max_row_bytes",
     "output.format", "output.carry_columns",
 )
+# Keys renamed in the spec since an output recorded them: {old: new}, so that outputs written before a rename
+# resume (add an entry when renaming a key of OUTPUT_KEYS, e.g. "model.dtype": "engine.dtype").
+RENAMED_KEYS: dict[str, str] = {}
 WEIGHTS_KEY = "model.weights"  # not a spec key: the digest of the model's files (see io.fingerprint.tree_digest)
 
 
@@ -90,7 +93,8 @@ class JobIdentity:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> JobIdentity:
-        return cls(dict(data.get("values") or {}))
+        """A recorded identity, its renamed keys under their new names."""
+        return cls({RENAMED_KEYS.get(k, k): v for k, v in (data.get("values") or {}).items()})
 
     def changes(self, recorded: JobIdentity) -> list[Change]:
         """Every key whose value differs from ``recorded`` (a key only one side has counts as changed)."""

@@ -81,10 +81,9 @@ class RunPlan:
         return progress
 
 
-def earlier_runs(writer: OutputWriter, identity: JobIdentity) -> list[dict[str, Any]]:
-    """The runs stats.json records, when it is this job's (an overwritten folder's are gone with it)."""
-    stored = writer.read_json(STATS) or {}
-    return list(stored.get("runs") or []) if stored.get("job_digest") == identity.digest else []
+def earlier_runs(writer: OutputWriter) -> list[dict[str, Any]]:
+    """The runs stats.json records: this job's, since the identity check passed (--overwrite deletes them)."""
+    return list((writer.read_json(STATS) or {}).get("runs") or [])
 
 
 def plan_run(spec: JobSpec, writer: OutputWriter, files: list[str], carry: list[str], identity: JobIdentity, *,
@@ -98,7 +97,7 @@ def plan_run(spec: JobSpec, writer: OutputWriter, files: list[str], carry: list[
     schema.seed(writer.committed_column_types())
     epoch_start = time.time() - (time.perf_counter() - wall_start)
     return RunPlan(spec, files, carry, limit, committed, previous, inputs, recorded, schema, identity,
-                   earlier_runs(writer, identity), quiet=quiet,
+                   earlier_runs(writer), quiet=quiet,
                    wall_start=wall_start, epoch_start=epoch_start, started_at=started_at)
 
 

@@ -110,5 +110,6 @@ def _stats(plan: RunPlan, execution: Execution, totals: Counts, complete: bool, 
                               limit=plan.limit, interrupted=stopped, dtype=execution.dtype,
                               engine=execution.engine, executor=execution.executor))
     resolved = plan.spec.resolved()
-    return job_stats(totals=totals, runs=runs, job=plan.spec.name, model=resolved["model"]["path"], spec=resolved,
-                     identity=plan.identity.to_dict(), complete=complete)
+    return job_stats(totals=totals, runs=runs, this_run=execution.run, limit=plan.limit, job=plan.spec.name,
+                     model=resolved["model"]["path"], spec=resolved, identity=plan.identity.to_dict(),
+                     complete=complete)

@@ -73,9 +73,10 @@ def run_entry(*, run: Counts, started_at: str, wall_s: float, generate_s: float,
             "executor": executor or {"kind": "local"}}
 
 
-def job_stats(*, totals: Counts, runs: list[dict[str, Any]], job: str, model: str, spec: dict[str, Any],
-              identity: dict[str, Any], complete: bool) -> dict[str, Any]:
-    """The job's stats over every run that committed rows into its output folder (``runs``, oldest first).
+def job_stats(*, totals: Counts, runs: list[dict[str, Any]], this_run: Counts, limit: int | None, job: str,
+              model: str, spec: dict[str, Any], identity: dict[str, Any], complete: bool) -> dict[str, Any]:
+    """The job's stats over every run that committed rows into its output folder (``runs``, oldest first);
+    ``this_run`` and ``limit`` are the latest run's (which may have committed nothing).
 
     The totals are sums over every committed part; the top-level rates and times come from the runs that
     computed something (engine time), the engine figures from the latest of them (``plan --rates-from``).
@@ -99,8 +100,8 @@ def job_stats(*, totals: Counts, runs: list[dict[str, Any]], job: str, model: st
         "job_digest": identity.get("digest"),
         "resumed": len(runs) > 1,
         "complete": complete,
-        "limit": runs[-1].get("limit") if runs else None,
-        "this_run": Counts.from_dict(runs[-1]).to_dict() if runs else Counts().to_dict(),
+        "limit": limit,
+        "this_run": this_run.to_dict(),
         "engine": last.get("engine") or {},
         "executor": last.get("executor") or {"kind": "local"},
         "runs": runs,
