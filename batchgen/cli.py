@@ -17,6 +17,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from batchgen.bench.command import bench
 from batchgen.io import redact
 from batchgen.pipeline.errors import JobError, JobInterrupted
+from batchgen.pipeline.interrupt import DEFAULT_GRACE_S
 from batchgen.pipeline.spec import JobSpec, SpecError, load_spec, spec_from_dict
 
 log = logging.getLogger("batchgen")
@@ -72,7 +73,8 @@ def main() -> None:
 
 
 limit_option = click.option("--limit", type=click.IntRange(min=1), default=None,
-                            help="Only the first N input rows.")
+                            help="A trial: only the first N input rows; they are committed, and a later run "
+                                 "without --limit adds the rest.")
 
 
 @contextmanager
@@ -103,6 +105,10 @@ def run_options(command):
             click.option("--force-unlock", is_flag=True,
                          help="Take the output folder even if another run holds its lease (only when that run "
                               "is gone)."),
+            click.option("--grace", "grace_s", type=click.FloatRange(min=0), default=DEFAULT_GRACE_S,
+                         show_default=True, metavar="SECONDS",
+                         help="After a first Ctrl-C (or SIGTERM), how long the requests already running may "
+                              "finish before they are aborted; a second one stops at once."),
             click.option("--quiet", "-q", is_flag=True, help="No progress bar, warnings and errors only."),
             click.option("--verbose", "-v", is_flag=True, help="Debug logging and tracebacks."))):
         command = option(command)
@@ -113,10 +119,10 @@ def run_options(command):
 @click.argument("job", type=click.Path(dir_okay=False))
 @run_options
 def run(job: str, overrides: tuple[str, ...], limit: int | None, overwrite: bool, force_unlock: bool,
-        quiet: bool, verbose: bool) -> None:
+        grace_s: float, quiet: bool, verbose: bool) -> None:
     """Run the job spec JOB (YAML); rerunning an interrupted job resumes it. One run at a time may write
     an output folder: a second one fails at once, naming the host and pid that holds it."""
-    _run(_load(job, overrides), limit, overwrite, force_unlock, quiet, verbose)
+    _run(_load(job, overrides), limit, overwrite, force_unlock, grace_s, quiet, verbose)
 
 
 @main.command("openai-batch")
@@ -126,7 +132,7 @@ def run(job: str, overrides: tuple[str, ...], limit: int | None, overwrite: bool
 @click.option("--model", required=True, help="Built-in name, model folder, .gguf file, or URL.")
 @run_options
 def openai_batch(input_path: str, output_path: str, model: str, overrides: tuple[str, ...], limit: int | None,
-                 overwrite: bool, force_unlock: bool, quiet: bool, verbose: bool) -> None:
+                 overwrite: bool, force_unlock: bool, grace_s: float, quiet: bool, verbose: bool) -> None:
     """Run an OpenAI Batch request file; writes result lines (part-N.jsonl) and error lines (errors-N.jsonl).
 
     Each line's own settings apply. Lines that leave them out get the API's defaults (temperature 1, top_p 1)
@@ -140,15 +146,16 @@ def openai_batch(input_path: str, output_path: str, model: str, overrides: tuple
         spec = spec_from_dict(data, overrides)
     except SpecError as e:
         _spec_errors(e)
-    _run(spec, limit, overwrite, force_unlock, quiet, verbose)
+    _run(spec, limit, overwrite, force_unlock, grace_s, quiet, verbose)
 
 
-def _run(spec: JobSpec, limit: int | None, overwrite: bool, force_unlock: bool, quiet: bool,
+def _run(spec: JobSpec, limit: int | None, overwrite: bool, force_unlock: bool, grace_s: float, quiet: bool,
          verbose: bool) -> None:
     from batchgen.pipeline.runner import run_job  # the engine's imports are slow: only when running
 
     with _job_failures(spec, verbose), _logging(verbose, quiet):
-        stats = run_job(spec, limit=limit, overwrite=overwrite, quiet=quiet, force_unlock=force_unlock)
+        stats = run_job(spec, limit=limit, overwrite=overwrite, quiet=quiet, force_unlock=force_unlock,
+                        grace_s=grace_s)
     click.echo(_summary(stats))
 
 

@@ -77,12 +77,12 @@ def engine_calls(tiny_llm, monkeypatch):
     seen: list[str] = []
     original = tiny_llm.generate_stream
 
-    def spy(requests, max_pending=None):
+    def spy(requests, max_pending=None, cancel=None):
         def tap():
             for item in requests:
                 seen.append(item[0].row_id)
                 yield item
-        return original(tap(), max_pending)
+        return original(tap(), max_pending, cancel)
 
     monkeypatch.setattr(tiny_llm, "generate_stream", spy)
     return seen

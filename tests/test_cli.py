@@ -90,7 +90,7 @@ def test_progress_bar_knows_the_total(tmp_path, tiny_model, shared_engine):
     res = invoke("run", str(job), "--limit", "3")
     assert res.exit_code == 0, res.output
     assert re.search(r" 3/3 \[\d\d:\d\d<\d\d:\d\d", res.stderr), res.stderr  # a total, so an ETA
-    (tmp_path / "out" / "_SUCCESS").unlink()  # as if interrupted: the next run resumes
+    assert not (tmp_path / "out" / "_SUCCESS").exists()  # a --limit trial: the next run resumes
     res = invoke("run", str(job))
     assert res.exit_code == 0, res.output
     assert re.search(r" 5/5 \[", res.stderr) and "test-job: 5 rows" in res.stdout, res.stderr
@@ -152,7 +152,7 @@ def test_smollm2_summarize(tmp_path, smollm2_gguf, monkeypatch):
                  "--set", "model.device=cpu")
     assert res.exit_code == 0, res.output
     out = tmp_path / "summarize"
-    stats = json.loads((out / "_SUCCESS").read_text())
+    stats = json.loads((out / "stats.json").read_text())  # a --limit trial: no _SUCCESS
     rows = check_output(out, stats, [json.loads(line)["id"] for line in
                                      (ROOT / "jobs/data/articles.jsonl").read_text().splitlines()[:3]])
     assert stats["error_rows"] == 0 and stats["model"] == "smollm2-135m-instruct"

@@ -25,7 +25,7 @@ def result(i: int) -> ResultRow:
 def test_finished_rows_are_committed_by_age_without_more_rows(tmp_path):
     out = tmp_path / "out"
     sink = PartSink(OutputWriter(str(out), id_key="id"), PartSchema("id", []), rows_per_part=1000,
-                    spec_digest="d", max_age_s=0.3)
+                    job_digest="d", max_age_s=0.3)
     try:
         sink.add(result(0))
         sink.add(result(1))
@@ -43,7 +43,7 @@ def test_finished_rows_are_committed_by_age_without_more_rows(tmp_path):
 
 def test_a_failed_background_flush_surfaces_in_the_job(tmp_path, monkeypatch):
     writer = OutputWriter(str(tmp_path / "out"), id_key="id")
-    sink = PartSink(writer, PartSchema("id", []), rows_per_part=1000, spec_digest="d", max_age_s=0.1)
+    sink = PartSink(writer, PartSchema("id", []), rows_per_part=1000, job_digest="d", max_age_s=0.1)
     monkeypatch.setattr(writer, "write_part", lambda *a, **k: (_ for _ in ()).throw(OSError("disk full")))
     try:
         sink.add(result(0))

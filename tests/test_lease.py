@@ -153,3 +153,16 @@ def test_lost_create_response_still_takes_the_lease(faulty_s3):  # noqa: F811
     with pytest.raises(LeaseHeld):
         lease_for(url, opts).acquire()
     lease.release()
+
+
+def test_lease_left_by_an_earlier_run_of_this_process_is_free_at_once(tmp_path):
+    """A run interrupted before it released its lease (or a restarted container that got the same pid) does not
+    block the next run of the same host and pid; a lease this process still holds does."""
+    url = str(tmp_path / "out")
+    left = Holder.me(3600)  # this host and pid, but no live lease of this process
+    (tmp_path / "out" / LEASE_DIR).mkdir(parents=True)
+    (tmp_path / "out" / LEASE_DIR / "lease-00000001.json").write_bytes(left.to_bytes())
+    with OutputWriter(url, lease=LeaseSettings(timeout_s=3600)) as w:
+        w.write_part(ROWS)
+        with pytest.raises(LeaseHeld, match=f"pid {os.getpid()}"):
+            OutputWriter(url, lease=LeaseSettings(timeout_s=3600))

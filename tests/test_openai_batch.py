@@ -17,7 +17,7 @@ from tests.test_cli import invoke, shared_engine  # noqa: F401
 
 openai_types = pytest.importorskip("openai.types")
 pytest.importorskip("xgrammar")
-from openai.types import BatchError, Completion  # noqa: E402
+from openai.types import BatchError, Completion, CompletionUsage  # noqa: E402
 from openai.types.chat import ChatCompletion  # noqa: E402
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
@@ -81,7 +81,8 @@ def check_results(out: Path) -> tuple[dict[str, dict], dict[str, dict]]:
     for r in results:
         assert r["error"] is None and r["response"]["status_code"] == 200 and r["id"].startswith("batch_req_")
         assert r["response"]["request_id"].startswith("req_")
-        kind = ChatCompletion if urls[r["custom_id"]] == CHAT else Completion
+        chat = urls[r["custom_id"]] == CHAT if r["custom_id"] in urls else r["response"]["body"]["object"] == "chat.completion"
+        kind = ChatCompletion if chat else Completion
         body = kind.model_validate(r["response"]["body"])
         usage = body.usage
         assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens and usage.completion_tokens > 0
@@ -89,6 +90,8 @@ def check_results(out: Path) -> tuple[dict[str, dict], dict[str, dict]]:
         assert e["response"] is None
         BatchError.model_validate(e["error"])
         assert e["error"]["code"] and e["error"]["message"]
+        usage = CompletionUsage.model_validate(e["usage"])  # the tokens it spent before it failed
+        assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
     by_id = {r["custom_id"]: r for r in results}
     errors_by_id = {e["custom_id"]: e for e in errors}
     assert len(by_id) == len(results) and len(errors_by_id) == len(errors)  # each custom_id once
@@ -125,7 +128,7 @@ def test_resume_keeps_every_custom_id_exactly_once(tmp_path, tiny_llm):
     spec = spec_from_dict(openai_spec(inp, out))
     run_job(spec, llm=tiny_llm, quiet=True, limit=6)
     first = read_lines(out, "part") + read_lines(out, "errors")
-    (out / "_SUCCESS").unlink()  # as if the job had been killed after committing those parts
+    assert not (out / "_SUCCESS").exists()  # a --limit trial: the next run adds the rest
     run_job(spec, llm=tiny_llm, quiet=True)
     results, errors = check_results(out)
     assert sorted(results) + sorted(errors) == sorted(x["custom_id"] for x in GOOD) + sorted(BAD)
@@ -196,3 +199,28 @@ def test_report_reads_an_openai_output(tmp_path, tiny_llm):
     assert dict(zip(failed["id"].to_list(), failed["error_code"].to_list(), strict=True)) == \
         {k: e["error"]["code"] for k, e in errors.items()}
     assert f'data-key="error_rows" data-value="{len(errors)}"' in build_report(str(out))
+
+
+def test_cut_requests_are_length_results_and_errors_count_their_tokens(tmp_path, tiny_llm):
+    """As the Batch API does: a request cut by max_tokens (under a json_schema too) or by the context is a 200
+    result with finish_reason "length" and its partial content; an error line carries the tokens it spent, and
+    stats.json counts them."""
+    schema = {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA, "strict": True}}
+    lines = [line("cut", max_tokens=3, response_format=schema),
+             line("ctx", COMPLETIONS, prompt=[5 + i % 50 for i in range(tiny_llm.max_model_len - 4)], max_tokens=100),
+             line("stopped", max_tokens=20, response_format=schema, stop=["{"])]
+    inp, out = tmp_path / "requests.jsonl", tmp_path / "out"
+    inp.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    stats = run_job(spec_from_dict(openai_spec(inp, out)), llm=tiny_llm, quiet=True)
+    results, errors = check_results(out)
+    assert sorted(results) == ["ctx", "cut"] and sorted(errors) == ["stopped"]
+    cut = ChatCompletion.model_validate(results["cut"]["response"]["body"])
+    assert cut.choices[0].finish_reason == "length" and cut.usage.completion_tokens == 3
+    assert cut.choices[0].message.content.startswith("{")
+    ctx = Completion.model_validate(results["ctx"]["response"]["body"])
+    assert ctx.choices[0].finish_reason == "length" and ctx.usage.completion_tokens < 100
+    spent = errors["stopped"]["usage"]
+    assert errors["stopped"]["error"]["code"] == "incomplete_json" and spent["prompt_tokens"] > 0
+    bodies = [r["response"]["body"]["usage"] for r in results.values()] + [spent]
+    assert stats["prompt_tokens"] == sum(u["prompt_tokens"] for u in bodies)
+    assert stats["completion_tokens"] == sum(u["completion_tokens"] for u in bodies)

@@ -72,13 +72,12 @@ def test_plan_counts_equal_the_run(tmp_path, tiny_model, tiny_llm, truncate):
 def test_plan_after_a_partial_run_counts_what_is_left(tmp_path, tiny_model, tiny_llm):
     inp, out = write_jsonl(tmp_path / "in.jsonl", records(20)), tmp_path / "out"
     spec = make_spec(tiny_model, inp, out, output={"rows_per_part": 4})
-    first = run_job(spec, llm=tiny_llm, quiet=True, limit=8)
-    assert plan_job(spec)["complete"]  # a finished job: running it again does nothing
-    (out / "_SUCCESS").unlink()  # as if the run had been interrupted after 8 rows
+    first = run_job(spec, llm=tiny_llm, quiet=True, limit=8)  # a trial: the job is not complete
     plan = plan_job(spec, completion_tokens=3)
     second = run_job(spec, llm=tiny_llm, quiet=True)
     assert plan["committed_rows"] == first["rows"] == 8 and not plan["complete"]
     assert plan["rows"] == second["this_run"]["rows"] == 12
+    assert plan_job(spec)["complete"]  # a finished job: running it again does nothing
     assert plan["prompt_tokens"] == second["this_run"]["prompt_tokens"]
     assert plan["completion_tokens_per_row"] == 3
     assert plan_job(spec, limit=10)["rows"] == 0  # the first 10 rows are all committed now

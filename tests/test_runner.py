@@ -38,7 +38,7 @@ def test_jsonl_in_parquet_out(tmp_path, tiny_model, tiny_llm):
     assert success == json.loads((out / "stats.json").read_text()) == json.loads(json.dumps(stats))
     assert stats["job"] == "test-job" and stats["model"] == str(tiny_model) and stats["dtype"] == "float32"
     assert stats["resumed"] is False and stats["complete"] is True
-    assert stats["spec"]["output"]["rows_per_part"] == 6 and len(stats["spec_digest"]) == 64
+    assert stats["spec"]["output"]["rows_per_part"] == 6 and len(stats["job_digest"]) == 64
     assert stats["started_at"].endswith("Z") and stats["finished_at"] >= stats["started_at"]
     assert stats["wall_s"] > 0 and stats["generated_tokens_per_s"] > 0
     assert 0 <= stats["prefix_cache_hit_rate"] <= 1
@@ -119,7 +119,7 @@ def test_s3_in_and_out(s3, tiny_model, tiny_llm, tmp_path):  # noqa: F811
     rows = read_output(out, s3.storage_options)
     assert sorted(r["id"] for r in rows) == sorted(f"r{i}" for i in range(7)) and stats["rows"] == 7
     keys = sorted(o["Key"] for o in client.list_objects_v2(Bucket=s3.bucket, Prefix="jobs/out/")["Contents"])
-    assert keys[:2] == ["jobs/out/_SUCCESS", "jobs/out/_manifest/part-00000.json"]
+    assert keys[:3] == ["jobs/out/_SUCCESS", "jobs/out/_job.json", "jobs/out/_manifest/part-00000.json"]
     assert "jobs/out/part-00002.parquet" in keys and "jobs/out/stats.json" in keys
     success = json.loads(client.get_object(Bucket=s3.bucket, Key="jobs/out/_SUCCESS")["Body"].read())
     assert success["spec"]["storage_options"]["secret"] == "***" and success["rows"] == 7

@@ -98,13 +98,20 @@ def test_every_row_is_schema_valid_json(tmp_path, tiny_model, tiny_llm):
         assert row["finish_reason"] == "stop"
 
 
-def test_json_cut_short_by_max_tokens_is_an_error_row(tmp_path, tiny_model, tiny_llm):
+def test_json_cut_short_by_max_tokens_is_a_length_result_and_a_stop_string_an_error(tmp_path, tiny_model, tiny_llm):
     inp = write_jsonl(tmp_path / "in.jsonl", records(3))
-    out = tmp_path / "out"
-    spec = make_spec(tiny_model, inp, out, sampling={"json_schema": SCHEMA, "max_tokens": 4})
-    rows = check_output(out, run_job(spec, llm=tiny_llm, quiet=True), ["r0", "r1", "r2"])
+    spec = make_spec(tiny_model, inp, tmp_path / "out", sampling={"json_schema": SCHEMA, "max_tokens": 4})
+    rows = check_output(tmp_path / "out", run_job(spec, llm=tiny_llm, quiet=True), ["r0", "r1", "r2"])
+    # as in the OpenAI API: the partial output, with finish_reason "length"
+    assert all(r["error"] is None and r["finish_reason"] == "length" and r["completion_tokens"] == 4 for r in rows)
+    assert all(r["output"].startswith("{") for r in rows)
+
+    spec = make_spec(tiny_model, inp, tmp_path / "stopped", sampling={"json_schema": SCHEMA, "stop": ["{"]})
+    stats = run_job(spec, llm=tiny_llm, quiet=True)
+    rows = check_output(tmp_path / "stopped", stats, ["r0", "r1", "r2"])
     assert [r["error"]["code"] for r in rows] == ["incomplete_json"] * 3
-    assert all("max_tokens (4)" in r["error"]["message"] for r in rows)
+    # an error row counts the tokens it spent, and stats.json counts them
+    assert all(r["prompt_tokens"] > 0 and r["completion_tokens"] >= 1 for r in rows) and stats["prompt_tokens"] > 0
 
 
 @pytest.mark.slow
@@ -113,7 +120,7 @@ def test_extract_job_on_smollm2_gives_schema_valid_json(tmp_path, smollm2_gguf, 
     monkeypatch.chdir(ROOT)
     monkeypatch.setenv("BATCHGEN_OUT", str(tmp_path))
     # fp32: whether a document runs past max_tokens must not depend on how this CPU rounds bf16.
-    res = invoke("run", "jobs/extract.yaml", "--set", "model.device=cpu", "--set", "model.dtype=float32")
+    res = invoke("run", "jobs/extract.yaml", "--set", "engine.device=cpu", "--set", "engine.dtype=float32")
     assert res.exit_code == 0, res.output
     out = tmp_path / "extract"
     stats = json.loads((out / "_SUCCESS").read_text())

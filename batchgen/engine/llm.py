@@ -1,6 +1,7 @@
 """The public entry point: ``LLM(model).generate(prompts, params)`` and its streaming form."""
 from __future__ import annotations
 
+import threading
 from dataclasses import fields
 from typing import Any, Iterable, Iterator, Sequence as Seq
 
@@ -89,8 +90,10 @@ class LLM:
         return outputs  # type: ignore[return-value]
 
     def generate_stream(self, requests: Iterable[tuple[Any, Prompt, SamplingParams]],
-                        max_pending: int | None = None) -> Iterator[tuple[Any, RequestOutput]]:
-        """Yields ``(key, output)`` as each request finishes, pulling requests lazily.
+                        max_pending: int | None = None, cancel: threading.Event | None = None
+                        ) -> Iterator[tuple[Any, RequestOutput]]:
+        """Yields ``(key, output)`` as each request finishes, pulling requests lazily; once ``cancel`` is set
+        (checked before every step) the unfinished requests are aborted and the stream ends.
 
         At most ``max_pending`` requests (default: twice ``max_num_seqs`` per replica) are inside the engine at once, so
         the caller's iterator is read only as fast as the engine can take work, and the engine is never idle
@@ -117,6 +120,8 @@ class LLM:
                     if exhausted:
                         return
                     continue
+                if cancel is not None and cancel.is_set():
+                    return
                 for out in self.engine.step():
                     yield keys.pop(out.request_id), out
         finally:

@@ -1,7 +1,10 @@
-"""Size, etag and modification time of input files, to tell whether one changed between two runs."""
+"""Size, etag and modification time of input files, to tell whether one changed between two runs, and content
+digests of files and folders (a model's weights)."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import posixpath
 from collections import defaultdict
@@ -73,3 +76,50 @@ def difference(before: dict[str, Any], now: dict[str, Any]) -> str | None:
         if key == "etag" and old is not None and new is not None:
             break  # same etag, same content: a new mtime alone (a re-upload, a touch) is no change
     return ", ".join(changes) or None
+
+
+FULL_HASH_BYTES = 64 << 20  # files up to this size are hashed whole
+SAMPLED_BLOCKS, BLOCK_BYTES = 16, 1 << 20  # larger ones: this many evenly spaced blocks, first and last included
+
+
+def _file_hash(fs: Any, path: str, size: int) -> str:
+    """sha256 of the whole file when it is small, else of its size and sampled blocks.
+
+    Sampling keeps a multi-GB checkpoint's digest to a 16 MiB read. The first block holds the GGUF / safetensors
+    header (tensor names, types, offsets, metadata); retraining or requantizing changes nearly every block, so a
+    changed model is told apart, while a copy (new mtime, same bytes) keeps its digest.
+    """
+    h = hashlib.sha256(str(size).encode())
+    with fs.open(path, "rb") as f:
+        if size <= FULL_HASH_BYTES:
+            for chunk in iter(lambda: f.read(BLOCK_BYTES), b""):
+                h.update(chunk)
+            return h.hexdigest()
+        step = (size - BLOCK_BYTES) // (SAMPLED_BLOCKS - 1)
+        for i in range(SAMPLED_BLOCKS):
+            f.seek(i * step)
+            h.update(f.read(BLOCK_BYTES))
+    return h.hexdigest()
+
+
+def tree_digest(url: str, storage_options: dict[str, Any] | None = None) -> str:
+    """A digest of a file or of a folder's files (hidden ones skipped): their relative names and contents.
+
+    Local files are read (see ``_file_hash``); remote ones are never downloaded: their size and etag (else
+    modification time) stand for their content.
+    """
+    fs, path = filesystem(url, storage_options)
+    path = path.rstrip("/")
+    local = "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
+    infos = retry(lambda: fs.find(path, detail=True, withdirs=False), what=f"list {redact(url)}")
+    if not infos:
+        infos = {path: retry(lambda: fs.info(path), what=f"stat {redact(url)}")}
+    h = hashlib.sha256()
+    for name in sorted(infos):
+        rel = name[len(path):].lstrip("/") if name != path else posixpath.basename(path)
+        if any(part.startswith(".") for part in rel.split("/")):
+            continue
+        info = infos[name]
+        content = _file_hash(fs, name, int(info["size"])) if local else json.dumps(_fingerprint(info), default=str)
+        h.update(f"{rel}\0{content}\0".encode())
+    return h.hexdigest()

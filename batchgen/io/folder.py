@@ -47,22 +47,27 @@ class OutputFolder:
                            f"read {name} of")
 
     def read_json(self, name: str) -> dict[str, Any] | None:
-        """A JSON metadata file of the folder (stats.json, telemetry.json, _SUCCESS); None when absent."""
-        target = f"{self.root}/{name}"
+        """A JSON metadata file of the folder (stats.json, telemetry.json, _SUCCESS, _job.json); None when absent."""
+        return read_metadata(self.fs, self.root, self.path, name)
 
-        def read() -> bytes | None:
-            try:
-                return retry(lambda: self.fs.cat_file(target), what=f"read {name}")
-            except FileNotFoundError:
-                return None
 
-        data = self._guard(read, f"read {name} of")
-        if data is None:
-            return None
+def read_metadata(fs: Any, root: str, display: str, name: str) -> dict[str, Any] | None:
+    """The JSON file ``name`` in the output folder at ``root`` (``display``: its URL); None when absent."""
+    target = f"{root.rstrip('/')}/{name}"
+
+    def read() -> bytes | None:
         try:
-            return json.loads(data or b"{}")
-        except ValueError as exc:
-            raise OutputError(redact(f"{self.path}/{name} is not valid JSON: {exc}")) from None
+            return retry(lambda: fs.cat_file(target), what=f"read {name}")
+        except FileNotFoundError:
+            return None
+
+    data = guard(display, read, f"read {name} of output")
+    if data is None:
+        return None
+    try:
+        return json.loads(data or b"{}")
+    except ValueError as exc:
+        raise OutputError(redact(f"{display}/{name} is not valid JSON: {exc}")) from None
 
 
 def read_output(path: str, storage_options: dict[str, Any] | None = None) -> list[dict[str, Any]]:

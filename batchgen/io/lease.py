@@ -36,6 +36,7 @@ LEASE_DIR = "_lease"
 _NAME_RE = re.compile(r"^lease-(\d{8,})\.json$")
 _CREATE_ATTEMPTS = 5
 _SELF_FENCE = 0.75  # fraction of the timeout after which a holder that could not renew stops writing
+_HELD_HERE: set[str] = set()  # owners of the leases this process holds or is taking now
 
 
 class LeaseHeld(OutputError):
@@ -128,10 +129,19 @@ class Holder:
         return f"host {self.host} pid {self.pid} since {self.since} (last heartbeat {age:.0f} s ago)"
 
     def stale(self) -> bool:
-        if time.time() - self.heartbeat > self.timeout_s:
+        """Whether the holder is gone: silent for its timeout, a dead process on this machine, or this very process
+        (host and pid) while none of its live leases is this one: an earlier run of this process that was
+        interrupted, or a process that had this pid before (a restarted container; one whose pid namespace is
+        another only once it has missed two heartbeats, in case it is a live sibling with our host name)."""
+        silent = time.time() - self.heartbeat
+        if silent > self.timeout_s:
             return True
-        local = self.host == socket.gethostname() and self.machine == _machine()
-        return local and not _pid_alive(self.pid, self.pid_start)
+        if self.host != socket.gethostname():
+            return False
+        same_machine = self.machine == _machine()
+        if self.pid == os.getpid() and self.owner not in _HELD_HERE:
+            return same_machine or silent > self.timeout_s / 3
+        return same_machine and not _pid_alive(self.pid, self.pid_start)
 
 
 def lease_name(generation: int) -> str:
@@ -170,6 +180,14 @@ class Lease:
 
     def acquire(self) -> None:
         """Take the lease or raise LeaseHeld naming the live holder."""
+        _HELD_HERE.add(self.me.owner)  # from before its file exists: a racing lease of this process sees it live
+        try:
+            self._acquire()
+        except BaseException:
+            _HELD_HERE.discard(self.me.owner)
+            raise
+
+    def _acquire(self) -> None:
         for _ in range(_CREATE_ATTEMPTS):
             generations = self._generations()
             top = max(generations, default=0)
@@ -248,6 +266,7 @@ class Lease:
     def release(self) -> None:
         """Stop the heartbeat and delete the lease file (unless someone else took it)."""
         self._stop.set()
+        _HELD_HERE.discard(self.me.owner)
         if self._thread is not None:
             self._thread.join(timeout=30)
         if self.name is None:

@@ -20,6 +20,7 @@ MANIFEST_DIR = "_manifest"
 SUCCESS = "_SUCCESS"
 STATS = "stats.json"
 TELEMETRY = "telemetry.json"
+JOB = "_job.json"  # the identity of the job whose rows the folder holds (see pipeline.identity)
 FORMATS = ("parquet", "jsonl", "openai")
 _KEY = r"(?:[a-z0-9]+-)*\d{5,}"  # a PartId's key: [scope-]number
 PART_RE = re.compile(rf"^(?:part|errors)-({_KEY})\.(parquet|jsonl)$")  # any data file of a part

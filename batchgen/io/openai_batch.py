@@ -214,8 +214,7 @@ def result_line(row: dict[str, Any], created: int) -> dict[str, Any]:
     """The output-file line of a finished request: ``row`` has custom_id, url, model, output, finish_reason,
     prompt_tokens, completion_tokens and optionally logprobs (``[{token, logprob}]``)."""
     suffix, chat = _ids(row["custom_id"]), row["url"] == CHAT_URL
-    usage = {"prompt_tokens": row["prompt_tokens"], "completion_tokens": row["completion_tokens"],
-             "total_tokens": row["prompt_tokens"] + row["completion_tokens"]}
+    usage = _usage(row)
     logprobs = _logprobs(row.get("logprobs"), chat)
     if chat:
         choice = {"index": 0, "message": {"role": "assistant", "content": row["output"], "refusal": None},
@@ -229,10 +228,16 @@ def result_line(row: dict[str, Any], created: int) -> dict[str, Any]:
             "response": {"status_code": 200, "request_id": f"req_{suffix}", "body": body}, "error": None}
 
 
+def _usage(row: dict[str, Any]) -> dict[str, int]:
+    prompt, completion = row.get("prompt_tokens") or 0, row.get("completion_tokens") or 0
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
 def error_line(row: dict[str, Any]) -> dict[str, Any]:
-    """The error-file line of a request that failed: ``row`` has custom_id and error ``{code, message}``."""
+    """The error-file line of a request that failed: ``row`` has custom_id and error ``{code, message}``, and the
+    tokens the request spent before it failed (``usage``, beside the API's fields; 0 for one never run)."""
     return {"id": f"batch_req_{_ids(row['custom_id'])}", "custom_id": row["custom_id"], "response": None,
-            "error": {"code": row["error"]["code"], "message": row["error"]["message"]}}
+            "error": {"code": row["error"]["code"], "message": row["error"]["message"]}, "usage": _usage(row)}
 
 
 def _jsonl(lines: list[dict[str, Any]]) -> bytes:

@@ -12,9 +12,10 @@ import pyarrow.parquet as pq
 
 from batchgen.io.committer import PartCommitter
 from batchgen.io.errors import OutputError, guard
+from batchgen.io.folder import read_metadata
 from batchgen.io.lease import Lease, LeaseSettings
 from batchgen.io.manifest import (
-    FORMATS, MANIFEST_DIR, PART_RE, STATS, SUCCESS, TELEMETRY, TEMP_MARK, ManifestEntry, PartId, entry_name,
+    FORMATS, JOB, MANIFEST_DIR, PART_RE, STATS, SUCCESS, TELEMETRY, TEMP_MARK, ManifestEntry, PartId, entry_name,
     list_names, load_entries, to_json_bytes,
 )
 from batchgen.io.paths import filesystem
@@ -124,7 +125,7 @@ class OutputWriter:
             self._delete([n for n in (SUCCESS,) if n in names])
             if MANIFEST_DIR in names:
                 retry(lambda: self.fs.rm(self._full(MANIFEST_DIR), recursive=True), what="delete manifest")
-            self._delete([n for n in names if PART_RE.match(n) or n in (STATS, TELEMETRY) or TEMP_MARK in n])
+            self._delete([n for n in names if PART_RE.match(n) or n in (STATS, TELEMETRY, JOB) or TEMP_MARK in n])
 
         self._guard(delete, "clear previous output in")
 
@@ -227,6 +228,14 @@ class OutputWriter:
     def write_stats(self, stats: dict[str, Any]) -> None:
         """Write stats.json (credentials redacted)."""
         self._guard(lambda: self._put(STATS, to_json_bytes(stats)), "write stats.json in")
+
+    def write_job(self, doc: dict[str, Any]) -> None:
+        """Write _job.json: what the job whose rows this folder holds is (see ``pipeline.identity``)."""
+        self._guard(lambda: self._put(JOB, to_json_bytes(doc)), "write _job.json in")
+
+    def read_json(self, name: str) -> dict[str, Any] | None:
+        """A JSON metadata file of the folder (stats.json, _job.json, ...); None when absent."""
+        return read_metadata(self.fs, self.root, self.path, name)
 
     def write_telemetry(self, telemetry: dict[str, Any]) -> None:
         """Write telemetry.json (credentials redacted), beside stats.json."""

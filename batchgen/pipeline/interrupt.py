@@ -1,4 +1,5 @@
-"""SIGINT/SIGTERM: the first signal stops the job admitting work, a second one stops it at once."""
+"""SIGINT/SIGTERM: the first signal stops the job admitting work and aborts what runs after a grace period; a
+second one stops it at once."""
 from __future__ import annotations
 
 import logging
@@ -10,30 +11,42 @@ from typing import Any, Iterator
 log = logging.getLogger(__name__)
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
+DEFAULT_GRACE_S = 10.0
 
 
 class StopRequest:
-    """Set by the first SIGINT/SIGTERM; ``signum`` says which one."""
+    """Set by the first SIGINT/SIGTERM (``signum`` says which one): ``event`` at once (admit no more rows),
+    ``abort`` ``grace_s`` seconds later (drop the requests still running; the finished ones are kept)."""
 
-    def __init__(self) -> None:
+    def __init__(self, grace_s: float = DEFAULT_GRACE_S) -> None:
         self.event = threading.Event()
+        self.abort = threading.Event()
+        self.grace_s = grace_s
         self.signum: int | None = None
+        self._timer: threading.Timer | None = None
 
     def set(self, signum: int) -> None:
         if self.signum is None:
             self.signum = signum
+            self._timer = threading.Timer(self.grace_s, self.abort.set)
+            self._timer.daemon = True
+            self._timer.start()
         self.event.set()
 
     def is_set(self) -> bool:
         return self.event.is_set()
+
+    def cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
 
 
 @contextmanager
 def stop_on_signals(stop: StopRequest) -> Iterator[StopRequest]:
     """Installs the handlers for the duration (main thread only; elsewhere signals keep their handlers).
 
-    The first signal lets requests already in the engine finish so that their rows are kept; a second
-    raises KeyboardInterrupt at once.
+    The first signal lets requests already in the engine run for the grace period, so that those that finish are
+    kept; a second raises KeyboardInterrupt at once.
     """
     if threading.current_thread() is not threading.main_thread():
         yield stop
@@ -41,14 +54,17 @@ def stop_on_signals(stop: StopRequest) -> Iterator[StopRequest]:
 
     def handle(signum: int, _frame: Any) -> None:
         if stop.is_set():
+            stop.abort.set()
             raise KeyboardInterrupt
         stop.set(signum)
-        log.warning("%s received: finishing the requests already running, then committing; "
-                    "send it again to stop at once", signal.Signals(signum).name)
+        log.warning("%s received: admitting no more rows; the requests already running get %g s to finish, then "
+                    "the finished rows are committed; send it again to stop at once", signal.Signals(signum).name,
+                    stop.grace_s)
 
     previous = {s: signal.signal(s, handle) for s in SIGNALS}
     try:
         yield stop
     finally:
+        stop.cancel_timer()
         for s, h in previous.items():
             signal.signal(s, h)

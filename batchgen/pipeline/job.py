@@ -8,7 +8,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 from batchgen.io import OutputWriter, count_rows
+from batchgen.io.manifest import STATS
 from batchgen.pipeline import preflight
+from batchgen.pipeline.identity import JobIdentity
 from batchgen.pipeline.interrupt import StopRequest
 from batchgen.pipeline.openai_requests import default_url
 from batchgen.pipeline.progress import Progress
@@ -43,6 +45,8 @@ class RunPlan:
     inputs: dict[str, dict[str, Any]]  # fingerprint of each input file now
     recorded: set[str]  # input files whose fingerprint a committed part already holds
     schema: PartSchema
+    identity: JobIdentity
+    runs: list[dict[str, Any]] = field(default_factory=list)  # stats.json's runs of earlier runs that did work
     quiet: bool = False
     wall_start: float = field(default_factory=time.perf_counter)
     epoch_start: float = field(default_factory=time.time)  # wall_start on the clock other machines share
@@ -50,11 +54,11 @@ class RunPlan:
 
     @property
     def digest(self) -> str:
-        return self.spec.digest()
+        return self.identity.digest
 
     def for_workers(self) -> RunPlan:
         """A copy without the sets that grow with the job, for processes that need neither."""
-        return dataclasses.replace(self, committed=set(), previous=[])
+        return dataclasses.replace(self, committed=set(), previous=[], runs=[])
 
     def part_sink(self, writer: PartWriter, on_row: Callable[[ResultRow], None] | None = None) -> PartSink:
         """The sink that commits this run's rows as parts through ``writer``."""
@@ -77,21 +81,23 @@ class RunPlan:
         return progress
 
 
-def plan_run(spec: JobSpec, writer: OutputWriter, files: list[str], carry: list[str], *, limit: int | None,
-             quiet: bool, wall_start: float, started_at: str) -> RunPlan:
+def earlier_runs(writer: OutputWriter) -> list[dict[str, Any]]:
+    """The runs stats.json records: this job's, since the identity check passed (--overwrite deletes them)."""
+    return list((writer.read_json(STATS) or {}).get("runs") or [])
+
+
+def plan_run(spec: JobSpec, writer: OutputWriter, files: list[str], carry: list[str], identity: JobIdentity, *,
+             limit: int | None, quiet: bool, wall_start: float, started_at: str) -> RunPlan:
     """Reads what earlier runs committed into ``writer``'s folder and checks the inputs against it."""
     committed, previous = writer.committed_row_ids(), writer.committed_stats()
-    others = {p.get("spec_digest") for p in previous} - {spec.digest(), None}
-    if others:
-        log.warning("committed parts were written by a different job spec; resuming anyway "
-                    "(use --overwrite to start over)")
     inputs, recorded = preflight.check_inputs_unchanged(writer, files, spec.storage_options)
     log.info("%s: %d input file(s) -> %s%s", spec.name, len(files), spec.resolved()["output"]["path"],
              f" (resuming: {len(committed)} rows already committed)" if committed else "")
     schema = PartSchema(spec.input.id_column or "id", carry)
     schema.seed(writer.committed_column_types())
     epoch_start = time.time() - (time.perf_counter() - wall_start)
-    return RunPlan(spec, files, carry, limit, committed, previous, inputs, recorded, schema, quiet=quiet,
+    return RunPlan(spec, files, carry, limit, committed, previous, inputs, recorded, schema, identity,
+                   earlier_runs(writer), quiet=quiet,
                    wall_start=wall_start, epoch_start=epoch_start, started_at=started_at)
 
 

@@ -15,7 +15,7 @@ import polars as pl
 
 from batchgen.io import OutputError, OutputFolder, redact
 from batchgen.io.paths import filesystem
-from batchgen.pipeline import preflight
+from batchgen.pipeline import identity, preflight
 from batchgen.pipeline.errors import JobError
 from batchgen.pipeline.rows import Request, ResultRow
 from batchgen.pipeline.spec import JobSpec
@@ -72,7 +72,8 @@ def _length_stats(lengths: array) -> dict[str, Any]:
 
 def plan_job(spec: JobSpec, limit: int | None = None, rates: Rates | None = None,
              completion_tokens: int | None = None) -> dict[str, Any]:
-    """Counts what running ``spec`` would do now, without loading weights or writing anything.
+    """Counts what running ``spec`` would do now, without loading weights or writing anything; raises JobError
+    where the run would be refused (the output holds rows of another job).
 
     ``completion_tokens`` per row (default: the earlier job's mean from ``rates``, else the spec's
     ``max_tokens``, an upper bound) drives the expected engine steps; ``rates`` gives the time estimate.
@@ -85,6 +86,7 @@ def plan_job(spec: JobSpec, limit: int | None = None, rates: Rates | None = None
     except OutputError as e:
         raise JobError(str(e)) from None
     tokenizer, model_len = preflight.load_tokenizer(spec)
+    identity.check_recorded(spec, identity.job_identity(spec))  # what run would refuse, plan refuses too
     preparer = job_preparer(spec, tokenizer, model_len, preflight.carry_columns(spec), committed)
     errors: Counter[str] = Counter()
 

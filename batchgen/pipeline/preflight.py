@@ -131,7 +131,7 @@ def stored_stats(writer: OutputWriter) -> dict[str, Any]:
         raise JobError(redact(f"cannot read {writer.path}/_SUCCESS: {type(e).__name__}: {e}")) from None
 
 
-def _model_failure(spec: JobSpec, what: str, e: Exception) -> JobError:
+def model_failure(spec: JobSpec, what: str, e: Exception) -> JobError:
     message = " ".join(str(e).split()) or type(e).__name__
     return JobError(redact(f"cannot load {what}{spec.resolved()['model']['path']}: {message}"))
 
@@ -143,11 +143,11 @@ def load_tokenizer(spec: JobSpec) -> tuple[Any, int]:
         source = load_model_source(spec.model.path, spec.storage_options, weights=False)
         return source.tokenizer, model_context_len(model_config(source.config), spec.engine.max_model_len)
     except Exception as e:  # noqa: BLE001 - bad paths, unsupported architectures, bad tokenizers alike
-        raise _model_failure(spec, "the tokenizer of ", e) from None
+        raise model_failure(spec, "the tokenizer of ", e) from None
 
 
 def load_model(spec: JobSpec) -> LLM:
     try:
         return LLM.from_config(spec.engine_config())
     except Exception as e:  # noqa: BLE001 - bad paths, unsupported architectures, bad weights alike
-        raise _model_failure(spec, "model ", e) from None
+        raise model_failure(spec, "model ", e) from None

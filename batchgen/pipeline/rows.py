@@ -68,20 +68,24 @@ def carried_values(values: dict[str, Any], columns: list[str]) -> dict[str, Any]
     return {c: values.get(c) for c in columns}
 
 
-def error_row(row_id: str, carried: dict[str, Any], code: str, message: str, source: str = "") -> ResultRow:
-    """A row that failed; its token counts are 0 since the engine did no work for it."""
-    return ResultRow(row_id, carried, None, 0, 0, "error", {"code": code, "message": redact(message)},
-                     source=source)
+def error_row(row_id: str, carried: dict[str, Any], code: str, message: str, source: str = "",
+              prompt_tokens: int = 0, completion_tokens: int = 0, cached_tokens: int = 0) -> ResultRow:
+    """A row that failed, with the tokens the engine spent on it (0 for a row that never reached it)."""
+    return ResultRow(row_id, carried, None, prompt_tokens, completion_tokens, "error",
+                     {"code": code, "message": redact(message)}, cached_tokens=cached_tokens, source=source)
 
 
 def engine_row(req: Request, out: RequestOutput, tokenizer: Any) -> ResultRow:
-    """The result of one engine request; a constrained output cut short or off its schema is an error row."""
+    """The result of one engine request; a constrained output that a stop condition cut short, or off its schema,
+    is an error row that counts the tokens it spent."""
+    spent = {"prompt_tokens": len(out.prompt_token_ids), "completion_tokens": len(out.token_ids),
+             "cached_tokens": out.num_cached_tokens}
     if out.finish_reason == "error":
         message = out.error or "the engine failed this request"
-        return error_row(req.row_id, req.carried, "engine_error", message, req.source)
-    problem = output_problem(req.params, out.text, out.grammar_complete)
+        return error_row(req.row_id, req.carried, "engine_error", message, req.source, **spent)
+    problem = output_problem(req.params, out.text, out.grammar_complete, out.finish_reason)
     if problem is not None:
-        return error_row(req.row_id, req.carried, *problem, source=req.source)
+        return error_row(req.row_id, req.carried, *problem, source=req.source, **spent)
     logprobs = None
     if out.logprobs is not None:
         logprobs = [{"token": tokenizer.decode([t]), "logprob": lp} for t, lp in zip(out.token_ids, out.logprobs)]
@@ -90,7 +94,7 @@ def engine_row(req: Request, out: RequestOutput, tokenizer: Any) -> ResultRow:
 
 
 def openai_record(row: ResultRow, model: str, default_url: str) -> dict[str, Any]:
-    """What the OpenAI Batch writer needs of a row: the row id is its custom_id."""
+    """What the OpenAI Batch writer needs of a row: the row id is its custom_id; an error row keeps its tokens."""
     return {"custom_id": row.row_id, "url": row.carried.get("url") or default_url, "model": model,
             "output": row.output, "finish_reason": row.finish_reason, "prompt_tokens": row.prompt_tokens,
             "completion_tokens": row.completion_tokens, "error": row.error, "logprobs": row.logprobs}

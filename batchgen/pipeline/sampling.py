@@ -109,12 +109,17 @@ def _validator(schema_json: str):
     return validator_for(schema)(schema)
 
 
-def output_problem(params: SamplingParams, text: str, grammar_complete: bool | None) -> tuple[str, str] | None:
-    """(error code, message) for a constrained output that is cut short or, as a safety net, off its schema."""
+def output_problem(params: SamplingParams, text: str, grammar_complete: bool | None,
+                   finish_reason: str | None = None) -> tuple[str, str] | None:
+    """(error code, message) for a constrained output that a stop condition cut short or, as a safety net, that
+    is off its schema. An output cut by max_tokens or the context (finish_reason "length") is no error: as in the
+    OpenAI API, it is the partial result, and its finish_reason says so."""
+    if finish_reason == "length":
+        return None
     if grammar_complete is False:
         what = "JSON" if params.json_schema is not None else "output"
         return (f"incomplete_{what.lower()}",
-                f"max_tokens ({params.max_tokens}) or a stop condition ended the {what} before it was complete")
+                f"a stop condition ended the {what} before it was complete")
     if params.json_schema is None:
         return None
     schema = params.json_schema

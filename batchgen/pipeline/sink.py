@@ -36,14 +36,14 @@ class PartSink:
     have one from an earlier run).
     """
 
-    def __init__(self, writer: PartWriter, schema: PartSchema, rows_per_part: int, spec_digest: str,
+    def __init__(self, writer: PartWriter, schema: PartSchema, rows_per_part: int, job_digest: str,
                  on_row: Callable[[ResultRow], None] | None = None,
                  to_record: Callable[[ResultRow], dict[str, Any]] | None = None, max_age_s: float | None = None,
                  inputs: dict[str, dict[str, Any]] | None = None, recorded: set[str] | None = None) -> None:
         self.writer = writer
         self.schema = schema
         self.rows_per_part = rows_per_part
-        self.spec_digest = spec_digest
+        self.job_digest = job_digest
         self.on_row = on_row
         self.to_record = to_record or (lambda row: row.to_dict(schema.id_column))
         self.max_age_s = max_age_s
@@ -123,7 +123,7 @@ class PartSink:
             schema = self.schema.for_rows(dicts) if self.writer.fmt == "parquet" else None
         except ValueError as e:
             raise OutputError(str(e)) from None
-        stats: dict[str, Any] = {**counts.to_dict(), "spec_digest": self.spec_digest}
+        stats: dict[str, Any] = {**counts.to_dict(), "job_digest": self.job_digest}
         first = sorted({r.source for r in rows if r.source in self.inputs} - self.recorded)
         if first:
             stats[INPUTS_KEY] = [{"file": f, **self.inputs[f]} for f in first]

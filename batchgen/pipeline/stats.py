@@ -1,4 +1,5 @@
-"""Row and token counts per part, and the job stats written to stats.json and _SUCCESS."""
+"""Row and token counts per part, each run's figures, and the job stats over all runs written to stats.json and
+_SUCCESS."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
@@ -55,37 +56,55 @@ def _rate(n: int, seconds: float) -> float:
     return round(n / seconds, 2) if seconds > 0 else 0.0
 
 
-def job_stats(*, totals: Counts, run: Counts, job: str, model: str, dtype: str, spec: dict[str, Any],
-              spec_digest: str, started_at: str, wall_s: float, generate_s: float, resumed: bool, complete: bool,
-              limit: int | None, engine: dict[str, Any] | None = None,
+def run_entry(*, run: Counts, started_at: str, wall_s: float, generate_s: float, limit: int | None,
+              interrupted: bool, dtype: str, engine: dict[str, Any] | None = None,
               executor: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The job's stats: totals over every committed part (earlier runs included), rates over this run.
+    """One run's own figures, for stats.json's ``runs``: what it committed, its times and its rates.
 
-    ``wall_s`` is this run from start to finish (model load included); the tokens-per-second rates divide
-    this run's tokens by ``generate_s``, the time from the first request to the last result. ``dtype`` is the
-    one the model ran in ("auto" resolved); ``engine`` holds this run's engine totals (see
-    ``LLM.metrics``: ``batchgen.engine.flops.engine_figures``), ``executor`` how it ran (its kind and, on Ray, each replica's rows and
-    throughput).
+    ``wall_s`` is the run from start to finish (model load included); its tokens-per-second rates divide its
+    tokens by ``generate_s``, the time from the first request to the last result. ``dtype`` is the one the model
+    ran in ("auto" resolved); ``engine`` holds its engine totals (see ``LLM.metrics``), ``executor``
+    how it ran (its kind and, on Ray, each replica's rows and throughput).
     """
+    return {"started_at": started_at, "finished_at": utc_now(), "wall_s": round(wall_s, 3),
+            "generate_s": round(generate_s, 3), "limit": limit, "interrupted": interrupted, "dtype": dtype,
+            **run.to_dict(), "prompt_tokens_per_s": _rate(run.prompt_tokens, generate_s),
+            "generated_tokens_per_s": _rate(run.completion_tokens, generate_s), "engine": engine or {},
+            "executor": executor or {"kind": "local"}}
+
+
+def job_stats(*, totals: Counts, runs: list[dict[str, Any]], this_run: Counts, limit: int | None, job: str,
+              model: str, spec: dict[str, Any], identity: dict[str, Any], complete: bool) -> dict[str, Any]:
+    """The job's stats over every run that committed rows into its output folder (``runs``, oldest first);
+    ``this_run`` and ``limit`` are the latest run's (which may have committed nothing).
+
+    The totals are sums over every committed part; the top-level rates and times come from the runs that
+    computed something (engine time), the engine figures from the latest of them (``plan --rates-from``).
+    """
+    computing = [r for r in runs if r.get("generate_s")]
+    generate_s = sum(r["generate_s"] for r in computing)
+    last = (computing or runs or [{}])[-1]
     return {
         "job": job,
         "model": model,
-        "dtype": dtype,
+        "dtype": last.get("dtype", ""),
         **totals.to_dict(),
         "prefix_cache_hit_rate": round(totals.cached_prompt_tokens / totals.prompt_tokens, 4)
         if totals.prompt_tokens else 0.0,
-        "wall_s": round(wall_s, 3),
+        "wall_s": round(sum(r.get("wall_s", 0.0) for r in runs), 3),
         "generate_s": round(generate_s, 3),
-        "prompt_tokens_per_s": _rate(run.prompt_tokens, generate_s),
-        "generated_tokens_per_s": _rate(run.completion_tokens, generate_s),
-        "started_at": started_at,
-        "finished_at": utc_now(),
-        "spec_digest": spec_digest,
-        "resumed": resumed,
+        "prompt_tokens_per_s": _rate(sum(r.get("prompt_tokens", 0) for r in computing), generate_s),
+        "generated_tokens_per_s": _rate(sum(r.get("completion_tokens", 0) for r in computing), generate_s),
+        "started_at": runs[0]["started_at"] if runs else "",
+        "finished_at": runs[-1]["finished_at"] if runs else "",
+        "job_digest": identity.get("digest"),
+        "resumed": len(runs) > 1,
         "complete": complete,
         "limit": limit,
-        "this_run": run.to_dict(),
-        "engine": engine or {},
-        "executor": executor or {"kind": "local"},
+        "this_run": this_run.to_dict(),
+        "engine": last.get("engine") or {},
+        "executor": last.get("executor") or {"kind": "local"},
+        "runs": runs,
+        "identity": identity.get("values", {}),
         "spec": spec,
     }

@@ -14,12 +14,13 @@ from batchgen.pipeline.telemetry import Telemetry
 
 
 def run_requests(llm: LLM, requests: Iterable[Request], stop: threading.Event, telemetry: Telemetry,
-                 deliver: Callable[[ResultRow], None]) -> None:
-    """Streams ``requests`` through one ``generate_stream`` call (none admitted once ``stop`` is set) and hands
-    each finished row to ``deliver``; the engine's steps and its time go to ``telemetry``."""
+                 deliver: Callable[[ResultRow], None], cancel: threading.Event | None = None) -> None:
+    """Streams ``requests`` through one ``generate_stream`` call (none admitted once ``stop`` is set; the running
+    ones aborted once ``cancel`` is) and hands each finished row to ``deliver``; the engine's steps and its time
+    go to ``telemetry``."""
     clock = telemetry.stages
     with telemetry.listening(llm.engine.step_listeners):
-        for req, out in clock.timed(llm.generate_stream(admit(requests, stop)), "engine"):
+        for req, out in clock.timed(llm.generate_stream(admit(requests, stop), cancel=cancel), "engine"):
             crash_point("generate")
             deliver(engine_row(req, out, llm.tokenizer))
 

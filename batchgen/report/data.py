@@ -57,13 +57,15 @@ OPENAI_LINE_SCHEMA = {
         "choices": pl.List(pl.Struct({"finish_reason": pl.String})),
         "usage": pl.Struct({"prompt_tokens": pl.Int64, "completion_tokens": pl.Int64})})}),
     "error": ERROR_TYPE,
+    "usage": pl.Struct({"prompt_tokens": pl.Int64, "completion_tokens": pl.Int64}),  # error lines: tokens spent
 }
 
 
 def _openai_rows(folder: OutputFolder, entry: ManifestEntry, id_column: str) -> pl.DataFrame:
-    """Result lines carry their usage and finish reason; error lines (the part's errors file) neither."""
+    """Result lines carry their usage and finish reason; error lines (the part's errors file) the tokens they
+    spent, beside the API's fields."""
     body = pl.col("response").struct.field("body")
-    usage = body.struct.field("usage")
+    usage = pl.coalesce(body.struct.field("usage"), pl.col("usage"))
     frames = [pl.read_ndjson(io.BytesIO(folder.read_part(entry, name)), schema=OPENAI_LINE_SCHEMA).select(
         pl.col("custom_id").alias("id"),
         usage.struct.field("prompt_tokens").fill_null(0).alias("prompt_tokens"),

@@ -37,7 +37,7 @@ def _generate(llm: LLM, spec: JobSpec, rows: Iterable[InputRow], preparer: Prepa
         requests = clock.timed(sorted_requests(divert_errors(prepared, write), b.sort_window, b.sort),
                                "queue_wait")
         start = time.perf_counter()
-        run_requests(llm, requests, stop.event, telemetry, write)
+        run_requests(llm, requests, stop.event, telemetry, write, cancel=stop.abort)
         return time.perf_counter() - start
     finally:
         prepared.close()
