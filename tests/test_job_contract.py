@@ -171,7 +171,7 @@ def test_identity_keys_name_spec_fields(tmp_path, tiny_model):
     assert values["engine.dtype"] == "float32" and values["sampling.max_tokens"] == 6
     assert not any(k.startswith(("batching.sort", "output.rows_per_part", "executor", "storage")) for k in values)
     other = make_spec(tiny_model, tmp_path / "in.jsonl", tmp_path / "out", output={"rows_per_part": 1},
-                      batching={"max_num_seqs": 1, "sort": False})
+                      engine={"max_num_seqs": 1}, batching={"sort": False})
     assert identity.spec_values(other) == values
     with pytest.raises(KeyError, match="model.nope"):
         identity.spec_values(spec, ("model.nope",))
@@ -190,7 +190,7 @@ def test_ctrl_c_aborts_after_the_grace_period_and_the_rerun_completes(tmp_path, 
     n, grace = 6, 1.0
     inp, out = write_jsonl(tmp_path / "in.jsonl", records(n)), tmp_path / "out"
     sections = dict(output={"rows_per_part": 1}, sampling={"max_tokens": 60, "ignore_eos": True},
-                    batching={"max_num_seqs": 2, "max_batch_tokens": 256})
+                    engine={"max_num_seqs": 2, "max_num_batched_tokens": 256})
     job = tmp_path / "job.yaml"
     job.write_text(yaml.safe_dump(spec_dict(tiny_model, inp, out, **sections)))
     proc = subprocess.Popen([sys.executable, "-m", "batchgen.cli", "run", str(job), "--grace", str(grace)],
