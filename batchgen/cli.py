@@ -67,6 +67,7 @@ set_option = click.option("--set", "overrides", multiple=True, metavar="KEY.PATH
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="batchgen", message="batchgen %(version)s")
 def main() -> None:
     """Offline batch generation: prompts from Parquet/JSONL through an LLM into Parquet/JSONL."""
 
@@ -164,9 +165,19 @@ def _summary(stats: dict[str, Any]) -> str:
 @click.argument("job", type=click.Path(dir_okay=False))
 @set_option
 def validate(job: str, overrides: tuple[str, ...]) -> None:
-    """Check the job spec JOB and print it resolved (credentials redacted)."""
+    """Check the job spec JOB, that its model resolves (no weights loaded) and that its input exists with the
+    columns it needs; print the spec resolved (credentials redacted). Exit 2 for spec errors, 1 for the rest."""
+    from batchgen.pipeline.preflight import check_job
+
     spec = _load(job, overrides)
     click.echo(yaml.safe_dump(spec.resolved(), sort_keys=False, allow_unicode=True), nl=False)
+    found, problems = check_job(spec)
+    for line in found:
+        click.echo(f"ok: {redact(line)}", err=True)
+    for line in problems:
+        click.echo(f"error: {' '.join(redact(line).split())}", err=True)
+    if problems:
+        sys.exit(EXIT_FAILED)
 
 
 @main.command()

@@ -134,6 +134,35 @@ def _download_remote(url: str, storage_options: dict | None, weights: bool = Tru
     return str(final)
 
 
+def describe_model(path_or_name: str, storage_options: dict | None = None) -> str:
+    """What a model path names, checked without loading or fetching any weights: a built-in name, a folder
+    with config.json, a .gguf file, or a remote URL that exists. Raises FileNotFoundError otherwise."""
+    path_or_name = str(path_or_name)
+    if path_or_name in BUILTIN_MODELS:
+        model = BUILTIN_MODELS[path_or_name]
+        cached = (cache_dir() / "builtin" / path_or_name / model.filename).is_file()
+        return (f"built-in model {path_or_name} "
+                f"({'in the cache' if cached else f'downloaded on first use, {model.download_mb} MB'})")
+    if _is_remote(path_or_name):
+        from batchgen.io.paths import filesystem
+
+        fs, path = filesystem(path_or_name, storage_options)
+        if fs.isfile(path) and path.endswith(".gguf"):
+            return f"GGUF file {path_or_name}"
+        if fs.isdir(path) and fs.exists(f"{path.rstrip('/')}/config.json"):
+            return f"model folder {path_or_name}"
+        raise FileNotFoundError(f"model path {path_or_name!r} is neither a .gguf file nor a folder with "
+                                f"config.json")
+    local = Path(path_or_name.removeprefix("file://")).expanduser()
+    if local.is_file() and local.suffix == ".gguf":
+        return f"GGUF file {local}"
+    if local.is_dir() and (local / "config.json").is_file():
+        return f"model folder {local}"
+    if local.is_dir():
+        raise FileNotFoundError(f"model folder {path_or_name!r} has no config.json")
+    return resolve_model_path(path_or_name)  # raises the error that names every accepted form
+
+
 def resolve_model_path(path_or_name: str, storage_options: dict | None = None, weights: bool = True) -> str:
     """Maps a built-in name, local folder / .gguf file, or remote fsspec URL to a local path; without
     ``weights`` a remote model folder is fetched without its weight files."""
