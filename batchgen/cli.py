@@ -1,5 +1,5 @@
 """The ``batchgen`` command line: ``run``, ``validate``, ``plan`` a job spec, ``openai-batch`` a request file,
-``report`` on an output, ``bench``."""
+``report`` on or ``show`` the rows of an output, ``bench``."""
 from __future__ import annotations
 
 import json
@@ -234,6 +234,25 @@ def report(output: str, target: str | None, verbose: bool) -> None:
             click.echo(redact(traceback.format_exc()), err=True, nl=False)
         _fail(f"{type(e).__name__}: {e}", EXIT_FAILED)
     click.echo(path)
+
+
+@main.command()
+@click.argument("output")
+@click.option("--limit", "-n", type=click.IntRange(min=1), default=20, show_default=True, help="Rows to show.")
+@click.option("--errors", is_flag=True, help="Only error rows.")
+@click.option("--columns", "-c", default=None, metavar="A,B,...", help="Columns to show, comma-separated.")
+@click.option("--width", type=click.IntRange(min=8), default=60, show_default=True,
+              help="Characters of a text cell shown; longer ones are cut.")
+def show(output: str, limit: int, errors: bool, columns: str | None, width: int) -> None:
+    """Print rows of the job output folder OUTPUT (Parquet, JSONL or OpenAI Batch; local or s3://) as a table."""
+    from batchgen.report import ReportError
+    from batchgen.report.show import ShowOptions, format_table, select_rows
+
+    options = ShowOptions(limit, errors, [c.strip() for c in (columns or "").split(",") if c.strip()], width)
+    try:
+        click.echo(format_table(select_rows(output, options), width))
+    except ReportError as e:
+        _fail(str(e), EXIT_FAILED)
 
 
 main.add_command(bench)
