@@ -41,6 +41,9 @@ def test_parquet_inputs_give_the_total_from_the_start(tmp_path):
 
 def test_jsonl_rows_are_counted_in_the_background(tmp_path):
     files = [write_parquet(tmp_path / "a.parquet", records(3)), write_jsonl(tmp_path / "b.jsonl", records(9, "b"))]
+    progress = plan_for(tmp_path, files, limit=5).progress()
+    assert progress.bar.total == 5
+    progress.close()
     progress = plan_for(tmp_path, files).progress()
     progress._counter.join(timeout=30)
     assert progress.total == 12

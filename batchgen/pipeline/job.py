@@ -74,7 +74,7 @@ class RunPlan:
         parquet = [f for f in self.files if detect_format(f, spec.input.format) == "parquet"]
         jsonl = [f for f in self.files if f not in set(parquet)]
         known = count_rows(parquet, spec.input.format, spec.storage_options) if parquet else 0  # footers only
-        progress = Progress(self.quiet, spec.name, done=done, limit=limit, known=known)
+        progress = Progress(self.quiet, spec.name, done=done, limit=limit, known=known, counting=bool(jsonl))
         if jsonl:
             progress.count_total(lambda cancel: count_rows(jsonl, spec.input.format, spec.storage_options, cancel))
         return progress

@@ -96,9 +96,9 @@ class Progress:
         self.prompt_tokens += prompt_tokens
         self.completion_tokens += completion_tokens
         self._apply_total()
-        self.bar.update(rows)
         if self.clock() - self._last_postfix >= 0.5:
             self._set_postfix()
+        self.bar.update(rows)
 
     def prompt_tokens_left(self) -> float | None:
         """The prompt tokens of the rows not finished yet, estimated; None while the total is unknown."""
