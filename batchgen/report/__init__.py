@@ -9,6 +9,8 @@ from fsspec.core import split_protocol
 
 from batchgen.report.data import ReportData, ReportError, load_report_data
 
+SAMPLE_ROWS = 8  # rows shown whole-ish on the page, input excerpt and output
+
 __all__ = ["ReportData", "ReportError", "build_report", "default_target", "write_report"]
 
 
@@ -19,7 +21,11 @@ def build_report(output: str, storage_options: dict[str, Any] | None = None) -> 
     except ImportError as e:
         raise ReportError(f"batchgen report needs matplotlib ({e}); install it with "
                           f"pip install 'matplotlib>=3.7'") from None
-    return render_page(load_report_data(output, storage_options))
+    from batchgen.report.show import sample_rows
+
+    data = load_report_data(output, storage_options)
+    samples = sample_rows(output, SAMPLE_ROWS, storage_options=storage_options) if data.parts else []
+    return render_page(data, samples)
 
 
 def default_target(output: str) -> str:

@@ -12,6 +12,7 @@ from batchgen.io.parts import deserialize_rows
 from batchgen.report.data import ReportError
 
 MAX_CELL_CHARS = 60
+RESULT_FIELDS = ("output", "prompt_tokens", "completion_tokens", "finish_reason", "error", "id", "custom_id")
 
 
 @dataclass
@@ -102,3 +103,19 @@ def format_table(df: pl.DataFrame, max_chars: int = MAX_CELL_CHARS) -> str:
     with pl.Config(tbl_rows=-1, tbl_cols=-1, fmt_str_lengths=max_chars, tbl_hide_dataframe_shape=True,
                    tbl_hide_column_data_types=True, tbl_width_chars=shutil.get_terminal_size((160, 40)).columns):
         return str(df)
+
+
+def sample_rows(path: str, count: int, max_chars: int = 240, storage_options: dict[str, Any] | None = None
+                ) -> list[dict[str, Any]]:
+    """The first ``count`` ok rows for the report: id, an excerpt of the input (the carried columns) and of
+    the output, and the finish reason."""
+    samples: list[dict[str, Any]] = []
+    for row in iter_rows(path, storage_options):
+        if row.get("error"):
+            continue
+        carried = "; ".join(f"{k}: {v}" for k, v in row.items() if k not in RESULT_FIELDS and v is not None)
+        samples.append({"id": row.get("id", row.get("custom_id")), "input": _cell(carried, max_chars),
+                        "output": _cell(row.get("output") or "", max_chars), "finish_reason": row.get("finish_reason")})
+        if len(samples) >= count:
+            break
+    return samples
