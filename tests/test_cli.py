@@ -115,18 +115,18 @@ def test_run_and_rerun(tmp_path, tiny_model, shared_engine):
     res = invoke("run", str(job), "--overwrite", "--limit", "2", "--set", "output.format=jsonl")
     assert res.exit_code == 0, res.output
     assert sorted(r["id"] for r in read_output(str(tmp_path / "out"))) == ["r0", "r1"]
-    assert "test-job: 2 rows" in res.stdout and "row/s" in res.stderr  # the progress bar
+    assert "test-job: 2 rows" in res.stdout and " rows [" in res.stderr  # the progress bar
 
 
 def test_progress_bar_knows_the_total(tmp_path, tiny_model, shared_engine):
     job = job_file(tmp_path, tiny_model)  # 5 input rows
     res = invoke("run", str(job), "--limit", "3")
     assert res.exit_code == 0, res.output
-    assert re.search(r" 3/3 \[\d\d:\d\d<\d\d:\d\d", res.stderr), res.stderr  # a total, so an ETA
+    assert re.search(r" 3/3 rows \[\d\d:\d\d, .*ETA \d+:\d\d\]", res.stderr), res.stderr  # a total, an ETA
     (tmp_path / "out" / "_SUCCESS").unlink()  # as if interrupted: the next run resumes
     res = invoke("run", str(job))
     assert res.exit_code == 0, res.output
-    assert re.search(r" 5/5 \[", res.stderr) and "test-job: 5 rows" in res.stdout, res.stderr
+    assert re.search(r" 5/5 rows \[", res.stderr) and "test-job: 5 rows" in res.stdout, res.stderr
 
 
 def test_error_rate_exceeded_exits_1(tmp_path, tiny_model, shared_engine):
