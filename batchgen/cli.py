@@ -1,5 +1,5 @@
 """The ``batchgen`` command line: ``run``, ``validate``, ``plan`` a job spec, ``openai-batch`` a request file,
-``report`` on an output, ``bench``."""
+``report`` on or ``show`` the rows of an output, ``bench``."""
 from __future__ import annotations
 
 import json
@@ -68,6 +68,7 @@ set_option = click.option("--set", "overrides", multiple=True, metavar="KEY.PATH
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="batchgen", message="batchgen %(version)s")
 def main() -> None:
     """Offline batch generation: prompts from Parquet/JSONL through an LLM into Parquet/JSONL."""
 
@@ -171,9 +172,19 @@ def _summary(stats: dict[str, Any]) -> str:
 @click.argument("job", type=click.Path(dir_okay=False))
 @set_option
 def validate(job: str, overrides: tuple[str, ...]) -> None:
-    """Check the job spec JOB and print it resolved (credentials redacted)."""
+    """Check the job spec JOB, that its model resolves (no weights loaded) and that its input exists with the
+    columns it needs; print the spec resolved (credentials redacted). Exit 2 for spec errors, 1 for the rest."""
+    from batchgen.pipeline.preflight import check_job
+
     spec = _load(job, overrides)
     click.echo(yaml.safe_dump(spec.resolved(), sort_keys=False, allow_unicode=True), nl=False)
+    found, problems = check_job(spec)
+    for line in found:
+        click.echo(f"ok: {redact(line)}", err=True)
+    for line in problems:
+        click.echo(f"error: {' '.join(redact(line).split())}", err=True)
+    if problems:
+        sys.exit(EXIT_FAILED)
 
 
 @main.command()
@@ -230,6 +241,25 @@ def report(output: str, target: str | None, verbose: bool) -> None:
             click.echo(redact(traceback.format_exc()), err=True, nl=False)
         _fail(f"{type(e).__name__}: {e}", EXIT_FAILED)
     click.echo(path)
+
+
+@main.command()
+@click.argument("output")
+@click.option("--limit", "-n", type=click.IntRange(min=1), default=20, show_default=True, help="Rows to show.")
+@click.option("--errors", is_flag=True, help="Only error rows.")
+@click.option("--columns", "-c", default=None, metavar="A,B,...", help="Columns to show, comma-separated.")
+@click.option("--width", type=click.IntRange(min=8), default=60, show_default=True,
+              help="Characters of a text cell shown; longer ones are cut.")
+def show(output: str, limit: int, errors: bool, columns: str | None, width: int) -> None:
+    """Print rows of the job output folder OUTPUT (Parquet, JSONL or OpenAI Batch; local or s3://) as a table."""
+    from batchgen.report import ReportError
+    from batchgen.report.show import ShowOptions, format_table, select_rows
+
+    options = ShowOptions(limit, errors, [c.strip() for c in (columns or "").split(",") if c.strip()], width)
+    try:
+        click.echo(format_table(select_rows(output, options), width))
+    except ReportError as e:
+        _fail(str(e), EXIT_FAILED)
 
 
 main.add_command(bench)

@@ -85,6 +85,16 @@ def test_missing_input_file(tmp_path, tiny_model, tiny_llm):
         run_job(make_spec(tiny_model, [str(good), str(missing)], tmp_path / "out"), llm=tiny_llm, quiet=True)
 
 
+@pytest.mark.parametrize("content", [bytes(range(256)) * 8, b"hello world\nsecond line\n", b"[1, 2]\n"])
+def test_a_file_that_is_not_json_lines_says_so(tmp_path, content):
+    inp = tmp_path / "random.jsonl"
+    inp.write_bytes(content)
+    with pytest.raises(JobError) as e:
+        run_job(make_spec(tmp_path / "no-model", inp, tmp_path / "out"), quiet=True)
+    assert str(e.value).startswith(f"not JSON Lines: {inp} line 1: "), e.value
+    assert "needs column" not in str(e.value)
+
+
 def test_missing_template_column_fails_before_compute(tmp_path):
     inp = write_jsonl(tmp_path / "a.jsonl", records(2))
     write_jsonl(tmp_path / "b.jsonl", [{"id": "x", "body": "no text column"}])

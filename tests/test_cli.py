@@ -48,6 +48,39 @@ def test_validate_prints_the_resolved_spec(monkeypatch):
     assert data["storage_options"]["secret"] == "***" and SECRET not in res.output
 
 
+def test_validate_resolves_the_model_and_finds_the_input(tmp_path, tiny_model, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    job = job_file(tmp_path, tiny_model)
+    res = invoke("validate", str(job))
+    assert res.exit_code == 0, res.output
+    assert f"ok: model: model folder {tiny_model}" in res.stderr.splitlines()
+    assert f"ok: input: 1 file(s): {tmp_path / 'in.jsonl'}" in res.stderr.splitlines()
+    gguf = next(tiny_model.parent.rglob("*.gguf"), None)
+    for model, found in [("smollm2-135m-instruct", "built-in model smollm2-135m-instruct"),
+                         *([(str(gguf), f"GGUF file {gguf}")] if gguf else [])]:
+        res = invoke("validate", str(job), "--set", f"model.path={model}")
+        assert res.exit_code == 0 and f"ok: model: {found}" in res.stderr, res.output
+    empty = tmp_path / "no-config"
+    empty.mkdir()
+    res = invoke("validate", str(job), "--set", f"model.path={empty}", "--set",
+                 f"input.path={tmp_path / 'missing.jsonl'}")
+    assert res.exit_code == 1
+    assert f"error: model {empty}: model folder '{empty}' has no config.json" in res.stderr
+    assert f"error: input path matches no files: {tmp_path / 'missing.jsonl'}" in res.stderr
+    res = invoke("validate", str(job), "--set", f"model.path={tmp_path / 'nope'}")
+    assert res.exit_code == 1 and "does not exist" in res.stderr
+    (tmp_path / "in.jsonl").write_bytes(bytes(range(256)))
+    res = invoke("validate", str(job))
+    assert res.exit_code == 1 and "error: not JSON Lines: " in res.stderr
+
+
+def test_version():
+    from importlib.metadata import version
+
+    res = invoke("--version")
+    assert res.exit_code == 0 and res.stdout == f"batchgen {version('batchgen')}\n"
+
+
 def test_spec_errors_exit_2_with_key_paths(tmp_path):
     res = invoke("validate", str(ROOT / "jobs/summarize.yaml"), "--set", "batching.sort_window=0",
                  "--set", "sampling.temperature=hot", "--set", "nope.x=1")
@@ -82,18 +115,18 @@ def test_run_and_rerun(tmp_path, tiny_model, shared_engine):
     res = invoke("run", str(job), "--overwrite", "--limit", "2", "--set", "output.format=jsonl")
     assert res.exit_code == 0, res.output
     assert sorted(r["id"] for r in read_output(str(tmp_path / "out"))) == ["r0", "r1"]
-    assert "test-job: 2 rows" in res.stdout and "row/s" in res.stderr  # the progress bar
+    assert "test-job: 2 rows" in res.stdout and " rows [" in res.stderr  # the progress bar
 
 
 def test_progress_bar_knows_the_total(tmp_path, tiny_model, shared_engine):
     job = job_file(tmp_path, tiny_model)  # 5 input rows
     res = invoke("run", str(job), "--limit", "3")
     assert res.exit_code == 0, res.output
-    assert re.search(r" 3/3 \[\d\d:\d\d<\d\d:\d\d", res.stderr), res.stderr  # a total, so an ETA
+    assert re.search(r" 3/3 rows \[\d\d:\d\d, .*ETA \d+:\d\d\]", res.stderr), res.stderr  # a total, an ETA
     assert not (tmp_path / "out" / "_SUCCESS").exists()  # a --limit trial: the next run resumes
     res = invoke("run", str(job))
     assert res.exit_code == 0, res.output
-    assert re.search(r" 5/5 \[", res.stderr) and "test-job: 5 rows" in res.stdout, res.stderr
+    assert re.search(r" 5/5 rows \[", res.stderr) and "test-job: 5 rows" in res.stdout, res.stderr
 
 
 def test_error_rate_exceeded_exits_1(tmp_path, tiny_model, shared_engine):

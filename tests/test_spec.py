@@ -85,6 +85,19 @@ def test_every_error_reported_with_its_path(tmp_path):
     assert "(got 'fp8')" in next(e for e in errs if e.startswith("engine.dtype"))
 
 
+def test_unknown_keys_name_the_nearest_key_of_their_section():
+    errs = errors_of(spec_from_dict, {
+        "name": "x", "model": {"path": "m"}, "input": {"path": "a.jsonl"}, "prompt": {"template": "{{ text }}"},
+        "output": {"path": "out/"}, "sampling": {"max_token": 8, "zzz": 1}, "outptu_extra": 1}, env={})
+    assert "sampling.max_token: unknown key; did you mean `max_tokens`?" in errs
+    assert "sampling.zzz: unknown key" in errs  # nothing close: no guess
+    errs = errors_of(spec_from_dict, {"name": "x", "model": {"path": "m"}, "input": {"path": "a.jsonl"},
+                                      "prompt": {"template": "{{ text }}"}, "output": {"path": "out/"}},
+                     overrides=["sampling.temprature=0.5", "batchin.sort=false"], env={})
+    assert errs == ["--set sampling.temprature: unknown key; did you mean `temperature`?",
+                    "--set batchin.sort: unknown key; did you mean `batching`?"]
+
+
 def test_missing_required_keys_and_wrong_shapes():
     errs = errors_of(spec_from_dict, {"name": "x", "model": "just-a-string", "prompt": {}}, env={})
     assert "model: expected a mapping" in errs
@@ -156,7 +169,7 @@ def test_override_errors(tmp_path):
     errs = errors_of(load_spec, path, overrides=[
         "batching.sort_windw=5", "sampling.max_tokens.deep=1", "nokey", "=3", "sampling.max_tokens=lots"], env={})
     assert errs == [
-        "--set batching.sort_windw: unknown key",
+        "--set batching.sort_windw: unknown key; did you mean `sort_window`?",
         "--set sampling.max_tokens.deep: unknown key",
         "--set nokey: expected KEY.PATH=VALUE",
         "--set =3: expected KEY.PATH=VALUE",

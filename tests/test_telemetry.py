@@ -7,6 +7,7 @@ import json
 import random
 import threading
 
+import numpy as np
 import pytest
 
 from batchgen.engine import LLM, SamplingParams
@@ -60,6 +61,29 @@ def test_telemetry_stays_bounded_on_a_long_job():
     assert sum(columns["prefill_tokens"]) == expected["prefill"] == tel.metrics.prompt_tokens_computed
     assert sum(columns["generated_tokens"]) == expected["generated"] == tel.metrics.tokens_generated
     print(f"telemetry.json for {steps} steps over {hours} h: {len(doc) / 1024:.1f} KiB")
+
+
+@pytest.mark.parametrize("step_s", [47.6, 3.0, 0.05])
+def test_throughput_chart_shows_the_true_rate_of_long_steps(step_s):
+    """Prefill at 344 tok/s in back-to-back steps, long (a whole token budget per step, as on a slow CPU) or
+    short: the chart's rate in every bucket the steps cover whole is 344, never a spike where a step ends."""
+    from batchgen.report.charts import throughput_series
+
+    rate, budget = 344.0, 16384
+    tel = Telemetry(token_budget=budget, start=0.0, clock=FakeClock())
+    tokens = round(rate * step_s)
+    steps = int(600 / step_s)
+    for i in range(steps):
+        tel.on_step(StepRecord(start_s=i * step_s, duration_s=step_s, num_seqs=4, prefill_tokens=tokens,
+                               decode_tokens=0, sampled_tokens=4, token_budget=budget))
+    doc = json.loads(json.dumps(tel.to_dict()))
+    t, rates, _ = throughput_series(doc)
+    assert sum(doc["time_buckets"]["columns"]["prefill_tokens"]) == steps * tokens  # exact totals
+    assert sum(doc["time_buckets"]["columns"]["steps"]) == steps
+    inside = rates["prompt"][: np.flatnonzero(rates["prompt"])[-1]]  # all but the bucket where the job ends
+    true = tokens / step_s
+    assert len(inside) > 10 and abs(inside - true).max() <= 0.01 * true, (inside.min(), inside.max())
+    assert rates["prompt"].max() <= 1.01 * true
 
 
 def test_time_buckets_merge_neighbours():

@@ -10,7 +10,7 @@ import fsspec
 from fsspec.core import split_protocol
 
 from batchgen.io.errors import InputError
-from batchgen.io.redaction import redact, remember_secrets_in
+from batchgen.io.redaction import redact, remember_secrets_in, remember_url_credentials
 from batchgen.io.retry import BOTO_SINGLE_ATTEMPT, retry, single_attempt
 
 __all__ = ["expand_inputs", "read_bytes", "redact", "storage_options_for", "filesystem", "DATA_SUFFIXES"]
@@ -60,6 +60,7 @@ def storage_options_for(url: str, storage_options: dict[str, Any] | None = None)
         config.setdefault("retries", dict(BOTO_SINGLE_ATTEMPT))
         opts["config_kwargs"] = config
     remember_secrets_in(opts)
+    remember_url_credentials(url)
     return opts
 
 

@@ -330,15 +330,26 @@ def read_columns(files: list[str], fmt: str = "auto", storage_options: dict | No
         if detect_format(url, fmt) == "parquet":
             columns.update(_parquet_footer(url, storage_options).schema.to_arrow_schema().names)
             continue
-        seen = 0
-        with closing(_jsonl_lines(url, storage_options, DEFAULT_MAX_ROW_BYTES)) as lines:
-            for lineno, raw in enumerate(lines):
-                obj, _ = _parse_line(raw, url, lineno)
-                if obj is not None:
-                    columns.update(obj)
-                    seen += 1
-                if seen >= _COLUMN_SAMPLE_OBJECTS or lineno + 1 >= _COLUMN_SAMPLE_LINES:
-                    break
+        columns.update(_jsonl_columns(url, storage_options))
+    return columns
+
+
+def _jsonl_columns(url: str, storage_options: dict | None) -> set[str]:
+    """The keys of a JSONL file's first objects; raises InputError when none of its first lines is a JSON
+    object (a file that is not JSON Lines at all, not one with a few bad lines)."""
+    columns: set[str] = set()
+    seen, first_error = 0, None
+    with closing(_jsonl_lines(url, storage_options, DEFAULT_MAX_ROW_BYTES)) as lines:
+        for lineno, raw in enumerate(lines):
+            obj, error = _parse_line(raw, url, lineno)
+            if obj is not None:
+                columns.update(obj)
+                seen += 1
+            first_error = first_error or error
+            if seen >= _COLUMN_SAMPLE_OBJECTS or lineno + 1 >= _COLUMN_SAMPLE_LINES:
+                break
+    if not seen and first_error:
+        raise InputError(f"not JSON Lines: {first_error}")
     return columns
 
 

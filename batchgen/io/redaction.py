@@ -20,8 +20,9 @@ SECRET_KEYS = frozenset({
     "credential", "credentials", "private_key", "private_key_id", "api_key", "apikey", "api_token",
     "access_token", "refresh_token", "id_token", "auth_token", "bearer_token", "session_token",
     "security_token", "client_secret", "hf_token", "use_auth_token",
-    # s3fs / botocore (storage_options, client_kwargs, s3_additional_kwargs) and AWS env names
-    "aws_access_key_id", "aws_secret_access_key", "aws_session_token", "aws_security_token",
+    # s3fs / botocore (storage_options, client_kwargs, s3_additional_kwargs) and AWS env names; s3fs takes
+    # the access key id as ``key`` or ``username`` (MinIO-style ids match no AWS pattern)
+    "username", "aws_access_key_id", "aws_secret_access_key", "aws_session_token", "aws_security_token",
     "access_key", "access_key_id", "secret_key", "secret_access_key", "sse_customer_key",
     "x_amz_signature", "x_amz_credential", "x_amz_security_token",
     # adlfs (Azure): account key, SAS, connection string, service principal secret
@@ -66,6 +67,19 @@ def remember_secret(value: Any) -> None:
     if isinstance(value, str) and len(value) >= 6:
         with _lock:
             _known.add(value)
+
+
+_USERINFO = re.compile(r"\b[a-zA-Z][a-zA-Z0-9+.\-]*://(?P<user>[^/\s:@]+):(?P<password>[^/\s@]+)@")
+_KEY_ID_MIN_CHARS = 16  # a URL's user part this long is an access key id (s3://KEY:SECRET@bucket), not a name
+
+
+def remember_url_credentials(url: str) -> None:
+    """Register the password of ``scheme://user:password@...`` (and a user part long enough to be an access
+    key id), so that a library quoting the URL without its scheme (botocore's bucket-name errors) is masked."""
+    for m in _USERINFO.finditer(url):
+        remember_secret(m.group("password"))
+        if len(m.group("user")) >= _KEY_ID_MIN_CHARS:
+            remember_secret(m.group("user"))
 
 
 def _mask_named(m: re.Match) -> str:

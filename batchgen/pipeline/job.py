@@ -9,6 +9,7 @@ from typing import Any, Callable, Protocol
 
 from batchgen.io import OutputWriter, count_rows
 from batchgen.io.manifest import STATS
+from batchgen.io.readers import detect_format
 from batchgen.pipeline import preflight
 from batchgen.pipeline.identity import JobIdentity
 from batchgen.pipeline.interrupt import StopRequest
@@ -69,15 +70,17 @@ class RunPlan:
 
     def progress(self, total: int | None = None) -> Progress:
         """The bar starts at the rows already committed; its total is ``total`` when known, else the input's rows
-        (at most ``limit``), counted in the background."""
-        committed, limit = len(self.committed), self.limit
-        progress = Progress(self.quiet, self.spec.name, done=min(committed, limit or committed), limit=limit)
+        (at most ``limit``): Parquet files' from their footers now, JSONL files' counted in the background."""
+        committed, limit, spec = len(self.committed), self.limit, self.spec
+        done = min(committed, limit or committed)
         if total is not None:
-            progress.count_total(lambda cancel: total)
-        else:
-            spec = self.spec
-            progress.count_total(lambda cancel: count_rows(self.files, spec.input.format, spec.storage_options,
-                                                           cancel))
+            return Progress(self.quiet, spec.name, done=done, limit=limit, known=total)
+        parquet = [f for f in self.files if detect_format(f, spec.input.format) == "parquet"]
+        jsonl = [f for f in self.files if f not in set(parquet)]
+        known = count_rows(parquet, spec.input.format, spec.storage_options) if parquet else 0  # footers only
+        progress = Progress(self.quiet, spec.name, done=done, limit=limit, known=known, counting=bool(jsonl))
+        if jsonl:
+            progress.count_total(lambda cancel: count_rows(jsonl, spec.input.format, spec.storage_options, cancel))
         return progress
 
 

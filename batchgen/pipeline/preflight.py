@@ -136,6 +136,24 @@ def model_failure(spec: JobSpec, what: str, e: Exception) -> JobError:
     return JobError(redact(f"cannot load {what}{spec.resolved()['model']['path']}: {message}"))
 
 
+def check_job(spec: JobSpec) -> tuple[list[str], list[str]]:
+    """What ``batchgen validate`` checks beyond the spec, without loading weights: (what was found, the
+    problems): the model resolves and the input files exist and hold the columns the job needs."""
+    from batchgen.engine.loading.hub import describe_model
+
+    found, problems = [], []
+    try:
+        found.append(f"model: {describe_model(spec.model.path, spec.storage_options)}")
+    except Exception as e:  # noqa: BLE001 - a missing path, an unreachable or refused URL alike
+        problems.append(redact(f"model {spec.resolved()['model']['path']}: {' '.join(str(e).split())}"))
+    try:
+        files = check_inputs(spec)
+        found.append(f"input: {len(files)} file(s): {_files_list(files)}")
+    except JobError as e:
+        problems.append(redact(str(e)))
+    return found, problems
+
+
 def load_tokenizer(spec: JobSpec) -> tuple[Any, int]:
     """(the model's tokenizer, its context length) without loading weights (a remote folder is fetched without
     its weight files)."""

@@ -1,6 +1,7 @@
 """Job spec: YAML with ${ENV} interpolation and --set overrides, validated by pydantic, every error at once."""
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 import os
@@ -192,6 +193,33 @@ def _known_path(keys: list[str]) -> bool:
     return True
 
 
+def _section_at(keys: Sequence[str | int]) -> type[BaseModel] | None:
+    """The spec section that ``keys`` lead to (JobSpec itself for none), None where they lead to no section."""
+    model: type[BaseModel] = JobSpec
+    for key in keys:
+        field = model.model_fields.get(key) if isinstance(key, str) else None
+        if field is None:
+            return None
+        sections = [t for t in (field.annotation, *get_args(field.annotation))
+                    if isinstance(t, type) and issubclass(t, BaseModel)]
+        if not sections:
+            return None
+        model = sections[0]
+    return model
+
+
+def _unknown_key(keys: Sequence[str | int]) -> str:
+    """"unknown key", with the nearest key to the first unknown one of ``keys`` when one is close (a typo)."""
+    for i, key in enumerate(keys):
+        section = _section_at(keys[:i])
+        if section is None:
+            break
+        if key not in section.model_fields:
+            close = difflib.get_close_matches(str(key), list(section.model_fields), n=1)
+            return f"unknown key; did you mean `{close[0]}`?" if close else "unknown key"
+    return "unknown key"
+
+
 def _parse_value(text: str) -> Any:
     """A YAML scalar or flow collection; anything else (``Be brief: one line``, bad YAML) stays a string."""
     try:
@@ -212,7 +240,7 @@ def apply_overrides(data: dict, overrides: Sequence[str], errors: list[str]) -> 
             errors.append(f"--set {item}: expected KEY.PATH=VALUE")
             continue
         if not _known_path(keys):
-            errors.append(f"--set {dotted}: unknown key")
+            errors.append(f"--set {dotted}: {_unknown_key(keys)}")
             continue
         node = data
         for i, key in enumerate(keys[:-1]):
@@ -268,7 +296,7 @@ def interpolate(value: Any, env: Mapping[str, str], errors: dict[KeyPath, str], 
 def _describe(err: dict) -> str:
     kind = err["type"]
     if kind == "extra_forbidden":
-        return "unknown key"
+        return _unknown_key(err["loc"])
     if kind == "missing":
         return "required key is missing"
     if kind in ("model_type", "model_attributes_type", "dict_type"):

@@ -21,6 +21,10 @@ TELEMETRY_MAX_BYTES = 256 * 1024
 BUCKET_FIELDS = ("steps", "busy_s", "seqs", "prefill_tokens", "decode_tokens", "padded_tokens",
                  "generated_tokens", "prefix_cache_queries", "prefix_cache_hits", "preemptions",
                  "rows", "error_rows")
+# What a step does over its whole duration: spread over the buckets it spans, so that a bucket's amount over its
+# width is the rate in that bucket (a long prefill step is not a spike in the bucket where it ends). The other
+# fields count events, at the time they happen.
+SPREAD_FIELDS = ("busy_s", "prefill_tokens", "decode_tokens", "padded_tokens", "generated_tokens")
 # Pipeline stages, in the order a row meets them. read and render_tokenize run in the prefetch thread,
 # overlapping the others; queue_wait is the engine loop waiting for prepared (and sorted) rows.
 STAGES = ("startup", "read", "render_tokenize", "queue_wait", "engine", "write")
@@ -53,6 +57,22 @@ class TimeBuckets:
             self.num_buckets = index + 1
         for name, value in values.items():
             self.columns[name][index] += value
+
+    def add_span(self, start: float, end: float, values: dict[str, float]) -> None:
+        """Spreads ``values`` over the time ``[start, end)``, each bucket getting the share of the span it
+        covers; integer amounts stay integers (rounded cumulatively, so their total is exact)."""
+        start = max(start, 0.0)
+        if end <= start:
+            self.add(end, values)
+            return
+        self.add(end, {})  # grows (or coarsens) the buckets to hold the whole span first
+        width, done = self.width_s, dict.fromkeys(values, 0)
+        for index in range(int(start // width), min(int(end // width), self.num_buckets - 1) + 1):
+            covered = 1.0 if (index + 1) * width >= end else ((index + 1) * width - start) / (end - start)
+            for name, value in values.items():
+                upto = round(value * covered) if isinstance(value, int) else value * covered
+                self.columns[name][index] += upto - done[name]
+                done[name] = upto
 
     def _coarsen(self) -> None:
         self.width_s *= 2
@@ -152,11 +172,12 @@ class Telemetry:
 
     def on_step(self, r: StepRecord) -> None:
         self.metrics.add_step(r)
-        self.buckets.add(r.start_s + r.duration_s - self.start, {
-            "steps": 1, "busy_s": r.duration_s, "seqs": r.num_seqs, "prefill_tokens": r.prefill_tokens,
-            "decode_tokens": r.decode_tokens, "padded_tokens": r.padded_tokens,
-            "generated_tokens": r.sampled_tokens, "prefix_cache_queries": r.prefix_cache_queries,
-            "prefix_cache_hits": r.prefix_cache_hits, "preemptions": r.preemptions})
+        start, end = r.start_s - self.start, r.start_s + r.duration_s - self.start
+        self.buckets.add(end, {"steps": 1, "seqs": r.num_seqs, "prefix_cache_queries": r.prefix_cache_queries,
+                               "prefix_cache_hits": r.prefix_cache_hits, "preemptions": r.preemptions})
+        self.buckets.add_span(start, end, {
+            "busy_s": r.duration_s, "prefill_tokens": r.prefill_tokens, "decode_tokens": r.decode_tokens,
+            "padded_tokens": r.padded_tokens, "generated_tokens": r.sampled_tokens})
 
     def on_row(self, row: ResultRow) -> None:
         self.buckets.add(self.clock() - self.start, {"rows": 1, "error_rows": int(not row.ok)})

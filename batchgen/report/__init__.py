@@ -9,14 +9,19 @@ from fsspec.core import split_protocol
 from batchgen.io.atomic import atomic_open
 from batchgen.report.data import ReportData, ReportError, load_report_data
 
+SAMPLE_ROWS = 8  # rows shown whole-ish on the page, input excerpt and output
+
 __all__ = ["ReportData", "ReportError", "build_report", "default_target", "write_report"]
 
 
 def build_report(output: str, storage_options: dict[str, Any] | None = None) -> str:
     """The report page of the output folder ``output`` (local or any fsspec URL) as HTML text."""
     from batchgen.report.page import render_page  # matplotlib: only when a report is drawn
+    from batchgen.report.show import sample_rows
 
-    return render_page(load_report_data(output, storage_options))
+    data = load_report_data(output, storage_options)
+    samples = sample_rows(output, SAMPLE_ROWS, storage_options=storage_options) if data.parts else []
+    return render_page(data, samples)
 
 
 def default_target(output: str) -> str:

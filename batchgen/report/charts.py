@@ -72,21 +72,30 @@ def _time_series(telemetry: dict[str, Any], max_points: int = MAX_POINTS
     return columns, t, f"time since the job started ({unit})", width
 
 
+def throughput_series(telemetry: dict[str, Any]) -> tuple[np.ndarray, dict[str, np.ndarray], str]:
+    """(bucket start times, rates per second in each bucket: "prompt", "generated", "rows", the time axis
+    label). Step amounts are spread over the time their steps took, so each rate integrates to its total."""
+    cols, t, label, width = _time_series(telemetry)
+    rates = {"prompt": cols["prefill_tokens"] / width, "generated": cols["generated_tokens"] / width,
+             "rows": cols["rows"] / width}
+    return t, rates, label
+
+
 def throughput_chart(telemetry: dict[str, Any] | None) -> Chart:
     title = "Throughput over time"
     if not telemetry:
         return Chart("throughput", title, note="no telemetry.json in this folder")
-    cols, t, label, width = _time_series(telemetry)
+    t, rates, label = throughput_series(telemetry)
 
     def draw(ax: Axes) -> None:
-        ax.step(t, cols["prefill_tokens"] / width, where="post", color=BLUE, gid="series-prompt",
+        ax.step(t, rates["prompt"], where="post", color=BLUE, gid="series-prompt",
                 label="prompt tokens computed / s")
-        ax.step(t, cols["generated_tokens"] / width, where="post", color=ORANGE, gid="series-generated",
+        ax.step(t, rates["generated"], where="post", color=ORANGE, gid="series-generated",
                 label="generated tokens / s")
         ax.set_xlabel(label)
         ax.set_ylabel("tokens / s")
         rows = ax.twinx()
-        rows.step(t, cols["rows"] / width, where="post", color=GREEN, linestyle="--", gid="series-rows",
+        rows.step(t, rates["rows"], where="post", color=GREEN, linestyle="--", gid="series-rows",
                   label="rows finished / s")
         rows.set_ylabel("rows / s")
         rows.grid(False)

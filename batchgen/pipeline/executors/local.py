@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import signal
 import time
-from typing import Iterable
+from typing import Iterable, Iterator
 
 from batchgen.engine import LLM
 from batchgen.io import InputRow, OutputWriter
@@ -11,6 +11,8 @@ from batchgen.pipeline import preflight
 from batchgen.pipeline.interrupt import StopRequest
 from batchgen.pipeline.job import Execution, RunPlan
 from batchgen.pipeline.prefetch import Prefetcher
+from batchgen.pipeline.progress import Progress
+from batchgen.pipeline.rows import Request, ResultRow
 from batchgen.pipeline.sink import PartSink
 from batchgen.pipeline.spec import JobSpec
 from batchgen.pipeline.stages import Preparer, divert_errors, input_rows, job_preparer, sorted_requests
@@ -20,8 +22,16 @@ from batchgen.pipeline.window_runner import committing, run_requests
 PREFETCH_ROWS = 1024  # prepared rows queued ahead of the sort window
 
 
+def _noting_prompts(items: Iterable[Request | ResultRow], progress: Progress) -> Iterator[Request | ResultRow]:
+    """Passes prepared rows on, telling the progress bar each request's prompt length (for its ETA)."""
+    for item in items:
+        if isinstance(item, Request):
+            progress.prepared(len(item.prompt_ids))
+        yield item
+
+
 def _generate(llm: LLM, spec: JobSpec, rows: Iterable[InputRow], preparer: Preparer, sink: PartSink,
-              stop: StopRequest, telemetry: Telemetry) -> float:
+              stop: StopRequest, telemetry: Telemetry, progress: Progress) -> float:
     """Streams every row through the engine into the sink; returns the seconds it took.
 
     One lazy chain feeds one ``generate_stream`` call, with reading, rendering and tokenizing in a
@@ -30,7 +40,8 @@ def _generate(llm: LLM, spec: JobSpec, rows: Iterable[InputRow], preparer: Prepa
     stage's time goes to ``telemetry``.
     """
     b, clock = spec.batching, telemetry.stages
-    prepare = clock.timed(preparer.prepare(clock.timed(rows, "read")), "render_tokenize")
+    prepare = _noting_prompts(clock.timed(preparer.prepare(clock.timed(progress.reading(rows), "read")),
+                                          "render_tokenize"), progress)
     prepared = Prefetcher(prepare, depth=min(b.sort_window, PREFETCH_ROWS), name="prepare")
     write = clock.wrap(sink.add, "write")
     try:
@@ -68,7 +79,7 @@ class LocalExecutor:
         try:
             with committing(sink, telemetry):
                 try:
-                    generate_s = _generate(llm, spec, rows, preparer, sink, stop, telemetry)
+                    generate_s = _generate(llm, spec, rows, preparer, sink, stop, telemetry, progress)
                 except KeyboardInterrupt:
                     stop.set(signal.SIGINT)
         finally:

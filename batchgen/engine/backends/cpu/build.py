@@ -96,7 +96,7 @@ def build_and_load(features: CpuFeatures) -> str | None:
             # We hold the folder: a lock file of cpp_extension's there is a killed build's leftover, and
             # would make cpp_extension wait for it forever.
             (folder / "lock").unlink(missing_ok=True)
-            log.info("building the fused CPU kernels for this machine (once, about a minute) in %s", folder)
+            log.info("compiling CPU kernels, about a minute, once (into %s)", folder)
             with _ninja_on_path():
                 cpp_extension.load(
                     name=name, sources=[str(SOURCE_DIR / source) for source in SOURCES],
