@@ -6,6 +6,7 @@ import threading
 
 import pytest
 
+from batchgen.pipeline.identity import JobIdentity, spec_values
 from batchgen.pipeline.job import RunPlan
 from batchgen.pipeline.progress import Progress
 from batchgen.pipeline.rows import PartSchema
@@ -23,7 +24,7 @@ class FakeClock:
 def plan_for(tmp_path, files, limit=None) -> RunPlan:
     spec = make_spec(tmp_path / "model", [str(f) for f in files], tmp_path / "out")
     return RunPlan(spec, [str(f) for f in files], [], limit, set(), [], {}, set(), PartSchema("id", []),
-                   quiet=True)
+                   JobIdentity(spec_values(spec)), quiet=True)
 
 
 def test_parquet_inputs_give_the_total_from_the_start(tmp_path):
