@@ -200,6 +200,8 @@ class EngineConfig:
     kv_cache_memory: int | None = None
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
+    prefix_cache_host_bytes: int = 0  # host-memory tier below the device prefix cache, in bytes (LRU; 0: none)
+    prefix_cache_store: str | None = None  # fsspec URL (dir, s3://, memory://) of a prefix KV store later jobs reuse
     attention_backend: str | None = None
     # "auto": CUDA graphs on CUDA with the Triton backend; "off"; "emulate": the same padded
     # fixed-shape steps run eagerly without capture, so the graph path can be checked on CPU.
@@ -237,6 +239,20 @@ class EngineConfig:
             raise ValueError("tensor_parallel_size and data_parallel_size must be >= 1")
         if self.distributed_timeout_s <= 0:
             raise ValueError("distributed_timeout_s must be > 0")
+        self._check_prefix_tiers()
+
+    def _check_prefix_tiers(self) -> None:
+        if self.prefix_cache_host_bytes < 0:
+            raise ValueError("prefix_cache_host_bytes must be >= 0")
+        if self.prefix_cache_store is not None and not str(self.prefix_cache_store).strip():
+            raise ValueError("prefix_cache_store must be a URL (a folder, s3://..., memory://...) or None")
+        if not (self.prefix_cache_host_bytes or self.prefix_cache_store):
+            return
+        if not self.enable_prefix_caching:
+            raise ValueError("prefix_cache_store and prefix_cache_host_bytes need enable_prefix_caching")
+        if self.world_size > 1:
+            raise ValueError("prefix_cache_store and prefix_cache_host_bytes run on one device for now "
+                             "(tensor_parallel_size and data_parallel_size 1)")
 
     @property
     def world_size(self) -> int:
