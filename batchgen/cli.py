@@ -1,5 +1,5 @@
 """The ``batchgen`` command line: ``run``, ``validate``, ``plan`` a job spec, ``openai-batch`` a request file,
-``report`` on an output, ``bench``."""
+``report`` on an output, ``bench``, ``cache`` (a prefix KV store)."""
 from __future__ import annotations
 
 import json
@@ -15,6 +15,7 @@ import yaml
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from batchgen.bench.command import bench
+from batchgen.cache_command import cache
 from batchgen.io import redact
 from batchgen.pipeline.errors import JobError, JobInterrupted
 from batchgen.pipeline.spec import JobSpec, SpecError, load_spec, spec_from_dict
@@ -226,6 +227,7 @@ def report(output: str, target: str | None, verbose: bool) -> None:
 
 
 main.add_command(bench)
+main.add_command(cache)
 
 if __name__ == "__main__":
     main()
