@@ -1,5 +1,5 @@
 """The ``batchgen`` command line: ``run``, ``validate``, ``plan`` a job spec, ``openai-batch`` a request file,
-``report`` on or ``show`` the rows of an output, ``bench``."""
+``report`` on or ``show`` the rows of an output, ``bench``, ``cache`` (a prefix KV store)."""
 from __future__ import annotations
 
 import json
@@ -15,6 +15,7 @@ import yaml
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from batchgen.bench.command import bench
+from batchgen.cache_command import cache
 from batchgen.io import redact
 from batchgen.pipeline.errors import JobError, JobInterrupted
 from batchgen.pipeline.interrupt import DEFAULT_GRACE_S
@@ -263,6 +264,7 @@ def show(output: str, limit: int, errors: bool, columns: str | None, width: int)
 
 
 main.add_command(bench)
+main.add_command(cache)
 
 if __name__ == "__main__":
     main()

@@ -22,9 +22,16 @@ BASE = {"name": "j", "model": {"path": "m"}, "input": {"path": "in.jsonl"}, "pro
         "output": {"path": "out/"}}
 
 
+# The prefix-cache tiers need prefix caching on and one device, which the other probes change: they are probed
+# in a set of their own (every knob is in exactly one set).
+TIER_PROBES = {"prefix_cache_host_bytes": 1 << 20, "prefix_cache_store": "memory://kv"}
+
+
 def probe_value(f: Field):
     """A valid value for the knob that is neither its engine default nor its job default."""
     default = JOB_DEFAULTS.get(f.name, knob_default(f))
+    if f.name in TIER_PROBES:
+        return TIER_PROBES[f.name]
     if f.metadata["choices"]:
         return next(c for c in f.metadata["choices"] if c != default)
     if isinstance(default, bool):
@@ -42,6 +49,7 @@ def probe_value(f: Field):
 
 
 PROBES = {f.name: probe_value(f) for f in engine_knobs()}
+PROBE_SETS = [{k: v for k, v in PROBES.items() if k not in TIER_PROBES}, {k: PROBES[k] for k in TIER_PROBES}]
 
 
 def yaml_text(value) -> str:
@@ -55,11 +63,12 @@ def test_the_knobs_are_every_engine_config_field_but_the_model_and_its_storage()
     assert all(f.metadata["help"] for f in engine_knobs())
 
 
-def test_every_knob_is_settable_with_set_and_reaches_the_engine_config():
-    overrides = [f"engine.{name}={yaml_text(value)}" for name, value in PROBES.items()]
+@pytest.mark.parametrize("probes", PROBE_SETS, ids=["knobs", "prefix-tiers"])
+def test_every_knob_is_settable_with_set_and_reaches_the_engine_config(probes):
+    overrides = [f"engine.{name}={yaml_text(value)}" for name, value in probes.items()]
     spec = spec_from_dict({**BASE, "storage_options": {"anon": True}}, overrides, env={})
     config = spec.engine_config()
-    assert {name: getattr(config, name) for name in PROBES} == PROBES
+    assert {name: getattr(config, name) for name in probes} == probes
     assert config.model == "m" and config.storage_options == {"anon": True}
 
 
@@ -104,9 +113,10 @@ def bench_args(values: dict) -> list[str]:
 
 
 def test_every_knob_is_a_bench_option_and_reaches_the_engine_config(monkeypatch):
-    config, output = bench_config(monkeypatch, bench_args(PROBES))
-    assert config is not None, output
-    assert {name: getattr(config, name) for name in PROBES} == PROBES and config.model == "m"
+    for probes in PROBE_SETS:
+        config, output = bench_config(monkeypatch, bench_args(probes))
+        assert config is not None, output
+        assert {name: getattr(config, name) for name in probes} == probes and config.model == "m"
 
 
 def test_bench_defaults_are_the_engine_defaults(monkeypatch):

@@ -157,6 +157,10 @@ class EngineConfig:
                                              "of the free GPU memory)", ge=1)
     gpu_memory_utilization: float = knob(0.9, "share of the free GPU memory the KV cache may take", gt=0, le=1)
     enable_prefix_caching: bool = knob(True, "reuse the KV blocks of prompt prefixes already computed")
+    prefix_cache_host_bytes: int = knob(0, "host-memory tier below the device prefix cache, in bytes (LRU; 0: none)",
+                                        ge=0)
+    prefix_cache_store: str | None = knob(None, "fsspec URL (a folder, s3://, memory://) of a prefix KV store "
+                                                "that later jobs and other replicas reuse")
     attention_backend: str | None = knob(None, "kernels (default: triton on CUDA, cpu's fused C++ kernels "
                                                "on CPU)", ATTENTION_BACKENDS)
     cuda_graphs: str = knob("auto", "replay captured CUDA graphs for decode and mixed steps (auto: on CUDA with "
@@ -198,6 +202,20 @@ class EngineConfig:
         EplbConfig.from_dict(self.eplb_config)
         if self.enable_eplb and not self.enable_expert_parallel:
             raise ValueError("enable_eplb needs enable_expert_parallel (it balances experts split over ranks)")
+        self._check_prefix_tiers()
+
+    def _check_prefix_tiers(self) -> None:
+        if self.prefix_cache_host_bytes < 0:
+            raise ValueError("prefix_cache_host_bytes must be >= 0")
+        if self.prefix_cache_store is not None and not str(self.prefix_cache_store).strip():
+            raise ValueError("prefix_cache_store must be a URL (a folder, s3://..., memory://...) or None")
+        if not (self.prefix_cache_host_bytes or self.prefix_cache_store):
+            return
+        if not self.enable_prefix_caching:
+            raise ValueError("prefix_cache_store and prefix_cache_host_bytes need enable_prefix_caching")
+        if self.world_size > 1:
+            raise ValueError("prefix_cache_store and prefix_cache_host_bytes run on one device for now "
+                             "(tensor_parallel_size and data_parallel_size 1)")
 
     @property
     def world_size(self) -> int:

@@ -1,6 +1,8 @@
 """Paged KV-cache block allocation with prefix caching by chained block hashes."""
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -16,8 +18,13 @@ class Block:
 
 
 def chain_hash(prev_hash: int | None, token_ids: tuple[int, ...]) -> int:
-    """Hash of a full block given the hash of the block before it, so equal hashes mean equal prefixes."""
-    return hash((prev_hash, token_ids))
+    """Hash of a full block given the hash of the block before it, so equal hashes mean equal prefixes.
+
+    A 64-bit BLAKE2b digest, the same in every process: the persistent prefix store keys blocks by it.
+    """
+    h = hashlib.blake2b(b"" if prev_hash is None else prev_hash.to_bytes(8, "little"), digest_size=8)
+    h.update(array("q", token_ids).tobytes())
+    return int.from_bytes(h.digest(), "little")
 
 
 class BlockManager:
@@ -30,13 +37,16 @@ class BlockManager:
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 window: int | None = None):
+                 window: int | None = None, record_completed: bool = False):
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.window = window
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.hash_to_block: dict[int, int] = {}
+        # With lower prefix tiers: (block id, hash, tokens) of blocks registered since take_completed.
+        self.record_completed = record_completed
+        self.completed: list[tuple[int, int, tuple[int, ...]]] = []
 
     @property
     def num_free_blocks(self) -> int:
@@ -55,6 +65,10 @@ class BlockManager:
             blocks.append((chain_hash(blocks[-1][0] if blocks else None, tokens), tokens))
         return blocks[i]
 
+    def prefix_blocks(self, seq: Sequence) -> list[tuple[int, tuple[int, ...]]]:
+        """(hash, tokens) of the full blocks a cached prefix of ``seq`` may cover (all but its last token)."""
+        return [self._full_block(seq, i) for i in range((seq.num_tokens - 1) // self.block_size)]
+
     def _cached_prefix(self, seq: Sequence) -> list[int]:
         """Block ids that already hold the KV of the sequence's leading full blocks."""
         if not self.enable_prefix_caching:
@@ -68,6 +82,10 @@ class BlockManager:
                 break
             hits.append(block_id)
         return hits
+
+    def num_cached_blocks(self, seq: Sequence) -> int:
+        """Leading full blocks of ``seq`` the device cache holds now."""
+        return len(self._cached_prefix(seq))
 
     def can_admit(self, seq: Sequence) -> bool:
         hits = self._cached_prefix(seq)
@@ -113,8 +131,24 @@ class BlockManager:
             block = self.blocks[seq.block_table[i]]
             if block.hash is None:
                 block.hash, block.token_ids = self._full_block(seq, i)
-                self.hash_to_block.setdefault(block.hash, block.block_id)
+                if self.hash_to_block.setdefault(block.hash, block.block_id) == block.block_id \
+                        and self.record_completed:
+                    self.completed.append((block.block_id, block.hash, block.token_ids))
             seq.num_hashed_blocks = i + 1
+
+    def mark_restored(self, seq: Sequence, i: int) -> None:
+        """The sequence's i-th block (its next uncomputed one) got its KV from a lower tier: register it."""
+        assert i == seq.num_hashed_blocks == seq.num_computed_tokens // self.block_size
+        block = self.blocks[seq.block_table[i]]
+        block.hash, block.token_ids = self._full_block(seq, i)
+        self.hash_to_block.setdefault(block.hash, block.block_id)
+        seq.num_hashed_blocks = i + 1
+        seq.num_computed_tokens += self.block_size
+
+    def take_completed(self) -> list[tuple[int, int, tuple[int, ...]]]:
+        """Blocks registered by computing them since the last call (what goes down to the lower tiers)."""
+        done, self.completed = self.completed, []
+        return done
 
     def release_out_of_window(self, seq: Sequence) -> None:
         """Frees the leading blocks no query from the sequence's next token on can read."""

@@ -14,6 +14,7 @@ from batchgen.engine.core.metrics import EngineMetrics, StepRecord
 from batchgen.engine.core.outputs import RequestOutput
 from batchgen.engine.core.scheduler import ScheduledSeq, ScheduledStep, Scheduler
 from batchgen.engine.core.sequence import Sequence, placeholder
+from batchgen.engine.kv_store import PrefixTiers, build_prefix_tiers
 from batchgen.engine.executor import StepInput, StepOutput, SubmittedStep, build_step_input, make_executor
 from batchgen.engine.loading.loader import load_model_source
 from batchgen.engine.models.registry import model_config
@@ -60,10 +61,12 @@ class Replica:
     """One data-parallel engine replica: a scheduler over its own KV cache, and the prompt tokens of the
     requests it holds (what new requests are balanced on)."""
 
-    def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int, window: int | None = None):
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching, window=window)
+    def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int, window: int | None = None,
+                 tiers: PrefixTiers | None = None):
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching, window=window,
+                                          record_completed=tiers is not None)
         self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs,
-                                   max_model_len)
+                                   max_model_len, tiers)
         self.prompt_tokens = 0
 
     def add(self, seq: Sequence) -> None:
@@ -110,7 +113,9 @@ class LLMEngine:
             log.warning("KV cache holds %d tokens; max_model_len lowered from %d", capacity, self.max_model_len)
             self.max_model_len = capacity
         window = self.executor.kv_layout.window  # every layer slides: blocks out of it are freed while running
-        self.replicas = [Replica(config, self.executor.num_blocks, self.max_model_len, window)
+        # Host and store tiers below the device prefix cache (one device only: see EngineConfig).
+        self.prefix_tiers = build_prefix_tiers(config, source, self.model_config, self.executor.kv_layout)
+        self.replicas = [Replica(config, self.executor.num_blocks, self.max_model_len, window, self.prefix_tiers)
                          for _ in range(config.data_parallel_size)]
         # Replicas whose MoE layers exchange tokens must all run every step, idle or not.
         self.lockstep = config.expert_parallel(self.model_config) and len(self.replicas) > 1
@@ -224,6 +229,10 @@ class LLMEngine:
         bitmasks = [self._token_bitmask(step.seqs) for step in steps]
         mask_s = time.perf_counter() - mask_start
         inputs = self._step_inputs(steps, bitmasks)
+        if self.prefix_tiers is not None:
+            for step, step_input in zip(steps, inputs):
+                if step_input is not None:
+                    self.prefix_tiers.attach(step, step_input)
         seqs = [s for step in steps for s in step.seqs]
         prefill = sum(max(0, min(s.seq.num_prompt_tokens, s.seq.num_computed_tokens + s.num_new_tokens)
                           - s.seq.num_computed_tokens) for s in seqs)
@@ -251,6 +260,8 @@ class LLMEngine:
         self._last_done = done
         finished: list[RequestOutput] = []
         for replica, step, out in zip(self.replicas, launched.steps, outputs):
+            if step.saves and self.prefix_tiers is not None:
+                self.prefix_tiers.save(step.saves, out.saved_kv)
             if step.seqs:
                 finished += self._apply(replica, step.seqs, out)
         launched.host_s += time.perf_counter() - done
@@ -321,6 +332,8 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Stops the executor's workers and the grammar compiler; the engine cannot run afterwards."""
         self._in_flight = None
+        if self.prefix_tiers is not None:
+            self.prefix_tiers.close()  # queued store writes land first
         self.executor.shutdown()
         if self._grammars is not None:
             self._grammars.close()
@@ -345,10 +358,21 @@ class LLMEngine:
             comm_time_s=max((o.comm_s for o in ran), default=0.0),
             host_time_s=launched.host_s, prepare_time_s=max((o.prepare_s for o in ran), default=0.0),
             replica_tokens=tuple(i.num_tokens if i is not None else 0 for i in inputs)
-            if len(inputs) > 1 else (), eplb=next((o.eplb for o in ran if o.eplb is not None), None))
+            if len(inputs) > 1 else (), eplb=next((o.eplb for o in ran if o.eplb is not None), None),
+            **self._tier_counts(steps))
         self.metrics.add_step(record)
         for listener in self.step_listeners:
             listener(record)
+
+    def _tier_counts(self, steps: list[ScheduledStep]) -> dict:
+        """The lower prefix tiers' share of the step's record; also tells them what prefill costs."""
+        tiers = self.prefix_tiers
+        if tiers is None:
+            return {}
+        m = self.metrics
+        if m.prompt_tokens_computed:
+            tiers.seconds_per_token = m.prefill_time_s / m.prompt_tokens_computed
+        return {**tiers.hits(steps), **tiers.take_counters()}
 
     def _output(self, seq: Sequence) -> RequestOutput:
         return RequestOutput(

@@ -3,6 +3,13 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+# The lower prefix tiers (host memory, persistent store): tokens they served and the store's traffic.
+PREFIX_TIER_FIELDS = (
+    "prefix_cache_host_hits", "prefix_cache_store_hits", "prefix_store_bytes_read", "prefix_store_bytes_written",
+    "prefix_store_load_time_s", "prefix_store_wait_time_s", "prefix_store_misses_absent",
+    "prefix_store_misses_corrupt", "prefix_store_misses_foreign", "prefix_store_misses_error",
+)
+
 
 @dataclass(frozen=True)
 class StepRecord:
@@ -39,6 +46,19 @@ class StepRecord:
     prepare_time_s: float = 0.0
     replica_tokens: tuple[int, ...] = ()
     eplb: dict | None = None
+    # Of prefix_cache_hits, tokens loaded from the host tier and from the store; the store's traffic since
+    # the previous step (read and write bytes, seconds reading, seconds the scheduler waited on loads) and
+    # its misses by cause (absent, corrupt, foreign, error: each one recomputed).
+    prefix_cache_host_hits: int = 0
+    prefix_cache_store_hits: int = 0
+    prefix_store_bytes_read: int = 0
+    prefix_store_bytes_written: int = 0
+    prefix_store_load_time_s: float = 0.0
+    prefix_store_wait_time_s: float = 0.0
+    prefix_store_misses_absent: int = 0
+    prefix_store_misses_corrupt: int = 0
+    prefix_store_misses_foreign: int = 0
+    prefix_store_misses_error: int = 0
 
     @property
     def decode_only(self) -> bool:
@@ -71,6 +91,16 @@ class EngineMetrics:
     replica_tokens: list[int] = field(default_factory=list)  # tokens computed by each data-parallel replica
     decode_host_time_s: float = 0.0  # engine host time of the decode steps, outside the model
     decode_prepare_time_s: float = 0.0  # of decode_time_s, building the steps' tensors on the host
+    prefix_cache_host_hits: int = 0  # of prefix_cache_hits, tokens served by the host tier
+    prefix_cache_store_hits: int = 0  # ... and by the persistent store
+    prefix_store_bytes_read: int = 0
+    prefix_store_bytes_written: int = 0
+    prefix_store_load_time_s: float = 0.0  # reading and checking store objects (background threads)
+    prefix_store_wait_time_s: float = 0.0  # the scheduler waiting for loads, nothing else to run
+    prefix_store_misses_absent: int = 0
+    prefix_store_misses_corrupt: int = 0
+    prefix_store_misses_foreign: int = 0
+    prefix_store_misses_error: int = 0
 
     def __post_init__(self) -> None:
         # The expert load balancer's latest report (enable_eplb): a state, not a total, so not a field
@@ -97,6 +127,8 @@ class EngineMetrics:
         self.grammar_steps += r.grammar_rows > 0
         self.grammar_mask_time_s += r.mask_time_s
         self.comm_time_s += r.comm_time_s
+        for name in PREFIX_TIER_FIELDS:
+            setattr(self, name, getattr(self, name) + getattr(r, name))
         if len(self.replica_tokens) < len(r.replica_tokens):
             self.replica_tokens += [0] * (len(r.replica_tokens) - len(self.replica_tokens))
         for i, n in enumerate(r.replica_tokens):

@@ -20,6 +20,6 @@ class RequestOutput:
     text: str = ""
     finish_reason: str | None = None
     logprobs: list[float] | None = None
-    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (device, host or store)
     error: str | None = None
     grammar_complete: bool | None = None

@@ -4,9 +4,13 @@ from __future__ import annotations
 from collections import deque
 from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from batchgen.engine.core.block_manager import BlockManager
 from batchgen.engine.core.sequence import Sequence, SequenceStatus
+
+if TYPE_CHECKING:
+    from batchgen.engine.kv_store.tiers import PrefixTiers, Restore
 
 
 @dataclass
@@ -25,7 +29,9 @@ class ScheduledStep:
     seqs: list[ScheduledSeq] = field(default_factory=list)
     preemptions: int = 0
     prefix_cache_queries: int = 0  # prompt tokens of the sequences admitted this step
-    prefix_cache_hits: int = 0  # of those, tokens whose KV the prefix cache already held
+    prefix_cache_hits: int = 0  # of those, tokens whose KV the prefix cache already held (any tier)
+    restores: list["Restore"] = field(default_factory=list)  # blocks the lower prefix tiers fill this step
+    saves: list[tuple[int, int, tuple[int, ...]]] = field(default_factory=list)  # blocks it completes
 
 
 class Scheduler:
@@ -37,8 +43,9 @@ class Scheduler:
     """
 
     def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int, max_num_seqs: int,
-                 max_model_len: int):
+                 max_model_len: int, tiers: "PrefixTiers | None" = None):
         self.block_manager = block_manager
+        self.tiers = tiers  # host and store tiers below the device prefix cache
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
@@ -97,11 +104,17 @@ class Scheduler:
             scheduled.append(self._schedule_chunk(seq, budget))
             budget -= scheduled[-1].num_new_tokens
             i += 1
+        if self.tiers is not None:
+            self.tiers.prefetch(self.waiting, self.block_manager)
         while (not step.preemptions and self.waiting and budget > 0
                and len(self.running) - ending < self.max_num_seqs
-               and self.block_manager.can_admit(self.waiting[0])):
+               and self.block_manager.can_admit(self.waiting[0])
+               and (self.tiers is None or self.tiers.ready(self.waiting[0], busy=bool(scheduled)))):
             seq = self.waiting.popleft()
-            step.prefix_cache_hits += self.block_manager.admit(seq)
+            self.block_manager.admit(seq)
+            if self.tiers is not None:
+                step.restores.append(self.tiers.restore(seq, self.block_manager))
+            step.prefix_cache_hits += seq.num_computed_tokens
             step.prefix_cache_queries += seq.num_tokens
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = seq.num_computed_tokens
@@ -109,6 +122,7 @@ class Scheduler:
             self.running.append(seq)
             scheduled.append(self._schedule_chunk(seq, budget))
             budget -= scheduled[-1].num_new_tokens
+        step.saves = self.block_manager.take_completed()
         return step
 
     def _schedule_chunk(self, seq: Sequence, budget: int) -> ScheduledSeq:

@@ -16,6 +16,7 @@ from batchgen.engine.backends.torch.ops import fused_moe
 from batchgen.engine.config import EngineConfig, ModelConfig
 from batchgen.engine.core.kv_cache import kv_budget_bytes
 from batchgen.engine.executor.step import StepInput, StepOutput
+from batchgen.engine.kv_store.block_io import gather_blocks, scatter_blocks
 from batchgen.engine.loading.model_source import ModelSource
 from batchgen.engine.models.registry import build_model
 from batchgen.engine.parallel.balancer import EplbConfig, ExpertBalancer, with_load_balancing
@@ -57,6 +58,7 @@ class ModelRunner:
         log.info("model %s: %s on %s, attention backend %s; %s; weights %s", source.name, engine.dtype_choice.name,
                  self.device, self.kernels.attention.name, self.profile.summary(), self.profile.weight_format)
         self.num_blocks = 0
+        self.kv_cache: list[list[torch.Tensor]] = []
         self.graphs: GraphRunner | None = None
         self.samples = parallel.tp.is_first  # the first tensor-parallel rank gathers the logits and samples
         self._last_tokens: torch.Tensor | None = None  # the latest step's sampled tokens, on the device
@@ -79,7 +81,8 @@ class ModelRunner:
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """Allocates the cache in the model's layout, binds it, and captures CUDA graphs when they are on."""
         per_block = self.kv_layout.bytes_per_block(self.block_size, self.dtype)
-        self.model.bind_kv_cache(self.kv_layout.allocate(num_blocks, self.block_size, self.dtype, self.device))
+        self.kv_cache = self.kv_layout.allocate(num_blocks, self.block_size, self.dtype, self.device)
+        self.model.bind_kv_cache(self.kv_cache)
         self.num_blocks = num_blocks
         log.info("KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB), %d bytes per token (%s)",
                  num_blocks, self.block_size, num_blocks * self.block_size, num_blocks * per_block / 2**20,
@@ -163,6 +166,8 @@ class ModelRunner:
         if step.num_seqs == 0:  # an idle replica's turn in the expert exchange
             self._run_empty()
             return LaunchedStep(self, start, 0.0)
+        if step.restore_blocks:  # prefix blocks from a lower tier, before anything reads them
+            scatter_blocks(self.kv_cache, step.restore_blocks, step.restore_kv)
         input_ids, positions, meta, logits_rows = self.prepare(step)
         prepare_s = time.perf_counter() - start
         graph = self.graphs.pick(meta, len(input_ids)) if self.graphs is not None else None
@@ -171,11 +176,13 @@ class ModelRunner:
             logits = self.graphs.run(graph, input_ids, positions, meta, logits_rows)
         else:
             logits = self.model(input_ids, positions, meta, logits_rows)
+        saved = gather_blocks(self.kv_cache, step.save_blocks) if step.save_blocks else None
         if len(logits_rows) == 0 or not self.samples:  # only non-final prompt chunks, or not the sampling rank
-            return LaunchedStep(self, start, prepare_s, padded=padded)
+            return LaunchedStep(self, start, prepare_s, padded=padded, saved_kv=saved)
         tokens, logprobs = sample(logits, step.sampling.to_batch(self.device, step.bitmask))
         self._last_tokens = tokens
-        launched = LaunchedStep(self, start, prepare_s, self._to_host(tokens), self._to_host(logprobs), padded)
+        launched = LaunchedStep(self, start, prepare_s, self._to_host(tokens), self._to_host(logprobs), padded,
+                                saved_kv=saved)
         if self.device.type == "cuda":
             # Queued now, the copies wait for this step alone, not for the next step queued behind it.
             launched.copied = torch.cuda.Event()
@@ -224,12 +231,16 @@ class LaunchedStep:
     padded: int = 0
     copied: "torch.cuda.Event | None" = None  # on CUDA: when tokens and logprobs have reached the host
     eplb: dict | None = None  # the expert load balancer's report, on the steps that evaluated it
+    saved_kv: torch.Tensor | None = None  # the step's save_blocks, copied out behind its forward
 
     def result(self) -> StepOutput:
         runner = self.runner
-        out = StepOutput(padded_tokens=self.padded, prepare_s=self.prepare_s, eplb=self.eplb)
+        out = StepOutput(padded_tokens=self.padded, prepare_s=self.prepare_s, eplb=self.eplb,
+                         saved_kv=self.saved_kv)
         if self.copied is not None:
             self.copied.synchronize()
+        elif self.saved_kv is not None and runner.device.type == "cuda":
+            torch.cuda.current_stream(runner.device).synchronize()
         if self.tokens is not None:
             out.tokens = self.tokens.tolist()
             out.logprobs = self.logprobs.tolist() if self.logprobs is not None else None

@@ -81,6 +81,11 @@ class StepInput:
     # its row deferred_rows[j], unknown when this step was written; the executor fills it in on the device.
     deferred_positions: list[int] = field(default_factory=list)
     deferred_rows: list[int] = field(default_factory=list)
+    # Prefix tiers: restore_kv's byte rows go into restore_blocks before the model runs; save_blocks are
+    # copied out after it (StepOutput.saved_kv), the blocks this step completes.
+    restore_blocks: list[int] = field(default_factory=list)
+    restore_kv: torch.Tensor | None = None
+    save_blocks: list[int] = field(default_factory=list)
 
     @property
     def num_seqs(self) -> int:
@@ -107,6 +112,7 @@ class StepOutput:
     comm_s: float = 0.0
     prepare_s: float = 0.0
     eplb: dict | None = None
+    saved_kv: torch.Tensor | None = None  # (len(save_blocks), block bytes) uint8: the saved blocks' KV
 
 
 @dataclass

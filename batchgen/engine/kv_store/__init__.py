@@ -1,0 +1,45 @@
+"""A prefix KV cache that outlives the run: host memory, then any fsspec store (see ``tiers``)."""
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from batchgen.engine.kv_store.format import KVIdentity, dtype_name, rope_description, weights_digest
+from batchgen.engine.kv_store.store import KVStore
+from batchgen.engine.kv_store.tiers import PrefixTiers
+from batchgen.io.redaction import redact
+
+if TYPE_CHECKING:
+    from batchgen.engine.config import EngineConfig, ModelConfig
+    from batchgen.engine.core.kv_cache import KVLayout
+    from batchgen.engine.loading.model_source import ModelSource
+
+log = logging.getLogger(__name__)
+
+
+def kv_identity(config: "EngineConfig", source: "ModelSource", model: "ModelConfig", layout: "KVLayout",
+                tp_rank: int = 0) -> KVIdentity:
+    return KVIdentity(weights=weights_digest(source.path, source.config), dtype=dtype_name(config.torch_dtype),
+                      layout=layout.layers, block_size=config.block_size, tp_rank=tp_rank,
+                      tp_size=config.tensor_parallel_size, rope=rope_description(model.rope_theta, model.rope_scaling))
+
+
+def build_prefix_tiers(config: "EngineConfig", source: "ModelSource", model: "ModelConfig",
+                       layout: "KVLayout") -> PrefixTiers | None:
+    """The engine's lower prefix tiers, or None when neither is configured (or the layout frees blocks as
+    sequences run: a sliding window everywhere)."""
+    if not (config.prefix_cache_host_bytes or config.prefix_cache_store):
+        return None
+    if layout.window is not None:
+        log.info("prefix tiers off: every layer slides a window, so whole prefixes are not kept")
+        return None
+    store = None
+    if config.prefix_cache_store:
+        identity = kv_identity(config, source, model, layout)
+        store = KVStore(config.prefix_cache_store, identity.namespace(), config.storage_options)
+        log.info("prefix store %s, namespace %s", redact(config.prefix_cache_store), identity.namespace())
+    nbytes = layout.bytes_per_block(config.block_size, config.torch_dtype)
+    return PrefixTiers(config.block_size, nbytes, config.prefix_cache_host_bytes, store)
+
+
+__all__ = ["KVIdentity", "KVStore", "PrefixTiers", "build_prefix_tiers", "kv_identity"]
