@@ -86,7 +86,8 @@ def engine_kernel_calls() -> None:
     from batchgen.engine.backends.triton.decode_attention import decode_attention, decode_rows
     from batchgen.engine.backends.triton.kv_store import store_kv
     from batchgen.engine.backends.triton.norm import rms_norm
-    from batchgen.engine.backends.triton.prefill_attention import flash_attn_varlen_func, prefill_attention, prefill_work
+    from batchgen.engine.backends.triton.prefill_attention import prefill_attention, prefill_work
+    from tests.flash_attn import flash_attn_varlen_func
     from batchgen.engine.backends.triton.rotary import apply_rotary
 
     for dtype, head_dim in ((torch.bfloat16, 64), (torch.bfloat16, 128), (torch.float16, 128),

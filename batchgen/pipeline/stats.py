@@ -98,7 +98,7 @@ def job_stats(*, totals: Counts, runs: list[dict[str, Any]], this_run: Counts, l
         "started_at": runs[0]["started_at"] if runs else "",
         "finished_at": runs[-1]["finished_at"] if runs else "",
         "job_digest": identity.get("digest"),
-        "resumed": len(runs) > 1,
+        "resumed": totals.rows > this_run.rows,  # earlier runs committed rows (a failed run lists no entry)
         "complete": complete,
         "limit": limit,
         "this_run": this_run.to_dict(),

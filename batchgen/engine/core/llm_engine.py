@@ -8,6 +8,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
+
 from batchgen.engine.config import EngineConfig, ModelConfig
 from batchgen.engine.core.block_manager import BlockManager
 from batchgen.engine.core.metrics import EngineMetrics, StepRecord
@@ -232,7 +234,7 @@ class LLMEngine:
         if self.prefix_tiers is not None:
             for step, step_input in zip(steps, inputs):
                 if step_input is not None:
-                    self.prefix_tiers.attach(step, step_input)
+                    attach_tier_blocks(step, step_input)
         seqs = [s for step in steps for s in step.seqs]
         prefill = sum(max(0, min(s.seq.num_prompt_tokens, s.seq.num_computed_tokens + s.num_new_tokens)
                           - s.seq.num_computed_tokens) for s in seqs)
@@ -372,7 +374,7 @@ class LLMEngine:
         m = self.metrics
         if m.prompt_tokens_computed:
             tiers.seconds_per_token = m.prefill_time_s / m.prompt_tokens_computed
-        return {**tiers.hits(steps), **tiers.take_counters()}
+        return {**tier_hits(steps), **tiers.take_counters()}
 
     def _output(self, seq: Sequence) -> RequestOutput:
         return RequestOutput(
@@ -381,3 +383,18 @@ class LLMEngine:
             finish_reason=seq.finish_reason, logprobs=list(seq.logprobs) if seq.params.logprobs else None,
             num_cached_tokens=seq.num_cached_tokens,
             grammar_complete=seq.grammar.is_complete if seq.grammar is not None else None)
+
+
+def attach_tier_blocks(step: ScheduledStep, inputs: StepInput) -> None:
+    """Writes the blocks the lower prefix tiers restore and the blocks to save into what the executor runs."""
+    rows = [row for r in step.restores for row in r.rows]
+    if rows:
+        inputs.restore_blocks = [b for r in step.restores for b in r.block_ids]
+        inputs.restore_kv = torch.stack(rows)
+    inputs.save_blocks = [block_id for block_id, _, _ in step.saves]
+
+
+def tier_hits(steps: list[ScheduledStep]) -> dict[str, int]:
+    """Tokens the steps' admissions took from each lower prefix tier, under StepRecord's field names."""
+    return {"prefix_cache_host_hits": sum(r.host_tokens for s in steps for r in s.restores),
+            "prefix_cache_store_hits": sum(r.store_tokens for s in steps for r in s.restores)}

@@ -28,8 +28,6 @@ from batchgen.engine.kv_store.store import KVStore
 
 if TYPE_CHECKING:
     from batchgen.engine.core.block_manager import BlockManager
-    from batchgen.engine.executor.step import StepInput
-    from batchgen.engine.core.scheduler import ScheduledStep
     from batchgen.engine.core.sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -172,21 +170,6 @@ class PrefixTiers:
             else:
                 out.store_tokens += self.block_size
         return out
-
-    @staticmethod
-    def attach(step: "ScheduledStep", inputs: "StepInput") -> None:
-        """Writes the step's restores and saves into what the executor runs."""
-        rows = [row for r in step.restores for row in r.rows]
-        if rows:
-            inputs.restore_blocks = [b for r in step.restores for b in r.block_ids]
-            inputs.restore_kv = torch.stack(rows)
-        inputs.save_blocks = [block_id for block_id, _, _ in step.saves]
-
-    @staticmethod
-    def hits(steps: list["ScheduledStep"]) -> dict[str, int]:
-        """Tokens the steps' admissions took from each lower tier, under StepRecord's field names."""
-        return {"prefix_cache_host_hits": sum(r.host_tokens for s in steps for r in s.restores),
-                "prefix_cache_store_hits": sum(r.store_tokens for s in steps for r in s.restores)}
 
     # ---- saving ----------------------------------------------------------------------------------
     def save(self, blocks: list[tuple[int, int, tuple[int, ...]]], rows: torch.Tensor) -> None:
