@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 import io
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import polars as pl
 
 from batchgen.io import OutputError, OutputFolder, redact
@@ -22,10 +23,45 @@ ROW_SCHEMA = {"prompt_tokens": pl.Int64, "completion_tokens": pl.Int64, "finish_
               "error": ERROR_TYPE}
 
 
+@dataclass(frozen=True)
+class ExpertLoads:
+    """One run's expert-parallel load balancing report (stats.json ``engine.eplb``, see ``EplbReport``):
+    ``loads`` (MoE layers, logical experts) are the tokens routed to each expert in the latest window."""
+
+    loads: np.ndarray
+    balancedness_before: float | None
+    balancedness_after: float | None
+    rebalances: int
+    moved_bytes: int
+    steps: int
+
+
+def expert_loads(engine: dict[str, Any] | None) -> ExpertLoads | None:
+    """The ``eplb`` report of an engine figures dict, or None where the run did not balance experts."""
+    report = (engine or {}).get("eplb")
+    if not report:
+        return None
+    layers = report.get("layers") or []
+    widths = {len(row) if isinstance(row, list) else -1 for row in layers}
+    if len(widths) > 1 or -1 in widths:
+        raise ReportError("stats.json engine.eplb.layers is not a matrix: one list of expert loads per layer, "
+                          f"all of one length (found lengths {sorted(widths - {-1})})")
+    try:
+        loads = np.asarray(layers, dtype=np.int64).reshape(len(layers), widths.pop() if widths else 0)
+    except (TypeError, ValueError):
+        raise ReportError("stats.json engine.eplb.layers holds something other than token counts") from None
+    return ExpertLoads(loads=loads,
+                       balancedness_before=report.get("balancedness_before"),
+                       balancedness_after=report.get("balancedness_after"),
+                       rebalances=int(report.get("rebalances") or 0),
+                       moved_bytes=int(report.get("moved_bytes") or 0), steps=int(report.get("steps") or 0))
+
+
 @dataclass
 class ReportData:
     """``rows`` has one row per committed output row: id, prompt_tokens, completion_tokens, finish_reason,
-    error_code, error_message and part (its file name)."""
+    error_code, error_message and part (its file name). ``eplb`` is the latest run's expert loads (None
+    without EPLB), ``run_eplb`` each run's (stats.json ``runs``, oldest first; None where it had none)."""
 
     path: str
     stats: dict[str, Any]
@@ -34,6 +70,8 @@ class ReportData:
     telemetry: dict[str, Any] | None
     rows: pl.DataFrame
     parts: int
+    eplb: ExpertLoads | None = None
+    run_eplb: list[ExpertLoads | None] = field(default_factory=list)
 
 
 def _native_rows(folder: OutputFolder, entry: ManifestEntry, id_column: str) -> pl.DataFrame:
@@ -111,4 +149,5 @@ def load_report_data(path: str, storage_options: dict[str, Any] | None = None) -
     if stats is None:
         stats = {**Counts.total(e.stats for e in entries).to_dict(), "job": redact(path)}
     return ReportData(path=redact(path), stats=stats, stats_found=stats_found, complete=complete,
-                      telemetry=telemetry, rows=rows, parts=len(entries))
+                      telemetry=telemetry, rows=rows, parts=len(entries), eplb=expert_loads(stats.get("engine")),
+                      run_eplb=[expert_loads(run.get("engine")) for run in stats.get("runs") or []])

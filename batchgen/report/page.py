@@ -8,7 +8,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from batchgen.pipeline.stats import utc_now
 from batchgen.report.charts import (
-    Chart, length_chart, stage_chart, throughput_chart, utilization_chart,
+    Chart, balancing_summary, expert_load_chart, length_chart, stage_chart, throughput_chart, utilization_chart,
 )
 from batchgen.report.data import ReportData
 
@@ -117,7 +117,15 @@ def charts(data: ReportData) -> list[Chart]:
         length_chart(data.rows, "prompt_tokens", "Prompt length", by_finish=False),
         length_chart(data.rows, "completion_tokens", "Completion length", by_finish=True),
         utilization_chart(data.telemetry),
+        *([expert_load_chart(data.eplb)] if data.eplb is not None else []),
     ]
+
+
+def eplb_runs(data: ReportData) -> list[tuple[int, str, str]]:
+    """(run number, its start, its balancing figures) for each run that balanced experts."""
+    runs = data.stats.get("runs") or []
+    return [(i + 1, runs[i].get("started_at", ""), balancing_summary(e))
+            for i, e in enumerate(data.run_eplb) if e is not None]
 
 
 def status(data: ReportData) -> str:
@@ -135,7 +143,8 @@ def render_page(data: ReportData, samples: list[dict[str, Any]] | None = None) -
     return _ENV.from_string(_TEMPLATE).render(
         title=f"batchgen report: {stats.get('job', data.path)}", stats=stats, path=data.path,
         status=status(data), parts=data.parts, headline=headline(stats),
-        engine=engine_rows(stats.get("engine") or {}), charts=charts(data), errors=error_table(data.rows),
+        engine=engine_rows(stats.get("engine") or {}), charts=charts(data), eplb_runs=eplb_runs(data),
+        errors=error_table(data.rows),
         longest=longest_rows(data.rows), samples=samples or [], generated_at=utc_now(), num=_num)
 
 
@@ -194,6 +203,11 @@ code { font: 12px ui-monospace, SFMono-Regular, Menlo, monospace; word-break: br
 <table id="engine"><tbody>
 {% for k, v in engine %}<tr><th>{{ k }}</th><td>{{ v }}</td></tr>{% endfor %}
 </tbody></table>{% endif %}
+
+{% if eplb_runs %}<h2>Expert load balancing per run</h2>
+<table id="eplb-runs"><thead><tr><th>run</th><th>started</th><th>balancing</th></tr></thead><tbody>
+{% for n, started, figures in eplb_runs %}<tr><td class="n">{{ n }}</td><td>{{ started }}</td><td>{{ figures }}</td></tr>
+{% endfor %}</tbody></table>{% endif %}
 
 <h2>Errors</h2>
 {% if errors %}<table id="errors"><thead><tr><th>code</th><th>rows</th><th>share</th><th>examples (row id: message)</th></tr></thead><tbody>

@@ -1,0 +1,116 @@
+"""``batchgen report`` on a job that balanced experts (``enable_eplb``): the loader reads ``engine.eplb`` of
+stats.json exactly, the page draws the expert-load heatmap with its balancedness figures, and an output
+without EPLB data renders with no such chart."""
+from __future__ import annotations
+
+import base64
+import io
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from batchgen.engine.core.metrics import EngineMetrics
+from batchgen.engine.flops import engine_figures
+from batchgen.engine.parallel.balancer import EplbReport
+from batchgen.engine.parallel.eplb import balancedness, contiguous_placement
+from batchgen.pipeline.stats import Counts, job_stats, run_entry
+from batchgen.report import ReportError, build_report
+from batchgen.report.data import load_report_data
+
+# Tokens per logical expert (8) in each MoE layer (3): expert 5 of layer 2 is hot.
+LOADS = [[10, 12, 9, 11, 10, 8, 12, 10],
+         [30, 2, 5, 7, 1, 40, 3, 0],
+         [4, 6, 5, 3, 2, 90, 1, 7]]
+RANKS = 4
+
+
+def eplb_report(loads: list[list[int]]) -> dict:
+    """The report ``ExpertBalancer.evaluate`` writes, its balancedness from the placement functions."""
+    table = torch.tensor(loads, dtype=torch.float64)
+    contiguous = contiguous_placement(len(loads), len(loads[0]), RANKS)
+    return EplbReport(balancedness_before=balancedness(contiguous.rank_loads(table)), balancedness_after=0.875,
+                      rebalances=2, skipped=1, moved_bytes=3 * 2**20, rebalance_time_s=0.25, steps=3000,
+                      layers=loads, totals=table.sum(0).long().tolist()).as_dict()
+
+
+def engine(eplb: dict | None) -> dict:
+    metrics = EngineMetrics(prefill_steps=3, prefill_time_s=0.5, prompt_tokens_computed=120, tokens_computed=120)
+    metrics.eplb = eplb
+    return engine_figures(metrics, wall_s=1.0, token_budget=64)
+
+
+def write_stats(out: Path, *run_eplb: dict | None) -> dict:
+    """stats.json of a job of one run per entry of ``run_eplb`` (its engine's eplb report, or None)."""
+    counts = Counts(rows=4, ok_rows=4, prompt_tokens=120, completion_tokens=16)
+    runs = [run_entry(run=counts, started_at=f"2026-12-01T10:0{i}:00Z", wall_s=2.0, generate_s=1.0, limit=None,
+                      interrupted=False, dtype="float32", engine=engine(e)) for i, e in enumerate(run_eplb)]
+    stats = job_stats(totals=counts, runs=runs, this_run=counts, limit=None, job="moe-job", model="tiny-moe",
+                      spec={}, identity={}, complete=True)
+    out.mkdir()
+    (out / "stats.json").write_text(json.dumps(stats), encoding="utf-8")
+    return stats
+
+
+def figure(page: str, name: str) -> str:
+    found = re.search(rf'<figure class="chart" id="chart-{name}".*?</figure>', page, flags=re.DOTALL)
+    assert found, f"no chart {name}"
+    return found.group(0)
+
+
+def test_loader_reads_the_expert_loads_of_the_latest_run_and_of_each_run(tmp_path):
+    report = eplb_report(LOADS)
+    write_stats(tmp_path / "out", None, report)
+    data = load_report_data(str(tmp_path / "out"))
+    assert data.eplb is not None
+    assert data.eplb.loads.shape == (3, 8) and data.eplb.loads.dtype == np.int64
+    np.testing.assert_array_equal(data.eplb.loads, np.array(LOADS))
+    assert data.eplb.balancedness_before == report["balancedness_before"]
+    assert (data.eplb.balancedness_after, data.eplb.rebalances, data.eplb.moved_bytes) == (0.875, 2, 3 * 2**20)
+    assert data.run_eplb[0] is None
+    np.testing.assert_array_equal(data.run_eplb[1].loads, np.array(LOADS))
+
+
+def test_page_draws_the_expert_load_heatmap_with_its_balancedness(tmp_path):
+    report = eplb_report(LOADS)
+    write_stats(tmp_path / "out", report)
+    page = build_report(str(tmp_path / "out"))
+    chart = figure(page, "expert-load")
+    assert 'data-points="24"' in chart
+    before = report["balancedness_before"]
+    assert f"balancedness {before:.3f} \N{RIGHTWARDS ARROW} 0.875, 2 rebalances, 3.0 MiB moved" in chart
+    ranks = np.array(LOADS).reshape(3, RANKS, -1).sum(-1)  # the contiguous placement: 2 experts a rank
+    hot = ranks.max(-1).sum() / ranks.mean(-1).sum()  # every layer waits for its busiest rank
+    assert f"carries {hot:.2f}x the mean rank&#39;s tokens with the contiguous" in chart
+    assert "1.14x with the placement in use" in chart
+    assert "tokens routed" in chart and "MoE layer" in chart and "logical expert" in chart
+    # The heatmap is embedded one pixel per cell, row i the layer i: the darker the cell, the more tokens.
+    png = re.search(r'xlink:href="data:image/png;base64,([^"]+)"', chart).group(1)
+    pixels = np.asarray(Image.open(io.BytesIO(base64.b64decode(png))).convert("RGB"), dtype=float)
+    assert pixels.shape[:2] == (3, 8)
+    darkness = -pixels.sum(-1)
+    assert np.unravel_index(darkness.argmax(), darkness.shape) == (2, 5)
+    assert np.argsort(darkness.ravel(), kind="stable").tolist() == \
+        np.argsort(np.array(LOADS).ravel(), kind="stable").tolist()
+    table = page.split('<table id="eplb-runs">', 1)[1].split("</table>", 1)[0]
+    assert table.count("<tr>") == 2 and "2026-12-01T10:00:00Z" in table
+
+
+def test_output_without_eplb_renders_with_no_expert_load_chart(tmp_path):
+    write_stats(tmp_path / "out", None)
+    page = build_report(str(tmp_path / "out"))
+    assert load_report_data(str(tmp_path / "out")).eplb is None
+    assert 'id="chart-throughput"' in page and "chart-expert-load" not in page and "eplb-runs" not in page
+
+
+def test_expert_loads_that_are_not_a_matrix_of_counts_are_a_clear_error(tmp_path):
+    write_stats(tmp_path / "ragged", eplb_report(LOADS) | {"layers": [[1, 2, 3], [4, 5]]})
+    with pytest.raises(ReportError, match="engine.eplb.layers is not a matrix"):
+        build_report(str(tmp_path / "ragged"))
+    write_stats(tmp_path / "words", eplb_report(LOADS) | {"layers": [["ten", 2]]})
+    with pytest.raises(ReportError, match="holds something other than token counts"):
+        build_report(str(tmp_path / "words"))
