@@ -238,3 +238,27 @@ def test_scoped_committers_share_the_folder_of_one_writer(tmp_path):
     rerun = OutputWriter(out)  # a later local run numbers its own parts after its own
     assert rerun.write_part(rows(["f"])).endswith("/part-00001.parquet")
     assert rerun.committed_row_ids() == set("abcdef")
+
+
+def test_cleanup_spares_the_probe_of_a_racing_run_and_tolerates_files_already_gone(tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    w = OutputWriter(str(out))
+    # another run checking that the folder is writable, before it asks for the lease
+    racing_probe = out / f".probe{atomic_mod.TEMP_MARK}{uuid.uuid4().hex}"
+    racing_probe.write_bytes(b"")
+    left_by_crash = out / f".part-00003.parquet{atomic_mod.TEMP_MARK}dead"
+    left_by_crash.write_bytes(b"half")
+    # the racing run's own cleanup removes the crash leftover between our listing and our delete
+    real_rm = w.fs.rm
+
+    def rm_after_a_racing_cleanup(paths, *args, **kwargs):
+        if os.path.exists(left_by_crash):
+            os.remove(left_by_crash)
+        return real_rm(paths, *args, **kwargs)
+
+    monkeypatch.setattr(w.fs, "rm", rm_after_a_racing_cleanup)
+    w.cleanup_uncommitted()
+    assert racing_probe.exists() and not left_by_crash.exists()
+    monkeypatch.undo()
+    w.write_part(rows(["a"]))
+    assert [r["row_id"] for r in read_output(str(out))] == ["a"]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
@@ -65,6 +67,13 @@ class Store:
         return list_names(self.fs, self.full(folder) if folder else self.root)
 
     def delete(self, names: list[str]) -> None:
-        if names:
-            paths = [self.full(n) for n in names]
+        """Delete names; one already gone (another run's cleanup got there first) is not an error."""
+        if not names:
+            return
+        paths = [self.full(n) for n in names]
+        try:
             retry(lambda: self.fs.rm(paths), what=f"delete in {redact(self.root)}")
+        except FileNotFoundError:
+            for path in paths:
+                with contextlib.suppress(FileNotFoundError):
+                    retry(lambda: self.fs.rm(path), what=f"delete {redact(path)}")

@@ -28,6 +28,15 @@ __all__ = ["OutputWriter"]
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
+# The writability probe of a run that does not hold the lease yet: a cleanup that deleted it would fail that
+# run's probe, so cleanups leave probes alone (an empty file, left behind only by a crash mid-probe).
+PROBE = ".probe"
+
+
+def is_leftover_temp(name: str) -> bool:
+    """A half-written file a crashed run left behind (not another run's writability probe)."""
+    return TEMP_MARK in name and not name.lstrip(".").startswith(PROBE.lstrip("."))
+
 
 class OutputWriter:
     """Writes part files into an output folder so that a crashed job can resume where it stopped.
@@ -106,7 +115,7 @@ class OutputWriter:
         self.store.delete(names)
 
     def _check_writable(self) -> None:
-        probe = f".probe{TEMP_MARK}{uuid.uuid4().hex}"
+        probe = f"{PROBE}{TEMP_MARK}{uuid.uuid4().hex}"
 
         def probe_once() -> None:
             self.store.put(probe, b"")
@@ -125,7 +134,7 @@ class OutputWriter:
             self._delete([n for n in (SUCCESS,) if n in names])
             if MANIFEST_DIR in names:
                 retry(lambda: self.fs.rm(self._full(MANIFEST_DIR), recursive=True), what="delete manifest")
-            self._delete([n for n in names if PART_RE.match(n) or n in (STATS, TELEMETRY, JOB) or TEMP_MARK in n])
+            self._delete([n for n in names if PART_RE.match(n) or n in (STATS, TELEMETRY, JOB) or is_leftover_temp(n)])
 
         self._guard(delete, "clear previous output in")
 
@@ -195,7 +204,7 @@ class OutputWriter:
 
         def cleanup() -> None:
             names = list_names(self.fs, self.root)
-            orphans = [n for n in names if (PART_RE.match(n) and n not in committed) or TEMP_MARK in n]
+            orphans = [n for n in names if (PART_RE.match(n) and n not in committed) or is_leftover_temp(n)]
             if MANIFEST_DIR in names:
                 orphans += [f"{MANIFEST_DIR}/{n}" for n in list_names(self.fs, self._full(MANIFEST_DIR))
                             if TEMP_MARK in n]
