@@ -1,0 +1,1 @@
+"""Speculative decoding: draft proposers and their verification in the target's step."""
