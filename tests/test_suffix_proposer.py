@@ -168,7 +168,9 @@ def test_evicting_everything_leaves_an_empty_cache():
     proposer.add_request(99, [9])
     proposer.finish(99, [9] + [rng.randrange(4) for _ in range(10_000)], 1)
     assert proposer.stats() == SuffixStats(0, 0, 0, 0)
-    assert proposer._global.root.children is None and proposer._global.root.cont == 0
+    trie = proposer._global
+    assert trie.children[0] is None and trie.cont[0] == 0 and not trie.texts
+    assert len(trie._free) == len(trie.count) - 1  # every node below the root is free for reuse
 
 
 def test_finish_drops_the_request_state():

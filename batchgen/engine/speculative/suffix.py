@@ -10,144 +10,169 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 # A trie of depth D holds every substring of length <= D of its texts, each node counting its occurrences.
-# Substrings seen once are not spelled out node by node: a _Leaf points at the one text position where that
+# Substrings seen once are not spelled out node by node: a leaf points at the one text position where that
 # occurrence continues, and is split one level when a second occurrence walks into it. Unique text therefore
 # costs one leaf per position, and explicit nodes exist only for substrings seen at least twice.
+# Nodes are ids into flat lists and leaves are negative ints, so that the garbage collector, which would
+# otherwise walk millions of node objects on every full collection, sees only a handful of lists.
+
+_ROOT = 0
+_NONE = -1  # no best child, or one to recompute
+_POS_BITS = 32
 
 
-class _Node:
-    __slots__ = ("count", "cont", "best", "children")
-
-    def __init__(self, count: int) -> None:
-        self.count = count  # occurrences of this node's substring
-        self.cont = 0  # of those, how many continue to a child (the sum of the children's counts)
-        self.best: int | None = None  # most frequent child (ties: lowest token); None = none, or to recompute
-        self.children: dict[int, _Node | _Leaf] | None = None
+def _leaf(text_id: int, pos: int) -> int:
+    """A leaf whose occurrence continues at texts[text_id][pos]; the leaf one token further on is leaf - 1."""
+    return ~(text_id << _POS_BITS | pos)
 
 
-class _Leaf:
-    """A substring seen once; that occurrence continues as text[pos], text[pos + 1], ..."""
-
-    __slots__ = ("text", "pos")
-    count = 1
-
-    def __init__(self, text: Sequence[int], pos: int) -> None:
-        self.text = text
-        self.pos = pos
+def _leaf_place(leaf: int) -> tuple[int, int]:
+    place = ~leaf
+    return place >> _POS_BITS, place & ((1 << _POS_BITS) - 1)
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Location:
-    """Where a matched substring ends: at an explicit node, or inside a leaf whose next token is text[pos]."""
+    """Where a matched substring ends: at an explicit node, or (node == _NONE) inside a leaf whose next token
+    is text[pos]."""
 
-    node: _Node | None
-    text: Sequence[int] | None = None
+    node: int
+    text: Sequence[int] = ()
     pos: int = 0
-
-    def continues(self) -> bool:
-        return self.node.cont > 0 if self.node is not None else self.pos < len(self.text)
 
 
 class _SuffixTrie:
     def __init__(self, max_depth: int) -> None:
         self.max_depth = max_depth
-        self.root = _Node(0)
+        self.count = [0]  # per node: occurrences of its substring
+        self.cont = [0]  # per node: of those, how many continue to a child (the sum of the children's counts)
+        self.best = [_NONE]  # per node: the most frequent child token (ties: the lowest token)
+        self.children: list[dict[int, int] | None] = [None]  # per node: token -> node id, or a leaf (< 0)
+        self.texts: dict[int, Sequence[int]] = {}
         self.num_nodes = 0  # explicit nodes below the root
+        self._free: list[int] = []
 
-    def extend(self, text: Sequence[int], start: int, active: list[_Node]) -> list[_Node]:
-        """Insert the substrings ending at text[start:]. active[L] is the explicit node of the length-L suffix of
-        text[:start] (a contiguous run from the root: a suffix seen twice has all its own suffixes seen twice);
-        returns the same list for the whole text."""
+    def child_count(self, child: int) -> int:
+        return self.count[child] if child >= 0 else 1
+
+    def extend(self, text_id: int, start: int, active: list[int]) -> list[int]:
+        """Insert the substrings of texts[text_id] ending at start or later. active[L] is the node of the length-L
+        suffix of text[:start] (a contiguous run from the root: a suffix seen twice has all its own suffixes
+        seen twice); returns the same list for the whole text."""
+        text = self.texts[text_id]
+        count, cont, best, children_of = self.count, self.cont, self.best, self.children
         depth_limit = self.max_depth
-        root = self.root
         for n in range(start, len(text)):
             token = text[n]
-            advanced = [root]
+            advanced = [_ROOT]
             for depth, node in enumerate(active):
-                node.cont += 1
-                children = node.children
+                cont[node] += 1
+                children = children_of[node]
                 if children is None:
-                    children = node.children = {}
+                    children = children_of[node] = {}
                 child = children.get(token)
                 if child is None:
-                    children[token] = _Leaf(text, n)
-                    count = 1
-                elif type(child) is _Leaf:
+                    children[token] = _leaf(text_id, n)
+                    seen = 1
+                elif child < 0:
                     child = children[token] = self._split(child, depth + 1)
-                    count = 2
+                    seen = 2
                 else:
-                    child.count += 1
-                    count = child.count
-                best = node.best
-                if best is None:
+                    count[child] += 1
+                    seen = count[child]
+                incumbent = best[node]
+                if incumbent == _NONE:
                     if len(children) == 1:
-                        node.best = token
-                elif best != token:
-                    best_count = children[best].count
-                    if count > best_count or (count == best_count and token < best):
-                        node.best = token
-                if count > 1 and depth + 1 < depth_limit:
+                        best[node] = token
+                elif incumbent != token:
+                    incumbent_seen = self.child_count(children[incumbent])
+                    if seen > incumbent_seen or (seen == incumbent_seen and token < incumbent):
+                        best[node] = token
+                if seen > 1 and depth + 1 < depth_limit:
                     advanced.append(child)
             active = advanced
         return active
 
-    def _split(self, leaf: _Leaf, depth: int) -> _Node:
+    def _split(self, leaf: int, depth: int) -> int:
         """A second occurrence enters `leaf` (at `depth`): its first token becomes a node seen twice."""
-        node = _Node(2)
-        self.num_nodes += 1
-        nxt = leaf.pos + 1
-        if nxt < len(leaf.text):
-            leaf.pos = nxt
-            token = leaf.text[nxt]
-            node.children = {token: leaf}
-            node.cont = 1
-            node.best = token
+        node = self._new_node(2)
+        text_id, pos = _leaf_place(leaf)
+        text = self.texts[text_id]
+        if depth < self.max_depth and pos + 1 < len(text):
+            self.children[node] = {text[pos + 1]: leaf - 1}
+            self.cont[node] = 1
+            self.best[node] = text[pos + 1]
         return node
 
-    def remove(self, text: Sequence[int]) -> None:
-        """Take back every substring occurrence that extend(text, 0, [root]) inserted."""
+    def _new_node(self, count: int) -> int:
+        self.num_nodes += 1
+        if self._free:
+            node = self._free.pop()
+            self.count[node], self.cont[node], self.best[node], self.children[node] = count, 0, _NONE, None
+            return node
+        for column, value in ((self.count, count), (self.cont, 0), (self.best, _NONE), (self.children, None)):
+            column.append(value)
+        return len(self.count) - 1
+
+    def remove(self, text_id: int) -> None:
+        """Take back every substring occurrence that extend(text_id, 0, [root]) inserted, and the text."""
+        text = self.texts.pop(text_id)
+        count, cont, best, children_of = self.count, self.cont, self.best, self.children
         for start in range(len(text)):
-            node = self.root
+            node = _ROOT
             for i in range(start, min(start + self.max_depth, len(text))):
                 token = text[i]
-                children = node.children
+                children = children_of[node]
                 child = children[token]
-                node.cont -= 1
-                if type(child) is _Node:
-                    child.count -= 1
-                if child.count == 0 or type(child) is _Leaf:
+                cont[node] -= 1
+                if best[node] == token:
+                    best[node] = _NONE  # its count falls: recomputed when a draft needs it
+                if child >= 0:
+                    count[child] -= 1
+                if child < 0 or count[child] == 0:
                     del children[token]
-                    if type(child) is _Node:
-                        self.num_nodes -= _count_nodes(child)
                     if not children:
-                        node.children = None
-                    if node.best == token:
-                        node.best = None
+                        children_of[node] = None
+                    if child >= 0:
+                        self._free_subtree(child)
                     break
-                if node.best == token:
-                    node.best = None  # its count fell: recomputed when a draft needs it
                 node = child
+
+    def _free_subtree(self, node: int) -> None:
+        stack = [node]
+        while stack:
+            current = stack.pop()
+            children = self.children[current]
+            if children:
+                stack.extend(c for c in children.values() if c >= 0)
+            self.children[current] = None
+            self._free.append(current)
+            self.num_nodes -= 1
 
     def locate(self, tokens: Sequence[int], start: int, end: int) -> _Location | None:
         """Where tokens[start:end] ends in the trie, or None if it never occurred."""
-        node = self.root
+        node = _ROOT
         i = start
         while i < end:
-            children = node.children
+            children = self.children[node]
             child = children.get(tokens[i]) if children is not None else None
             if child is None:
                 return None
             i += 1
-            if type(child) is _Leaf:
-                text, pos = child.text, child.pos + 1
+            if child < 0:
+                text_id, pos = _leaf_place(child)
+                text, pos = self.texts[text_id], pos + 1
                 if pos + end - i > len(text):
                     return None
                 for j in range(end - i):
                     if text[pos + j] != tokens[i + j]:
                         return None
-                return _Location(None, text, pos + end - i)
+                return _Location(_NONE, text, pos + end - i)
             node = child
         return _Location(node)
+
+    def continues(self, location: _Location) -> bool:
+        return self.cont[location.node] > 0 if location.node != _NONE else location.pos < len(location.text)
 
     def longest_match(self, tokens: Sequence[int], max_len: int) -> tuple[int, _Location | None]:
         """The longest suffix of tokens (at most max_len) that occurred with a continuation, by bisection
@@ -157,58 +182,47 @@ class _SuffixTrie:
         while lo < hi:
             mid = (lo + hi + 1) // 2
             location = self.locate(tokens, end - mid, end)
-            if location is not None and location.continues():
+            if location is not None and self.continues(location):
                 lo, found = mid, location
             else:
                 hi = mid - 1
         return lo, found
 
+    def best_child(self, node: int) -> int:
+        if self.best[node] == _NONE:
+            children = self.children[node]
+            self.best[node] = max(children, key=lambda token: (self.child_count(children[token]), -token))
+        return self.best[node]
 
-def _count_nodes(node: _Node) -> int:
-    total, stack = 0, [node]
-    while stack:
-        current = stack.pop()
-        total += 1
-        if current.children:
-            stack.extend(c for c in current.children.values() if type(c) is _Node)
-    return total
-
-
-def _best_child(node: _Node) -> int:
-    if node.best is None:
-        children = node.children
-        node.best = max(children, key=lambda token: (children[token].count, -token))
-    return node.best
-
-
-def _follow(location: _Location, budget: int, min_token_prob: float) -> tuple[list[int], float]:
-    """Follow the most frequent continuation while the path's estimated probability stays >= min_token_prob;
-    returns the tokens and the expected number accepted (the sum of the path's prefix probabilities)."""
-    out: list[int] = []
-    prob, score = 1.0, 0.0
-    node, text, pos = location.node, location.text, location.pos
-    while len(out) < budget:
-        if node is not None:
-            if node.cont == 0:
-                break
-            token = _best_child(node)
-            child = node.children[token]
-            step = prob * child.count / node.cont
-            if step < min_token_prob:
-                break
-            prob = step
-            out.append(token)
-            if type(child) is _Leaf:
-                node, text, pos = None, child.text, child.pos + 1
+    def follow(self, location: _Location, budget: int, min_token_prob: float) -> tuple[list[int], float]:
+        """Follow the most frequent continuation while the path's estimated probability stays >= min_token_prob;
+        returns the tokens and the expected number accepted (the sum of the path's prefix probabilities)."""
+        out: list[int] = []
+        prob, score = 1.0, 0.0
+        node, text, pos = location.node, location.text, location.pos
+        while len(out) < budget:
+            if node != _NONE:
+                if self.cont[node] == 0:
+                    break
+                token = self.best_child(node)
+                child = self.children[node][token]
+                step = prob * self.child_count(child) / self.cont[node]
+                if step < min_token_prob:
+                    break
+                prob = step
+                out.append(token)
+                if child < 0:
+                    text_id, pos = _leaf_place(child)
+                    node, text, pos = _NONE, self.texts[text_id], pos + 1
+                else:
+                    node = child
             else:
-                node = child
-        else:
-            if pos >= len(text):
-                break
-            out.append(text[pos])
-            pos += 1
-        score += prob
-    return out, score
+                if pos >= len(text):
+                    break
+                out.append(text[pos])
+                pos += 1
+            score += prob
+        return out, score
 
 
 @dataclass(frozen=True)
@@ -219,8 +233,8 @@ class SuffixOptions:
     max_spec_factor: float = 1.0  # draft at most factor * match length + offset tokens
     max_spec_offset: float = 0.0
     min_token_prob: float = 0.1  # stop when the draft path's estimated probability falls below this
-    # Job-wide trie budgets; the oldest finished requests are evicted first. It takes about 150-200 bytes per
-    # cached token (the text, one leaf per position, nodes for repeats).
+    # Job-wide trie budgets (0: no job-wide trie); the oldest finished requests are evicted first. It takes about
+    # 150-200 bytes per cached token (the text, one leaf per position, nodes for repeats).
     max_cached_tokens: int = 500_000
     max_cached_nodes: int = 500_000
     cache_prompts: bool = False  # job-wide trie learns whole prompts too (else only their last max_tree_depth tokens)
@@ -267,18 +281,28 @@ class _RequestState:
     """One running request: its tokens so far and a trie over them, extended as the tokens grow."""
 
     def __init__(self, max_depth: int) -> None:
-        self.trie = _SuffixTrie(max_depth)
+        self.max_depth = max_depth
+        self.reset()
+
+    def reset(self) -> None:
+        self.trie = _SuffixTrie(self.max_depth)
         self.text: list[int] = []
-        self.active = [self.trie.root]
+        self.trie.texts[0] = self.text
+        self.active = [_ROOT]
 
     def update(self, tokens: Sequence[int]) -> None:
+        """Extend by the tokens past those seen (checked by the last one seen); anything else starts over."""
         known = len(self.text)
         if len(tokens) < known or (known and tokens[known - 1] != self.text[-1]):
-            self.__init__(self.trie.max_depth)  # not a continuation of what we saw: start over
+            self.reset()
             known = 0
         if len(tokens) > known:
             self.text.extend(map(int, tokens[known:]))
-            self.active = self.trie.extend(self.text, known, self.active)
+            self.active = self.trie.extend(0, known, self.active)
+
+    def longest_match(self, max_len: int) -> int:
+        """The longest suffix seen before (so with a continuation): the deepest active node."""
+        return min(len(self.active) - 1, max_len)
 
 
 class SuffixProposer:
@@ -297,8 +321,9 @@ class SuffixProposer:
         self._max_match = self.options.max_tree_depth - num_speculative_tokens
         self._requests: dict[int, _RequestState] = {}
         self._global = _SuffixTrie(self.options.max_tree_depth)
-        self._cached: deque[array] = deque()
+        self._cached: deque[int] = deque()  # text ids in the job-wide trie, oldest first
         self._cached_tokens = 0
+        self._next_text_id = 0
 
     def add_request(self, seq_id: int, prompt: Sequence[int]) -> None:
         if seq_id in self._requests:
@@ -314,14 +339,13 @@ class SuffixProposer:
         state.update(tokens)
         if k == 0:
             return []
-        match_len = min(len(state.active) - 1, self._max_match)
-        best, best_score = self._draft(match_len, _Location(state.active[match_len]), k) if match_len else ([], 0.0)
-        if self._global.root.cont:
+        match_len = state.longest_match(self._max_match)
+        best, best_score = self._draft(state.trie, match_len, _Location(state.active[match_len]), k)
+        if self._global.cont[_ROOT]:
             match_len, location = self._global.longest_match(state.text, self._max_match)
-            if match_len:
-                out, score = self._draft(match_len, location, k)
-                if (score, len(out)) > (best_score, len(best)):
-                    best = out
+            out, score = self._draft(self._global, match_len, location, k)
+            if (score, len(out)) > (best_score, len(best)):
+                best = out
         return best
 
     def finish(self, seq_id: int, tokens: Sequence[int], num_prompt_tokens: int) -> None:
@@ -332,9 +356,10 @@ class SuffixProposer:
         if num_prompt_tokens == len(tokens) or not (self.options.max_cached_tokens and self.options.max_cached_nodes):
             return
         start = 0 if self.options.cache_prompts else max(0, num_prompt_tokens - self.options.max_tree_depth)
-        text = array("i", map(int, tokens[start:]))
-        self._global.extend(text, 0, [self._global.root])
-        self._cached.append(text)
+        text_id, self._next_text_id = self._next_text_id, self._next_text_id + 1
+        self._global.texts[text_id] = text = array("i", map(int, tokens[start:]))
+        self._global.extend(text_id, 0, [_ROOT])
+        self._cached.append(text_id)
         self._cached_tokens += len(text)
         self._evict()
 
@@ -347,14 +372,17 @@ class SuffixProposer:
             raise KeyError(f"suffix proposer: unknown seq_id {seq_id} (add_request first; finish drops it)")
         return state
 
-    def _draft(self, match_len: int, location: _Location, k: int) -> tuple[list[int], float]:
+    def _draft(self, trie: _SuffixTrie, match_len: int, location: _Location | None,
+               k: int) -> tuple[list[int], float]:
         budget = min(k, math.floor(self.options.max_spec_factor * match_len + self.options.max_spec_offset))
-        return _follow(location, budget, self.options.min_token_prob) if budget > 0 else ([], 0.0)
+        if match_len == 0 or budget <= 0:
+            return [], 0.0
+        return trie.follow(location, budget, self.options.min_token_prob)
 
     def _evict(self) -> None:
         """Forget the oldest finished requests until the job-wide trie fits its budgets."""
         while self._cached and (self._cached_tokens > self.options.max_cached_tokens
                                 or self._global.num_nodes > self.options.max_cached_nodes):
-            text = self._cached.popleft()
-            self._global.remove(text)
-            self._cached_tokens -= len(text)
+            text_id = self._cached.popleft()
+            self._cached_tokens -= len(self._global.texts[text_id])
+            self._global.remove(text_id)
