@@ -24,7 +24,7 @@ import torch
 
 from batchgen.engine.kv_store.format import BlockMiss
 from batchgen.engine.kv_store.host import HostCache
-from batchgen.engine.kv_store.store import KVStore
+from batchgen.engine.kv_store.store import RankStores
 
 if TYPE_CHECKING:
     from batchgen.engine.core.block_manager import BlockManager
@@ -62,7 +62,7 @@ class Restore:
 
 
 class PrefixTiers:
-    def __init__(self, block_size: int, block_nbytes: int, host_bytes: int, store: KVStore | None):
+    def __init__(self, block_size: int, block_nbytes: int, host_bytes: int, store: RankStores | None):
         self.block_size, self.block_nbytes = block_size, block_nbytes
         self.host = HostCache(host_bytes)
         self.store = store
