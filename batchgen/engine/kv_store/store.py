@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from batchgen.engine.kv_store.format import BlockMiss, decode_block, encode_block
 from batchgen.io.paths import filesystem
 from batchgen.io.redaction import redact
+from batchgen.io.retry import retry
 from batchgen.io.store import Store
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,11 @@ class KVStore:
             self._report(miss.cause, block_hash, str(miss))
             raise
         return ReadResult(payload, len(data), time.perf_counter() - start)
+
+    def exists(self, block_hash: int) -> bool:
+        """Whether an object is stored under the block's key (unchecked: ``read`` checks it)."""
+        target = self.objects.full(object_name(block_hash))
+        return retry(lambda: self.objects.fs.exists(target), what=f"look up {redact(target)}")
 
     def write(self, block_hash: int, tokens: tuple[int, ...], payload: bytes) -> int:
         """Stores the block whole; returns the bytes written (0 when the write failed: the block is
