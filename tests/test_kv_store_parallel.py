@@ -23,24 +23,27 @@ def names(folder: Path) -> list[str]:
 
 
 @pytest.mark.timeout(240)
-def test_tensor_parallel_ranks_store_and_restore_their_own_shards(tiny_model, tmp_path):
-    store = tmp_path / "kv"
-    a, b = jobs(tokenizer(tiny_model), n=3)
+@pytest.mark.parametrize("arch, shards", [("llama", 2), pytest.param("deepseek-v2", 1, marks=pytest.mark.slow)])
+def test_tensor_parallel_ranks_store_and_restore_their_own_shards(tiny_model_factory, tmp_path, arch, shards):
+    """Per-head K/V: each rank's shard is an object in its rank's namespace. Latent rows: every rank holds
+    the same bytes, stored once (rank 0's) and restored to every rank."""
+    model, store = tiny_model_factory(arch), tmp_path / "kv"
+    a, b = jobs(tokenizer(model), n=3)
     tp = dict(tensor_parallel_size=2, **PARALLEL)
-    _, written = run(tiny_model, a, prefix_cache_store=str(store), **tp)
-    rank0, rank1 = sorted(store.iterdir())  # one namespace per rank, the same blocks in each
+    _, written = run(model, a, prefix_cache_store=str(store), **tp)
+    namespaces = sorted(store.iterdir())
     computed = [len(p) + GREEDY.max_tokens - 1 for p in a]  # the last token sampled is never computed
-    assert names(rank0) == names(rank1) and len(names(rank0)) == sum(n // 16 for n in computed)
-    one_shard = sum(p.stat().st_size for p in rank0.rglob("*.kv"))
-    assert written.prefix_store_bytes_written == 2 * one_shard
-    cold, cold_m = run(tiny_model, b, **tp)
-    hot, m = run(tiny_model, b, prefix_cache_store=str(store), **tp)
+    assert len(namespaces) == shards and all(names(ns) == names(namespaces[0]) for ns in namespaces)
+    assert len(names(namespaces[0])) == sum(n // 16 for n in computed)
+    assert written.prefix_store_bytes_written == sum(p.stat().st_size for p in store.rglob("*.kv"))
+    cold, cold_m = run(model, b, **tp)
+    hot, m = run(model, b, prefix_cache_store=str(store), **tp)
     assert_same(hot, cold)
     shared = shared_tokens(a, b)
     assert [o.num_cached_tokens for o in hot] == shared and m.prefix_cache_store_hits == sum(shared)
     assert m.prompt_tokens_computed == cold_m.prompt_tokens_computed - sum(shared)
-    read = [folder / object_name(h) for prompt, n in zip(b, shared) for h in chain(prompt, n // 16)
-            for folder in (rank0, rank1)]  # every shard of every block served, once
+    read = [ns / object_name(h) for prompt, n in zip(b, shared) for h in chain(prompt, n // 16)
+            for ns in namespaces]  # every shard of every block served, once
     assert m.prefix_store_bytes_read == sum(p.stat().st_size for p in read)
 
 

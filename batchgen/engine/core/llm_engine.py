@@ -116,7 +116,8 @@ class LLMEngine:
             self.max_model_len = capacity
         window = self.executor.kv_layout.window  # every layer slides: blocks out of it are freed while running
         # Host and store tiers below the device prefix cache, shared by the replicas.
-        self.prefix_tiers = build_prefix_tiers(config, source, self.model_config, self.executor.rank_kv_layout)
+        self.prefix_tiers = build_prefix_tiers(config, source, self.model_config, self.executor.rank_kv_layout,
+                                               self.executor.kv_shards)
         self.replicas = [Replica(config, self.executor.num_blocks, self.max_model_len, window, self.prefix_tiers)
                          for _ in range(config.data_parallel_size)]
         # Replicas whose MoE layers exchange tokens must all run every step, idle or not.

@@ -79,6 +79,9 @@ class MultiprocExecutor:
                                      expert_parallel=config.expert_parallel(model_cfg))
         rank0 = build_model(model_cfg, kernels, max_model_len, config.torch_dtype, "meta", shape_only, methods)
         self.rank_kv_layout = rank0.kv_layout()  # every rank's cache holds this shape
+        # Shards of a block's KV in the prefix tiers: one per rank, unless every rank holds the whole cache
+        # (latent rows, a single KV head): then rank 0's is every rank's.
+        self.kv_shards = 1 if self.rank_kv_layout == self.kv_layout else self.tp
         self.procs, self.conns = self._spawn(config, model_path, max_model_len)
         # Stopped when the executor is collected or shut down, or at exit before multiprocessing's own exit
         # handler (which would wait for them forever: workers ignore SIGTERM).
@@ -128,25 +131,28 @@ class MultiprocExecutor:
             if step is not None:
                 ranks = self.ranks_of(replica)
                 self._send_step(ranks, step)
-                answering += ranks if step.save_blocks else ranks[:1]  # every rank sends its shard of saved KV
+                answering += ranks if step.save_blocks and self.kv_shards > 1 else ranks[:1]
         replies = self._collect(answering, "running a step")
         return [self._replica_output(self.ranks_of(r), step, replies) if step is not None else None
                 for r, step in enumerate(steps)]
 
     def _send_step(self, ranks: range, step: StepInput) -> None:
-        """The step to each of a replica's ranks; blocks restored from the prefix tiers go as each rank's shard."""
-        if step.restore_kv is None or len(ranks) == 1:
+        """The step to each of a replica's ranks. With prefix-tier blocks: each rank restores its shard and
+        saves its shard (answering with it); with one shard for all, every rank restores it and rank 0 saves it."""
+        if len(ranks) == 1 or (step.restore_kv is None and not step.save_blocks):
             self._broadcast(ranks, ("step", step))
-            return
-        for tp_rank, rank in enumerate(ranks):
-            shard = rank_shard(step.restore_kv, tp_rank, len(ranks))
-            self._broadcast([rank], ("step", dataclasses.replace(step, restore_kv=shard)))
+        elif self.kv_shards == 1:
+            self._broadcast(ranks[:1], ("step", step))
+            self._broadcast(ranks[1:], ("step", dataclasses.replace(step, save_blocks=[])))
+        else:
+            for tp_rank, rank in enumerate(ranks):
+                shard = rank_shard(step.restore_kv, tp_rank, len(ranks)) if step.restore_kv is not None else None
+                self._broadcast([rank], ("step", dataclasses.replace(step, restore_kv=shard)))
 
-    @staticmethod
-    def _replica_output(ranks: range, step: StepInput, replies: dict[int, object]) -> StepOutput:
+    def _replica_output(self, ranks: range, step: StepInput, replies: dict[int, object]) -> StepOutput:
         """The sampling rank's output, with the saved blocks' KV of all its ranks (shards in rank order)."""
         out = replies[ranks[0]]
-        if step.save_blocks and len(ranks) > 1:
+        if step.save_blocks and self.kv_shards > 1:
             out.saved_kv = join_shards([replies[rank].saved_kv for rank in ranks])
         return out
 

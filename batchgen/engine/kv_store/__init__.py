@@ -25,11 +25,11 @@ def kv_identity(config: "EngineConfig", source: "ModelSource", model: "ModelConf
 
 
 def build_prefix_tiers(config: "EngineConfig", source: "ModelSource", model: "ModelConfig",
-                       rank_layout: "KVLayout") -> PrefixTiers | None:
+                       rank_layout: "KVLayout", shards: int = 1) -> PrefixTiers | None:
     """The engine's lower prefix tiers, or None when neither is configured (or the layout frees blocks as
     sequences run: a sliding window everywhere). ``rank_layout``: what one tensor-parallel rank's cache
-    holds; a block in the tiers is every rank's shard of it, in rank order. Data-parallel replicas share
-    the tiers (one host tier and one store for the engine)."""
+    holds; a block in the tiers is the first ``shards`` ranks' shards of it, in rank order (1 where every
+    rank holds the same bytes). Data-parallel replicas share the tiers (one host tier and one store)."""
     if not (config.prefix_cache_host_bytes or config.prefix_cache_store):
         return None
     if rank_layout.window is not None:
@@ -38,10 +38,10 @@ def build_prefix_tiers(config: "EngineConfig", source: "ModelSource", model: "Mo
     store = None
     if config.prefix_cache_store:
         namespaces = [kv_identity(config, source, model, rank_layout, rank).namespace()
-                      for rank in range(config.tensor_parallel_size)]
+                      for rank in range(shards)]
         store = RankStores([KVStore(config.prefix_cache_store, ns, config.storage_options) for ns in namespaces])
         log.info("prefix store %s, namespace %s", redact(config.prefix_cache_store), ", ".join(namespaces))
-    nbytes = rank_layout.bytes_per_block(config.block_size, config.torch_dtype) * config.tensor_parallel_size
+    nbytes = rank_layout.bytes_per_block(config.block_size, config.torch_dtype) * shards
     return PrefixTiers(config.block_size, nbytes, config.prefix_cache_host_bytes, store)
 
 
