@@ -8,6 +8,8 @@ when it is admitted the blocks found in a lower tier are copied into its fresh d
 step that first computes it (``restore``), and only the rest is computed. A load still running when the
 sequence's turn comes waits while other sequences compute; with nothing else to run the scheduler waits
 for it, at most as long as computing those tokens would take, then computes what did not arrive.
+Under tensor parallelism a block's bytes are every rank's shard in rank order (the executor gathers and
+splits them); data-parallel replicas share one ``PrefixTiers``.
 """
 from __future__ import annotations
 
