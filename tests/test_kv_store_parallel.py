@@ -2,16 +2,35 @@
 equals a cold run, and each tensor-parallel rank's shard of a block is its own object."""
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 
 from batchgen.engine.core.block_manager import chain_hash
+from batchgen.engine.kv_store import KVStore, RankStores
+from batchgen.engine.kv_store.format import BlockMiss, decode_block
 from batchgen.engine.kv_store.store import object_name
-
-from tests.test_kv_store import GREEDY, assert_same, full_blocks, jobs, run
+from tests.test_kv_store import GREEDY, IDENTITY, assert_same, full_blocks, jobs, run
 
 PARALLEL = dict(distributed_timeout_s=60, kv_cache_memory=1 << 22)
+
+
+def test_a_block_is_a_hit_only_when_every_rank_shard_is(tmp_path):
+    identities = [dataclasses.replace(IDENTITY, tp_rank=r, tp_size=2) for r in range(2)]
+    ranks = RankStores([KVStore(str(tmp_path), i.namespace()) for i in identities])
+    tokens, payload = tuple(range(16)), bytes(range(200)) * 2  # rank 0's 200 bytes, then rank 1's
+    assert ranks.write(5, tokens, payload) == sum(p.stat().st_size for p in tmp_path.rglob("*.kv")) > len(payload)
+    assert ranks.read(5, tokens, len(payload)).payload == payload
+    assert decode_block((tmp_path / identities[1].namespace() / object_name(5)).read_bytes(),
+                        identities[1].namespace(), 5, tokens, 200) == payload[200:]
+    shard = tmp_path / identities[1].namespace() / object_name(5)
+    shard.write_bytes(shard.read_bytes()[:-1])
+    with pytest.raises(BlockMiss, match="corrupt"):
+        ranks.read(5, tokens, len(payload))
+    shard.unlink()
+    with pytest.raises(BlockMiss, match="absent"):
+        ranks.read(5, tokens, len(payload))
 
 
 def shared_tokens(a: list[list[int]], b: list[list[int]]) -> list[int]:

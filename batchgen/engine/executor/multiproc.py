@@ -137,17 +137,18 @@ class MultiprocExecutor:
                 for r, step in enumerate(steps)]
 
     def _send_step(self, ranks: range, step: StepInput) -> None:
-        """The step to each of a replica's ranks. With prefix-tier blocks: each rank restores its shard and
-        saves its shard (answering with it); with one shard for all, every rank restores it and rank 0 saves it."""
-        if len(ranks) == 1 or (step.restore_kv is None and not step.save_blocks):
-            self._broadcast(ranks, ("step", step))
-        elif self.kv_shards == 1:
+        """The step to each of a replica's ranks. Prefix-tier blocks: with a shard per rank, each rank restores
+        its own shard (and saves its own, answering with it); with one shard for all, every rank restores the
+        same rows and rank 0 alone saves."""
+        if self.kv_shards == 1 and step.save_blocks and len(ranks) > 1:
             self._broadcast(ranks[:1], ("step", step))
             self._broadcast(ranks[1:], ("step", dataclasses.replace(step, save_blocks=[])))
-        else:
+        elif self.kv_shards > 1 and step.restore_kv is not None:
             for tp_rank, rank in enumerate(ranks):
-                shard = rank_shard(step.restore_kv, tp_rank, len(ranks)) if step.restore_kv is not None else None
+                shard = rank_shard(step.restore_kv, tp_rank, len(ranks))
                 self._broadcast([rank], ("step", dataclasses.replace(step, restore_kv=shard)))
+        else:
+            self._broadcast(ranks, ("step", step))
 
     def _replica_output(self, ranks: range, step: StepInput, replies: dict[int, object]) -> StepOutput:
         """The sampling rank's output, with the saved blocks' KV of all its ranks (shards in rank order)."""
