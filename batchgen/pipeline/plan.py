@@ -1,7 +1,9 @@
 """``batchgen plan``: a dry run that counts a job's rows and prompt tokens exactly, with the tokenizer alone.
 
 The rows go through the job's own stages (reading, id assignment, skip on resume, render + tokenize,
-truncation, sort windows), so the counts are the ones the run will record in stats.json.
+truncation, sort windows), so the counts are the ones the run will record in stats.json. With a prefix
+store, a sample of the prompts is looked up in it (the store's keys digest each weight file's first and
+last MiB: only those are read).
 """
 from __future__ import annotations
 
@@ -130,9 +132,10 @@ def plan_job(spec: JobSpec, limit: int | None = None, rates: Rates | None = None
         "rates": asdict(rates), "estimated_s": None,
         "prefix_store": store_estimate(spec, sample, model_len, prompt_tokens) if sample is not None else None,
     }
+    # The earlier job's prefix-cache hit rate, or the store's where it is higher.
+    plan["assumed_hit_rate"] = max(rates.prefix_cache_hit_rate, (plan["prefix_store"] or {}).get("hit_rate") or 0.0)
     if rates.prefill_tokens_per_s and rates.decode_tokens_per_s:
-        store_rate = (plan["prefix_store"] or {}).get("hit_rate") or 0.0
-        computed = prompt_tokens * (1 - max(rates.prefix_cache_hit_rate, store_rate))
+        computed = prompt_tokens * (1 - plan["assumed_hit_rate"])
         plan["estimated_s"] = round(computed / rates.prefill_tokens_per_s
                                     + steps.decode_step_tokens / rates.decode_tokens_per_s, 1)
     return plan
@@ -202,10 +205,9 @@ def format_plan(plan: dict[str, Any], cost_per_hour: float | None = None) -> str
         lines.append("estimated time: give --prefill-tok-s and --decode-tok-s, or --rates-from an earlier job")
     else:
         r = plan["rates"]
-        hit_rate = max(r["prefix_cache_hit_rate"], (plan.get("prefix_store") or {}).get("hit_rate") or 0.0)
         line = (f"estimated time: {_duration(plan['estimated_s'])} at {r['prefill_tokens_per_s']:,.0f} prompt "
                 f"and {r['decode_tokens_per_s']:,.0f} decode tok/s, prefix-cache hit rate "
-                f"{hit_rate:.0%} (rates from {r['source']}; the prefix store's where it is higher)")
+                f"{plan['assumed_hit_rate']:.0%} (rates from {r['source']}; the prefix store's where it is higher)")
         if cost_per_hour is not None:
             line += f"; cost {plan['estimated_s'] / 3600 * cost_per_hour:,.2f} at {cost_per_hour:g} per hour"
         lines.append(line)
