@@ -213,9 +213,6 @@ class EngineConfig:
             return
         if not self.enable_prefix_caching:
             raise ValueError("prefix_cache_store and prefix_cache_host_bytes need enable_prefix_caching")
-        if self.world_size > 1:
-            raise ValueError("prefix_cache_store and prefix_cache_host_bytes run on one device for now "
-                             "(tensor_parallel_size and data_parallel_size 1)")
 
     @property
     def world_size(self) -> int:
