@@ -1,6 +1,7 @@
 """``batchgen report`` on a job that balanced experts (``enable_eplb``): the loader reads ``engine.eplb`` of
-stats.json exactly, the page draws the expert-load heatmap with its balancedness figures, and an output
-without EPLB data renders with no such chart."""
+stats.json exactly, the page draws the expert-load heatmap with its balancedness figures and the busiest
+rank against the mean per layer, an output without EPLB data renders with no such chart, and a real DP2+EP
+job writes the tokens per rank that the page charts."""
 from __future__ import annotations
 
 import base64
@@ -18,9 +19,12 @@ from batchgen.engine.core.metrics import EngineMetrics
 from batchgen.engine.flops import engine_figures
 from batchgen.engine.parallel.balancer import EplbReport
 from batchgen.engine.parallel.eplb import balancedness, contiguous_placement, rebalance
+from batchgen.pipeline.runner import run_job
+from batchgen.pipeline.spec import spec_from_dict
 from batchgen.pipeline.stats import Counts, job_stats, run_entry
 from batchgen.report import ReportError, build_report
 from batchgen.report.data import load_report_data
+from tests.job_helpers import records, spec_dict, write_jsonl
 
 # Tokens per logical expert (8) in each MoE layer (3): expert 5 of layer 2 is hot.
 LOADS = [[10, 12, 9, 11, 10, 8, 12, 10],
@@ -158,3 +162,26 @@ def test_expert_loads_that_are_not_a_matrix_of_counts_are_a_clear_error(tmp_path
     write_stats(tmp_path / "ranks", eplb_report(LOADS) | {"rank_loads_after": [[1.0, 2.0, 3.0, 4.0]]})
     with pytest.raises(ReportError, match="engine.eplb.rank_loads_after has 1 layers, engine.eplb.layers 3"):
         build_report(str(tmp_path / "ranks"))
+
+
+@pytest.mark.timeout(300)
+def test_a_balanced_job_writes_tokens_per_rank_to_stats_and_the_report_charts_them(tiny_model_factory, tmp_path):
+    """DP2+EP with EPLB through the pipeline: stats.json's engine.eplb holds each layer's tokens per rank, which
+    add up to the layer's routed pairs, and the page charts the busiest rank of the run."""
+    inputs = write_jsonl(tmp_path / "in.jsonl", records(6))
+    engine = {"max_num_batched_tokens": 64, "max_num_seqs": 4, "data_parallel_size": 2, "enable_expert_parallel": True,
+              "enable_eplb": True, "distributed_timeout_s": 60,
+              "eplb_config": {"num_redundant_experts": 2, "window_size": 2, "step_interval": 3}}
+    run_job(spec_from_dict(spec_dict(tiny_model_factory("deepseek-v3"), inputs, tmp_path / "out", engine=engine)),
+            quiet=True)
+    eplb = json.loads((tmp_path / "out" / "stats.json").read_text())["engine"]["eplb"]
+    assert len(eplb["layers"]) == len(eplb["rank_loads_after"]) == len(eplb["rank_loads_before"]) == 2
+    for experts, before, after in zip(eplb["layers"], eplb["rank_loads_before"], eplb["rank_loads_after"]):
+        assert len(before) == len(after) == 2
+        assert sum(before) == sum(experts) == pytest.approx(sum(after), abs=0.02)
+    after = np.array(eplb["rank_loads_after"])
+    ratios = after.max(1) / after.mean(1)
+    assert eplb["balancedness_after"] == pytest.approx(after.mean(1).sum() / after.max(1).sum(), abs=1e-3)
+    chart = figure(build_report(str(tmp_path / "out")), "rank-load")
+    worst = int(ratios.argmax())
+    assert f"{ratios[worst]:.2f}x the mean at worst (layer {worst}, rank {int(after[worst].argmax())})" in chart
