@@ -61,13 +61,15 @@ def test_block_fp8_qwen3_moe_tensor_and_expert_parallel_with_rebalancing_equals_
     check_report(report, layers=2, experts=8)
 
 
+@pytest.mark.timeout(300)
 def test_block_fp8_shards_that_tensor_parallel_ranks_would_split_mid_block_fail_clearly(block_fp8):
     """intermediate_size 320: each rank's 160 rows of gate/up (and columns of down) end or start inside a block;
     whichever rank fails first names its shard."""
     path = block_fp8("llama", dict(hidden=320, heads=4, kv_heads=2, head_dim=128,
                                    config=dict(intermediate_size=320)))
-    with pytest.raises(WorkerError, match=r"failed while loading the model: ValueError: weight 'model\.layers\.0"
-                                          r"\.mlp\..* (0\.\.160|160\.\.320) of 320 does not align to the 128-element scale"):
+    message = (r"failed while loading the model: ValueError: weight 'model\.layers\.0\.mlp\..* "
+               r"(0\.\.160|160\.\.320) of 320 does not align to the 128-element scale")
+    with pytest.raises(WorkerError, match=message):
         LLM(str(path), dtype="float32", device="cpu", kv_cache_memory=1 << 22, tensor_parallel_size=2,
             distributed_timeout_s=120)
 
