@@ -7,8 +7,9 @@ from batchgen.engine.config import EngineConfig
 from tests.test_parallel import assert_gone, assert_same_outputs, make_llm, workload
 
 # Rebalanced every 3 steps on a 2-step window: the loads of so few tokens change from window to window,
-# so the placement changes (and weights move) several times in one run.
-EPLB = {"num_redundant_experts": 2, "window_size": 2, "step_interval": 3, "skip_unprofitable": False}
+# so the placement changes (and weights move) several times in one run. Each evaluation writes its log line.
+EPLB = {"num_redundant_experts": 2, "window_size": 2, "step_interval": 3, "skip_unprofitable": False,
+        "log_balancedness": True}
 
 
 def run_with_eplb(path, workload_of=workload, **parallel):
@@ -52,10 +53,15 @@ def test_data_and_expert_parallel_with_rebalancing_equals_one_process(tiny_model
 
 
 @pytest.mark.timeout(300)
-def test_tensor_and_expert_parallel_with_rebalancing_equals_one_process(tiny_model_factory):
-    """Qwen3-MoE over two tensor-parallel ranks holding whole experts (their outputs all-reduced)."""
+def test_tensor_and_expert_parallel_with_rebalancing_equals_one_process(tiny_model_factory, capfd):
+    """Qwen3-MoE over two tensor-parallel ranks holding whole experts (their outputs all-reduced); the first
+    rank logs each evaluation (``log_balancedness``), the worst layer's busiest rank included."""
     report = run_with_eplb(tiny_model_factory("qwen3-moe"), tensor_parallel_size=2)
     check_report(report, layers=2, experts=8)
+    lines = [line for line in capfd.readouterr().err.splitlines() if "EPLB step" in line]
+    assert lines and all(line.startswith("rank 0 INFO") for line in lines)
+    ratios = [max(row) * len(row) / sum(row) for row in report["rank_loads_after"]]
+    assert f"busiest rank {max(ratios):.2f}x the mean at worst (MoE layer {ratios.index(max(ratios))})" in lines[-1]
 
 
 def test_eplb_settings_are_checked(tiny_model):

@@ -118,6 +118,10 @@ class ExpertBalancer:
         self.steps, self.step_seconds, self.move_seconds, self.last_moved = 0, 0.0, 0.0, 0
         self.calibrated = False
         self.report = EplbReport()
+        # Every rank decides alike: the first one logs. Asked for, so shown past a worker's WARNING level.
+        self.logs = config.log_balancedness and parallel.ep.rank == 0
+        if self.logs:
+            log.setLevel(logging.INFO)
 
     def end_step(self, seconds: float) -> dict[str, Any] | None:
         """Files the step's counts; every ``step_interval`` steps (or once, calibrating) evaluates the
@@ -210,11 +214,14 @@ class ExpertBalancer:
         self.report.rebalance_time_s += self.move_seconds
 
     def _log(self) -> None:
-        if self.config.log_balancedness:
+        if self.logs:
             r = self.report
-            log.info("EPLB step %d: balancedness %.3f (contiguous %s), %d rebalances, %d bytes moved in %.3f s",
-                     r.steps, r.balancedness_after, f"{r.balancedness_before:.3f}" if r.balancedness_before
-                     is not None else "n/a", r.rebalances, r.moved_bytes, r.rebalance_time_s)
+            ratios = [max(row) * len(row) / sum(row) if sum(row) else 1.0 for row in r.rank_loads_after]
+            worst = max(range(len(ratios)), key=ratios.__getitem__)
+            log.info("EPLB step %d: balancedness %.3f (contiguous %s), busiest rank %.2fx the mean at worst "
+                     "(MoE layer %d), %d rebalances, %d bytes moved in %.3f s", r.steps, r.balancedness_after,
+                     f"{r.balancedness_before:.3f}" if r.balancedness_before is not None else "n/a",
+                     ratios[worst], worst, r.rebalances, r.moved_bytes, r.rebalance_time_s)
 
 
 def _rounded(rank_loads: torch.Tensor) -> list[list[float]]:
