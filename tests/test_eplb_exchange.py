@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from batchgen.engine.parallel.eplb import initial_placement, rebalance
-from batchgen.engine.parallel.expert import AllToAllExchange, TokenExchange
+from batchgen.engine.parallel.expert import AllToAllExchange, PaddedAllToAllExchange, TokenExchange
 from batchgen.engine.parallel.expert_map import ExpertMap
 from batchgen.engine.parallel.group import CommGroup
 
@@ -66,11 +66,15 @@ def spawn_ranks(target, ranks: int, tmp_path, *args) -> dict:
     return got
 
 
+# The padded all-to-all at capacity 1.0: fixed-size parts, yet no pair can be dropped.
+EXCHANGES = {"all-gather": TokenExchange, "all-to-all": AllToAllExchange, "padded-all-to-all": PaddedAllToAllExchange}
+
+
 def rank_main(rank: int, init: str, kind: str, results) -> None:
     try:
         dist.init_process_group("gloo", init_method=init, rank=rank, world_size=RANKS)
         group = CommGroup(rank, RANKS, dist.group.WORLD)
-        exchange = (AllToAllExchange if kind == "all-to-all" else TokenExchange)(group)
+        exchange = EXCHANGES[kind](group)
         x, weights, ids = routed_tokens(rank)
         steps = []
         expert_map = None
@@ -89,7 +93,8 @@ def rank_main(rank: int, init: str, kind: str, results) -> None:
             arrived = torch.bincount(got, minlength=placement.num_slots)  # pairs computed here, per slot
             out = exchange.combine(stand_in_experts(routed.x, routed.topk_weights, routed.topk_ids,
                                                     placement.phy2log[0], local))
-            steps.append((out.numpy(), arrived.numpy(), expert_map.take_loads().numpy()))
+            dropped = int(getattr(exchange, "dropped_pairs", None) or 0)
+            steps.append((out.numpy(), arrived.numpy(), expert_map.take_loads().numpy(), dropped))
         results.put((rank, steps))
         dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - the parent reports it
@@ -97,7 +102,7 @@ def rank_main(rank: int, init: str, kind: str, results) -> None:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("kind", ["all-gather", "all-to-all"])
+@pytest.mark.parametrize("kind", sorted(EXCHANGES))
 def test_routing_over_replicas_delivers_every_pair_once(kind, tmp_path):
     got = spawn_ranks(rank_main, RANKS, tmp_path, kind)
     all_ids = torch.cat([routed_tokens(r)[2] for r in range(RANKS)])
@@ -110,6 +115,7 @@ def test_routing_over_replicas_delivers_every_pair_once(kind, tmp_path):
         if step == 1:  # rebalanced: the replicas of the hot expert share its tokens
             hot_slots = (phy2log == HOT).nonzero().flatten()
             assert len(hot_slots) > 1 and (arrived[hot_slots] > 0).all()
+        assert all(got[r][step][3] == 0 for r in range(RANKS))
         counted = sum(torch.from_numpy(got[r][step][2]) for r in range(RANKS))
         assert torch.equal(counted, expected_loads)  # the map's load counts, over the replicas
         for r in range(RANKS):

@@ -13,7 +13,6 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from batchgen.report.data import ExpertLoads
 
 BLUE, ORANGE, GREEN, GREY, RED = "#2b6cb0", "#dd6b20", "#2f855a", "#a0aec0", "#c53030"
 _STYLE = {"svg.fonttype": "none", "font.size": 9, "axes.spines.top": False, "axes.spines.right": False,
@@ -225,43 +224,3 @@ def utilization_chart(telemetry: dict[str, Any] | None) -> Chart:
         _legend_above(ax, handles)
 
     return _draw("utilization", title, int(busy.sum()), draw)
-
-
-def _ratio_text(balancedness: float | None) -> str:
-    """The busiest rank's tokens over the mean rank's: balancedness is mean / max, summed over layers."""
-    return "n/a" if not balancedness else f"{1 / balancedness:.2f}x"
-
-
-def balancing_summary(eplb: ExpertLoads) -> str:
-    """Balancedness before (contiguous placement) -> after (the placement in use), rebalances, bytes moved."""
-    before, after = (f"{b:.3f}" if b is not None else "n/a" for b in (eplb.balancedness_before,
-                                                                       eplb.balancedness_after))
-    rebalances = f"{eplb.rebalances} rebalance{'' if eplb.rebalances == 1 else 's'}"
-    return (f"balancedness {before} \N{RIGHTWARDS ARROW} {after}, {rebalances}, "
-            f"{eplb.moved_bytes / 2**20:.1f} MiB moved")
-
-
-def expert_load_chart(eplb: ExpertLoads) -> Chart:
-    """Heatmap of the tokens per logical expert (x) per MoE layer (y), with a colour bar."""
-    loads = eplb.loads
-    title = f"Expert load per MoE layer: {balancing_summary(eplb)}"
-    if not loads.size:
-        return Chart("expert-load", title, note="the EPLB report holds no expert loads yet")
-
-    def draw(ax: Axes) -> None:
-        image = ax.imshow(loads, aspect="auto", interpolation="none", cmap="YlOrRd", origin="lower",
-                          vmin=0, gid="series-expert-load")
-        ax.figure.colorbar(image, ax=ax, label="tokens routed")
-        ax.set_xlabel("logical expert")
-        ax.set_ylabel("MoE layer")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.grid(False)
-
-    chart = _draw("expert-load", title, int(loads.size), draw, height=max(2.8, min(6.0, 0.12 * len(loads))))
-    chart.note = (f"Tokens routed to each expert of each MoE layer in the latest load window (at step "
-                  f"{eplb.steps:,}). Every layer waits for its busiest expert-parallel rank, so one hot rank sets "
-                  f"the whole step's time: the busiest rank carries {_ratio_text(eplb.balancedness_before)} the "
-                  f"mean rank's tokens with the contiguous placement, {_ratio_text(eplb.balancedness_after)} with "
-                  "the placement in use.")
-    return chart

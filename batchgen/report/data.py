@@ -26,7 +26,9 @@ ROW_SCHEMA = {"prompt_tokens": pl.Int64, "completion_tokens": pl.Int64, "finish_
 @dataclass(frozen=True)
 class ExpertLoads:
     """One run's expert-parallel load balancing report (stats.json ``engine.eplb``, see ``EplbReport``):
-    ``loads`` (MoE layers, logical experts) are the tokens routed to each expert in the latest window."""
+    ``loads`` (MoE layers, logical experts) are the tokens routed to each expert in the latest window;
+    ``rank_loads_before`` / ``rank_loads_after`` (MoE layers, expert-parallel ranks) the tokens each rank
+    computes on them with the contiguous placement and with the one in use (None where stats.json has none)."""
 
     loads: np.ndarray
     balancedness_before: float | None
@@ -34,6 +36,8 @@ class ExpertLoads:
     rebalances: int
     moved_bytes: int
     steps: int
+    rank_loads_before: np.ndarray | None = None
+    rank_loads_after: np.ndarray | None = None
 
 
 def expert_loads(engine: dict[str, Any] | None) -> ExpertLoads | None:
@@ -41,20 +45,32 @@ def expert_loads(engine: dict[str, Any] | None) -> ExpertLoads | None:
     report = (engine or {}).get("eplb")
     if not report:
         return None
-    layers = report.get("layers") or []
-    widths = {len(row) if isinstance(row, list) else -1 for row in layers}
-    if len(widths) > 1 or -1 in widths:
-        raise ReportError("stats.json engine.eplb.layers is not a matrix: one list of expert loads per layer, "
-                          f"all of one length (found lengths {sorted(widths - {-1})})")
-    try:
-        loads = np.asarray(layers, dtype=np.int64).reshape(len(layers), widths.pop() if widths else 0)
-    except (TypeError, ValueError):
-        raise ReportError("stats.json engine.eplb.layers holds something other than token counts") from None
+    loads = _matrix(report, "layers", "expert loads", np.int64)
+    ranks = {key: _matrix(report, key, "rank loads", np.float64) if report.get(key) else None
+             for key in ("rank_loads_before", "rank_loads_after")}
+    for key, table in ranks.items():
+        if table is not None and table.shape[0] != loads.shape[0]:
+            raise ReportError(f"stats.json engine.eplb.{key} has {table.shape[0]} layers, "
+                              f"engine.eplb.layers {loads.shape[0]}")
     return ExpertLoads(loads=loads,
                        balancedness_before=report.get("balancedness_before"),
                        balancedness_after=report.get("balancedness_after"),
                        rebalances=int(report.get("rebalances") or 0),
-                       moved_bytes=int(report.get("moved_bytes") or 0), steps=int(report.get("steps") or 0))
+                       moved_bytes=int(report.get("moved_bytes") or 0), steps=int(report.get("steps") or 0),
+                       **ranks)
+
+
+def _matrix(report: dict[str, Any], key: str, what: str, dtype: type) -> np.ndarray:
+    """``report[key]``: one list of token counts per layer, all of one length."""
+    layers = report.get(key) or []
+    widths = {len(row) if isinstance(row, list) else -1 for row in layers}
+    if len(widths) > 1 or -1 in widths:
+        raise ReportError(f"stats.json engine.eplb.{key} is not a matrix: one list of {what} per layer, "
+                          f"all of one length (found lengths {sorted(widths - {-1})})")
+    try:
+        return np.asarray(layers, dtype=dtype).reshape(len(layers), widths.pop() if widths else 0)
+    except (TypeError, ValueError):
+        raise ReportError(f"stats.json engine.eplb.{key} holds something other than token counts") from None
 
 
 @dataclass

@@ -7,9 +7,8 @@ import polars as pl
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from batchgen.pipeline.stats import utc_now
-from batchgen.report.charts import (
-    Chart, balancing_summary, expert_load_chart, length_chart, stage_chart, throughput_chart, utilization_chart,
-)
+from batchgen.report.charts import Chart, length_chart, stage_chart, throughput_chart, utilization_chart
+from batchgen.report.expert_charts import balancing_summary, expert_load_chart, rank_load_chart
 from batchgen.report.data import ReportData
 
 _ENV = ImmutableSandboxedEnvironment(autoescape=True)
@@ -118,6 +117,7 @@ def charts(data: ReportData) -> list[Chart]:
         length_chart(data.rows, "completion_tokens", "Completion length", by_finish=True),
         utilization_chart(data.telemetry),
         *([expert_load_chart(data.eplb)] if data.eplb is not None else []),
+        *([rank_load_chart(data.eplb)] if data.eplb is not None and data.eplb.rank_loads_after is not None else []),
     ]
 
 

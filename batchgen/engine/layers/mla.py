@@ -99,7 +99,7 @@ def _reorder_rows_on_load(param: nn.Parameter, order: torch.Tensor) -> None:
     if group is None:
         return
     if group > 1:
-        rows = torch.arange(order.numel())
+        rows = torch.arange(order.numel(), device=order.device)  # not the model's device (meta, when shaping)
         if not torch.equal(order // group, rows // group):
             raise ValueError(f"the rotary rows of this latent attention cross the {group}-row blocks of its FP8 "
                              "weight scales; such a checkpoint cannot be loaded")

@@ -66,6 +66,10 @@ class EplbReport:
     give on the latest window's loads (summed over layers; None where the experts do not split evenly);
     ``balancedness_after``: the same for the placement in use after the latest evaluation. ``layers``: the
     latest window's tokens per logical expert, one list per MoE layer; ``totals``: summed over layers.
+    ``rank_loads_before`` / ``rank_loads_after``: the tokens each expert-parallel rank computes in each MoE layer
+    (one list per layer) on those loads, with the contiguous placement (None where it does not exist) and with
+    the placement in use; an expert's tokens split evenly over its replicas, as the routing spreads them.
+    The busiest rank of a layer against the mean is why a step is slow (every rank waits for it).
     """
 
     balancedness_before: float | None = None
@@ -77,6 +81,8 @@ class EplbReport:
     steps: int = 0
     layers: list[list[int]] = field(default_factory=list)
     totals: list[int] = field(default_factory=list)
+    rank_loads_before: list[list[float]] | None = None
+    rank_loads_after: list[list[float]] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -112,6 +118,10 @@ class ExpertBalancer:
         self.steps, self.step_seconds, self.move_seconds, self.last_moved = 0, 0.0, 0.0, 0
         self.calibrated = False
         self.report = EplbReport()
+        # Every rank decides alike: the first one logs. Asked for, so shown past a worker's WARNING level.
+        self.logs = config.log_balancedness and parallel.ep.rank == 0
+        if self.logs:
+            log.setLevel(logging.INFO)
 
     def end_step(self, seconds: float) -> dict[str, Any] | None:
         """Files the step's counts; every ``step_interval`` steps (or once, calibrating) evaluates the
@@ -134,8 +144,10 @@ class ExpertBalancer:
         report = self.report
         report.steps, report.layers = self.steps, loads.long().tolist()
         report.totals = loads.sum(0).long().tolist()
-        report.balancedness_before = self._contiguous(loads)
-        report.balancedness_after = balancedness(current)
+        contiguous = self._contiguous(loads)
+        report.rank_loads_before = _rounded(contiguous) if contiguous is not None else None
+        report.balancedness_before = balancedness(contiguous) if contiguous is not None else None
+        self._report_after(current)
         if self.config.calibrate_once and self.calibrated:
             return self._log()
         new = rebalance(loads, self.num_slots, self.num_ranks, self.num_groups, current=self.placement)
@@ -158,7 +170,7 @@ class ExpertBalancer:
         self.last_moved = bytes_to_move
         report.moved_bytes += bytes_to_move
         report.rebalances += 1
-        report.balancedness_after = balancedness(new.rank_loads(loads))
+        self._report_after(new.rank_loads(loads))
         self.calibrated = True
         self._log()
 
@@ -174,11 +186,15 @@ class ExpertBalancer:
         loads = (stats[:-2] / tp.size).round().view(len(self.layers), self.num_experts)
         return loads, float(stats[-2]) / ep.size, float(stats[-1]) / ep.size
 
-    def _contiguous(self, loads: torch.Tensor) -> float | None:
+    def _contiguous(self, loads: torch.Tensor) -> torch.Tensor | None:
+        """(layers, ranks) tokens with the contiguous placement; None where the experts do not split evenly."""
         if self.num_experts % self.num_ranks:
             return None
-        return balancedness(contiguous_placement(len(self.layers), self.num_experts, self.num_ranks)
-                            .rank_loads(loads))
+        return contiguous_placement(len(self.layers), self.num_experts, self.num_ranks).rank_loads(loads)
+
+    def _report_after(self, rank_loads: torch.Tensor) -> None:
+        self.report.rank_loads_after = _rounded(rank_loads)
+        self.report.balancedness_after = balancedness(rank_loads)
 
     def _apply(self, new: Placement, moves: list) -> None:
         """Moves the weights that change place and installs the new maps (between steps)."""
@@ -198,8 +214,16 @@ class ExpertBalancer:
         self.report.rebalance_time_s += self.move_seconds
 
     def _log(self) -> None:
-        if self.config.log_balancedness:
+        if self.logs:
             r = self.report
-            log.info("EPLB step %d: balancedness %.3f (contiguous %s), %d rebalances, %d bytes moved in %.3f s",
-                     r.steps, r.balancedness_after, f"{r.balancedness_before:.3f}" if r.balancedness_before
-                     is not None else "n/a", r.rebalances, r.moved_bytes, r.rebalance_time_s)
+            ratios = [max(row) * len(row) / sum(row) if sum(row) else 1.0 for row in r.rank_loads_after]
+            worst = max(range(len(ratios)), key=ratios.__getitem__)
+            log.info("EPLB step %d: balancedness %.3f (contiguous %s), busiest rank %.2fx the mean at worst "
+                     "(MoE layer %d), %d rebalances, %d bytes moved in %.3f s", r.steps, r.balancedness_after,
+                     f"{r.balancedness_before:.3f}" if r.balancedness_before is not None else "n/a",
+                     ratios[worst], worst, r.rebalances, r.moved_bytes, r.rebalance_time_s)
+
+
+def _rounded(rank_loads: torch.Tensor) -> list[list[float]]:
+    """Tokens per rank per layer for the report: a replica's share of an expert may be a fraction."""
+    return [[round(v, 2) for v in row] for row in rank_loads.tolist()]
