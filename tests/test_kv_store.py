@@ -199,7 +199,8 @@ def test_a_slow_store_falls_back_to_computing(tiny_model, tmp_path, monkeypatch)
     hot, m = run(tiny_model, b, prefix_cache_store=store)
     assert_same(hot, cold)
     assert m.prefix_cache_store_hits < sum(full_blocks(p) for p in b) * 16
-    assert m.prefix_store_wait_time_s <= len(b) * 0.05 + 0.2 and time.perf_counter() - start < 60
+    # waiting out even one 1 s read would pass 1 s; the slack is for a loaded machine's thread wake-ups
+    assert m.prefix_store_wait_time_s <= len(b) * 0.05 + 0.8 and time.perf_counter() - start < 60
 
 
 def test_host_tier_under_a_tiny_budget(tiny_model):
