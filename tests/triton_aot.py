@@ -4,14 +4,16 @@ The interpreter accepts programs the real compiler rejects (dot shapes, dtype mi
 types), so this records the launches the kernel wrappers make on CPU tensors, without running
 them, and compiles each one for real CUDA targets (ptxas ships with Triton).
 
-    TRITON_INTERPRET=0 python -m tests.triton_aot [--spills] [--wide] [sm_90 sm_80 ...]
+    TRITON_INTERPRET=0 python -m tests.triton_aot [--spills] [--wide | --first-per-kernel | --shard=I/N] [sm_90 ...]
 
 FP8 launches are compiled only for targets with FP8 tensor cores (sm_89 and newer). --spills runs
 ptxas -v on each binary and lists the launches that spill registers; --wide compiles only the
-launches at head dims 80/96/192/256 and those with int64 key offsets.
+launches at head dims 80/96/192/256 and those with int64 key offsets; --first-per-kernel the first
+launch of each kernel; --shard=I/N every N-th distinct launch from the I-th (processes split the work).
 """
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import subprocess
@@ -298,9 +300,11 @@ def compile_all(targets: list[str], report_spills: bool = False,
     """
     seen, compiled, skipped, spills = set(), 0, 0, []
     for launch in record_launches(all_kernel_calls):
-        if launch.key() in seen or not keep(launch):
+        if launch.key() in seen:
             continue
         seen.add(launch.key())
+        if not keep(launch):
+            continue
         for target in targets:
             if "*fp8e4nv" in launch.signature.values() and _target(target).arch < FP8_MIN_ARCH:
                 skipped += 1
@@ -325,13 +329,43 @@ def compile_all(targets: list[str], report_spills: bool = False,
     return compiled, skipped, spills
 
 
+def shard(index: int, count: int) -> Callable[[Launch], bool]:
+    """Keeps every ``count``-th distinct launch from the ``index``-th: processes split the launches."""
+    order = itertools.count()
+    return lambda launch: next(order) % count == index
+
+
+def first_per_kernel() -> Callable[[Launch], bool]:
+    """Keeps the first launch of each kernel function."""
+    names: set[str] = set()
+
+    def keep(launch: Launch) -> bool:
+        name = launch.fn.__name__
+        new = name not in names
+        names.add(name)
+        return new
+    return keep
+
+
+def selection(args: list[str]) -> Callable[[Launch], bool]:
+    if "--wide" in args:
+        return is_wide
+    if "--first-per-kernel" in args:
+        return first_per_kernel()
+    part = next((a.split("=", 1)[1] for a in args if a.startswith("--shard=")), None)
+    if part is not None:
+        index, count = map(int, part.split("/"))
+        return shard(index, count)
+    return lambda launch: True
+
+
 if __name__ == "__main__":
     args = sys.argv[1:]
-    report_spills, wide_only = "--spills" in args, "--wide" in args
+    report_spills = "--spills" in args
     targets = [a for a in args if not a.startswith("--")] or ["sm_90"]
     if not compiler_rejects_bad_kernel(targets[0]):
         sys.exit("the compiler accepted a bad kernel: this check proves nothing")
-    compiled, skipped, spills = compile_all(targets, report_spills, is_wide if wide_only else lambda launch: True)
+    compiled, skipped, spills = compile_all(targets, report_spills, selection(args))
     print(f"compiled {compiled} kernel launches for {', '.join(targets)}")
     if skipped:
         print(f"skipped {skipped} FP8 launches on targets older than sm_{FP8_MIN_ARCH}")
