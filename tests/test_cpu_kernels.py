@@ -190,8 +190,12 @@ def test_elementwise_ops_against_torch(kernels, dtype):
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
 
 
-def test_engine_runs_the_fused_kernels_and_matches_the_torch_backend(kernels, tiny_model):
-    """Chunked prefill, mixed prefill/decode steps and prefix-cache hits all go through the fused op."""
+def test_engine_runs_the_fused_kernels_and_matches_the_torch_backend(kernels, tiny_model, monkeypatch):
+    """Chunked prefill, mixed prefill/decode steps and prefix-cache hits all go through the fused op, the
+    decode-only steps through the decode op (all their rows in one call per layer)."""
+    decode_rows, decode = [], ops.paged_decode_attention
+    monkeypatch.setattr(ops, "paged_decode_attention",
+                        lambda q, *a, **k: decode_rows.append(len(q)) or decode(q, *a, **k))
     kw = dict(dtype="float32", device="cpu", max_num_batched_tokens=64, kv_cache_memory=16 << 20)
     fused, plain = LLM(str(tiny_model), **kw), LLM(str(tiny_model), attention_backend="torch", **kw)
     assert model_runner(fused).kernels.attention.name == "cpu"
@@ -205,6 +209,7 @@ def test_engine_runs_the_fused_kernels_and_matches_the_torch_backend(kernels, ti
     diffs = [abs(x - y) for oa, ob in zip(a, b) for x, y in zip(oa.logprobs, ob.logprobs, strict=True)]
     assert max(diffs) <= 1e-4
     assert sum(o.num_cached_tokens for o in a) > 0
+    assert decode_rows and max(decode_rows) > 1
 
 
 @pytest.fixture
@@ -324,9 +329,10 @@ def test_prepacked_bf16_linears(kernels, tiny_model):
 
 
 @pytest.mark.parametrize("arch", ["gemma2", "phi3"])
-def test_windowed_and_soft_capped_layers_take_the_torch_path(kernels, tiny_model_factory, arch):
+def test_windowed_and_soft_capped_layers_match_the_torch_backend(kernels, tiny_model_factory, arch):
     """Gemma 2 (soft caps; local layers beside global ones, which the fused op runs) and Phi-3 (a window on
-    every layer, freed blocks in the tables) give the torch backend's tokens and logprobs."""
+    every layer, freed blocks in the tables) give the torch backend's tokens and logprobs: their prefill goes
+    through torch, their decode steps through the fused decode op."""
     path = str(tiny_model_factory(arch))
     kw = dict(dtype="float32", device="cpu", max_num_batched_tokens=48, kv_cache_memory=16 << 20)
     fused, plain = LLM(path, **kw), LLM(path, attention_backend="torch", **kw)

@@ -1,4 +1,4 @@
-"""The CPU attention backend: prefill and mixed steps in the fused C++ op, decode-only steps in torch."""
+"""The CPU attention backend: prefill and mixed steps in the fused C++ op, decode-only steps in the paged decode op."""
 from __future__ import annotations
 
 import torch
@@ -9,9 +9,10 @@ from batchgen.engine.backends.torch.attention import TorchAttentionBackend
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
-    """One fused call per layer for a whole packed step, cached prefixes read in place from the paged
-    cache; dtypes or head sizes the op does not take, sliding windows (whose freed blocks the op would
-    read) and soft-capped scores go through the torch backend."""
+    """One fused call per layer for a whole step, keys and values read in place from the paged cache:
+    decode-only steps (sliding windows and soft caps included) in the paged decode op, the others in the
+    varlen prefill op. In prefill, dtypes or head sizes the op does not take, sliding windows (whose freed
+    blocks the op would read) and soft-capped scores go through the torch backend."""
 
     name = "cpu"
 
@@ -22,6 +23,9 @@ class CpuAttentionBackend(TorchAttentionBackend):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                 sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+        if meta.decode_only and q.dtype == k_cache.dtype and ops.supports_decode(q.dtype, q.shape[-1]):
+            return ops.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
+                                              sliding_window, softcap)
         if (meta.decode_only or sliding_window is not None or softcap is not None
                 or not ops.supports_attention(q.dtype, q.shape[-1])):
             return super().forward(q, k, v, k_cache, v_cache, meta, scale, sliding_window, softcap)

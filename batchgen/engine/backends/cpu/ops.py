@@ -71,6 +71,28 @@ def varlen_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
     return out
 
 
+# Keys per decode work item (flash-decoding split): fixed, so results do not depend on the thread count.
+SPLIT_KEYS = 256
+
+
+def supports_decode(dtype: torch.dtype, head_dim: int) -> bool:
+    """The decode op needs no oneDNN micro-kernel: fp32 and bf16 on any CPU the kernels were built for."""
+    return dtype in KERNEL_DTYPES and 0 < head_dim <= MAX_HEAD_DIM
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                           sliding_window: int | None = None, softcap: float | None = None,
+                           split_keys: int = SPLIT_KEYS) -> torch.Tensor:
+    """Attention of one query per sequence, q (B, Hq, D), over its ``context_lens[i]`` cached keys, read in
+    place from the paged caches through ``block_tables``; the signature of the torch backend's
+    ``paged_decode`` (less its max context). fp32 scores and accumulation, output in q's dtype."""
+    out = torch.empty(q.shape, dtype=q.dtype)
+    torch.ops.batchgen_cpu.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale,
+                                                  sliding_window or 0, softcap or 0.0, split_keys, out)
+    return out
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     if x.dtype not in usable_dtypes() or x.dim() not in (2, 3) or weight.dtype != x.dtype:

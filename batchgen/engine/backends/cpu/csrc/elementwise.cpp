@@ -9,6 +9,7 @@
 
 #include "vec.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -16,6 +17,12 @@ namespace batchgen_cpu {
 namespace {
 
 constexpr int64_t W = kStep;
+
+// Rows per thread of a parallel loop over rows of `width` elements: at least kMinChunk elements, so that a
+// decode step's few rows run on the calling thread (a parallel region's fork and join cost more than they
+// save there, and far more when other processes hold the cores).
+constexpr int64_t kMinChunk = 1 << 16;
+inline int64_t grain(int64_t width) { return std::max<int64_t>(1, kMinChunk / std::max<int64_t>(1, width)); }
 
 // Rows of a 2-D or 3-D tensor whose last dim is contiguous: row r is at data + offset(r).
 struct Rows {
@@ -36,7 +43,7 @@ template <typename T>
 void rms_norm_rows(const T* x, const T* residual, const T* weight, T* out, T* residual_out, const Rows& xr,
                    const Rows& rr, const Rows& orr, const Rows& ror, float eps) {
   const int64_t n = xr.width;
-  at::parallel_for(0, xr.count, 16, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, xr.count, grain(n), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* xp = x + xr.offset(r);
       T* op = out + orr.offset(r);
@@ -147,7 +154,7 @@ void apply_rotary(const at::Tensor& q, const at::Tensor& k, const at::Tensor& po
     using T = std::remove_pointer_t<decltype(tag)>;
     T* qp = q.data_ptr<T>();
     T* kp = k.data_ptr<T>();
-    at::parallel_for(0, q.size(0), 16, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, q.size(0), grain((q.size(1) + k.size(1)) * D), [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
         const float* cos = table + pp[t] * D;
         rotate_heads(qp, t, q.size(1), q.stride(0), q.stride(1), half, cos, cos + half);
@@ -180,7 +187,7 @@ void silu_and_mul(const at::Tensor& x, const at::Tensor& out) {
     using T = std::remove_pointer_t<decltype(tag)>;
     const T* xp = x.const_data_ptr<T>();
     T* op = out.data_ptr<T>();
-    at::parallel_for(0, x.size(0), 4, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, x.size(0), grain(3 * n), [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
         const T* g = xp + r * x.stride(0);
         const T* u = g + n;
@@ -222,7 +229,7 @@ void store_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cach
   const int64_t ks = k.stride(0) * k.element_size(), vs = v.stride(0) * v.element_size();
   // Checked before the parallel loop: an exception must not leave an OpenMP region.
   for (int64_t t = 0; t < k.size(0); ++t) TORCH_CHECK(sp[t] < num_slots, "slot ", sp[t], " outside the cache");
-  at::parallel_for(0, k.size(0), 64, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, k.size(0), grain(2 * row), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       if (sp[t] < 0) continue;
       std::memcpy(kc + sp[t] * bytes, kp + t * ks, bytes);

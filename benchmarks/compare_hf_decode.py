@@ -1,0 +1,137 @@
+"""Decode throughput of batchgen against HF transformers' ``generate`` and the M-row roofline, in one run.
+
+    python benchmarks/compare_hf_decode.py [--model smollm2-135m-instruct] [--batches 1 8 64] [--quick]
+
+Random prompts of 128 tokens, 128 tokens out each (greedy, no early stop), at each batch size: batchgen with
+max_num_seqs = batch, HF ``generate`` on batches of that size (equal lengths: no padding), both at batchgen's
+dtype (default "auto"). "decode tok/s" leaves prefill out: batchgen's from its decode-only steps' own timers,
+HF's as the difference to a run with 1 token out; "end-to-end" keeps prefill in. The roofline counts the linear layers'
+FLOPs per decoded token (lm_head included) at the rate this machine reaches with ``batch`` rows on the model's
+own shapes. Medians over --repeats. vLLM's CPU build is not compared here (compare_vllm.py, where installed).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from batchgen.engine import LLM, SamplingParams
+from batchgen.engine.loading.hub import resolve_model_path
+from compare_hf import hf_model
+from decode_workload import (amx_bf16_in_cpuinfo, decode_flops_per_token, linear_weights, random_prompts,
+                             rows_matmul_rate)
+
+
+def median_seconds(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def batchgen_run(llm: LLM, prompts, new_tokens: int) -> list[list[int]]:
+    params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+    return [o.token_ids for o in llm.generate(prompts, params)]
+
+
+def batchgen_timed(llm: LLM, prompts, new_tokens: int, repeats: int) -> tuple[float, float]:
+    """Medians of (end-to-end seconds, decode tok/s of the decode-only steps)."""
+    walls, rates = [], []
+    for _ in range(repeats):
+        llm.engine.reset_metrics()
+        start = time.perf_counter()
+        batchgen_run(llm, prompts, new_tokens)
+        walls.append(time.perf_counter() - start)
+        m = llm.engine.metrics
+        rates.append(m.decode_tokens / m.decode_time_s)
+    return statistics.median(walls), statistics.median(rates)
+
+
+@torch.inference_mode()
+def hf_run(model, prompts, batch: int, new_tokens: int) -> list[list[int]]:
+    out = []
+    for b in range(0, len(prompts), batch):
+        ids = torch.tensor(prompts[b:b + batch])
+        gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                             min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+        out.extend(gen[:, ids.shape[1]:].tolist())
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--prompts", type=int, default=64, help="prompts at the largest batch; fewer below it "
+                                                            "(2 batches' worth) to keep the run short")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--threads", type=int, help="torch threads for both sides (default: torch's)")
+    ap.add_argument("--quick", action="store_true", help="32 tokens out, one repeat")
+    ap.add_argument("--output-json")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.quick:
+        args.new_tokens, args.repeats = 32, 1
+
+    path = resolve_model_path(args.model)
+    probe = LLM(path, dtype=args.dtype, device="cpu", max_num_seqs=1, kv_cache_memory=64 << 20)
+    dtype = probe.config.dtype_choice
+    weights = linear_weights(probe)
+    flops_per_token = decode_flops_per_token(weights)
+    hf = hf_model(path, dtype.torch_dtype)
+    vocab = probe.tokenizer.vocab_size
+    del probe
+    print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}, amx_bf16 in /proc/cpuinfo: "
+          f"{amx_bf16_in_cpuinfo()}, threads {torch.get_num_threads()}, dtype {dtype.name} ({dtype.reason}); "
+          f"prompts of {args.prompt_len} tokens, {args.new_tokens} out; medians of {args.repeats}")
+    rows = []
+    for batch in args.batches:
+        count = args.prompts if batch >= max(args.batches) else min(args.prompts, 2 * batch)
+        prompts = random_prompts(vocab, count, args.prompt_len, seed=batch)
+        llm = LLM(path, dtype=args.dtype, device="cpu", max_num_seqs=batch, enable_prefix_caching=False,
+                  max_num_batched_tokens=max(2048, batch * args.prompt_len))
+        batchgen_run(llm, prompts[:batch], 4)  # warm-up
+        hf_run(hf, prompts[:batch], batch, 4)
+        ours_full, ours_dec = batchgen_timed(llm, prompts, args.new_tokens, args.repeats)
+        hf_full = median_seconds(lambda: hf_run(hf, prompts, batch, args.new_tokens), args.repeats)
+        hf_prefill = median_seconds(lambda: hf_run(hf, prompts, batch, 1), 1)
+        ours_tokens, hf_tokens = batchgen_run(llm, prompts[:batch], 8), hf_run(hf, prompts[:batch], batch, 8)
+        agree = sum(a == b for a, b in zip(ours_tokens, hf_tokens))
+        del llm
+        decoded = count * (args.new_tokens - 1)
+        rate = rows_matmul_rate(weights, batch, dtype.torch_dtype)
+        roof = rate / flops_per_token
+        hf_dec = decoded / (hf_full - hf_prefill)
+        rows.append(dict(batch=batch, prompts=count, batchgen_decode_tok_s=round(ours_dec, 1),
+                         hf_decode_tok_s=round(hf_dec, 1), ratio_decode=round(ours_dec / hf_dec, 2),
+                         batchgen_end_to_end_tok_s=round(count * args.new_tokens / ours_full, 1),
+                         hf_end_to_end_tok_s=round(count * args.new_tokens / hf_full, 1),
+                         ratio_end_to_end=round(hf_full / ours_full, 2),
+                         rows_matmul_gflops=round(rate / 1e9, 1), roofline_tok_s=round(roof, 1),
+                         batchgen_over_roofline=round(ours_dec / roof, 3),
+                         greedy_rows_agreeing_with_hf=f"{agree}/{batch}"))
+        print(" ".join(f"{k}={v}" for k, v in rows[-1].items()), flush=True)
+    header = ("batch", "batchgen decode tok/s", "HF decode tok/s", "ratio", "batchgen e2e", "HF e2e", "ratio",
+              "M-row GFLOP/s", "roofline tok/s", "of roofline")
+    print("\n| " + " | ".join(header) + " |\n|" + "---|" * len(header))
+    for r in rows:
+        print(f"| {r['batch']} | {r['batchgen_decode_tok_s']:,.0f} | {r['hf_decode_tok_s']:,.0f} | "
+              f"{r['ratio_decode']:.2f}x | {r['batchgen_end_to_end_tok_s']:,.0f} | {r['hf_end_to_end_tok_s']:,.0f} | "
+              f"{r['ratio_end_to_end']:.2f}x | {r['rows_matmul_gflops']:,.0f} | {r['roofline_tok_s']:,.0f} | "
+              f"{r['batchgen_over_roofline']:.0%} |")
+    if args.output_json:
+        Path(args.output_json).write_text(json.dumps({"dtype": dtype.name, "rows": rows}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

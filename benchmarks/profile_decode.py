@@ -1,0 +1,112 @@
+"""Where decode time goes: batchgen's engine on random prompts under torch's profiler (profile_prefill.py's method).
+
+    python benchmarks/profile_decode.py [--model smollm2-135m-instruct] [--batch 64] [--prompt-len 128] [--steps 32]
+
+Runs ``--batch`` random prompts of ``--prompt-len`` tokens twice under the profiler: with max_tokens=1 (prefill
+only) and with max_tokens=1+steps, all in one step batch (max_num_seqs = batch). The difference of the two is the
+decode steps alone, per op and in wall time. It prints each kind of work's share: the linear layers (with their
+FLOP rate beside the M-row rate the roofline uses), attention, the elementwise kernels, the sampler, the rest of
+torch's ops, and the host (Python: scheduling, metadata), the wall time no op accounts for.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from batchgen.engine import LLM, SamplingParams
+from batchgen.engine.loading.hub import resolve_model_path
+from decode_workload import decode_flops_per_token, linear_weights, random_prompts, rows_matmul_rate
+
+# Profiler op names -> kind of work; the first pattern an op's name contains wins, unmatched aten ops are "other ops".
+KINDS = (
+    ("linear layers", ("_linear_pointwise", "aten::addmm", "aten::mm", "aten::bmm", "aten::matmul",
+                       "aten::linear", "_weight_int8pack_mm")),
+    ("attention", ("paged_decode_attention", "varlen_causal_attention", "scaled_dot_product", "flash_attention",
+                   "aten::index_select", "aten::gather")),
+    ("norm/rotary/activation/kv store", ("batchgen_cpu::", "rms_norm", "silu", "aten::mul", "aten::add",
+                                         "aten::rsqrt", "aten::pow", "aten::mean", "aten::index_copy")),
+    ("sampler", ("aten::argmax", "aten::logsumexp", "aten::softmax", "aten::sort", "aten::topk")),
+)
+
+
+def kind_of(name: str) -> str:
+    for kind, patterns in KINDS:
+        if any(p in name for p in patterns):
+            return kind
+    return "other ops"
+
+
+def profiled(llm: LLM, prompts, max_tokens: int) -> tuple[float, dict[str, tuple[float, int]]]:
+    """Wall seconds of one generate under the profiler, and each op's (self seconds, calls)."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
+        llm.generate(prompts, params)
+        wall = time.perf_counter() - start
+    return wall, {e.key: (e.self_cpu_time_total / 1e6, e.count) for e in prof.key_averages()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=32, help="decode steps profiled")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--attention-backend", default=None, help="torch: the unfused path, for comparison")
+    ap.add_argument("--threads", type=int, help="torch threads (default: torch's)")
+    ap.add_argument("--top", type=int, default=14, help="ops listed by self time")
+    ap.add_argument("--output-json")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    llm = LLM(resolve_model_path(args.model), dtype=args.dtype, device="cpu", max_num_seqs=args.batch,
+              max_num_batched_tokens=max(8192, args.batch * args.prompt_len), enable_prefix_caching=False,
+              attention_backend=args.attention_backend)
+    prompts = random_prompts(llm.tokenizer.vocab_size, args.batch, args.prompt_len)
+    llm.generate(prompts[:8], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))  # warm-up
+    prefill_s, prefill_ops = profiled(llm, prompts, 1)
+    total_s, total_ops = profiled(llm, prompts, 1 + args.steps)
+    decode_s = total_s - prefill_s
+    ops = {k: (s - prefill_ops.get(k, (0.0, 0))[0], n - prefill_ops.get(k, (0.0, 0))[1])
+           for k, (s, n) in total_ops.items()}
+    by_kind: dict[str, float] = defaultdict(float)
+    for name, (seconds, _) in ops.items():
+        by_kind[kind_of(name)] += seconds
+    by_kind["host (Python, no op)"] = max(0.0, decode_s - sum(by_kind.values()))
+
+    dtype = llm.config.dtype_choice
+    weights = linear_weights(llm)
+    rate = rows_matmul_rate(weights, args.batch, dtype.torch_dtype)
+    tokens = args.batch * args.steps
+    linear = decode_flops_per_token(weights) * tokens
+    print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}, threads {torch.get_num_threads()}, "
+          f"dtype {dtype.name}, attention backend {llm.engine.executor.runner.kernels.attention.name}; "
+          f"{args.batch} prompts of {args.prompt_len} tokens, {args.steps} decode steps")
+    print(f"decode {tokens / decode_s:,.0f} tok/s ({decode_s / args.steps * 1e3:.1f} ms/step, under the profiler)")
+    print(f"{'kind of work':>32} {'ms/step':>8} {'share':>6} {'GFLOP/s':>8}")
+    for kind, seconds in sorted(by_kind.items(), key=lambda kv: -kv[1]):
+        flop_rate = f"{linear / seconds / 1e9:8.0f}" if kind == "linear layers" and seconds > 0 else f"{'':>8}"
+        print(f"{kind:>32} {seconds / args.steps * 1e3:8.2f} {seconds / decode_s:6.1%} {flop_rate}")
+    roof = linear / rate
+    print(f"{args.batch}-row matmul rate over the model's shapes (the roofline's): {rate / 1e9:,.0f} GFLOP/s; "
+          f"roofline {tokens / roof:,.0f} tok/s, measured (profiled) {roof / decode_s:.0%} of it")
+    print(f"\ntop {args.top} ops by self time in the decode steps:")
+    for name, (seconds, calls) in sorted(ops.items(), key=lambda kv: -kv[1][0])[:args.top]:
+        print(f"  {seconds / args.steps * 1e3:8.3f} ms/step {calls / args.steps:7.1f} calls/step  {name}")
+    if args.output_json:
+        Path(args.output_json).write_text(json.dumps({
+            "decode_tok_s_profiled": tokens / decode_s, "ms_per_step_by_kind":
+                {k: v / args.steps * 1e3 for k, v in by_kind.items()},
+            "rows_matmul_gflops": rate / 1e9, "roofline_tok_s": tokens / roof}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
