@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-BUILT_METHODS = ("ngram", "suffix")
+BUILT_METHODS = ("ngram",)
 PLANNED_METHODS = ("mtp", "draft_model", "eagle", "eagle3", "medusa")
 MAX_SPECULATIVE_TOKENS = 16
 
