@@ -263,3 +263,23 @@ def test_grammar_rows_stay_schema_valid_beside_drafting_rows(narrow, always_draf
 def test_bad_speculative_config_is_refused_clearly(tiny_model, config, message):
     with pytest.raises(ValueError, match=message):
         make_llm(tiny_model, config)
+
+
+def test_a_job_with_speculation_reports_it_in_stats_and_the_report(tmp_path, tiny_model, always_draft):
+    from batchgen.pipeline.runner import run_job
+    from batchgen.report import build_report
+    from tests.job_helpers import make_spec, records, write_jsonl
+
+    inp, out = write_jsonl(tmp_path / "in.jsonl", records(6)), tmp_path / "out"
+    spec = make_spec(tiny_model, inp, out, engine={"speculative_config": NGRAM, "kv_cache_memory": 16 << 20},
+                     sampling={"max_tokens": 12, "ignore_eos": True})
+    stats = run_job(spec, quiet=True)
+    figures = stats["engine"]["speculative"]["ngram"]
+    assert figures["proposed_tokens"] > 0 and figures["draft_rows"] > 0
+    assert figures["accepted_tokens"] == figures["steps_saved"] <= figures["proposed_tokens"]
+    saved = json.loads((out / "stats.json").read_text())
+    assert saved["engine"]["speculative"] == stats["engine"]["speculative"]
+    page = build_report(str(out))
+    chart = page.split('id="chart-speculation"', 1)[1].split("</figure>", 1)[0]
+    rate = figures["acceptance_rate"]
+    assert f"{rate:.0%} accepted" in chart and "accepted drafts" in chart

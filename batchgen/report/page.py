@@ -8,7 +8,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from batchgen.pipeline.stats import utc_now
 from batchgen.report.charts import (
-    Chart, balancing_summary, expert_load_chart, length_chart, stage_chart, throughput_chart, utilization_chart,
+    Chart, balancing_summary, expert_load_chart, length_chart, speculation_chart, stage_chart, throughput_chart,
+    utilization_chart,
 )
 from batchgen.report.data import ReportData
 
@@ -118,6 +119,7 @@ def charts(data: ReportData) -> list[Chart]:
         length_chart(data.rows, "completion_tokens", "Completion length", by_finish=True),
         utilization_chart(data.telemetry),
         *([expert_load_chart(data.eplb)] if data.eplb is not None else []),
+        *([speculation_chart(engine)] if engine.get("speculative") else []),
     ]
 
 
