@@ -42,7 +42,7 @@ class Toggle:
 
     def on(self, prompts, params, proposer=None):
         engine = self.llm.engine
-        speculator = self.ngram if proposer is None else Speculator(self.ngram.config, engine.max_model_len, proposer)
+        speculator = self.ngram if proposer is None else Speculator(self.ngram.config, engine.max_model_len, self.vocab, proposer)
         return self.run(speculator, prompts, params)
 
     def run(self, speculator, prompts, params):
@@ -234,20 +234,41 @@ def test_a_broken_acceptance_rule_fails_the_chi_square(wide, always_draft, sampl
     assert stat > chi2_999(df), (stat, df)
 
 
-def test_grammar_rows_stay_schema_valid_beside_drafting_rows(narrow, always_draft):
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 99}},
+          "required": ["name", "age"], "additionalProperties": False}
+
+
+def test_grammar_rows_stay_schema_valid_beside_free_rows(narrow, always_draft):
     pytest.importorskip("xgrammar")
-    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
-                                               "age": {"type": "integer", "minimum": 0, "maximum": 99}},
-              "required": ["name", "age"], "additionalProperties": False}
     prompts = mixed_prompts(narrow.llm, repeats=(1, 3, 2, 1))
-    params = [SamplingParams(max_tokens=40, temperature=0, json_schema=schema) if i % 2 == 0 else GREEDY
+    params = [SamplingParams(max_tokens=40, temperature=0, json_schema=SCHEMA) if i % 2 == 0 else GREEDY
               for i in range(len(prompts))]
     off = narrow.off(prompts, params)
     on = narrow.on(prompts, params)
     same_outputs(off, on, logprobs=False)
     for out in on[::2]:
-        jsonschema.validate(json.loads(out.text), schema)
-    assert narrow.figures()["proposed_tokens"] > 0  # the free rows drafted in the same steps
+        jsonschema.validate(json.loads(out.text), SCHEMA)
+    assert narrow.figures()["proposed_tokens"] > 0
+
+
+@pytest.mark.parametrize("shift", [0, 1], ids=["target-continuation", "always-wrong"])
+def test_grammar_rows_verify_drafts_under_each_positions_mask(narrow, always_draft, shift):
+    """Drafts walk the grammar's matcher: each position is sampled under the mask after the drafts before it,
+    and drafts the grammar disallows are cut before they are verified."""
+    pytest.importorskip("xgrammar")
+    prompts = mixed_prompts(narrow.llm, repeats=(1, 2, 3))
+    params = SamplingParams(max_tokens=40, temperature=0, json_schema=SCHEMA)
+    off = narrow.off(prompts, params)
+    on = narrow.on(prompts, params, ReferenceProposer(references(off), narrow.vocab, shift))
+    same_outputs(off, on, logprobs=False)
+    for out in on:
+        jsonschema.validate(json.loads(out.text), SCHEMA)
+    figures = narrow.figures()
+    if shift == 0:
+        assert figures["acceptance_rate"] == 1.0 and figures["mean_accepted_length"] > 3
+    else:
+        assert figures["accepted_tokens"] == 0
 
 
 @pytest.mark.parametrize("config, message", [

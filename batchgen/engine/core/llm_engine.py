@@ -24,8 +24,9 @@ from batchgen.engine.sampling.sampler import TokenBitmask
 from batchgen.engine.sampling.stopping import finish_reason, output_text
 from batchgen.engine.speculative.config import SpeculativeConfig
 from batchgen.engine.speculative.speculator import Speculator
+from batchgen.engine.speculative.verify import first_rows
 from batchgen.engine.sampling.structured import (
-    EXTRA_HINT, GrammarCompiler, GrammarState, grammar_key, structured_available, token_bitmask,
+    EXTRA_HINT, GrammarCompiler, GrammarState, draft_token_bitmask, grammar_key, structured_available, token_bitmask,
 )
 
 log = logging.getLogger(__name__)
@@ -106,7 +107,7 @@ class LLMEngine:
         self._in_flight: InFlightStep | None = None
         self._last_done = 0.0  # when the latest step's tokens arrived
         spec = SpeculativeConfig.from_dict(config.speculative_config)
-        self.speculator = Speculator(spec, self.max_model_len) if spec is not None else None
+        self.speculator = Speculator(spec, self.max_model_len, self.model_config.vocab_size) if spec is not None else None
         self.reset_metrics()
 
     @property
@@ -310,12 +311,18 @@ class LLMEngine:
         return finished
 
     def _token_bitmask(self, scheduled: list[ScheduledSeq]) -> TokenBitmask | None:
-        """The grammar rows' allowed tokens, or None when no sampling row has a grammar."""
-        sampling = [s.seq for s in scheduled if s.sample]
-        rows = [i for i, seq in enumerate(sampling) if seq.grammar is not None]
+        """The grammar rows' allowed tokens (at each verified position, with draft tokens), or None when no
+        sampling row has a grammar."""
+        sampling = [s for s in scheduled if s.sample]
+        rows = [i for i, s in enumerate(sampling) if s.seq.grammar is not None]
         if not rows:
             return None
-        return token_bitmask([sampling[i].grammar for i in rows], rows, self.model_config.vocab_size)
+        vocab = self.model_config.vocab_size
+        if not any(s.drafts for s in sampling):
+            return token_bitmask([sampling[i].seq.grammar for i in rows], rows, vocab)
+        starts = first_rows([s.drafts for s in sampling])
+        return draft_token_bitmask([sampling[i].seq.grammar for i in rows], [sampling[i].drafts for i in rows],
+                                   [starts[i] for i in rows], vocab)
 
     def _grammar_failed(self, seq: Sequence) -> RequestOutput:
         return RequestOutput(seq.seq_id, seq.token_ids[:seq.num_prompt_tokens], finish_reason="error",

@@ -23,7 +23,7 @@ from batchgen.engine.parallel.balancer import EplbConfig, ExpertBalancer, with_l
 from batchgen.engine.parallel.context import SINGLE_PROCESS, ParallelContext
 from batchgen.engine.quantization import choose_weight_methods, load_checkpoint
 from batchgen.engine.sampling.sampler import sample
-from batchgen.engine.speculative.verify import AcceptedTokens, accept, expand_bitmask, expand_sampling, verified_rows
+from batchgen.engine.speculative.verify import AcceptedTokens, accept, expand_sampling, verified_rows
 from batchgen.engine.transfer import to_device
 
 if TYPE_CHECKING:
@@ -199,8 +199,7 @@ class ModelRunner:
                 saved: torch.Tensor | None) -> "LaunchedStep":
         """Samples every verified position as plain decode would and keeps each row's accepted drafts. The
         engine applies such a step before scheduling the next, so no later step defers to its tokens."""
-        batch = expand_sampling(step.sampling, step.drafts).to_batch(self.device,
-                                                                     expand_bitmask(step.bitmask, step.drafts))
+        batch = expand_sampling(step.sampling, step.drafts).to_batch(self.device, step.bitmask)
         tokens, logprobs = sample(logits, batch)
         self._last_tokens = None
         accepted = accept(tokens, logprobs, step.drafts)

@@ -87,7 +87,8 @@ class StepInput:
     restore_kv: torch.Tensor | None = None
     save_blocks: list[int] = field(default_factory=list)
     # Speculative decoding: per sampling row, the draft tokens that end its new tokens (input_ids holds them
-    # after the row's last real token); every one of those positions is sampled and verified.
+    # after the row's last real token); every one of those positions is sampled and verified, and the
+    # bitmask's rows then index those positions (a row's last real token, then each of its drafts, in order).
     drafts: list[list[int]] = field(default_factory=list)
 
     @property

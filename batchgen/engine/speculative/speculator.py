@@ -7,6 +7,7 @@ from dataclasses import dataclass, fields
 from typing import Iterable
 
 from batchgen.engine.core.sequence import Sequence, SequenceStatus
+from batchgen.engine.sampling.structured import draft_bitmask_rows
 from batchgen.engine.speculative.config import SpeculativeConfig
 from batchgen.engine.speculative.ngram import NgramProposer
 from batchgen.engine.speculative.policy import AcceptanceTracker, StepCostModel, choose_draft_lengths
@@ -40,8 +41,9 @@ class SpecCounts:
 class Speculator:
     """Chooses ``k`` per decoding sequence and step, gets the drafts and learns from their verification."""
 
-    def __init__(self, config: SpeculativeConfig, max_model_len: int, proposer: Proposer | None = None):
-        self.config, self.max_model_len = config, max_model_len
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, vocab_size: int,
+                 proposer: Proposer | None = None):
+        self.config, self.max_model_len, self.vocab_size = config, max_model_len, vocab_size
         self.proposer = proposer if proposer is not None else build_proposer(config)
         self.cost = StepCostModel()
         self.acceptance = AcceptanceTracker()
@@ -64,8 +66,7 @@ class Speculator:
     def plan(self, running: Iterable[Sequence]) -> bool:
         """Decides the next step's draft lengths; True when some sequence drafts (the step then cannot
         overlap the one before: its proposals need that step's tokens)."""
-        decoding = [s for s in running if s.status == SequenceStatus.RUNNING and s.grammar is None
-                    and s.num_computed_tokens == s.num_tokens - 1]
+        decoding = [s for s in running if s.status == SequenceStatus.RUNNING and s.num_computed_tokens == s.num_tokens - 1]
         a, b = self.cost.coefficients()
         ks = choose_draft_lengths([self.acceptance.rate(s.seq_id) for s in decoding],
                                   [self._cap(s) for s in decoding], a, b)
@@ -84,6 +85,8 @@ class Speculator:
             k = self._plan.get(seq.seq_id, 0)
             if k and not seq.is_finished and seq.token_ids[-1] >= 0:
                 proposed = self.proposer.propose(seq.seq_id, seq.token_ids, k)[:k]
+                if proposed and seq.grammar is not None:  # keep what the grammar allows
+                    proposed = proposed[:draft_bitmask_rows(seq.grammar, proposed, self.vocab_size)[1]]
                 if proposed:
                     drafts[seq.seq_id] = proposed
         self._plan = {}

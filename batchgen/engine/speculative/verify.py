@@ -17,7 +17,6 @@ from typing import Sequence
 import torch
 
 from batchgen.engine.executor.step import SamplingRows
-from batchgen.engine.sampling.sampler import TokenBitmask
 from batchgen.engine.transfer import to_device
 
 
@@ -43,16 +42,6 @@ def expand_sampling(rows: SamplingRows, drafts: Sequence[Sequence[int]]) -> Samp
             out.append(rows.temperatures[i], rows.top_ks[i], rows.top_ps[i], rows.seeds[i], rows.steps[i] + j,
                        rows.logprobs[i])
     return out
-
-
-def expand_bitmask(mask: TokenBitmask | None, drafts: Sequence[Sequence[int]]) -> TokenBitmask | None:
-    """A grammar bitmask over the expanded rows (grammar rows are never drafted: one row each)."""
-    if mask is None:
-        return None
-    starts = first_rows(drafts)
-    if any(drafts[r] for r in mask.rows):
-        raise ValueError("a sequence with a grammar cannot verify draft tokens")
-    return TokenBitmask(mask.bits, [starts[r] for r in mask.rows])
 
 
 def first_rows(drafts: Sequence[Sequence[int]]) -> list[int]:
