@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -75,6 +76,7 @@ def run(method: str, batch: int, names: list[str], args) -> dict[str, dict]:
         wall = time.perf_counter() - start
         figures = llm.metrics(wall)
         tokens = sum(len(o.token_ids) for o in outs)
+        print(f"  {name} batch {batch} {method}: {tokens / wall:.1f} tok/s ({wall:.1f} s)", file=sys.stderr, flush=True)
         results[name] = {"tok_s": tokens / wall, "wall_s": wall, "tokens": tokens,
                          "outputs": [o.token_ids for o in outs],
                          "spec": (figures.get("speculative") or {}).get(method)}

@@ -304,3 +304,18 @@ def test_a_job_with_speculation_reports_it_in_stats_and_the_report(tmp_path, tin
     chart = page.split('id="chart-speculation"', 1)[1].split("</figure>", 1)[0]
     rate = figures["acceptance_rate"]
     assert f"{rate:.0%} accepted" in chart and "accepted drafts" in chart
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("split", [{"tensor_parallel_size": 2}, {"data_parallel_size": 2}], ids=["tp2", "dp2"])
+def test_worker_processes_verify_drafts_like_one_device(tiny_model, narrow, always_draft, split):
+    prompts = mixed_prompts(narrow.llm, repeats=(1, 3, 2))
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=True)
+    off = narrow.off(prompts, params)
+    llm = make_llm(tiny_model, NGRAM, kv_cache_memory=1 << 22, distributed_timeout_s=60, **split)
+    split_run = Toggle(llm)
+    on = split_run.on(prompts, params, ReferenceProposer(references(off), split_run.vocab))
+    same_outputs(off, on)
+    assert split_run.figures()["acceptance_rate"] == 1.0
+    llm.close()
