@@ -70,8 +70,6 @@ def test_config_checks_the_new_fields():
         EngineConfig(model="m", prefix_cache_host_bytes=-1)
     with pytest.raises(ValueError, match="enable_prefix_caching"):
         EngineConfig(model="m", prefix_cache_store="/tmp/x", enable_prefix_caching=False)
-    with pytest.raises(ValueError, match="one device"):
-        EngineConfig(model="m", prefix_cache_store="/tmp/x", tensor_parallel_size=2)
     with pytest.raises(ValueError, match="URL"):
         EngineConfig(model="m", prefix_cache_store=" ")
 

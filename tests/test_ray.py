@@ -23,6 +23,7 @@ from batchgen.io import read_output
 from batchgen.io.manifest import PartId, entry_ids
 from batchgen.pipeline.errors import JobError, JobInterrupted
 from batchgen.pipeline.executors.ray_extra import RAY_EXTRA_HINT
+from batchgen.pipeline.plan import plan_job
 from batchgen.pipeline.progress import Progress
 from batchgen.pipeline.runner import run_job
 from batchgen.pipeline.spec import spec_from_dict
@@ -377,3 +378,28 @@ def test_a_replica_that_cannot_load_its_model_fails_the_job_naming_it(ray_cluste
     with pytest.raises(JobError, match=f"^cannot load model {re.escape(str(broken))}: .*header"):
         run_job(spec_from_dict(job(broken, files, tmp_path / "out")), quiet=True)
     assert not (tmp_path / "out" / "_SUCCESS").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_two_replicas_share_a_prefix_store(ray_cluster, tmp_path, tiny_model, tiny_llm):
+    """Job A on two replicas fills a local-folder store; job B (the same documents, a new question) on two
+    replicas takes every block the store holds (what plan expects) and computes the rest: the rows of a cold run."""
+    files = [str(write_jsonl(tmp_path / f"{name}.jsonl", [{**r, "text": f"{r['id']}: {r['text']}"} for r in
+                                                          records(n, name)])) for name, n in (("x", 20), ("y", 12))]
+    store = str(tmp_path / "kv")  # every document is another (the store holds all B takes from A)
+
+    def spec(out: str, question: str, ray_replicas: int | None = 2, **engine: Any):
+        prompt = {"template": "{{ text }} {{ text }}\n" + question, "chat": False, "system": None}
+        return spec_from_dict(job(tiny_model, files, tmp_path / out, ray_replicas, prompt=prompt,
+                                  engine={"kv_cache_memory": 64 << 20, **engine}))
+
+    first = run_job(spec("a", "What is it about?", prefix_cache_store=store), quiet=True)
+    assert first["cached_prompt_tokens"] < first["prompt_tokens"] and any(Path(store).rglob("*.kv"))
+    expected = plan_job(spec("b", "Which words repeat?", prefix_cache_store=store))["prefix_store"]
+    cold = tmp_path / "cold"
+    run_job(spec("cold", "Which words repeat?", ray_replicas=None), llm=tiny_llm, quiet=True)
+    second = run_job(spec("b", "Which words repeat?", prefix_cache_store=store), quiet=True)
+    same_rows(read_output(str(tmp_path / "b")), read_output(str(cold)))
+    assert second["cached_prompt_tokens"] == expected["expected_store_tokens"] > second["prompt_tokens"] // 2
+    assert len([r for r in second["executor"]["replicas"] if r["rows"]]) == 2  # both replicas read the store

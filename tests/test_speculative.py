@@ -12,6 +12,7 @@ import torch
 from batchgen.engine import LLM, SamplingParams
 from batchgen.engine.speculative import speculator as speculator_module
 from batchgen.engine.speculative import verify
+from batchgen.engine.speculative.config import SpeculativeConfig
 from batchgen.engine.speculative.speculator import Speculator
 from tests.engine_helpers import TEXT, mixed_prompts
 
@@ -40,9 +41,11 @@ class Toggle:
     def off(self, prompts, params):
         return self.run(None, prompts, params)
 
-    def on(self, prompts, params, proposer=None):
+    def on(self, prompts, params, proposer=None, config: dict | None = None):
         engine = self.llm.engine
-        speculator = self.ngram if proposer is None else Speculator(self.ngram.config, engine.max_model_len, self.vocab, proposer)
+        spec = SpeculativeConfig.from_dict(config) if config else self.ngram.config
+        speculator = self.ngram if proposer is None and config is None else \
+            Speculator(spec, engine.max_model_len, self.vocab, proposer)
         return self.run(speculator, prompts, params)
 
     def run(self, speculator, prompts, params):
@@ -54,7 +57,8 @@ class Toggle:
         return outs
 
     def figures(self) -> dict:
-        return self.llm.metrics()["speculative"]["ngram"]
+        (figures,) = self.llm.metrics()["speculative"].values()
+        return figures
 
     @property
     def tokenizer(self):
@@ -125,10 +129,12 @@ def references(outs) -> dict[tuple, list[int]]:
     return {tuple(o.prompt_token_ids): o.token_ids for o in outs}
 
 
-def test_ngram_greedy_equals_spec_off_in_mixed_steps(narrow, always_draft):
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_greedy_equals_spec_off_in_mixed_steps(narrow, always_draft, method):
     prompts = mixed_prompts(narrow.llm, repeats=(1, 3, 2))
     off = narrow.off(prompts, GREEDY)
-    on = narrow.on(prompts, GREEDY)
+    on = narrow.on(prompts, GREEDY, config={**NGRAM, "method": method} if method == "ngram" else
+                   {"method": method, "num_speculative_tokens": 4})
     same_outputs(off, on)
     figures = narrow.figures()
     assert figures["proposed_tokens"] > 0 and figures["draft_rows"] > 0
@@ -280,6 +286,8 @@ def test_grammar_rows_verify_drafts_under_each_positions_mask(narrow, always_dra
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be"),
     ({"method": "ngram", "num_speculative_tokens": "4"}, "must be an integer"),
     ({"method": "ngram", "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "prompt_lookup_max"),
+    ({"method": "suffix", "prompt_lookup_min": 2}, "keys of method 'ngram'"),
+    ({"method": "suffix", "max_tree_deep": 8}, "unknown suffix option"),
 ])
 def test_bad_speculative_config_is_refused_clearly(tiny_model, config, message):
     with pytest.raises(ValueError, match=message):

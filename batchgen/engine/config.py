@@ -186,7 +186,7 @@ class EngineConfig:
                                     "and rebalance placements during the job")
     eplb_config: dict = knob({}, "EPLB settings: num_redundant_experts, window_size, step_interval, "
                                  "log_balancedness, calibrate_once, skip_unprofitable")
-    speculative_config: dict = knob({}, "speculative decoding (vLLM's keys): method (ngram), "
+    speculative_config: dict = knob({}, "speculative decoding (vLLM's keys): method (ngram, suffix), "
                                         "num_speculative_tokens, prompt_lookup_min, prompt_lookup_max; a cost "
                                         "model picks 0..num_speculative_tokens drafts per sequence and step")
 
@@ -218,9 +218,6 @@ class EngineConfig:
             return
         if not self.enable_prefix_caching:
             raise ValueError("prefix_cache_store and prefix_cache_host_bytes need enable_prefix_caching")
-        if self.world_size > 1:
-            raise ValueError("prefix_cache_store and prefix_cache_host_bytes run on one device for now "
-                             "(tensor_parallel_size and data_parallel_size 1)")
 
     @property
     def world_size(self) -> int:

@@ -1,7 +1,9 @@
 """``batchgen plan``: a dry run that counts a job's rows and prompt tokens exactly, with the tokenizer alone.
 
 The rows go through the job's own stages (reading, id assignment, skip on resume, render + tokenize,
-truncation, sort windows), so the counts are the ones the run will record in stats.json.
+truncation, sort windows), so the counts are the ones the run will record in stats.json. With a prefix
+store, a sample of the prompts is looked up in it (the store's keys digest each weight file's first and
+last MiB: only those are read).
 """
 from __future__ import annotations
 
@@ -13,6 +15,9 @@ from typing import Any, Iterator
 
 import polars as pl
 
+from batchgen.engine.kv_store.estimate import PromptSample, estimate_store_hits, has_local_weights
+from batchgen.engine.loading.loader import load_model_source
+from batchgen.engine.models.registry import model_config
 from batchgen.io import OutputError, OutputFolder, redact
 from batchgen.io.paths import filesystem
 from batchgen.pipeline import identity, preflight
@@ -98,10 +103,13 @@ def plan_job(spec: JobSpec, limit: int | None = None, rates: Rates | None = None
                 yield item
 
     lengths = array("q")
+    sample = PromptSample() if spec.engine.prefix_cache_store else None
 
     def prompt_lengths() -> Iterator[int]:
         for req in sorted_requests(requests(), spec.batching.sort_window, spec.batching.sort):
             lengths.append(len(req.prompt_ids))
+            if sample is not None:
+                sample.add(req.prompt_ids)
             yield lengths[-1]
 
     per_row = completion_tokens or round(rates.completion_tokens_per_row or 0) or spec.sampling.max_tokens
@@ -122,12 +130,42 @@ def plan_job(spec: JobSpec, limit: int | None = None, rates: Rates | None = None
         "max_num_batched_tokens": engine.max_num_batched_tokens, "max_num_seqs": engine.max_num_seqs,
         "data_parallel_size": engine.data_parallel_size, "expected_steps": steps.to_dict(),
         "rates": asdict(rates), "estimated_s": None,
+        "prefix_store": store_estimate(spec, sample, model_len, prompt_tokens) if sample is not None else None,
     }
+    # The earlier job's prefix-cache hit rate, or the store's where it is higher.
+    plan["assumed_hit_rate"] = max(rates.prefix_cache_hit_rate, (plan["prefix_store"] or {}).get("hit_rate") or 0.0)
     if rates.prefill_tokens_per_s and rates.decode_tokens_per_s:
-        computed = prompt_tokens * (1 - rates.prefix_cache_hit_rate)
+        computed = prompt_tokens * (1 - plan["assumed_hit_rate"])
         plan["estimated_s"] = round(computed / rates.prefill_tokens_per_s
                                     + steps.decode_step_tokens / rates.decode_tokens_per_s, 1)
     return plan
+
+
+def store_estimate(spec: JobSpec, sample: PromptSample, model_len: int, prompt_tokens: int) -> dict[str, Any]:
+    """How many prompt tokens the job's prefix store would serve now, from a sample of the prompts; or why
+    that cannot be told here."""
+    config = spec.engine_config()
+    out: dict[str, Any] = {"url": redact(config.prefix_cache_store), "sample_limit": sample.size}
+    source = load_model_source(spec.model.path, spec.storage_options, weights=False)
+    if not has_local_weights(source):
+        return {**out, "unavailable": "the model's weight files are not on this machine (the store's keys "
+                                      "digest them): run the job once to fetch them"}
+    try:
+        found = estimate_store_hits(config, source, model_config(source.config), model_len, sample)
+    except Exception as e:  # noqa: BLE001 - an unreachable store, refused credentials: said, not raised
+        return {**out, "unavailable": redact(f"cannot look the store up: {type(e).__name__}: {e}")}
+    return {**out, "namespace": found.namespace, "dtype": found.dtype, "prompts": found.prompts,
+            "sampled_prompts": found.sampled, "hit_rate": round(found.hit_rate, 4),
+            "expected_store_tokens": round(found.hit_rate * prompt_tokens)}
+
+
+def _store_line(store: dict[str, Any], prompt_tokens: int) -> str:
+    if "unavailable" in store:
+        return f"prefix store {store['url']}: hit rate unknown ({store['unavailable']})"
+    return (f"prefix store {store['url']}: {store['expected_store_tokens']:,} of {prompt_tokens:,} prompt "
+            f"tokens expected from it ({store['hit_rate']:.1%}), looked up in {store['sampled_prompts']:,} of "
+            f"{store['prompts']:,} prompts (a sample of at most {store['sample_limit']}; namespace "
+            f"{store['namespace'][:12]}, {store['dtype']})")
 
 
 def _duration(seconds: float) -> str:
@@ -161,13 +199,15 @@ def format_plan(plan: dict[str, Any], cost_per_hour: float | None = None) -> str
                  f"{plan['completion_tokens_per_row']} generated tokens per row: "
                  f"{steps['steps']:,} ({steps['prefill_steps']:,} with prompt tokens, "
                  f"{steps['decode_steps']:,} decode only)")
+    if plan.get("prefix_store"):
+        lines.append(_store_line(plan["prefix_store"], plan["prompt_tokens"]))
     if plan["estimated_s"] is None:
         lines.append("estimated time: give --prefill-tok-s and --decode-tok-s, or --rates-from an earlier job")
     else:
         r = plan["rates"]
         line = (f"estimated time: {_duration(plan['estimated_s'])} at {r['prefill_tokens_per_s']:,.0f} prompt "
                 f"and {r['decode_tokens_per_s']:,.0f} decode tok/s, prefix-cache hit rate "
-                f"{r['prefix_cache_hit_rate']:.0%} (rates from {r['source']})")
+                f"{plan['assumed_hit_rate']:.0%} (rates from {r['source']}; the prefix store's where it is higher)")
         if cost_per_hour is not None:
             line += f"; cost {plan['estimated_s'] / 3600 * cost_per_hour:,.2f} at {cost_per_hour:g} per hour"
         lines.append(line)

@@ -90,8 +90,9 @@ class LLMEngine:
             log.warning("KV cache holds %d tokens; max_model_len lowered from %d", capacity, self.max_model_len)
             self.max_model_len = capacity
         window = self.executor.kv_layout.window  # every layer slides: blocks out of it are freed while running
-        # Host and store tiers below the device prefix cache (one device only: see EngineConfig).
-        self.prefix_tiers = build_prefix_tiers(config, source, self.model_config, self.executor.kv_layout)
+        # Host and store tiers below the device prefix cache, shared by the replicas.
+        self.prefix_tiers = build_prefix_tiers(config, source, self.model_config, self.executor.rank_kv_layout,
+                                               self.executor.kv_shards)
         self.replicas = [Replica(config, self.executor.num_blocks, self.max_model_len, window, self.prefix_tiers)
                          for _ in range(config.data_parallel_size)]
         # Replicas whose MoE layers exchange tokens must all run every step, idle or not.
@@ -341,7 +342,8 @@ class LLMEngine:
         """Stops the executor's workers and the grammar compiler; the engine cannot run afterwards."""
         self._in_flight = None
         if self.prefix_tiers is not None:
-            self.prefix_tiers.close()  # queued store writes land first
+            self.prefix_tiers.close()  # queued store writes land first, and count
+            self.metrics.add_tier_counters(self.prefix_tiers.take_counters())
         self.executor.shutdown()
         if self._grammars is not None:
             self._grammars.close()

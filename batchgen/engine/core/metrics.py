@@ -155,6 +155,11 @@ class EngineMetrics:
         if r.eplb is not None:
             self.eplb = r.eplb
 
+    def add_tier_counters(self, counters: dict[str, float]) -> None:
+        """Store traffic after the last step (the writes the tiers' close waited for)."""
+        for name, value in counters.items():
+            setattr(self, name, getattr(self, name) + value)
+
     @property
     def prefix_cache_hit_rate(self) -> float:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0

@@ -3,7 +3,9 @@
 ``SingleProcessExecutor`` runs the model in the engine's process (one device); ``MultiprocExecutor``
 spawns a worker per rank for tensor and data parallelism. Both offer ``execute`` and ``submit`` (which
 returns while the step runs, where the executor overlaps steps), ``shutdown``, the
-whole model's ``profile`` and ``kv_layout``, and ``num_blocks``, the KV blocks each replica may use.
+whole model's ``profile`` and ``kv_layout``, ``rank_kv_layout`` (what one tensor-parallel rank's cache holds),
+``kv_shards`` (the distinct rank caches a block's KV spans: 1 where every rank holds it whole), and
+``num_blocks``, the KV blocks each replica may use.
 """
 from __future__ import annotations
 
@@ -26,6 +28,8 @@ class StepExecutor(Protocol):
     num_blocks: int
     profile: ModelProfile
     kv_layout: KVLayout
+    rank_kv_layout: KVLayout
+    kv_shards: int
 
     def execute(self, steps: Sequence[StepInput | None]) -> list[StepOutput | None]:
         """Runs one step per replica (None: the replica sits it out) and returns their outputs."""

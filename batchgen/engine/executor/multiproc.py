@@ -9,6 +9,7 @@ that did not answer. After a failure the workers are killed; nothing is left beh
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 import multiprocessing as mp
 import multiprocessing.util  # noqa: F401 - registers its exit handler before ours (handlers run last in, first out)
@@ -26,6 +27,7 @@ from batchgen.engine.backends.select import default_backend, make_kernel_set
 from batchgen.engine.config import EngineConfig, ModelConfig
 from batchgen.engine.executor.step import FinishedStep, StepInput, StepOutput
 from batchgen.engine.executor.worker import WorkerSpec, receive, worker_main
+from batchgen.engine.kv_store.block_io import join_shards, rank_shard
 from batchgen.engine.models.registry import build_model
 from batchgen.engine.parallel.context import ParallelContext
 from batchgen.engine.parallel.distributed import free_port
@@ -75,7 +77,11 @@ class MultiprocExecutor:
         self.profile, self.kv_layout = whole.profile(), whole.kv_layout()
         shape_only = ParallelContext(tp=CommGroup(0, self.tp), dp=CommGroup(0, self.dp),
                                      expert_parallel=config.expert_parallel(model_cfg))
-        build_model(model_cfg, kernels, max_model_len, config.torch_dtype, "meta", shape_only, methods)
+        rank0 = build_model(model_cfg, kernels, max_model_len, config.torch_dtype, "meta", shape_only, methods)
+        self.rank_kv_layout = rank0.kv_layout()  # every rank's cache holds this shape
+        # Shards of a block's KV in the prefix tiers: one per rank, unless every rank holds the whole cache
+        # (latent rows, a single KV head): then rank 0's is every rank's.
+        self.kv_shards = 1 if self.rank_kv_layout == self.kv_layout else self.tp
         self.procs, self.conns = self._spawn(config, model_path, max_model_len)
         # Stopped when the executor is collected or shut down, or at exit before multiprocessing's own exit
         # handler (which would wait for them forever: workers ignore SIGTERM).
@@ -120,14 +126,36 @@ class MultiprocExecutor:
         """Runs each replica's step (None: that replica sits this step out); returns their outputs."""
         if len(steps) != self.dp:
             raise ValueError(f"expected {self.dp} replica steps, got {len(steps)}")
-        sampling = []
+        answering = []
         for replica, step in enumerate(steps):
             if step is not None:
                 ranks = self.ranks_of(replica)
-                self._broadcast(ranks, ("step", step))
-                sampling.append(ranks[0])
-        replies = self._collect(sampling, "running a step")
-        return [replies[self.ranks_of(r)[0]] if step is not None else None for r, step in enumerate(steps)]
+                self._send_step(ranks, step)
+                answering += ranks if step.save_blocks and self.kv_shards > 1 else ranks[:1]
+        replies = self._collect(answering, "running a step")
+        return [self._replica_output(self.ranks_of(r), step, replies) if step is not None else None
+                for r, step in enumerate(steps)]
+
+    def _send_step(self, ranks: range, step: StepInput) -> None:
+        """The step to each of a replica's ranks. Prefix-tier blocks: with a shard per rank, each rank restores
+        its own shard (and saves its own, answering with it); with one shard for all, every rank restores the
+        same rows and rank 0 alone saves."""
+        if self.kv_shards == 1 and step.save_blocks and len(ranks) > 1:
+            self._broadcast(ranks[:1], ("step", step))
+            self._broadcast(ranks[1:], ("step", dataclasses.replace(step, save_blocks=[])))
+        elif self.kv_shards > 1 and step.restore_kv is not None:
+            for tp_rank, rank in enumerate(ranks):
+                shard = rank_shard(step.restore_kv, tp_rank, len(ranks))
+                self._broadcast([rank], ("step", dataclasses.replace(step, restore_kv=shard)))
+        else:
+            self._broadcast(ranks, ("step", step))
+
+    def _replica_output(self, ranks: range, step: StepInput, replies: dict[int, object]) -> StepOutput:
+        """The sampling rank's output, with the saved blocks' KV of all its ranks (shards in rank order)."""
+        out = replies[ranks[0]]
+        if step.save_blocks and self.kv_shards > 1:
+            out.saved_kv = join_shards([replies[rank].saved_kv for rank in ranks])
+        return out
 
     def _broadcast(self, ranks: Sequence[int], message: tuple) -> None:
         self._check_usable()

@@ -24,6 +24,7 @@ class SingleProcessExecutor:
         self.runner.allocate_kv_cache(self.runner.kv_blocks_available())
         self.num_blocks = self.runner.num_blocks
         self.profile, self.kv_layout = self.runner.profile, self.runner.kv_layout
+        self.rank_kv_layout, self.kv_shards = self.kv_layout, 1
         self._stream = ThreadPoolExecutor(1, thread_name_prefix="device-stream", initializer=self._bind_device) \
             if config.overlap else None
 

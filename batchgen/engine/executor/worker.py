@@ -2,7 +2,8 @@
 
 Messages are pickled tuples between batchgen's own processes (never weights): ``("allocate", blocks)``,
 ``("step", StepInput)``, ``("shutdown",)`` in; ``("ready", blocks)``, ``("ok", StepOutput | None)``,
-``("error", message)`` out. Only the sampling rank of each replica answers a step.
+``("error", message)`` out. Only the sampling rank of each replica answers a step, unless the step saves
+KV blocks for the prefix tiers: then every rank answers with its shard.
 """
 from __future__ import annotations
 
@@ -115,7 +116,7 @@ def _serve(runner: ModelRunner, conn: Connection) -> None:
             send(conn, ("ok", None))
         elif kind == "step":
             out = runner.execute(args[0])
-            if runner.samples:
+            if runner.samples or args[0].save_blocks:  # every rank sends its shard of the saved KV
                 send(conn, ("ok", out))
         else:
             raise ValueError(f"unknown message {kind!r}")

@@ -5,7 +5,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from batchgen.engine.kv_store.format import KVIdentity, dtype_name, rope_description, weights_digest
-from batchgen.engine.kv_store.store import KVStore
+from batchgen.engine.kv_store.store import KVStore, RankStores
 from batchgen.engine.kv_store.tiers import PrefixTiers
 from batchgen.io.redaction import redact
 
@@ -25,21 +25,24 @@ def kv_identity(config: "EngineConfig", source: "ModelSource", model: "ModelConf
 
 
 def build_prefix_tiers(config: "EngineConfig", source: "ModelSource", model: "ModelConfig",
-                       layout: "KVLayout") -> PrefixTiers | None:
+                       rank_layout: "KVLayout", shards: int = 1) -> PrefixTiers | None:
     """The engine's lower prefix tiers, or None when neither is configured (or the layout frees blocks as
-    sequences run: a sliding window everywhere)."""
+    sequences run: a sliding window everywhere). ``rank_layout``: what one tensor-parallel rank's cache
+    holds; a block in the tiers is the first ``shards`` ranks' shards of it, in rank order (1 where every
+    rank holds the same bytes). Data-parallel replicas share the tiers (one host tier and one store)."""
     if not (config.prefix_cache_host_bytes or config.prefix_cache_store):
         return None
-    if layout.window is not None:
+    if rank_layout.window is not None:
         log.info("prefix tiers off: every layer slides a window, so whole prefixes are not kept")
         return None
     store = None
     if config.prefix_cache_store:
-        identity = kv_identity(config, source, model, layout)
-        store = KVStore(config.prefix_cache_store, identity.namespace(), config.storage_options)
-        log.info("prefix store %s, namespace %s", redact(config.prefix_cache_store), identity.namespace())
-    nbytes = layout.bytes_per_block(config.block_size, config.torch_dtype)
+        namespaces = [kv_identity(config, source, model, rank_layout, rank).namespace()
+                      for rank in range(shards)]
+        store = RankStores([KVStore(config.prefix_cache_store, ns, config.storage_options) for ns in namespaces])
+        log.info("prefix store %s, namespace %s", redact(config.prefix_cache_store), ", ".join(namespaces))
+    nbytes = rank_layout.bytes_per_block(config.block_size, config.torch_dtype) * shards
     return PrefixTiers(config.block_size, nbytes, config.prefix_cache_host_bytes, store)
 
 
-__all__ = ["KVIdentity", "KVStore", "PrefixTiers", "build_prefix_tiers", "kv_identity"]
+__all__ = ["KVIdentity", "KVStore", "PrefixTiers", "RankStores", "build_prefix_tiers", "kv_identity"]

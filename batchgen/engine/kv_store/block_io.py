@@ -1,5 +1,6 @@
 """Copies whole KV blocks between the paged cache and flat byte rows (one uint8 row per block, every
-layer's tensors in order): what the lower prefix tiers keep."""
+layer's tensors in order): what the lower prefix tiers keep. Under tensor parallelism a tier's row is
+every rank's row in rank order (``join_shards``), and each rank restores its own part (``rank_shard``)."""
 from __future__ import annotations
 
 import torch
@@ -39,3 +40,14 @@ def scatter_blocks(kv: KVCache, block_ids: list[int], rows: torch.Tensor) -> Non
         part = rows[:, offset:offset + width].contiguous().view(t.dtype).view(len(block_ids), *t.shape[1:])
         t.index_copy_(0, index, part)
         offset += width
+
+
+def rank_shard(rows: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
+    """Rank ``tp_rank``'s part of whole-group byte rows (as ``join_shards`` makes them)."""
+    width = rows.shape[1] // tp_size
+    return rows[:, tp_rank * width:(tp_rank + 1) * width].contiguous()
+
+
+def join_shards(shards: list[torch.Tensor]) -> torch.Tensor:
+    """The byte rows of every tensor-parallel rank (equal widths), as one row per block, in rank order."""
+    return torch.cat(shards, 1)

@@ -21,6 +21,7 @@ KV_FORMAT_VERSION = 1
 DIGEST_SIZE = 16
 _LENGTH = struct.Struct("<I")
 SAMPLE_BYTES = 1 << 20  # of each weight file's head and tail, in the weights digest
+WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".bin")
 
 
 class BlockMiss(Exception):
@@ -41,7 +42,7 @@ def weights_digest(path: str, config: dict[str, Any]) -> str:
     h = hashlib.blake2b(json.dumps(config, sort_keys=True, default=str).encode(), digest_size=DIGEST_SIZE)
     root = Path(path)
     files = [root] if root.is_file() else sorted(p for p in root.iterdir()
-                                                 if p.suffix in (".safetensors", ".gguf", ".bin"))
+                                                 if p.suffix in WEIGHT_SUFFIXES)
     for f in files:
         size = f.stat().st_size
         h.update(f"{f.name}:{size}".encode())

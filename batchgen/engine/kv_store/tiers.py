@@ -8,6 +8,8 @@ when it is admitted the blocks found in a lower tier are copied into its fresh d
 step that first computes it (``restore``), and only the rest is computed. A load still running when the
 sequence's turn comes waits while other sequences compute; with nothing else to run the scheduler waits
 for it, at most as long as computing those tokens would take, then computes what did not arrive.
+Under tensor parallelism a block's bytes are every rank's shard in rank order (the executor gathers and
+splits them); data-parallel replicas share one ``PrefixTiers``.
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ import torch
 
 from batchgen.engine.kv_store.format import BlockMiss
 from batchgen.engine.kv_store.host import HostCache
-from batchgen.engine.kv_store.store import KVStore
+from batchgen.engine.kv_store.store import RankStores
 
 if TYPE_CHECKING:
     from batchgen.engine.core.block_manager import BlockManager
@@ -62,7 +64,7 @@ class Restore:
 
 
 class PrefixTiers:
-    def __init__(self, block_size: int, block_nbytes: int, host_bytes: int, store: KVStore | None):
+    def __init__(self, block_size: int, block_nbytes: int, host_bytes: int, store: RankStores | None):
         self.block_size, self.block_nbytes = block_size, block_nbytes
         self.host = HostCache(host_bytes)
         self.store = store

@@ -4,7 +4,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-BUILT_METHODS = ("ngram",)
+from batchgen.engine.speculative.suffix import SuffixOptions
+
+BUILT_METHODS = ("ngram", "suffix")
+NGRAM_KEYS = ("prompt_lookup_min", "prompt_lookup_max")
 PLANNED_METHODS = ("mtp", "draft_model", "eagle", "eagle3", "medusa")
 MAX_SPECULATIVE_TOKENS = 16
 
@@ -15,7 +18,8 @@ class SpeculativeConfig:
 
     ``num_speculative_tokens`` is the most draft tokens one sequence verifies in a step; the cost model picks
     0 .. that many per sequence and step. ``prompt_lookup_min`` / ``prompt_lookup_max`` bound the n-gram the
-    ``ngram`` method matches. Keys the engine does not consume (``options``) go to the proposer (``suffix``).
+    ``ngram`` method matches. The ``suffix`` method's own keys (``options``: max_tree_depth, max_spec_factor,
+    max_spec_offset, min_token_prob, max_cached_tokens, max_cached_nodes, cache_prompts) go to its proposer.
     """
 
     method: str
@@ -48,6 +52,12 @@ class SpeculativeConfig:
             raise ValueError(f"unknown speculative_config key(s) for method 'ngram': "
                              f"{', '.join(map(repr, sorted(options)))}; known: num_speculative_tokens, "
                              f"prompt_lookup_min, prompt_lookup_max")
+        if method == "suffix":
+            misplaced = sorted(set(ints) & set(NGRAM_KEYS))
+            if misplaced:
+                raise ValueError(f"speculative_config {', '.join(map(repr, misplaced))}: keys of method 'ngram', "
+                                 f"not 'suffix'")
+            SuffixOptions.parse(options)  # its own keys, refused here if unknown
         parsed = cls(method=method, options=options, **ints)
         parsed._check()
         return parsed

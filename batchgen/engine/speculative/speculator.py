@@ -12,6 +12,7 @@ from batchgen.engine.speculative.config import SpeculativeConfig
 from batchgen.engine.speculative.ngram import NgramProposer
 from batchgen.engine.speculative.policy import AcceptanceTracker, StepCostModel, choose_draft_lengths
 from batchgen.engine.speculative.proposer import Proposer
+from batchgen.engine.speculative.suffix import SuffixProposer
 
 log = logging.getLogger(__name__)
 
@@ -20,6 +21,8 @@ def build_proposer(config: SpeculativeConfig) -> Proposer:
     """The proposer of ``config.method``, given the settings it takes."""
     if config.method == "ngram":
         return NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
+    if config.method == "suffix":
+        return SuffixProposer(config.num_speculative_tokens, **config.options)
     raise ValueError(f"speculative method {config.method!r} has no proposer in this build")
 
 
