@@ -28,6 +28,8 @@ class StepRecord:
     applying its tokens), and ``prepare_time_s`` of ``duration_s`` the executor's building of its tensors:
     the host work that leaves the device idle unless steps overlap. ``eplb`` is the expert load balancer's
     report on the steps that evaluated the placement (``enable_eplb``; see ``EplbReport``), else None.
+    With speculative decoding ``decode_tokens`` include the draft tokens verified (``spec_draft_tokens``),
+    ``sampled_tokens`` the accepted ones, and the ``spec_*`` fields count the cost model's decisions.
     """
 
     start_s: float
