@@ -83,10 +83,17 @@ COMPARED = ("output_tokens", "wall_s", "requests_per_s", "output_tokens_per_s", 
             "decode_time_s", "mask_ms_per_step", "grammar_steps")
 
 
+SPECULATIVE_SHOWN = ("proposed_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_length", "steps_saved",
+                     "drafting_share")
+
+
 def _print(result: dict) -> None:
     for key in SHOWN:
         if result.get(key) is not None:
             click.echo(f"{key:>38}: {result[key]}")
+    for method, figures in (result.get("speculative") or {}).items():
+        for key in SPECULATIVE_SHOWN:
+            click.echo(f"{f'speculative {method} {key}':>38}: {figures.get(key)}")
 
 
 def _print_side_by_side(free: dict, constrained: dict) -> None:

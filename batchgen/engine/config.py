@@ -9,6 +9,7 @@ import torch
 from batchgen.engine.dtype import DTYPE_NAMES, DtypeChoice, resolve_dtype
 from batchgen.engine.parallel.balancer import EplbConfig
 from batchgen.engine.quantization.config import FP8_WEIGHTS_MODES, QuantizationConfig
+from batchgen.engine.speculative.config import SpeculativeConfig
 
 
 def _ints(value: Any) -> tuple[int, ...]:
@@ -185,6 +186,9 @@ class EngineConfig:
                                     "and rebalance placements during the job")
     eplb_config: dict = knob({}, "EPLB settings: num_redundant_experts, window_size, step_interval, "
                                  "log_balancedness, calibrate_once, skip_unprofitable")
+    speculative_config: dict = knob({}, "speculative decoding (vLLM's keys): method (ngram, suffix), "
+                                        "num_speculative_tokens, prompt_lookup_min, prompt_lookup_max; a cost "
+                                        "model picks 0..num_speculative_tokens drafts per sequence and step")
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -200,6 +204,7 @@ class EngineConfig:
         if self.max_num_batched_tokens < self.block_size:
             raise ValueError("max_num_batched_tokens must be at least block_size")
         EplbConfig.from_dict(self.eplb_config)
+        SpeculativeConfig.from_dict(self.speculative_config)
         if self.enable_eplb and not self.enable_expert_parallel:
             raise ValueError("enable_eplb needs enable_expert_parallel (it balances experts split over ranks)")
         self._check_prefix_tiers()
@@ -218,6 +223,12 @@ class EngineConfig:
     def world_size(self) -> int:
         """Devices (and, above one, worker processes) the engine runs on."""
         return self.tensor_parallel_size * self.data_parallel_size
+
+    @property
+    def logits_rows_per_seq(self) -> int:
+        """Logits rows one sequence may need in a step: 1, and its draft tokens with speculative decoding."""
+        spec = SpeculativeConfig.from_dict(self.speculative_config)
+        return 1 + (spec.num_speculative_tokens if spec is not None else 0)
 
     @property
     def token_budget(self) -> int:

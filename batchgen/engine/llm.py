@@ -1,6 +1,7 @@
 """The public entry point: ``LLM(model).generate(prompts, params)`` and its streaming form."""
 from __future__ import annotations
 
+import copy
 import threading
 from dataclasses import fields
 from typing import Any, Iterable, Iterator, Sequence as Seq
@@ -62,7 +63,7 @@ class LLM:
         ``mfu`` (None where the GPU's peak is unknown) over ``wall_s`` (default: the steps' own time). ``["eplb"]`` is
         the expert load balancer's report (balancedness before/after, rebalances, moved bytes, per-layer loads)
         with ``enable_eplb``, else None."""
-        m = self.engine.metrics if counters is None else counters
+        m = self.engine.metrics if counters is None else with_settings(counters, self.engine.metrics)
         wall = m.prefill_time_s + m.decode_time_s if wall_s is None else wall_s
         return engine_figures(m, wall, self.engine.token_budget, self.profile(), engine_peak_flops(self.config))
 
@@ -127,3 +128,12 @@ class LLM:
         finally:
             if keys:  # the caller stopped early or a step failed: leave the engine empty for the next stream
                 self.engine.abort_all()
+
+
+def with_settings(counters: EngineMetrics, engine: EngineMetrics) -> EngineMetrics:
+    """Totals a caller summed from step records, with the engine's states that no step record carries
+    (the speculative method and its cost model's fit)."""
+    merged = copy.copy(counters)
+    merged.spec_method = merged.spec_method or engine.spec_method
+    merged.spec_policy = merged.spec_policy or engine.spec_policy
+    return merged

@@ -7,7 +7,9 @@ import polars as pl
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from batchgen.pipeline.stats import utc_now
-from batchgen.report.charts import Chart, length_chart, stage_chart, throughput_chart, utilization_chart
+from batchgen.report.charts import (
+    Chart, length_chart, speculation_chart, stage_chart, throughput_chart, utilization_chart,
+)
 from batchgen.report.expert_charts import balancing_summary, expert_load_chart, rank_load_chart
 from batchgen.report.data import ReportData
 
@@ -118,6 +120,7 @@ def charts(data: ReportData) -> list[Chart]:
         utilization_chart(data.telemetry),
         *([expert_load_chart(data.eplb)] if data.eplb is not None else []),
         *([rank_load_chart(data.eplb)] if data.eplb is not None and data.eplb.rank_loads_after is not None else []),
+        *([speculation_chart(engine)] if engine.get("speculative") else []),
     ]
 
 

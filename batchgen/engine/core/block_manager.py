@@ -166,6 +166,12 @@ class BlockManager:
         if block.ref_count == 0:
             self.free[block_id] = None
 
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        """Frees the sequence's trailing blocks past its first ``num_tokens`` tokens (rejected draft tokens)."""
+        keep = -(-num_tokens // self.block_size)
+        while len(seq.block_table) > keep:
+            self._release(seq.block_table.pop())
+
     def free_seq(self, seq: Sequence) -> None:
         for block_id in reversed(seq.block_table[seq.num_released_blocks:]):
             self._release(block_id)

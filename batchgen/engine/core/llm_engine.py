@@ -8,23 +8,25 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-import torch
-
 from batchgen.engine.config import EngineConfig, ModelConfig
 from batchgen.engine.core.block_manager import BlockManager
 from batchgen.engine.core.metrics import EngineMetrics, StepRecord
 from batchgen.engine.core.outputs import RequestOutput
+from batchgen.engine.core.replica import Replica, attach_tier_blocks, tier_hits
 from batchgen.engine.core.scheduler import ScheduledSeq, ScheduledStep, Scheduler
 from batchgen.engine.core.sequence import Sequence, placeholder
-from batchgen.engine.kv_store import PrefixTiers, build_prefix_tiers
+from batchgen.engine.kv_store import build_prefix_tiers
 from batchgen.engine.executor import StepInput, StepOutput, SubmittedStep, build_step_input, make_executor
 from batchgen.engine.loading.loader import load_model_source
 from batchgen.engine.models.registry import model_config
 from batchgen.engine.sampling.params import SamplingParams
 from batchgen.engine.sampling.sampler import TokenBitmask
 from batchgen.engine.sampling.stopping import finish_reason, output_text
+from batchgen.engine.speculative.config import SpeculativeConfig
+from batchgen.engine.speculative.speculator import Speculator
+from batchgen.engine.speculative.verify import first_rows
 from batchgen.engine.sampling.structured import (
-    EXTRA_HINT, GrammarCompiler, GrammarState, grammar_key, structured_available, token_bitmask,
+    EXTRA_HINT, GrammarCompiler, GrammarState, draft_token_bitmask, grammar_key, structured_available, token_bitmask,
 )
 
 log = logging.getLogger(__name__)
@@ -58,36 +60,9 @@ class InFlightStep:
     def has_grammar_rows(self) -> bool:
         return any(i is not None and i.bitmask is not None for i in self.inputs)
 
-
-class Replica:
-    """One data-parallel engine replica: a scheduler over its own KV cache, and the prompt tokens of the
-    requests it holds (what new requests are balanced on)."""
-
-    def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int, window: int | None = None,
-                 tiers: PrefixTiers | None = None):
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching, window=window,
-                                          record_completed=tiers is not None)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs,
-                                   max_model_len, tiers)
-        self.prompt_tokens = 0
-
-    def add(self, seq: Sequence) -> None:
-        self.prompt_tokens += seq.num_prompt_tokens
-        self.scheduler.add(seq)
-
-    def finish(self, seq: Sequence) -> None:
-        self.prompt_tokens -= seq.num_prompt_tokens
-        self.scheduler.finish(seq)
-
-    def abort_all(self) -> int:
-        self.prompt_tokens = 0
-        return self.scheduler.abort_all()
-
-    def promote_compiled(self) -> list[Sequence]:
-        """Queues the requests whose grammar compiled; returns those whose grammar failed (finished)."""
-        failed = self.scheduler.promote_compiled()
-        self.prompt_tokens -= sum(seq.num_prompt_tokens for seq in failed)
-        return failed
+    @property
+    def has_drafts(self) -> bool:
+        return any(i is not None and i.has_drafts for i in self.inputs)
 
 
 class LLMEngine:
@@ -132,6 +107,8 @@ class LLMEngine:
             log.info("overlapped scheduling off: worker ranks learn each step's tokens only through the engine")
         self._in_flight: InFlightStep | None = None
         self._last_done = 0.0  # when the latest step's tokens arrived
+        spec = SpeculativeConfig.from_dict(config.speculative_config)
+        self.speculator = Speculator(spec, self.max_model_len, self.model_config.vocab_size) if spec is not None else None
         self.reset_metrics()
 
     @property
@@ -174,6 +151,8 @@ class LLMEngine:
         if key is not None:
             seq.grammar = GrammarState(self._grammar_compiler().submit(key))
         min(self.replicas, key=lambda r: r.prompt_tokens).add(seq)
+        if self.speculator is not None:
+            self.speculator.add_request(seq)
         return seq
 
     def _grammar_compiler(self) -> GrammarCompiler:
@@ -205,12 +184,15 @@ class LLMEngine:
         for replica in self.replicas:
             finished += [self._grammar_failed(seq) for seq in replica.promote_compiled()]
         previous, self._in_flight = self._in_flight, None
-        if previous is not None and previous.has_grammar_rows:
-            # A grammar's next bitmask needs the token sampled under it: no overlap for this step.
+        drafting = self.speculator is not None and self.speculator.plan(self._running())
+        if previous is not None and (previous.has_grammar_rows or drafting):
+            # A grammar's next bitmask needs the token sampled under it, a proposal the tokens before it:
+            # no overlap for this step.
             finished += self._complete(previous)
             previous = None
         start = time.perf_counter()
-        steps = [r.scheduler.schedule() for r in self.replicas]
+        drafts = self.speculator.propose(self._running()) if drafting else None
+        steps = [r.scheduler.schedule(drafts) for r in self.replicas]
         launched = self._launch(steps, start) if any(step.seqs for step in steps) else None
         if previous is not None:
             finished += self._complete(previous)
@@ -220,11 +202,14 @@ class LLMEngine:
                      self.scheduler).wait_for_grammars(GRAMMAR_WAIT_S)
             return finished
         self._defer_sampled_tokens(launched)
-        if self.overlap:
+        if self.overlap and not launched.has_drafts:  # the next proposals need a verifying step's tokens
             self._in_flight = launched
         else:
             finished += self._complete(launched)
         return finished
+
+    def _running(self) -> list[Sequence]:
+        return [seq for r in self.replicas for seq in r.scheduler.running]
 
     def _launch(self, steps: list[ScheduledStep], start: float) -> "InFlightStep":
         """Writes the replicas' steps down, advances their sequences' computed tokens and submits the step."""
@@ -291,35 +276,54 @@ class LLMEngine:
         return inputs
 
     def _apply(self, replica: Replica, scheduled: list[ScheduledSeq], out: StepOutput) -> list[RequestOutput]:
-        """Puts the step's sampled tokens in place of their placeholders and finishes the sequences they end."""
+        """Puts the step's tokens in place of their placeholders (a verifying row: its accepted drafts and the
+        token after them, up to the one that finishes it) and finishes the sequences they end."""
         finished = []
-        sampled = [s.seq for s in scheduled if s.sample]
+        sampled = [s for s in scheduled if s.sample]
         if len(out.tokens) != len(sampled):
-            raise RuntimeError(f"the step sampled {len(out.tokens)} tokens for {len(sampled)} sequences")
-        for row, seq in enumerate(sampled):
+            raise RuntimeError(f"the step sampled tokens for {len(out.tokens)} rows, not {len(sampled)} sequences")
+        for row, s in enumerate(sampled):
+            seq = s.seq
             if seq.is_finished:  # it ended a step late (or was aborted): this token is one too many
                 continue
-            seq.token_ids[-1] = out.tokens[row]
-            if seq.grammar is not None:
-                seq.grammar.advance(seq.token_ids, seq.num_prompt_tokens)
-            if seq.params.logprobs:
-                seq.logprobs.append(out.logprobs[row])
-            reason = finish_reason(seq, self.eos_ids, self.max_model_len, self.tokenizer)
-            if reason:
-                seq.finish_reason = reason
+            tokens = out.tokens[row]
+            if s.drafts:
+                self.speculator.verified(seq.seq_id, len(s.drafts), len(tokens) - 1)
+            seq.token_ids.pop()  # the placeholder
+            for i, token in enumerate(tokens):
+                seq.token_ids.append(token)
+                if seq.grammar is not None:
+                    seq.grammar.advance(seq.token_ids, seq.num_prompt_tokens)
+                if seq.params.logprobs:
+                    seq.logprobs.append(out.logprobs[row][i])
+                seq.finish_reason = finish_reason(seq, self.eos_ids, self.max_model_len, self.tokenizer)
+                if seq.finish_reason:
+                    break
+            if seq.finish_reason:
                 replica.finish(seq)
+                if self.speculator is not None:
+                    self.speculator.finish(seq)
                 finished.append(self._output(seq))
+            elif s.drafts:  # the rejected drafts' KV is overwritten later: their slots past the end go back
+                seq.num_computed_tokens = seq.num_tokens - 1
+                replica.block_manager.truncate(seq, seq.num_tokens)
         if finished:
             replica.scheduler.drop_finished()
         return finished
 
     def _token_bitmask(self, scheduled: list[ScheduledSeq]) -> TokenBitmask | None:
-        """The grammar rows' allowed tokens, or None when no sampling row has a grammar."""
-        sampling = [s.seq for s in scheduled if s.sample]
-        rows = [i for i, seq in enumerate(sampling) if seq.grammar is not None]
+        """The grammar rows' allowed tokens (at each verified position, with draft tokens), or None when no
+        sampling row has a grammar."""
+        sampling = [s for s in scheduled if s.sample]
+        rows = [i for i, s in enumerate(sampling) if s.seq.grammar is not None]
         if not rows:
             return None
-        return token_bitmask([sampling[i].grammar for i in rows], rows, self.model_config.vocab_size)
+        vocab = self.model_config.vocab_size
+        if not any(s.drafts for s in sampling):
+            return token_bitmask([sampling[i].seq.grammar for i in rows], rows, vocab)
+        starts = first_rows([s.drafts for s in sampling])
+        return draft_token_bitmask([sampling[i].seq.grammar for i in rows], [sampling[i].drafts for i in rows],
+                                   [starts[i] for i in rows], vocab)
 
     def _grammar_failed(self, seq: Sequence) -> RequestOutput:
         return RequestOutput(seq.seq_id, seq.token_ids[:seq.num_prompt_tokens], finish_reason="error",
@@ -331,6 +335,8 @@ class LLMEngine:
         previous = getattr(self, "metrics", None)
         self.metrics = EngineMetrics()
         self.metrics.eplb = previous.eplb if previous is not None else None
+        if self.speculator is not None:
+            self.metrics.spec_method = self.speculator.config.method
 
     def shutdown(self) -> None:
         """Stops the executor's workers and the grammar compiler; the engine cannot run afterwards."""
@@ -350,10 +356,12 @@ class LLMEngine:
         prefill = launched.prefill_tokens
         grammar_rows = sum(len(i.bitmask.rows) for i in inputs if i is not None and i.bitmask is not None)
         ran = [o for o in outputs if o is not None]
+        spec = self.speculator.take_counts() if self.speculator is not None else {}
         record = StepRecord(
             start_s=start, duration_s=elapsed, num_seqs=len(seqs), prefill_tokens=prefill,
             decode_tokens=sum(s.num_new_tokens for s in seqs) - prefill,
-            sampled_tokens=sum(s.sample for s in seqs), token_budget=self.token_budget,
+            sampled_tokens=sum(len(o.tokens) for o in ran) + spec.get("spec_accepted_tokens", 0),
+            token_budget=self.token_budget,
             padded_tokens=sum(o.padded_tokens for o in ran),
             prefix_cache_queries=sum(step.prefix_cache_queries for step in steps),
             prefix_cache_hits=sum(step.prefix_cache_hits for step in steps),
@@ -363,8 +371,11 @@ class LLMEngine:
             host_time_s=launched.host_s, prepare_time_s=max((o.prepare_s for o in ran), default=0.0),
             replica_tokens=tuple(i.num_tokens if i is not None else 0 for i in inputs)
             if len(inputs) > 1 else (), eplb=next((o.eplb for o in ran if o.eplb is not None), None),
-            **self._tier_counts(steps))
+            **self._tier_counts(steps), **spec)
         self.metrics.add_step(record)
+        if self.speculator is not None:
+            self.speculator.step_done(record.prefill_tokens, record.num_tokens, elapsed + launched.host_s)
+            self.metrics.spec_policy = self.speculator.figures()
         for listener in self.step_listeners:
             listener(record)
 
@@ -385,18 +396,3 @@ class LLMEngine:
             finish_reason=seq.finish_reason, logprobs=list(seq.logprobs) if seq.params.logprobs else None,
             num_cached_tokens=seq.num_cached_tokens,
             grammar_complete=seq.grammar.is_complete if seq.grammar is not None else None)
-
-
-def attach_tier_blocks(step: ScheduledStep, inputs: StepInput) -> None:
-    """Writes the blocks the lower prefix tiers restore and the blocks to save into what the executor runs."""
-    rows = [row for r in step.restores for row in r.rows]
-    if rows:
-        inputs.restore_blocks = [b for r in step.restores for b in r.block_ids]
-        inputs.restore_kv = torch.stack(rows)
-    inputs.save_blocks = [block_id for block_id, _, _ in step.saves]
-
-
-def tier_hits(steps: list[ScheduledStep]) -> dict[str, int]:
-    """Tokens the steps' admissions took from each lower prefix tier, under StepRecord's field names."""
-    return {"prefix_cache_host_hits": sum(r.host_tokens for s in steps for r in s.restores),
-            "prefix_cache_store_hits": sum(r.store_tokens for s in steps for r in s.restores)}

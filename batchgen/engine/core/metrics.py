@@ -9,6 +9,8 @@ PREFIX_TIER_FIELDS = (
     "prefix_store_load_time_s", "prefix_store_wait_time_s", "prefix_store_misses_absent",
     "prefix_store_misses_corrupt", "prefix_store_misses_foreign", "prefix_store_misses_error",
 )
+SPEC_FIELDS = ("spec_decode_seqs", "spec_drafting_seqs", "spec_planned_tokens", "spec_draft_rows",
+               "spec_draft_tokens", "spec_accepted_tokens")
 
 
 @dataclass(frozen=True)
@@ -26,6 +28,8 @@ class StepRecord:
     applying its tokens), and ``prepare_time_s`` of ``duration_s`` the executor's building of its tensors:
     the host work that leaves the device idle unless steps overlap. ``eplb`` is the expert load balancer's
     report on the steps that evaluated the placement (``enable_eplb``; see ``EplbReport``), else None.
+    With speculative decoding ``decode_tokens`` include the draft tokens verified (``spec_draft_tokens``),
+    ``sampled_tokens`` the accepted ones, and the ``spec_*`` fields count the cost model's decisions.
     """
 
     start_s: float
@@ -59,10 +63,18 @@ class StepRecord:
     prefix_store_misses_corrupt: int = 0
     prefix_store_misses_foreign: int = 0
     prefix_store_misses_error: int = 0
+    # Speculative decoding (see SpecCounts): the cost model's decisions for this step and what it verified.
+    spec_decode_seqs: int = 0
+    spec_drafting_seqs: int = 0
+    spec_planned_tokens: int = 0
+    spec_draft_rows: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
     @property
     def decode_only(self) -> bool:
-        return self.prefill_tokens == 0 and self.decode_tokens == self.num_seqs
+        """Every sequence computed its last token (and its draft tokens), none a prompt or a recomputation."""
+        return self.prefill_tokens == 0 and self.decode_tokens == self.num_seqs + self.spec_draft_tokens
 
     @property
     def num_tokens(self) -> int:
@@ -101,11 +113,20 @@ class EngineMetrics:
     prefix_store_misses_corrupt: int = 0
     prefix_store_misses_foreign: int = 0
     prefix_store_misses_error: int = 0
+    spec_decode_seqs: int = 0  # decoding sequences the speculation cost model looked at, over the steps
+    spec_drafting_seqs: int = 0  # ... that it gave draft tokens
+    spec_planned_tokens: int = 0  # draft tokens it gave them
+    spec_draft_rows: int = 0  # sequence-steps that verified draft tokens
+    spec_draft_tokens: int = 0  # draft tokens proposed and verified
+    spec_accepted_tokens: int = 0  # of those, accepted: each one a decode step its sequence did not run
 
     def __post_init__(self) -> None:
         # The expert load balancer's latest report (enable_eplb): a state, not a total, so not a field
         # (fields add up across processes).
         self.eplb: dict | None = None
+        # The speculative method (a setting, not a total) and its cost model's latest fit.
+        self.spec_method: str | None = None
+        self.spec_policy: dict = {}
 
     def add_step(self, r: StepRecord) -> None:
         if r.decode_only:
@@ -127,7 +148,7 @@ class EngineMetrics:
         self.grammar_steps += r.grammar_rows > 0
         self.grammar_mask_time_s += r.mask_time_s
         self.comm_time_s += r.comm_time_s
-        for name in PREFIX_TIER_FIELDS:
+        for name in PREFIX_TIER_FIELDS + SPEC_FIELDS:
             setattr(self, name, getattr(self, name) + getattr(r, name))
         if len(self.replica_tokens) < len(r.replica_tokens):
             self.replica_tokens += [0] * (len(r.replica_tokens) - len(self.replica_tokens))
@@ -146,4 +167,21 @@ class EngineMetrics:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
     def as_dict(self) -> dict:
-        return {**asdict(self), "prefix_cache_hit_rate": self.prefix_cache_hit_rate, "eplb": self.eplb}
+        return {**asdict(self), "prefix_cache_hit_rate": self.prefix_cache_hit_rate, "eplb": self.eplb,
+                "speculative": self.speculative}
+
+    @property
+    def speculative(self) -> dict | None:
+        """Speculative decoding's figures under its method's name, or None where no run speculated."""
+        if not self.spec_method:
+            return None
+        rows, drafted, accepted = self.spec_draft_rows, self.spec_draft_tokens, self.spec_accepted_tokens
+        return {self.spec_method: {
+            "proposed_tokens": drafted, "accepted_tokens": accepted,
+            "acceptance_rate": round(accepted / drafted, 4) if drafted else None,
+            "mean_accepted_length": round(1 + accepted / rows, 4) if rows else None,
+            "steps_saved": accepted, "draft_rows": rows,
+            "decode_seqs_considered": self.spec_decode_seqs, "decode_seqs_drafting": self.spec_drafting_seqs,
+            "drafting_share": round(self.spec_drafting_seqs / self.spec_decode_seqs, 4)
+            if self.spec_decode_seqs else None,
+            "planned_tokens": self.spec_planned_tokens, **self.spec_policy}}

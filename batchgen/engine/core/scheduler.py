@@ -15,11 +15,13 @@ if TYPE_CHECKING:
 
 @dataclass
 class ScheduledSeq:
-    """``num_new_tokens`` of ``seq`` are computed this step; ``sample`` when they reach its last token."""
+    """``num_new_tokens`` of ``seq`` are computed this step; ``sample`` when they reach its last token.
+    ``drafts`` (speculative decoding) follow its last token and count in ``num_new_tokens``."""
 
     seq: Sequence
     num_new_tokens: int
     sample: bool
+    drafts: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -88,7 +90,10 @@ class Scheduler:
         if self.waiting_for_grammar:
             wait([s.grammar.future for s in self.waiting_for_grammar], timeout, return_when=FIRST_COMPLETED)
 
-    def schedule(self) -> ScheduledStep:
+    def schedule(self, drafts: dict[int, list[int]] | None = None) -> ScheduledStep:
+        """The next step; ``drafts`` (by seq_id) are draft tokens to verify after decoding sequences' last
+        token, each cut to what the token budget leaves (and dropped for a sequence that is preempted)."""
+        drafts = drafts or {}
         budget = self.max_num_batched_tokens
         step = ScheduledStep()
         scheduled = step.seqs
@@ -99,9 +104,11 @@ class Scheduler:
                 i += 1  # its token in flight is its last: nothing left to compute, its slot frees up
                 ending += 1
                 continue
-            if not self._make_room(seq, min(seq.num_tokens - seq.num_computed_tokens, budget), step):
+            seq_drafts = drafts.get(seq.seq_id, [])[:max(0, budget - 1)]
+            if not self._make_room(seq, min(seq.num_tokens - seq.num_computed_tokens + len(seq_drafts), budget),
+                                   step):
                 break
-            scheduled.append(self._schedule_chunk(seq, budget))
+            scheduled.append(self._schedule_chunk(seq, budget, seq_drafts))
             budget -= scheduled[-1].num_new_tokens
             i += 1
         if self.tiers is not None:
@@ -125,14 +132,15 @@ class Scheduler:
         step.saves = self.block_manager.take_completed()
         return step
 
-    def _schedule_chunk(self, seq: Sequence, budget: int) -> ScheduledSeq:
+    def _schedule_chunk(self, seq: Sequence, budget: int, drafts: list[int] | None = None) -> ScheduledSeq:
         self.block_manager.release_out_of_window(seq)
         n = min(seq.num_tokens - seq.num_computed_tokens, budget)
         end = seq.num_computed_tokens + n
-        self.block_manager.allocate(seq, end)
-        # A block holding a placeholder is hashed at a later step, once its token ids are known.
+        drafts = drafts if drafts and end == seq.num_tokens and n == 1 else []
+        self.block_manager.allocate(seq, end + len(drafts))
+        # A block holding a placeholder (or a draft token) is hashed at a later step, once its token ids are known.
         self.block_manager.mark_scheduled(seq, min(end, seq.num_known_tokens))
-        return ScheduledSeq(seq, n, sample=end == seq.num_tokens)
+        return ScheduledSeq(seq, n + len(drafts), sample=end == seq.num_tokens, drafts=drafts)
 
     def _make_room(self, seq: Sequence, num_new_tokens: int, step: ScheduledStep) -> bool:
         """Preempt the newest running sequences until ``seq``'s next chunk fits; False if ``seq`` itself had to go."""

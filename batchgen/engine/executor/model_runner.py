@@ -23,6 +23,7 @@ from batchgen.engine.parallel.balancer import EplbConfig, ExpertBalancer, with_l
 from batchgen.engine.parallel.context import SINGLE_PROCESS, ParallelContext
 from batchgen.engine.quantization import choose_weight_methods, load_checkpoint
 from batchgen.engine.sampling.sampler import sample
+from batchgen.engine.speculative.verify import AcceptedTokens, accept, expand_sampling, verified_rows
 from batchgen.engine.transfer import to_device
 
 if TYPE_CHECKING:
@@ -74,7 +75,7 @@ class ModelRunner:
         # Peak activations of a full step (the widest MLP/MoE intermediate per token, at 4 bytes) and
         # the float32 logits of every sequence with the sampler's working copies (4 of them).
         reserve = engine.max_num_batched_tokens * self.profile.activation_values_per_token * 4 \
-            + engine.max_num_seqs * self.model_cfg.vocab_size * 4 * 4
+            + engine.max_num_seqs * engine.logits_rows_per_seq * self.model_cfg.vocab_size * 4 * 4
         per_block = self.kv_layout.bytes_per_block(self.block_size, self.dtype)
         return max(1, kv_budget_bytes(engine, self.device, reserve) // per_block)
 
@@ -124,6 +125,8 @@ class ModelRunner:
         cu_k = torch.zeros(n + 1, dtype=torch.int32)
         torch.cumsum(ctx, 0, out=cu_k[1:])
         logits_rows = cu_q[1:][torch.tensor(step.sample_seqs, dtype=torch.int64)] - 1
+        if step.has_drafts:
+            logits_rows = verified_rows(logits_rows, step.drafts)
         to_dev = self._to_device
         meta = AttentionMetadata(
             cu_seqlens_q=to_dev(cu_q.to(torch.int32)), cu_seqlens_k=to_dev(cu_k), context_lens=to_dev(ctx),
@@ -170,7 +173,8 @@ class ModelRunner:
             scatter_blocks(self.kv_cache, step.restore_blocks, step.restore_kv)
         input_ids, positions, meta, logits_rows = self.prepare(step)
         prepare_s = time.perf_counter() - start
-        graph = self.graphs.pick(meta, len(input_ids)) if self.graphs is not None else None
+        # Graphs are captured for one logits row per sequence: a step verifying drafts runs eagerly.
+        graph = self.graphs.pick(meta, len(input_ids)) if self.graphs is not None and not step.has_drafts else None
         padded = graph[1] - len(input_ids) if graph is not None else 0
         if graph is not None:
             logits = self.graphs.run(graph, input_ids, positions, meta, logits_rows)
@@ -179,12 +183,30 @@ class ModelRunner:
         saved = gather_blocks(self.kv_cache, step.save_blocks) if step.save_blocks else None
         if len(logits_rows) == 0 or not self.samples:  # only non-final prompt chunks, or not the sampling rank
             return LaunchedStep(self, start, prepare_s, padded=padded, saved_kv=saved)
+        if step.has_drafts:
+            return self._verify(step, logits, start, prepare_s, saved)
         tokens, logprobs = sample(logits, step.sampling.to_batch(self.device, step.bitmask))
         self._last_tokens = tokens
         launched = LaunchedStep(self, start, prepare_s, self._to_host(tokens), self._to_host(logprobs), padded,
                                 saved_kv=saved)
         if self.device.type == "cuda":
             # Queued now, the copies wait for this step alone, not for the next step queued behind it.
+            launched.copied = torch.cuda.Event()
+            launched.copied.record()
+        return launched
+
+    def _verify(self, step: StepInput, logits: torch.Tensor, start: float, prepare_s: float,
+                saved: torch.Tensor | None) -> "LaunchedStep":
+        """Samples every verified position as plain decode would and keeps each row's accepted drafts. The
+        engine applies such a step before scheduling the next, so no later step defers to its tokens."""
+        batch = expand_sampling(step.sampling, step.drafts).to_batch(self.device, step.bitmask)
+        tokens, logprobs = sample(logits, batch)
+        self._last_tokens = None
+        accepted = accept(tokens, logprobs, step.drafts)
+        launched = LaunchedStep(self, start, prepare_s, self._to_host(accepted.tokens),
+                                self._to_host(accepted.logprobs), saved_kv=saved,
+                                counts=self._to_host(accepted.counts))
+        if self.device.type == "cuda":
             launched.copied = torch.cuda.Event()
             launched.copied.record()
         return launched
@@ -232,6 +254,7 @@ class LaunchedStep:
     copied: "torch.cuda.Event | None" = None  # on CUDA: when tokens and logprobs have reached the host
     eplb: dict | None = None  # the expert load balancer's report, on the steps that evaluated it
     saved_kv: torch.Tensor | None = None  # the step's save_blocks, copied out behind its forward
+    counts: torch.Tensor | None = None  # a step verifying drafts: tokens kept per row (tokens is then padded)
 
     def result(self) -> StepOutput:
         runner = self.runner
@@ -241,9 +264,11 @@ class LaunchedStep:
             self.copied.synchronize()
         elif self.saved_kv is not None and runner.device.type == "cuda":
             torch.cuda.current_stream(runner.device).synchronize()
-        if self.tokens is not None:
-            out.tokens = self.tokens.tolist()
-            out.logprobs = self.logprobs.tolist() if self.logprobs is not None else None
+        if self.counts is not None:
+            out.tokens, out.logprobs = AcceptedTokens(self.tokens, self.counts, self.logprobs).to_lists()
+        elif self.tokens is not None:
+            out.tokens = [[t] for t in self.tokens.tolist()]
+            out.logprobs = [[p] for p in self.logprobs.tolist()] if self.logprobs is not None else None
         if runner.device.type == "cuda" and runner.parallel.clock.sync:
             torch.cuda.synchronize(runner.device)
         out.comm_s = runner.parallel.clock.reset()

@@ -86,6 +86,14 @@ class StepInput:
     restore_blocks: list[int] = field(default_factory=list)
     restore_kv: torch.Tensor | None = None
     save_blocks: list[int] = field(default_factory=list)
+    # Speculative decoding: per sampling row, the draft tokens that end its new tokens (input_ids holds them
+    # after the row's last real token); every one of those positions is sampled and verified, and the
+    # bitmask's rows then index those positions (a row's last real token, then each of its drafts, in order).
+    drafts: list[list[int]] = field(default_factory=list)
+
+    @property
+    def has_drafts(self) -> bool:
+        return any(self.drafts)
 
     @property
     def num_seqs(self) -> int:
@@ -98,15 +106,16 @@ class StepInput:
 
 @dataclass
 class StepOutput:
-    """A step's sampled tokens (one per sampling row) and, when any row asked, their log-probabilities.
+    """A step's sampled tokens per sampling row (one, or with draft tokens the accepted drafts and the token
+    after them) and, when any row asked, their log-probabilities (the same shape).
 
     ``prepare_s`` of ``compute_s`` went to building the step's tensors on the host; ``compute_s`` and ``comm_s`` split the worker's time in the step (collectives, waiting for slower
     ranks included, count as communication); ``padded_tokens`` were computed only to fit a CUDA graph.
     ``eplb``: the expert load balancer's report, on the steps that evaluated the placement (else None).
     """
 
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] | None = None
+    tokens: list[list[int]] = field(default_factory=list)
+    logprobs: list[list[float]] | None = None
     padded_tokens: int = 0
     compute_s: float = 0.0
     comm_s: float = 0.0
@@ -133,12 +142,13 @@ def build_step_input(scheduled: Sequence["ScheduledSeq"], bitmask: TokenBitmask 
         seq = s.seq
         start = seq.num_computed_tokens
         end = start + s.num_new_tokens
-        ids += seq.token_ids[start:end]
+        ids += seq.token_ids[start:min(end, seq.num_tokens)]
         row = placeholder_row(ids[-1])
         if row is not None:  # only the last token can be in flight
             step.deferred_positions.append(len(ids) - 1)
             step.deferred_rows.append(row)
             ids[-1] = 0
+        ids += s.drafts
         step.query_lens.append(s.num_new_tokens)
         step.context_lens.append(end)
         step.block_tables.append(list(seq.block_table))
@@ -146,4 +156,5 @@ def build_step_input(scheduled: Sequence["ScheduledSeq"], bitmask: TokenBitmask 
             p = seq.params
             step.sample_seqs.append(i)
             sampling.append(p.temperature, p.top_k, p.top_p, seq.seed, seq.num_completion_tokens, p.logprobs)
+            step.drafts.append(list(s.drafts))
     return step

@@ -194,3 +194,44 @@ def token_bitmask(grammars: Sequence[GrammarState], rows: list[int], vocab_size:
         if grammar.token_filter is not None:
             bits[i] &= grammar.token_filter
     return TokenBitmask(bits, rows)
+
+
+def draft_bitmask_rows(grammar: GrammarState, drafts: Sequence[int], vocab_size: int) -> tuple[torch.Tensor, int]:
+    """Walks the grammar along draft tokens: the allowed tokens at each position (the next token's, then after
+    each kept draft) and how many leading drafts it keeps. A draft is kept while its position's mask allows it;
+    a draft that would terminate the grammar is not (the model samples the stop token itself). The matcher is
+    left where it was."""
+    words = (vocab_size + 31) // 32
+    bits = torch.full((len(drafts) + 1, words), -1, dtype=torch.int32)
+    matcher, kept = grammar.matcher, 0
+    for j in range(len(drafts) + 1):
+        matcher.fill_next_token_bitmask(bits, j)
+        if grammar.token_filter is not None:
+            bits[j] &= grammar.token_filter
+        if j == len(drafts):
+            break
+        token = drafts[j]
+        if not 0 <= token < vocab_size or not (int(bits[j, token >> 5]) >> (token & 31)) & 1 \
+                or not matcher.accept_token(token):
+            break
+        if matcher.is_terminated():
+            matcher.rollback(1)
+            break
+        kept += 1
+    if kept:
+        matcher.rollback(kept)
+    return bits[:kept + 1], kept
+
+
+def draft_token_bitmask(grammars: Sequence[GrammarState], drafts: Sequence[Sequence[int]], first_rows: list[int],
+                        vocab_size: int) -> TokenBitmask:
+    """The allowed tokens of every verified position of the grammar rows: row ``first_rows[i] + j`` is the
+    i-th grammar's position after its first ``j`` drafts (drafts the grammar allows: see draft_bitmask_rows)."""
+    blocks, rows = [], []
+    for grammar, row_drafts, first in zip(grammars, drafts, first_rows):
+        bits, kept = draft_bitmask_rows(grammar, row_drafts, vocab_size)
+        if kept != len(row_drafts):
+            raise RuntimeError("a grammar row verifies draft tokens its grammar does not allow")
+        blocks.append(bits)
+        rows += range(first, first + kept + 1)
+    return TokenBitmask(torch.cat(blocks), rows)

@@ -1,0 +1,124 @@
+"""The cost model that decides, per step and sequence, how many draft tokens to verify (0 .. num_speculative_tokens).
+
+A step's time is fitted as ``a + b * tokens`` from the engine's own decode steps: at small batches ``a``
+(reading the weights) dominates and extra query positions are nearly free; at large batches the step is
+compute-bound and every extra position costs about as much as a plain decode token. A sequence's draft
+tokens are accepted one after another with probability ``alpha`` (its running estimate), so its j-th draft
+adds ``alpha ** j`` expected tokens for ``b`` more seconds. Drafts are handed out, best first, while each
+raises the step's expected tokens per second.
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+PRIOR_KNEE_TOKENS = 16.0  # before any data: a step of this many tokens takes twice a step of one
+PRIOR_WEIGHT = 0.5  # the prior (a, b) weighs as half a step of the first step's size: two sizes outweigh it
+DECAY = 0.999  # older steps fade slowly: a and b are the machine's and the model's, not the batch's
+PRIOR_ACCEPTANCE = 0.5  # a method's acceptance rate before it has verified anything
+SEQ_DECAY = 0.8
+SEQ_PRIOR_TRIALS = 2.0  # a sequence's estimate leans on the method's rate for about this many drafts
+MIN_GAIN = 1.03  # drafting must beat plain decode's tokens per second by 3 %: proposing costs host time too
+
+
+@dataclass
+class StepCostModel:
+    """Online ridge regression of step seconds on tokens computed: weighted least squares over the decode
+    steps seen (decayed), pulled towards a prior (a0, b0) set from the first step. The prior is a penalty
+    on the coefficients, not pseudo-steps: with steps of one size only, the slope stays the prior's; two
+    sizes fix it."""
+
+    knee_tokens: float = PRIOR_KNEE_TOKENS
+    prior_weight: float = PRIOR_WEIGHT
+    decay: float = DECAY
+    _sums: list[float] = field(default_factory=lambda: [0.0] * 5)  # w, w*x, w*y, w*x*x, w*x*y
+    _prior: tuple[float, float, float] | None = None  # a0, b0, the first step's tokens
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        if tokens <= 0 or seconds <= 0:
+            return
+        if self._prior is None:
+            a0 = seconds / (1 + tokens / self.knee_tokens)
+            self._prior = (a0, a0 / self.knee_tokens, float(tokens))
+        self._sums = [v * self.decay for v in self._sums]
+        for i, v in enumerate((1.0, tokens, seconds, tokens * tokens, tokens * seconds)):
+            self._sums[i] += v
+
+    @property
+    def fitted(self) -> bool:
+        return self._prior is not None
+
+    def coefficients(self) -> tuple[float, float]:
+        """(a seconds, b seconds per token); before any step, the prior's shape at a = 1."""
+        if self._prior is None:
+            return 1.0, 1.0 / self.knee_tokens
+        a0, b0, scale = self._prior
+        la, lb = self.prior_weight, self.prior_weight * scale ** 2
+        w, sx, sy, sxx, sxy = self._sums
+        # Normal equations of sum w (y - a - b x)^2 + la (a - a0)^2 + lb (b - b0)^2.
+        m00, m01, m11 = w + la, sx, sxx + lb
+        r0, r1 = sy + la * a0, sxy + lb * b0
+        det = m00 * m11 - m01 * m01
+        a, b = (r0 * m11 - m01 * r1) / det, (m00 * r1 - m01 * r0) / det
+        if b < 0:
+            return r0 / m00, 0.0
+        if a < 0:
+            return 0.0, r1 / m11
+        return a, b
+
+
+@dataclass
+class AcceptanceTracker:
+    """Per-token acceptance estimates: the method's running rate, and a recent one per sequence leaning on it.
+
+    A step that verified ``k`` drafts and kept ``a`` saw ``a`` acceptances in ``a + (a < k)`` trials.
+    """
+
+    accepted: float = 0.0
+    trials: float = 0.0
+    _seqs: dict[int, tuple[float, float]] = field(default_factory=dict)
+
+    def observe(self, seq_id: int, proposed: int, accepted: int) -> None:
+        if proposed <= 0:
+            return
+        trials = accepted + (accepted < proposed)
+        self.accepted += accepted
+        self.trials += trials
+        s, n = self._seqs.get(seq_id, (0.0, 0.0))
+        self._seqs[seq_id] = (s * SEQ_DECAY + accepted, n * SEQ_DECAY + trials)
+
+    @property
+    def method_rate(self) -> float:
+        return (self.accepted + PRIOR_ACCEPTANCE * SEQ_PRIOR_TRIALS) / (self.trials + SEQ_PRIOR_TRIALS)
+
+    def rate(self, seq_id: int) -> float:
+        s, n = self._seqs.get(seq_id, (0.0, 0.0))
+        return min(0.99, (s + self.method_rate * SEQ_PRIOR_TRIALS) / (n + SEQ_PRIOR_TRIALS))
+
+    def drop(self, seq_id: int) -> None:
+        self._seqs.pop(seq_id, None)
+
+
+def choose_draft_lengths(rates: list[float], caps: list[int], a: float, b: float) -> list[int]:
+    """Draft tokens per decoding sequence that maximise expected tokens per second for a step of
+    ``len(rates)`` decodes costing ``a + b * tokens``; all zeros where no draft pays (compute-bound steps)."""
+    ks = [0] * len(rates)
+    expected, seconds = float(len(rates)), a + b * len(rates)
+    if seconds <= 0:  # no decoding sequence, or no measured cost to weigh drafts against
+        return ks
+    plain = expected / seconds
+    heap = [(-r, i) for i, (r, cap) in enumerate(zip(rates, caps)) if cap > 0 and r > 0]
+    heapq.heapify(heap)
+    while heap:
+        gain, i = -heap[0][0], heap[0][1]
+        if (expected + gain) * seconds <= expected * (seconds + b):  # (E + g) / (T + b) <= E / T
+            break
+        heapq.heappop(heap)
+        ks[i] += 1
+        expected += gain
+        seconds += b
+        if ks[i] < caps[i]:
+            heapq.heappush(heap, (-gain * rates[i], i))
+    if expected / seconds < MIN_GAIN * plain:
+        return [0] * len(rates)
+    return ks

@@ -1,0 +1,118 @@
+"""The engine's side of speculative decoding: asks the cost model for draft lengths, the proposer for drafts,
+and keeps the acceptance estimates and each step's counts."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, fields
+from typing import Iterable
+
+from batchgen.engine.core.sequence import Sequence, SequenceStatus
+from batchgen.engine.sampling.structured import draft_bitmask_rows
+from batchgen.engine.speculative.config import SpeculativeConfig
+from batchgen.engine.speculative.ngram import NgramProposer
+from batchgen.engine.speculative.policy import AcceptanceTracker, StepCostModel, choose_draft_lengths
+from batchgen.engine.speculative.proposer import Proposer
+from batchgen.engine.speculative.suffix import SuffixProposer
+
+log = logging.getLogger(__name__)
+
+
+def build_proposer(config: SpeculativeConfig) -> Proposer:
+    """The proposer of ``config.method``, given the settings it takes."""
+    if config.method == "ngram":
+        return NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
+    if config.method == "suffix":
+        return SuffixProposer(config.num_speculative_tokens, **config.options)
+    raise ValueError(f"speculative method {config.method!r} has no proposer in this build")
+
+
+@dataclass
+class SpecCounts:
+    """One step's speculation, under StepRecord's field names: the policy's decisions and what was verified."""
+
+    spec_decode_seqs: int = 0  # decoding sequences the cost model looked at
+    spec_drafting_seqs: int = 0  # of those, given k > 0
+    spec_planned_tokens: int = 0  # the k it gave them, summed
+    spec_draft_rows: int = 0  # sequences that verified at least one draft token
+    spec_draft_tokens: int = 0  # draft tokens verified
+    spec_accepted_tokens: int = 0  # of those, kept
+
+    def as_dict(self) -> dict[str, int]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+class Speculator:
+    """Chooses ``k`` per decoding sequence and step, gets the drafts and learns from their verification."""
+
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, vocab_size: int,
+                 proposer: Proposer | None = None):
+        self.config, self.max_model_len, self.vocab_size = config, max_model_len, vocab_size
+        self.proposer = proposer if proposer is not None else build_proposer(config)
+        self.cost = StepCostModel()
+        self.acceptance = AcceptanceTracker()
+        self._plan: dict[int, int] = {}
+        self.counts = SpecCounts()
+
+    def add_request(self, seq: Sequence) -> None:
+        self.proposer.add_request(seq.seq_id, seq.token_ids[:seq.num_prompt_tokens])
+
+    def finish(self, seq: Sequence) -> None:
+        self.proposer.finish(seq.seq_id, seq.token_ids, seq.num_prompt_tokens)
+        self.acceptance.drop(seq.seq_id)
+
+    def _cap(self, seq: Sequence) -> int:
+        """Most drafts the sequence may verify: its output and the context must hold them all."""
+        return max(0, min(self.config.num_speculative_tokens,
+                          seq.params.max_tokens - seq.num_completion_tokens - 1,
+                          self.max_model_len - seq.num_tokens))
+
+    def plan(self, running: Iterable[Sequence]) -> bool:
+        """Decides the next step's draft lengths; True when some sequence drafts (the step then cannot
+        overlap the one before: its proposals need that step's tokens)."""
+        decoding = [s for s in running if s.status == SequenceStatus.RUNNING and s.num_computed_tokens == s.num_tokens - 1]
+        a, b = self.cost.coefficients()
+        ks = choose_draft_lengths([self.acceptance.rate(s.seq_id) for s in decoding],
+                                  [self._cap(s) for s in decoding], a, b)
+        self._plan = {s.seq_id: k for s, k in zip(decoding, ks) if k > 0}
+        c = self.counts
+        c.spec_decode_seqs += len(decoding)
+        c.spec_drafting_seqs += len(self._plan)
+        c.spec_planned_tokens += sum(self._plan.values())
+        return bool(self._plan)
+
+    def propose(self, running: Iterable[Sequence]) -> dict[int, list[int]]:
+        """Drafts of the planned sequences still running (by seq_id); none for a sequence the proposer has
+        nothing for."""
+        drafts = {}
+        for seq in running:
+            k = self._plan.get(seq.seq_id, 0)
+            if k and not seq.is_finished and seq.token_ids[-1] >= 0:
+                proposed = self.proposer.propose(seq.seq_id, seq.token_ids, k)[:k]
+                if proposed and seq.grammar is not None:  # keep what the grammar allows
+                    proposed = proposed[:draft_bitmask_rows(seq.grammar, proposed, self.vocab_size)[1]]
+                if proposed:
+                    drafts[seq.seq_id] = proposed
+        self._plan = {}
+        return drafts
+
+    def verified(self, seq_id: int, proposed: int, accepted: int) -> None:
+        self.acceptance.observe(seq_id, proposed, accepted)
+        c = self.counts
+        c.spec_draft_rows += 1
+        c.spec_draft_tokens += proposed
+        c.spec_accepted_tokens += accepted
+
+    def take_counts(self) -> dict[str, int]:
+        counts, self.counts = self.counts, SpecCounts()
+        return counts.as_dict()
+
+    def step_done(self, prefill_tokens: int, tokens: int, seconds: float) -> None:
+        """Fits the cost model on steps that computed no prompt tokens (decodes and verifications)."""
+        if prefill_tokens == 0:
+            self.cost.observe(tokens, seconds)
+
+    def figures(self) -> dict[str, float]:
+        """The cost model's current fit, for the metrics."""
+        a, b = self.cost.coefficients()
+        return {"cost_fitted": self.cost.fitted, "cost_base_ms": round(a * 1e3, 4),
+                "cost_ms_per_token": round(b * 1e3, 5), "method_acceptance_rate": round(self.acceptance.method_rate, 4)}
