@@ -2,6 +2,7 @@
 its drafts, mismatched vocabularies and bad settings are refused, a slow proposer is left unused."""
 from __future__ import annotations
 
+import json
 import shutil
 import time
 from pathlib import Path
@@ -79,17 +80,17 @@ def test_seeded_sampling_with_a_draft_gives_spec_offs_tokens(other_draft, always
     llm = other_draft
     speculator = llm.engine.speculator
     prompts = mixed_prompts(llm, repeats=(1, 3))
-    params = [SamplingParams(max_tokens=8, temperature=0.9, seed=seed, ignore_eos=True) for seed in (3, 4)]
+    params = [SamplingParams(max_tokens=6, temperature=0.7, seed=seed, ignore_eos=True) for seed in (3, 4)]
     off = run(llm, None, prompts, params)
     on = run(llm, speculator, prompts, params)
-    assert [len(o.token_ids) for o in on] == [8, 8]
+    assert [len(o.token_ids) for o in on] == [6, 6]
     assert [o.token_ids for o in on] == [o.token_ids for o in off]
 
 
 def test_the_target_as_its_own_draft_accepts_its_drafts(tiny_model, always_draft):
     with draft_llm(tiny_model, tiny_model) as llm:
         speculator = llm.engine.speculator
-        prompts = mixed_prompts(llm, repeats=(1, 3))
+        prompts = mixed_prompts(llm, repeats=(1, 2))
         off = run(llm, None, prompts, GREEDY)
         on = run(llm, speculator, prompts, GREEDY)
         (figures,) = llm.metrics()["speculative"].values()
@@ -103,6 +104,17 @@ def test_a_draft_with_another_vocabulary_is_refused(tmp_path, tiny_model):
     with pytest.raises(ValueError, match="same tokenizer") as refused:
         draft_llm(tiny_model, other)
     assert "500 token ids" in str(refused.value)
+
+
+def test_a_draft_whose_tokenizer_numbers_tokens_otherwise_is_refused(tmp_path, tiny_model):
+    other = Path(shutil.copytree(tiny_model, tmp_path / "swapped"))
+    spec = json.loads((other / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    first, second = (token for token, i in vocab.items() if i in (6, 7))
+    vocab[first], vocab[second] = vocab[second], vocab[first]
+    (other / "tokenizer.json").write_text(json.dumps(spec))
+    with pytest.raises(ValueError, match="token id 6 is .* to the draft's tokenizer.*same tokenizer"):
+        draft_llm(tiny_model, other)
 
 
 @pytest.mark.parametrize("config, message", [
