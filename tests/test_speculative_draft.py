@@ -74,6 +74,7 @@ def test_greedy_with_a_tiny_draft_equals_spec_off(other_draft, always_draft):
     (figures,) = llm.metrics()["speculative"].values()
     assert 0 < figures["accepted_tokens"] < figures["proposed_tokens"]  # kept and rejected drafts both
     assert speculator.figures()["draft_ms_per_token"] > 0  # the draft's time was measured
+    assert speculator.proposer.steady_seconds > 0
 
 
 def test_seeded_sampling_with_a_draft_gives_spec_offs_tokens(other_draft, always_draft):

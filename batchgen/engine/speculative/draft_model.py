@@ -10,10 +10,12 @@ The draft runs as its own engine on the target's device and dtype, with a modest
 call queues one greedy request of ``k`` tokens per drafting sequence (its whole context) and steps them together,
 so a call is one step computing every sequence's new tokens and k - 1 decode steps for the batch. The prefix cache
 still holds each context's KV from the previous call: only the tokens since then (and the last, partial block)
-are computed again.
+are computed again. The first call for a sequence computes its whole prompt, a cost paid once per request, so a
+call's ``steady_seconds`` (what the cost model charges) counts its first step as one more decode step.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -68,6 +70,7 @@ class DraftModelProposer:
 
     def __init__(self, engine: Any, num_speculative_tokens: int):
         self.engine, self.num_speculative_tokens = engine, num_speculative_tokens
+        self.steady_seconds: float | None = None  # the latest call's time, its prompt catch-up left out
 
     def add_request(self, seq_id: int, prompt: Sequence[int]) -> None:
         pass  # nothing kept per request: the draft's prefix cache holds the contexts' KV
@@ -88,9 +91,15 @@ class DraftModelProposer:
                                                                           ignore_eos=True))
             if not isinstance(queued, RequestOutput):  # an error output: no draft for that one
                 rows[queued.seq_id] = row
+        start, first_s, steps = time.perf_counter(), 0.0, 0
         while rows and self.engine.has_unfinished():
             for out in self.engine.step():
                 drafts[rows.pop(out.request_id)] = list(out.token_ids)
+            steps += 1
+            if steps == 1:
+                first_s = time.perf_counter() - start
+        total_s = time.perf_counter() - start
+        self.steady_seconds = total_s if steps <= 1 else (total_s - first_s) * steps / (steps - 1)
         return drafts
 
     def finish(self, seq_id: int, tokens: Sequence[int], num_prompt_tokens: int) -> None:

@@ -13,6 +13,10 @@ class Proposer(Protocol):
     :func:`propose_batch`), and ``finish`` once the request has finished (``tokens`` then holds its whole
     completion), so that a proposer can learn from it and drop what it kept for the request. A proposer
     built with ``num_speculative_tokens`` never needs to return more tokens than that.
+
+    The speculator charges a proposer's time per drafted token in the cost model: a call's wall time, or its
+    ``steady_seconds`` where it sets one after each call (the part that drafting costs each step, one-off work
+    such as a draft model's first pass over a new prompt left out).
     """
 
     def add_request(self, seq_id: int, prompt: Sequence[int]) -> None: ...

@@ -95,7 +95,9 @@ class Speculator:
             return {}
         start = time.perf_counter()
         batch = propose_batch(self.proposer, [(seq.seq_id, seq.token_ids, k) for seq, k in drafting])
-        self.draft_cost.observe(sum(k for _, k in drafting), time.perf_counter() - start)
+        seconds = getattr(self.proposer, "steady_seconds", None)  # its own account of one-off work, if it keeps one
+        self.draft_cost.observe(sum(k for _, k in drafting), seconds if seconds is not None else
+                                time.perf_counter() - start)
         drafts = {}
         for (seq, k), proposed in zip(drafting, batch, strict=True):
             proposed = proposed[:k]
