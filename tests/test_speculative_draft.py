@@ -67,6 +67,8 @@ def test_greedy_with_a_tiny_draft_equals_spec_off(other_draft, always_draft):
     speculator = llm.engine.speculator
     prompts = mixed_prompts(llm, repeats=(1, 2))
     off = run(llm, None, prompts, GREEDY)
+    draft = speculator.proposer.engine
+    draft.reset_metrics()
     on = run(llm, speculator, prompts, GREEDY)
     for x, y in zip(on, off, strict=True):
         assert (x.token_ids, x.finish_reason, x.text) == (y.token_ids, y.finish_reason, y.text)
@@ -75,6 +77,8 @@ def test_greedy_with_a_tiny_draft_equals_spec_off(other_draft, always_draft):
     assert 0 < figures["accepted_tokens"] < figures["proposed_tokens"]  # kept and rejected drafts both
     assert speculator.figures()["draft_ms_per_token"] > 0  # the draft's time was measured
     assert speculator.proposer.steady_seconds > 0
+    # Each call hands the draft whole contexts; its prefix cache keeps all but the new tokens' KV.
+    assert 0 < draft.metrics.prompt_tokens_computed < 0.5 * draft.metrics.prefix_cache_queries
 
 
 def test_seeded_sampling_with_a_draft_gives_spec_offs_tokens(other_draft, always_draft):

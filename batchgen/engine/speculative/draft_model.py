@@ -94,7 +94,9 @@ class DraftModelProposer:
         start, first_s, steps = time.perf_counter(), 0.0, 0
         while rows and self.engine.has_unfinished():
             for out in self.engine.step():
-                drafts[rows.pop(out.request_id)] = list(out.token_ids)
+                row = rows.pop(out.request_id, None)  # None: a request a failed call left behind
+                if row is not None:
+                    drafts[row] = list(out.token_ids)
             steps += 1
             if steps == 1:
                 first_s = time.perf_counter() - start
