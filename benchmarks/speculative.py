@@ -1,13 +1,14 @@
 """Speculation off vs each method on SmolLM2, over three workloads and three batch sizes, side by side.
 
-    python benchmarks/speculative.py [--quick] [--methods ngram] [--batch-sizes 1,8,64] [--dtype auto]
+    python benchmarks/speculative.py [--quick] [--methods ngram,suffix] [--batch-sizes 1,8,64] [--repeats 1]
 
 Workloads (jobs/data/articles.jsonl's documents, chat-templated, greedy):
   copy       "Repeat the text below verbatim." over the first ~500 characters of each document;
   summarize  "Summarize the text below in three sentences." over the first ~1500 characters;
   extract    jobs/extract.yaml's prompt and JSON schema (grammar rows: see docs/speculative.md).
 For each batch size (max_num_seqs) the workload has max(4, min(2 x batch, 64)) prompts (documents cycled).
-Prints output tok/s, the ratio to spec off, acceptance rate, mean accepted length, the share of decoding
+Each workload runs under every method back to back on one engine (a fresh speculator each time), so that a
+machine shared with other work loads them alike. Prints output tok/s, the ratio to spec off, acceptance rate, mean accepted length, the share of decoding
 sequence-steps the cost model let draft, and whether the outputs equal spec off's (they must: greedy).
 """
 from __future__ import annotations
@@ -59,27 +60,40 @@ def workload(name: str, tokenizer, count: int, max_tokens: int):
     return prompts, SamplingParams(max_tokens=max_tokens, temperature=0, json_schema=schema)
 
 
-def run(method: str, batch: int, names: list[str], args) -> dict[str, dict]:
-    """One engine (this method, this max_num_seqs) over every workload; figures per workload."""
+def run(batch: int, names: list[str], methods: list[str], args) -> dict[tuple[str, str], dict]:
+    """One engine at this max_num_seqs; each workload runs under every method back to back (so that they
+    share the machine's load), each with a fresh speculator (no proposer state from an earlier run), best
+    wall time of ``args.repeats``. Figures per (method, workload)."""
     from batchgen.engine import LLM, SamplingParams
+    from batchgen.engine.speculative.config import SpeculativeConfig
+    from batchgen.engine.speculative.speculator import Speculator
 
-    spec = {} if method == "off" else {"method": method, "num_speculative_tokens": args.k}
-    llm = LLM(MODEL, dtype=args.dtype, device="cpu", max_num_seqs=batch, speculative_config=spec)
+    llm = LLM(MODEL, dtype=args.dtype, device="cpu", max_num_seqs=batch)
+    engine = llm.engine
     llm.generate([llm.tokenizer.encode("Warm up the engine, please.")], SamplingParams(max_tokens=8, temperature=0))
-    results = {}
+    results: dict[tuple[str, str], dict] = {}
     for name in names:
-        prompts, params = workload(name, llm.tokenizer, max(4, min(2 * batch, 64)) if not args.quick else max(2, batch),
-                                   args.max_tokens)
-        llm.engine.reset_metrics()
-        start = time.perf_counter()
-        outs = llm.generate(prompts, params)
-        wall = time.perf_counter() - start
-        figures = llm.metrics(wall)
-        tokens = sum(len(o.token_ids) for o in outs)
-        print(f"  {name} batch {batch} {method}: {tokens / wall:.1f} tok/s ({wall:.1f} s)", file=sys.stderr, flush=True)
-        results[name] = {"tok_s": tokens / wall, "wall_s": wall, "tokens": tokens,
-                         "outputs": [o.token_ids for o in outs],
-                         "spec": (figures.get("speculative") or {}).get(method)}
+        count = max(2, batch) if args.quick else max(4, min(2 * batch, 64))
+        prompts, params = workload(name, llm.tokenizer, count, args.max_tokens)
+        for _ in range(args.repeats):
+            for method in methods:
+                config = SpeculativeConfig.from_dict(
+                    {"method": method, "num_speculative_tokens": args.k} if method != "off" else {})
+                engine.speculator = Speculator(config, engine.max_model_len, engine.model_config.vocab_size) \
+                    if config is not None else None
+                engine.reset_metrics()
+                start = time.perf_counter()
+                outs = llm.generate(prompts, params)
+                wall = time.perf_counter() - start
+                tokens = sum(len(o.token_ids) for o in outs)
+                print(f"  {name} batch {batch} {method}: {tokens / wall:.1f} tok/s ({wall:.1f} s)", file=sys.stderr,
+                      flush=True)
+                best = results.get((method, name))
+                if best is None or wall < best["wall_s"]:
+                    figures = llm.metrics(wall)
+                    results[(method, name)] = {"tok_s": tokens / wall, "wall_s": wall, "tokens": tokens,
+                                               "outputs": [o.token_ids for o in outs],
+                                               "spec": (figures.get("speculative") or {}).get(method)}
     llm.close()
     return results
 
@@ -87,11 +101,12 @@ def run(method: str, batch: int, names: list[str], args) -> dict[str, dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer prompts and tokens, batch sizes 1 and 8")
-    parser.add_argument("--methods", default="ngram", help="comma-separated speculative methods")
+    parser.add_argument("--methods", default="ngram,suffix", help="comma-separated speculative methods")
     parser.add_argument("--batch-sizes", default=None, help="max_num_seqs values (default 1,8,64)")
     parser.add_argument("--workloads", default="copy,summarize,extract")
     parser.add_argument("--max-tokens", type=int, default=None, help="output tokens (default 96; extract: its job's)")
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    parser.add_argument("--repeats", type=int, default=1, help="runs of each measurement (the fastest counts)")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--json", default=None, help="also write the figures to this file")
     args = parser.parse_args()
@@ -103,7 +118,10 @@ def main() -> None:
     methods = ["off"] + args.methods.split(",")
     print(f"cpu capability {torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads, "
           f"dtype {args.dtype}, {MODEL}, num_speculative_tokens {args.k}")
-    table = {(m, b): run(m, b, names, args) for b in sizes for m in methods}
+    table = {}
+    for b in sizes:
+        for (m, name), r in run(b, names, methods, args).items():
+            table.setdefault((m, b), {})[name] = r
     header = f"{'workload':<10} {'batch':>5} {'method':<7} {'tok/s':>8} {'ratio':>6} {'accept':>7} " \
              f"{'mean len':>8} {'drafting':>8} {'same':>5}"
     print(header)

@@ -29,6 +29,17 @@ def test_the_prior_holds_the_slope_until_the_steps_vary():
     assert a + 8 * b == pytest.approx(0.024, rel=0.02) and b > 0
 
 
+def test_one_expensive_verification_turns_drafting_off():
+    """Measured on a shared 2-core machine: a decode step 0.7 s, a step verifying 4 drafts 8 s."""
+    model = StepCostModel()
+    model.observe(1, 0.7)
+    a, b = model.coefficients()
+    assert choose_draft_lengths([0.5], [4], a, b)[0] > 0  # the prior: extra positions are cheap
+    model.observe(5, 8.0)
+    a, b = model.coefficients()
+    assert b > 1.0 and choose_draft_lengths([0.9], [4], a, b) == [0]
+
+
 @pytest.mark.parametrize("batch", [8, 64, 256])
 def test_compute_bound_steps_get_no_drafts(batch):
     # Every token costs as much as the fixed part over 4 tokens: a batch's step grows in proportion to it.

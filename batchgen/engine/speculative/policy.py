@@ -14,8 +14,8 @@ import heapq
 from dataclasses import dataclass, field
 
 PRIOR_KNEE_TOKENS = 16.0  # before any data: a step of this many tokens takes twice a step of one
-PRIOR_WEIGHT = 2.0  # the prior counts as this many steps
-DECAY = 0.98  # older steps fade: the fit follows the workload's current shape
+PRIOR_WEIGHT = 0.5  # the prior (a, b) weighs as half a step of the first step's size: two sizes outweigh it
+DECAY = 0.999  # older steps fade slowly: a and b are the machine's and the model's, not the batch's
 PRIOR_ACCEPTANCE = 0.5  # a method's acceptance rate before it has verified anything
 SEQ_DECAY = 0.8
 SEQ_PRIOR_TRIALS = 2.0  # a sequence's estimate leans on the method's rate for about this many drafts
@@ -24,34 +24,26 @@ MIN_GAIN = 1.03  # drafting must beat plain decode's tokens per second by 3 %: p
 
 @dataclass
 class StepCostModel:
-    """Online weighted least squares of step seconds on tokens computed, anchored by a prior until the steps
-    vary enough to fit a slope."""
+    """Online ridge regression of step seconds on tokens computed: weighted least squares over the decode
+    steps seen (decayed), pulled towards a prior (a0, b0) set from the first step. The prior is a penalty
+    on the coefficients, not pseudo-steps: with steps of one size only, the slope stays the prior's; two
+    sizes fix it."""
 
     knee_tokens: float = PRIOR_KNEE_TOKENS
     prior_weight: float = PRIOR_WEIGHT
     decay: float = DECAY
     _sums: list[float] = field(default_factory=lambda: [0.0] * 5)  # w, w*x, w*y, w*x*x, w*x*y
-    _prior: list[float] | None = None
+    _prior: tuple[float, float, float] | None = None  # a0, b0, the first step's tokens
 
     def observe(self, tokens: int, seconds: float) -> None:
         if tokens <= 0 or seconds <= 0:
             return
         if self._prior is None:
-            self._prior = self._prior_sums(tokens, seconds)
+            a0 = seconds / (1 + tokens / self.knee_tokens)
+            self._prior = (a0, a0 / self.knee_tokens, float(tokens))
         self._sums = [v * self.decay for v in self._sums]
         for i, v in enumerate((1.0, tokens, seconds, tokens * tokens, tokens * seconds)):
             self._sums[i] += v
-
-    def _prior_sums(self, tokens: int, seconds: float) -> list[float]:
-        """Two pseudo-steps on the prior's line through the first measured step."""
-        a = seconds / (1 + tokens / self.knee_tokens)
-        b = a / self.knee_tokens
-        sums = [0.0] * 5
-        for x in (1.0, 2 * self.knee_tokens):
-            y, w = a + b * x, self.prior_weight / 2
-            for i, v in enumerate((1.0, x, y, x * x, x * y)):
-                sums[i] += w * v
-        return sums
 
     @property
     def fitted(self) -> bool:
@@ -61,14 +53,18 @@ class StepCostModel:
         """(a seconds, b seconds per token); before any step, the prior's shape at a = 1."""
         if self._prior is None:
             return 1.0, 1.0 / self.knee_tokens
-        w, sx, sy, sxx, sxy = (p + s for p, s in zip(self._prior, self._sums))
-        det = w * sxx - sx * sx
-        b = (w * sxy - sx * sy) / det if det > 0 else 0.0
+        a0, b0, scale = self._prior
+        la, lb = self.prior_weight, self.prior_weight * scale ** 2
+        w, sx, sy, sxx, sxy = self._sums
+        # Normal equations of sum w (y - a - b x)^2 + la (a - a0)^2 + lb (b - b0)^2.
+        m00, m01, m11 = w + la, sx, sxx + lb
+        r0, r1 = sy + la * a0, sxy + lb * b0
+        det = m00 * m11 - m01 * m01
+        a, b = (r0 * m11 - m01 * r1) / det, (m00 * r1 - m01 * r0) / det
         if b < 0:
-            return sy / w, 0.0
-        a = (sy - b * sx) / w
+            return r0 / m00, 0.0
         if a < 0:
-            return 0.0, sxy / sxx
+            return 0.0, r1 / m11
         return a, b
 
 
