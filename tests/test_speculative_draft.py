@@ -122,6 +122,18 @@ def test_a_draft_whose_tokenizer_numbers_tokens_otherwise_is_refused(tmp_path, t
         draft_llm(tiny_model, other)
 
 
+def test_a_job_spec_names_its_draft_model(tmp_path, tiny_model, always_draft):
+    from batchgen.pipeline.runner import run_job
+    from tests.job_helpers import make_spec, records, write_jsonl
+
+    inp, out = write_jsonl(tmp_path / "in.jsonl", records(3)), tmp_path / "out"
+    engine = {"speculative_config": {"method": "draft_model", "model": str(tiny_model)}, "kv_cache_memory": 16 << 20}
+    stats = run_job(make_spec(tiny_model, inp, out, engine=engine, sampling={"max_tokens": 8, "ignore_eos": True}),
+                    quiet=True)
+    figures = stats["engine"]["speculative"]["draft_model"]
+    assert figures["proposed_tokens"] > 0 and figures["acceptance_rate"] >= 0.9
+
+
 @pytest.mark.parametrize("config, message", [
     ({"method": "draft_model"}, "needs 'model'"),
     ({"method": "draft_model", "model": ""}, "needs 'model'"),
