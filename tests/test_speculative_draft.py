@@ -75,7 +75,7 @@ def test_greedy_with_a_tiny_draft_equals_spec_off(other_draft, always_draft):
         assert max(abs(u - v) for u, v in zip(x.logprobs, y.logprobs, strict=True)) < 1e-5
     (figures,) = llm.metrics()["speculative"].values()
     assert 0 < figures["accepted_tokens"] < figures["proposed_tokens"]  # kept and rejected drafts both
-    assert speculator.figures()["draft_ms_per_token"] > 0  # the draft's time was measured
+    assert speculator.figures()["draft_ms_per_step"] > 0  # the draft's time was measured
     assert speculator.proposer.steady_seconds > 0
     # Each call hands the draft whole contexts; its prefix cache keeps all but the new tokens' KV.
     assert 0 < draft.metrics.prompt_tokens_computed < 0.5 * draft.metrics.prefix_cache_queries
@@ -155,9 +155,10 @@ def test_an_expensive_proposer_gets_no_drafts():
     assert choose_draft_lengths([0.8] * 4, [4] * 4, a, b) == [4] * 4
     assert choose_draft_lengths([0.8] * 4, [4] * 4, a, b, draft_s=0.05) == [0] * 4
     cost = DraftCost()
-    cost.observe(4, 0.2)
-    cost.observe(4, 0.2)
-    assert cost.seconds_per_token == pytest.approx(0.05)
+    cost.observe(4, 0.2)  # 4 draft steps in 0.2 s
+    cost.observe(2, 0.1)
+    assert cost.seconds_per_step == pytest.approx(0.05)
+    assert cost.per_token(5) == pytest.approx(0.01)  # a step drafts one token for each of 5 sequences
 
 
 class SlowProposer:
@@ -197,5 +198,5 @@ def test_the_speculator_charges_the_proposers_time(tiny_model, monkeypatch, dela
         figures = llm.metrics()["speculative"]["ngram"]
     assert outs[0].token_ids == reference[0].token_ids
     # The first proposal is measured: a proposer slower than the step it saves is then left out (12.5 ms per
-    # drafted token against 10 ms steps), a free one keeps drafting.
+    # draft step, of one sequence, against 10 ms steps), a free one keeps drafting.
     assert (figures["drafting_share"] > 0.5) == drafts_later

@@ -4,8 +4,8 @@ A step's time is fitted as ``a + b * tokens`` from the engine's own decode steps
 (reading the weights) dominates and extra query positions are nearly free; at large batches the step is
 compute-bound and every extra position costs about as much as a plain decode token. A sequence's draft
 tokens are accepted one after another with probability ``alpha`` (its running estimate), so its j-th draft
-adds ``alpha ** j`` expected tokens for ``b`` more seconds, plus the proposer's own measured seconds per drafted
-token (a draft model's forward passes; about zero for prompt lookup). Drafts are handed out, best first, while
+adds ``alpha ** j`` expected tokens for ``b`` more seconds, plus what proposing it costs: the proposer's measured
+seconds per draft step over the batch (a draft model's forward passes; about zero for prompt lookup). Drafts are handed out, best first, while
 each raises the step's expected tokens per second.
 """
 from __future__ import annotations
@@ -102,20 +102,26 @@ class AcceptanceTracker:
 
 @dataclass
 class DraftCost:
-    """The proposer's seconds per drafted token, a decayed mean over its calls."""
+    """The proposer's seconds per draft step (a call's time over the most drafts it gave one sequence), a decayed
+    mean over its calls. A draft model runs one step for the whole batch per draft token, at about the same cost
+    whatever the batch (a small model is memory-bound), so a drafted token costs a step's time over the batch."""
 
     decay: float = 0.8
     _seconds: float = 0.0
-    _tokens: float = 0.0
+    _steps: float = 0.0
 
-    def observe(self, tokens: int, seconds: float) -> None:
-        if tokens > 0:
+    def observe(self, steps: int, seconds: float) -> None:
+        if steps > 0:
             self._seconds = self._seconds * self.decay + max(0.0, seconds)
-            self._tokens = self._tokens * self.decay + tokens
+            self._steps = self._steps * self.decay + steps
 
     @property
-    def seconds_per_token(self) -> float:
-        return self._seconds / self._tokens if self._tokens else 0.0
+    def seconds_per_step(self) -> float:
+        return self._seconds / self._steps if self._steps else 0.0
+
+    def per_token(self, batch: int) -> float:
+        """Seconds one draft token costs in a step of ``batch`` decoding sequences."""
+        return self.seconds_per_step / max(1, batch)
 
 
 def choose_draft_lengths(rates: list[float], caps: list[int], a: float, b: float,

@@ -77,7 +77,7 @@ class Speculator:
         decoding = [s for s in running if s.status == SequenceStatus.RUNNING and s.num_computed_tokens == s.num_tokens - 1]
         a, b = self.cost.coefficients()
         ks = choose_draft_lengths([self.acceptance.rate(s.seq_id) for s in decoding],
-                                  [self._cap(s) for s in decoding], a, b, self.draft_cost.seconds_per_token)
+                                  [self._cap(s) for s in decoding], a, b, self.draft_cost.per_token(len(decoding)))
         self._plan = {s.seq_id: k for s, k in zip(decoding, ks) if k > 0}
         c = self.counts
         c.spec_decode_seqs += len(decoding)
@@ -96,7 +96,7 @@ class Speculator:
         start = time.perf_counter()
         batch = propose_batch(self.proposer, [(seq.seq_id, seq.token_ids, k) for seq, k in drafting])
         seconds = getattr(self.proposer, "steady_seconds", None)  # its own account of one-off work, if it keeps one
-        self.draft_cost.observe(sum(k for _, k in drafting), seconds if seconds is not None else
+        self.draft_cost.observe(max(k for _, k in drafting), seconds if seconds is not None else
                                 time.perf_counter() - start)
         drafts = {}
         for (seq, k), proposed in zip(drafting, batch, strict=True):
@@ -134,5 +134,5 @@ class Speculator:
         a, b = self.cost.coefficients()
         return {"cost_fitted": self.cost.fitted, "cost_base_ms": round(a * 1e3, 4),
                 "cost_ms_per_token": round(b * 1e3, 5),
-                "draft_ms_per_token": round(self.draft_cost.seconds_per_token * 1e3, 5),
+                "draft_ms_per_step": round(self.draft_cost.seconds_per_step * 1e3, 5),
                 "method_acceptance_rate": round(self.acceptance.method_rate, 4)}
