@@ -140,7 +140,8 @@ def test_greedy_equals_spec_off_in_mixed_steps(narrow, always_draft, method):
     assert figures["proposed_tokens"] > 0 and figures["draft_rows"] > 0
 
 
-@pytest.mark.parametrize("shift", [0, 1], ids=["target-continuation", "always-wrong"])
+@pytest.mark.parametrize("shift", [0, pytest.param(1, marks=pytest.mark.slow)],
+                         ids=["target-continuation", "always-wrong"])
 def test_known_drafts_are_kept_or_rejected_and_outputs_stay(narrow, always_draft, shift):
     prompts = mixed_prompts(narrow.llm, repeats=(1, 2))
     params = SamplingParams(max_tokens=23, temperature=0, ignore_eos=True, logprobs=True)  # not a multiple of 5
@@ -156,6 +157,7 @@ def test_known_drafts_are_kept_or_rejected_and_outputs_stay(narrow, always_draft
         assert figures["accepted_tokens"] == 0 and figures["proposed_tokens"] > 0
 
 
+@pytest.mark.slow
 def test_preemption_under_a_small_kv_budget(tiny_model, narrow, always_draft):
     prompts = [narrow.tokenizer.encode(f"{i} " + TEXT * 3)[:60] for i in range(5)]
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, logprobs=True)
@@ -258,7 +260,8 @@ def test_grammar_rows_stay_schema_valid_beside_free_rows(narrow, always_draft):
     assert narrow.figures()["proposed_tokens"] > 0
 
 
-@pytest.mark.parametrize("shift", [0, 1], ids=["target-continuation", "always-wrong"])
+@pytest.mark.parametrize("shift", [0, pytest.param(1, marks=pytest.mark.slow)],
+                         ids=["target-continuation", "always-wrong"])
 def test_grammar_rows_verify_drafts_under_each_positions_mask(narrow, always_draft, shift):
     """Drafts walk the grammar's matcher: each position is sampled under the mask after the drafts before it,
     and drafts the grammar disallows are cut before they are verified."""
@@ -293,6 +296,7 @@ def test_bad_speculative_config_is_refused_clearly(tiny_model, config, message):
         make_llm(tiny_model, config)
 
 
+@pytest.mark.slow
 def test_a_job_with_speculation_reports_it_in_stats_and_the_report(tmp_path, tiny_model, always_draft):
     from batchgen.pipeline.runner import run_job
     from batchgen.report import build_report

@@ -38,6 +38,7 @@ def test_one_expensive_verification_turns_drafting_off():
     model.observe(5, 8.0)
     a, b = model.coefficients()
     assert b > 1.0 and choose_draft_lengths([0.9], [4], a, b) == [0]
+    assert choose_draft_lengths([], [], 0.0, b) == []  # a step with no decoding sequence
 
 
 @pytest.mark.parametrize("batch", [8, 64, 256])

@@ -132,6 +132,8 @@ def choose_draft_lengths(rates: list[float], caps: list[int], a: float, b: float
     ks = [0] * len(rates)
     per_draft = b + draft_s
     expected, seconds = float(len(rates)), a + b * len(rates)
+    if seconds <= 0:  # no decoding sequence, or no measured cost to weigh drafts against
+        return ks
     plain = expected / seconds
     heap = [(-r, i) for i, (r, cap) in enumerate(zip(rates, caps)) if cap > 0 and r > 0]
     heapq.heapify(heap)
