@@ -186,8 +186,9 @@ class EngineConfig:
                                     "and rebalance placements during the job")
     eplb_config: dict = knob({}, "EPLB settings: num_redundant_experts, window_size, step_interval, "
                                  "log_balancedness, calibrate_once, skip_unprofitable")
-    speculative_config: dict = knob({}, "speculative decoding (vLLM's keys): method (ngram, suffix), "
-                                        "num_speculative_tokens, prompt_lookup_min, prompt_lookup_max; a cost "
+    speculative_config: dict = knob({}, "speculative decoding (vLLM's keys): method (ngram, suffix, "
+                                        "draft_model with its model), num_speculative_tokens, prompt_lookup_min, "
+                                        "prompt_lookup_max; a cost "
                                         "model picks 0..num_speculative_tokens drafts per sequence and step")
 
     def __post_init__(self) -> None:

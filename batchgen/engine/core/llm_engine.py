@@ -23,6 +23,7 @@ from batchgen.engine.sampling.params import SamplingParams
 from batchgen.engine.sampling.sampler import TokenBitmask
 from batchgen.engine.sampling.stopping import finish_reason, output_text
 from batchgen.engine.speculative.config import SpeculativeConfig
+from batchgen.engine.speculative.draft_model import build_draft_proposer
 from batchgen.engine.speculative.speculator import Speculator
 from batchgen.engine.speculative.verify import first_rows
 from batchgen.engine.sampling.structured import (
@@ -108,7 +109,9 @@ class LLMEngine:
         self._in_flight: InFlightStep | None = None
         self._last_done = 0.0  # when the latest step's tokens arrived
         spec = SpeculativeConfig.from_dict(config.speculative_config)
-        self.speculator = Speculator(spec, self.max_model_len, self.model_config.vocab_size) if spec is not None else None
+        draft = build_draft_proposer(spec, self, LLMEngine) if spec is not None and spec.method == "draft_model" else None
+        self.speculator = (Speculator(spec, self.max_model_len, self.model_config.vocab_size, draft)
+                           if spec is not None else None)
         self.reset_metrics()
 
     @property
@@ -190,8 +193,8 @@ class LLMEngine:
             # no overlap for this step.
             finished += self._complete(previous)
             previous = None
-        start = time.perf_counter()
         drafts = self.speculator.propose(self._running()) if drafting else None
+        start = time.perf_counter()  # the proposer's time is its own cost in the policy, not the step's
         steps = [r.scheduler.schedule(drafts) for r in self.replicas]
         launched = self._launch(steps, start) if any(step.seqs for step in steps) else None
         if previous is not None:
@@ -345,6 +348,8 @@ class LLMEngine:
             self.prefix_tiers.close()  # queued store writes land first, and count
             self.metrics.add_tier_counters(self.prefix_tiers.take_counters())
         self.executor.shutdown()
+        if self.speculator is not None:
+            self.speculator.close()
         if self._grammars is not None:
             self._grammars.close()
 

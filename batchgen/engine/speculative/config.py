@@ -6,9 +6,10 @@ from typing import Any
 
 from batchgen.engine.speculative.suffix import SuffixOptions
 
-BUILT_METHODS = ("ngram", "suffix")
+BUILT_METHODS = ("ngram", "suffix", "draft_model")
 NGRAM_KEYS = ("prompt_lookup_min", "prompt_lookup_max")
-PLANNED_METHODS = ("mtp", "draft_model", "eagle", "eagle3", "medusa")
+DRAFT_MODEL_KEYS = ("model",)  # a folder, GGUF file or built-in name, loaded like the target
+PLANNED_METHODS = ("mtp", "eagle", "eagle3", "medusa")
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -19,7 +20,8 @@ class SpeculativeConfig:
     ``num_speculative_tokens`` is the most draft tokens one sequence verifies in a step; the cost model picks
     0 .. that many per sequence and step. ``prompt_lookup_min`` / ``prompt_lookup_max`` bound the n-gram the
     ``ngram`` method matches. The ``suffix`` method's own keys (``options``: max_tree_depth, max_spec_factor,
-    max_spec_offset, min_token_prob, max_cached_tokens, max_cached_nodes, cache_prompts) go to its proposer.
+    max_spec_offset, min_token_prob, max_cached_tokens, max_cached_nodes, cache_prompts) go to its proposer;
+    the ``draft_model`` method's ``model`` (the draft's folder, GGUF file or built-in name) is in ``options`` too.
     """
 
     method: str
@@ -52,12 +54,14 @@ class SpeculativeConfig:
             raise ValueError(f"unknown speculative_config key(s) for method 'ngram': "
                              f"{', '.join(map(repr, sorted(options)))}; known: num_speculative_tokens, "
                              f"prompt_lookup_min, prompt_lookup_max")
+        misplaced = sorted(set(ints) & set(NGRAM_KEYS)) if method != "ngram" else []
+        if misplaced:
+            raise ValueError(f"speculative_config {', '.join(map(repr, misplaced))}: keys of method 'ngram', "
+                             f"not {method!r}")
         if method == "suffix":
-            misplaced = sorted(set(ints) & set(NGRAM_KEYS))
-            if misplaced:
-                raise ValueError(f"speculative_config {', '.join(map(repr, misplaced))}: keys of method 'ngram', "
-                                 f"not 'suffix'")
             SuffixOptions.parse(options)  # its own keys, refused here if unknown
+        if method == "draft_model":
+            _check_draft_model_options(options)
         parsed = cls(method=method, options=options, **ints)
         parsed._check()
         return parsed
@@ -71,3 +75,14 @@ class SpeculativeConfig:
         if self.prompt_lookup_max < self.prompt_lookup_min:
             raise ValueError(f"speculative_config prompt_lookup_max ({self.prompt_lookup_max}) must be >= "
                              f"prompt_lookup_min ({self.prompt_lookup_min})")
+
+
+def _check_draft_model_options(options: dict[str, Any]) -> None:
+    unknown = sorted(set(options) - set(DRAFT_MODEL_KEYS))
+    if unknown:
+        raise ValueError(f"unknown speculative_config key(s) for method 'draft_model': "
+                         f"{', '.join(map(repr, unknown))}; known: num_speculative_tokens, model")
+    model = options.get("model")
+    if not isinstance(model, str) or not model.strip():
+        raise ValueError("speculative_config method 'draft_model' needs 'model': the path or built-in name of a "
+                         f"small model with the target's tokenizer, got {model!r}")

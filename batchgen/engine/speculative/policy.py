@@ -4,8 +4,9 @@ A step's time is fitted as ``a + b * tokens`` from the engine's own decode steps
 (reading the weights) dominates and extra query positions are nearly free; at large batches the step is
 compute-bound and every extra position costs about as much as a plain decode token. A sequence's draft
 tokens are accepted one after another with probability ``alpha`` (its running estimate), so its j-th draft
-adds ``alpha ** j`` expected tokens for ``b`` more seconds. Drafts are handed out, best first, while each
-raises the step's expected tokens per second.
+adds ``alpha ** j`` expected tokens for ``b`` more seconds, plus what proposing it costs: the proposer's measured
+seconds per draft step over the batch (a draft model's forward passes; about zero for prompt lookup). Drafts are handed out, best first, while
+each raises the step's expected tokens per second.
 """
 from __future__ import annotations
 
@@ -99,10 +100,37 @@ class AcceptanceTracker:
         self._seqs.pop(seq_id, None)
 
 
-def choose_draft_lengths(rates: list[float], caps: list[int], a: float, b: float) -> list[int]:
+@dataclass
+class DraftCost:
+    """The proposer's seconds per draft step (a call's time over the most drafts it gave one sequence), a decayed
+    mean over its calls. A draft model runs one step for the whole batch per draft token, at about the same cost
+    whatever the batch (a small model is memory-bound), so a drafted token costs a step's time over the batch."""
+
+    decay: float = 0.8
+    _seconds: float = 0.0
+    _steps: float = 0.0
+
+    def observe(self, steps: int, seconds: float) -> None:
+        if steps > 0:
+            self._seconds = self._seconds * self.decay + max(0.0, seconds)
+            self._steps = self._steps * self.decay + steps
+
+    @property
+    def seconds_per_step(self) -> float:
+        return self._seconds / self._steps if self._steps else 0.0
+
+    def per_token(self, batch: int) -> float:
+        """Seconds one draft token costs in a step of ``batch`` decoding sequences."""
+        return self.seconds_per_step / max(1, batch)
+
+
+def choose_draft_lengths(rates: list[float], caps: list[int], a: float, b: float,
+                         draft_s: float = 0.0) -> list[int]:
     """Draft tokens per decoding sequence that maximise expected tokens per second for a step of
-    ``len(rates)`` decodes costing ``a + b * tokens``; all zeros where no draft pays (compute-bound steps)."""
+    ``len(rates)`` decodes costing ``a + b * tokens``, each draft token also costing ``draft_s`` seconds to
+    propose; all zeros where no draft pays (compute-bound steps, slow proposers)."""
     ks = [0] * len(rates)
+    per_draft = b + draft_s
     expected, seconds = float(len(rates)), a + b * len(rates)
     if seconds <= 0:  # no decoding sequence, or no measured cost to weigh drafts against
         return ks
@@ -111,12 +139,12 @@ def choose_draft_lengths(rates: list[float], caps: list[int], a: float, b: float
     heapq.heapify(heap)
     while heap:
         gain, i = -heap[0][0], heap[0][1]
-        if (expected + gain) * seconds <= expected * (seconds + b):  # (E + g) / (T + b) <= E / T
+        if (expected + gain) * seconds <= expected * (seconds + per_draft):  # (E + g) / (T + c) <= E / T
             break
         heapq.heappop(heap)
         ks[i] += 1
         expected += gain
-        seconds += b
+        seconds += per_draft
         if ks[i] < caps[i]:
             heapq.heappush(heap, (-gain * rates[i], i))
     if expected / seconds < MIN_GAIN * plain:

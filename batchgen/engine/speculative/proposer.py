@@ -9,9 +9,14 @@ class Proposer(Protocol):
 
     The engine calls ``add_request`` once per request when it is queued, ``propose`` before a step in which
     the cost model gives the sequence ``k`` > 0 draft tokens (``tokens`` is its prompt followed by its
-    completion so far), and ``finish`` once the request has finished (``tokens`` then holds its whole
+    completion so far; a proposer that drafts a step's sequences together also has ``propose_batch``, see
+    :func:`propose_batch`), and ``finish`` once the request has finished (``tokens`` then holds its whole
     completion), so that a proposer can learn from it and drop what it kept for the request. A proposer
     built with ``num_speculative_tokens`` never needs to return more tokens than that.
+
+    The speculator charges a proposer's time per drafted token in the cost model: a call's wall time, or its
+    ``steady_seconds`` where it sets one after each call (the part that drafting costs each step, one-off work
+    such as a draft model's first pass over a new prompt left out).
     """
 
     def add_request(self, seq_id: int, prompt: Sequence[int]) -> None: ...
@@ -19,3 +24,15 @@ class Proposer(Protocol):
     def propose(self, seq_id: int, tokens: Sequence[int], k: int) -> list[int]: ...
 
     def finish(self, seq_id: int, tokens: Sequence[int], num_prompt_tokens: int) -> None: ...
+
+
+DraftRequest = tuple[int, Sequence[int], int]  # (seq_id, tokens, k), as ``propose`` takes them
+
+
+def propose_batch(proposer: Proposer, requests: list[DraftRequest]) -> list[list[int]]:
+    """Drafts of a step's sequences, in order: the proposer's own ``propose_batch`` where it has one (a draft
+    model runs them as one batch), else ``propose`` once per sequence."""
+    batch = getattr(proposer, "propose_batch", None)
+    if batch is not None:
+        return batch(requests)
+    return [proposer.propose(seq_id, tokens, k) for seq_id, tokens, k in requests]

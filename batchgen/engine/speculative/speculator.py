@@ -3,6 +3,7 @@ and keeps the acceptance estimates and each step's counts."""
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, fields
 from typing import Iterable
 
@@ -10,8 +11,8 @@ from batchgen.engine.core.sequence import Sequence, SequenceStatus
 from batchgen.engine.sampling.structured import draft_bitmask_rows
 from batchgen.engine.speculative.config import SpeculativeConfig
 from batchgen.engine.speculative.ngram import NgramProposer
-from batchgen.engine.speculative.policy import AcceptanceTracker, StepCostModel, choose_draft_lengths
-from batchgen.engine.speculative.proposer import Proposer
+from batchgen.engine.speculative.policy import AcceptanceTracker, DraftCost, StepCostModel, choose_draft_lengths
+from batchgen.engine.speculative.proposer import Proposer, propose_batch
 from batchgen.engine.speculative.suffix import SuffixProposer
 
 log = logging.getLogger(__name__)
@@ -23,6 +24,9 @@ def build_proposer(config: SpeculativeConfig) -> Proposer:
         return NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
     if config.method == "suffix":
         return SuffixProposer(config.num_speculative_tokens, **config.options)
+    if config.method == "draft_model":
+        raise ValueError("speculative method 'draft_model' needs its draft engine: the target's engine builds "
+                         "its proposer (draft_model.build_draft_proposer)")
     raise ValueError(f"speculative method {config.method!r} has no proposer in this build")
 
 
@@ -50,6 +54,7 @@ class Speculator:
         self.proposer = proposer if proposer is not None else build_proposer(config)
         self.cost = StepCostModel()
         self.acceptance = AcceptanceTracker()
+        self.draft_cost = DraftCost()
         self._plan: dict[int, int] = {}
         self.counts = SpecCounts()
 
@@ -72,7 +77,7 @@ class Speculator:
         decoding = [s for s in running if s.status == SequenceStatus.RUNNING and s.num_computed_tokens == s.num_tokens - 1]
         a, b = self.cost.coefficients()
         ks = choose_draft_lengths([self.acceptance.rate(s.seq_id) for s in decoding],
-                                  [self._cap(s) for s in decoding], a, b)
+                                  [self._cap(s) for s in decoding], a, b, self.draft_cost.per_token(len(decoding)))
         self._plan = {s.seq_id: k for s, k in zip(decoding, ks) if k > 0}
         c = self.counts
         c.spec_decode_seqs += len(decoding)
@@ -83,16 +88,23 @@ class Speculator:
     def propose(self, running: Iterable[Sequence]) -> dict[int, list[int]]:
         """Drafts of the planned sequences still running (by seq_id); none for a sequence the proposer has
         nothing for."""
-        drafts = {}
-        for seq in running:
-            k = self._plan.get(seq.seq_id, 0)
-            if k and not seq.is_finished and seq.token_ids[-1] >= 0:
-                proposed = self.proposer.propose(seq.seq_id, seq.token_ids, k)[:k]
-                if proposed and seq.grammar is not None:  # keep what the grammar allows
-                    proposed = proposed[:draft_bitmask_rows(seq.grammar, proposed, self.vocab_size)[1]]
-                if proposed:
-                    drafts[seq.seq_id] = proposed
+        drafting = [(seq, self._plan.get(seq.seq_id, 0)) for seq in running]
+        drafting = [(seq, k) for seq, k in drafting if k and not seq.is_finished and seq.token_ids[-1] >= 0]
         self._plan = {}
+        if not drafting:
+            return {}
+        start = time.perf_counter()
+        batch = propose_batch(self.proposer, [(seq.seq_id, seq.token_ids, k) for seq, k in drafting])
+        seconds = getattr(self.proposer, "steady_seconds", None)  # its own account of one-off work, if it keeps one
+        self.draft_cost.observe(max(k for _, k in drafting), seconds if seconds is not None else
+                                time.perf_counter() - start)
+        drafts = {}
+        for (seq, k), proposed in zip(drafting, batch, strict=True):
+            proposed = proposed[:k]
+            if proposed and seq.grammar is not None:  # keep what the grammar allows
+                proposed = proposed[:draft_bitmask_rows(seq.grammar, proposed, self.vocab_size)[1]]
+            if proposed:
+                drafts[seq.seq_id] = proposed
         return drafts
 
     def verified(self, seq_id: int, proposed: int, accepted: int) -> None:
@@ -111,8 +123,16 @@ class Speculator:
         if prefill_tokens == 0:
             self.cost.observe(tokens, seconds)
 
+    def close(self) -> None:
+        """Stops what the proposer runs (a draft model's engine)."""
+        close = getattr(self.proposer, "close", None)
+        if close is not None:
+            close()
+
     def figures(self) -> dict[str, float]:
         """The cost model's current fit, for the metrics."""
         a, b = self.cost.coefficients()
         return {"cost_fitted": self.cost.fitted, "cost_base_ms": round(a * 1e3, 4),
-                "cost_ms_per_token": round(b * 1e3, 5), "method_acceptance_rate": round(self.acceptance.method_rate, 4)}
+                "cost_ms_per_token": round(b * 1e3, 5),
+                "draft_ms_per_step": round(self.draft_cost.seconds_per_step * 1e3, 5),
+                "method_acceptance_rate": round(self.acceptance.method_rate, 4)}

@@ -1,0 +1,126 @@
+"""Draft-model speculation (``"draft_model"``): a small model with the target's tokenizer, run by batchgen's own
+engine, drafts each sequence's next tokens greedily.
+
+The draft's tokens are its argmax continuation, a deterministic function of the context. The target's acceptance
+rule for deterministic drafts (a one-hot q: the draft d is kept with probability p(d), and on rejection the token is
+p with d removed and renormalized) is therefore exactly lossless at any temperature, with no draft probabilities.
+Not built: drafts sampled from the draft's distribution with Leviathan et al.'s min(1, p/q) rule.
+
+The draft runs as its own engine on the target's device and dtype, with a modest KV cache and prefix caching: each
+call queues one greedy request of ``k`` tokens per drafting sequence (its whole context) and steps them together,
+so a call is one step computing every sequence's new tokens and k - 1 decode steps for the batch. The prefix cache
+still holds each context's KV from the previous call: only the tokens since then (and the last, partial block)
+are computed again. The first call for a sequence computes its whole prompt, a cost paid once per request, so a
+call's ``steady_seconds`` (what the cost model charges) counts its first step as one more decode step.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from batchgen.engine.config import EngineConfig
+from batchgen.engine.core.outputs import RequestOutput
+from batchgen.engine.sampling.params import SamplingParams
+from batchgen.engine.speculative.config import SpeculativeConfig
+from batchgen.engine.speculative.proposer import DraftRequest
+
+DRAFT_KV_CACHE_BYTES = 1 << 30  # the draft's KV cache, unless the target's own is smaller
+VOCAB_SAMPLE = 64  # token ids compared between the two tokenizers, spread over the vocabulary
+
+
+def draft_engine_config(target: EngineConfig, draft_model: str) -> EngineConfig:
+    """The draft's engine: the target's device, dtype, batch limits and kernels, one device, prefix caching on."""
+    kv = min(DRAFT_KV_CACHE_BYTES, target.kv_cache_memory or DRAFT_KV_CACHE_BYTES)
+    return EngineConfig(
+        model=draft_model, dtype=target.dtype_choice.name, device=target.torch_device().type,
+        storage_options=target.storage_options, max_num_batched_tokens=target.max_num_batched_tokens,
+        max_num_seqs=target.max_num_seqs, block_size=target.block_size, kv_cache_memory=kv,
+        enable_prefix_caching=True, attention_backend=target.attention_backend, cuda_graphs=target.cuda_graphs,
+        overlap_schedule="off")
+
+
+@dataclass(frozen=True)
+class Vocabulary:
+    """What two models must share for one to draft for the other: embedding rows and tokenizer."""
+
+    model_rows: int
+    tokenizer: Any  # batchgen.engine.tokenizer.ModelTokenizer
+
+    def mismatch(self, draft: "Vocabulary") -> str | None:
+        """Why ``draft`` cannot draft for this model, or None when the two vocabularies agree."""
+        if draft.model_rows != self.model_rows:
+            return f"the draft's vocabulary has {draft.model_rows} token ids, the target's {self.model_rows}"
+        mine, theirs = self.tokenizer, draft.tokenizer
+        if len(theirs) != len(mine):
+            return f"the draft's tokenizer has {len(theirs)} tokens, the target's {len(mine)}"
+        for name in ("eos_token_id", "bos_token_id", "pad_token_id"):
+            if getattr(theirs, name) != getattr(mine, name):
+                return f"the draft's {name} is {getattr(theirs, name)}, the target's {getattr(mine, name)}"
+        step = max(1, len(mine) // VOCAB_SAMPLE)
+        for token_id in [*range(0, len(mine), step), len(mine) - 1]:
+            a, b = (t.decode([token_id], skip_special_tokens=False) for t in (mine, theirs))
+            if a != b:
+                return f"token id {token_id} is {b!r} to the draft's tokenizer, {a!r} to the target's"
+        return None
+
+
+class DraftModelProposer:
+    """Greedy drafts from a small model's engine (an LLMEngine: ``add_request``, ``step``, ``has_unfinished``)."""
+
+    def __init__(self, engine: Any, num_speculative_tokens: int):
+        self.engine, self.num_speculative_tokens = engine, num_speculative_tokens
+        self.steady_seconds: float | None = None  # the latest call's time, its prompt catch-up left out
+
+    def add_request(self, seq_id: int, prompt: Sequence[int]) -> None:
+        pass  # nothing kept per request: the draft's prefix cache holds the contexts' KV
+
+    def propose(self, seq_id: int, tokens: Sequence[int], k: int) -> list[int]:
+        return self.propose_batch([(seq_id, tokens, k)])[0]
+
+    def propose_batch(self, requests: list[DraftRequest]) -> list[list[int]]:
+        """Each request's ``k`` greedy draft tokens, all requests run as one batch; [] for a context longer
+        than the draft's."""
+        drafts: list[list[int]] = [[] for _ in requests]
+        rows: dict[int, int] = {}
+        for row, (_, tokens, k) in enumerate(requests):
+            k = min(k, self.num_speculative_tokens)
+            if k <= 0 or len(tokens) + k > self.engine.max_model_len:
+                continue
+            queued = self.engine.add_request(list(tokens), SamplingParams(max_tokens=k, temperature=0,
+                                                                          ignore_eos=True))
+            if not isinstance(queued, RequestOutput):  # an error output: no draft for that one
+                rows[queued.seq_id] = row
+        start, first_s, steps = time.perf_counter(), 0.0, 0
+        while rows and self.engine.has_unfinished():
+            for out in self.engine.step():
+                row = rows.pop(out.request_id, None)  # None: a request a failed call left behind
+                if row is not None:
+                    drafts[row] = list(out.token_ids)
+            steps += 1
+            if steps == 1:
+                first_s = time.perf_counter() - start
+        total_s = time.perf_counter() - start
+        self.steady_seconds = total_s if steps <= 1 else (total_s - first_s) * steps / (steps - 1)
+        return drafts
+
+    def finish(self, seq_id: int, tokens: Sequence[int], num_prompt_tokens: int) -> None:
+        pass
+
+    def close(self) -> None:
+        self.engine.shutdown()
+
+
+def build_draft_proposer(spec: SpeculativeConfig, target: Any,
+                         engine_factory: Callable[[EngineConfig], Any]) -> DraftModelProposer:
+    """The draft's engine, built by ``engine_factory`` (LLMEngine) beside the ``target`` engine, and refused
+    with a clear error unless it shares the target's vocabulary."""
+    name = spec.options["model"]
+    engine = engine_factory(draft_engine_config(target.config, name))
+    why = Vocabulary(target.model_config.vocab_size, target.tokenizer).mismatch(
+        Vocabulary(engine.model_config.vocab_size, engine.tokenizer))
+    if why is not None:
+        engine.shutdown()
+        raise ValueError(f"speculative_config draft model {name!r} cannot draft for {target.config.model!r}: {why}; "
+                         f"'draft_model' needs a model with the same tokenizer")
+    return DraftModelProposer(engine, spec.num_speculative_tokens)

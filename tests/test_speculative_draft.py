@@ -1,0 +1,202 @@
+"""The ``draft_model`` method on tiny models: lossless against spec off, a target drafting for itself accepts
+its drafts, mismatched vocabularies and bad settings are refused, a slow proposer is left unused."""
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from batchgen.engine import LLM, SamplingParams
+from batchgen.engine.speculative import speculator as speculator_module
+from batchgen.engine.speculative.config import SpeculativeConfig
+from batchgen.engine.speculative.policy import DraftCost, choose_draft_lengths
+from batchgen.engine.speculative.speculator import Speculator
+from tests.engine_helpers import mixed_prompts
+from tests.tiny_models import build_tiny_model
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=True)
+
+
+def draft_llm(target, draft, **kw) -> LLM:
+    spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3}
+    return LLM(str(target), dtype="float32", device="cpu", kv_cache_memory=16 << 20, max_num_batched_tokens=64,
+               speculative_config=spec, **kw)
+
+
+def run(llm: LLM, speculator, prompts, params):
+    llm.engine.speculator = speculator
+    llm.engine.reset_metrics()
+    outs = llm.generate(prompts, params)
+    bm = llm.engine.block_manager
+    assert not llm.engine.has_unfinished() and bm.num_free_blocks == len(bm.blocks)
+    return outs
+
+
+@pytest.fixture
+def always_draft(monkeypatch):
+    """The cost model out of the way: every decoding sequence drafts as many tokens as it may."""
+    monkeypatch.setattr(speculator_module, "choose_draft_lengths", lambda rates, caps, *costs: list(caps))
+
+
+def noisy_copy(model: Path, out: Path, scale: float = 0.05) -> Path:
+    """The model with noise on every weight (``scale`` times each tensor's spread): a draft that agrees with
+    it often, not always."""
+    shutil.copytree(model, out)
+    weights = load_file(str(model / "model.safetensors"))
+    noise = torch.Generator().manual_seed(1)
+    save_file({name: w + scale * w.std() * torch.randn(w.shape, generator=noise) for name, w in weights.items()},
+              str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+@pytest.fixture(scope="module")
+def other_draft(tmp_path_factory, tiny_model):
+    """The tiny llama target with another model of the same tokenizer drafting: a noisy copy of it."""
+    llm = draft_llm(tiny_model, noisy_copy(tiny_model, tmp_path_factory.mktemp("draft") / "noisy"))
+    yield llm
+    llm.close()
+
+
+def test_greedy_with_a_tiny_draft_equals_spec_off(other_draft, always_draft):
+    llm = other_draft
+    speculator = llm.engine.speculator
+    prompts = mixed_prompts(llm, repeats=(1, 2))
+    off = run(llm, None, prompts, GREEDY)
+    draft = speculator.proposer.engine
+    draft.reset_metrics()
+    on = run(llm, speculator, prompts, GREEDY)
+    for x, y in zip(on, off, strict=True):
+        assert (x.token_ids, x.finish_reason, x.text) == (y.token_ids, y.finish_reason, y.text)
+        assert max(abs(u - v) for u, v in zip(x.logprobs, y.logprobs, strict=True)) < 1e-5
+    (figures,) = llm.metrics()["speculative"].values()
+    assert 0 < figures["accepted_tokens"] < figures["proposed_tokens"]  # kept and rejected drafts both
+    assert speculator.figures()["draft_ms_per_step"] > 0  # the draft's time was measured
+    assert speculator.proposer.steady_seconds > 0
+    # Each call hands the draft whole contexts; its prefix cache keeps all but the new tokens' KV.
+    assert 0 < draft.metrics.prompt_tokens_computed < 0.5 * draft.metrics.prefix_cache_queries
+
+
+def test_seeded_sampling_with_a_draft_gives_spec_offs_tokens(other_draft, always_draft):
+    llm = other_draft
+    speculator = llm.engine.speculator
+    prompts = mixed_prompts(llm, repeats=(1, 3))
+    params = [SamplingParams(max_tokens=6, temperature=0.7, seed=seed, ignore_eos=True) for seed in (3, 4)]
+    off = run(llm, None, prompts, params)
+    on = run(llm, speculator, prompts, params)
+    assert [len(o.token_ids) for o in on] == [6, 6]
+    assert [o.token_ids for o in on] == [o.token_ids for o in off]
+
+
+def test_the_target_as_its_own_draft_accepts_its_drafts(tiny_model, always_draft):
+    with draft_llm(tiny_model, tiny_model) as llm:
+        speculator = llm.engine.speculator
+        prompts = mixed_prompts(llm, repeats=(1, 2))
+        off = run(llm, None, prompts, GREEDY)
+        on = run(llm, speculator, prompts, GREEDY)
+        (figures,) = llm.metrics()["speculative"].values()
+    assert [o.token_ids for o in on] == [o.token_ids for o in off]
+    assert figures["proposed_tokens"] >= 12
+    assert figures["acceptance_rate"] >= 0.9
+
+
+def test_a_draft_with_another_vocabulary_is_refused(tmp_path, tiny_model):
+    other = build_tiny_model(tmp_path / "other", "llama", num_layers=1, vocab_size=500)
+    with pytest.raises(ValueError, match="same tokenizer") as refused:
+        draft_llm(tiny_model, other)
+    assert "500 token ids" in str(refused.value)
+
+
+def test_a_draft_whose_tokenizer_numbers_tokens_otherwise_is_refused(tmp_path, tiny_model):
+    other = Path(shutil.copytree(tiny_model, tmp_path / "swapped"))
+    spec = json.loads((other / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    first, second = (token for token, i in vocab.items() if i in (6, 7))
+    vocab[first], vocab[second] = vocab[second], vocab[first]
+    (other / "tokenizer.json").write_text(json.dumps(spec))
+    with pytest.raises(ValueError, match="token id 6 is .* to the draft's tokenizer.*same tokenizer"):
+        draft_llm(tiny_model, other)
+
+
+def test_a_job_spec_names_its_draft_model(tmp_path, tiny_model, always_draft):
+    from batchgen.pipeline.runner import run_job
+    from tests.job_helpers import make_spec, records, write_jsonl
+
+    inp, out = write_jsonl(tmp_path / "in.jsonl", records(3)), tmp_path / "out"
+    engine = {"speculative_config": {"method": "draft_model", "model": str(tiny_model)}, "kv_cache_memory": 16 << 20}
+    stats = run_job(make_spec(tiny_model, inp, out, engine=engine, sampling={"max_tokens": 8, "ignore_eos": True}),
+                    quiet=True)
+    figures = stats["engine"]["speculative"]["draft_model"]
+    assert figures["proposed_tokens"] > 0 and figures["acceptance_rate"] >= 0.9
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"method": "draft_model"}, "needs 'model'"),
+    ({"method": "draft_model", "model": ""}, "needs 'model'"),
+    ({"method": "draft_model", "model": "m", "draft_tensor_parallel_size": 2}, "unknown speculative_config key"),
+    ({"method": "draft_model", "model": "m", "prompt_lookup_max": 3}, "keys of method 'ngram'"),
+])
+def test_bad_draft_model_settings_are_refused(config, message):
+    with pytest.raises(ValueError, match=message):
+        SpeculativeConfig.from_dict(config)
+
+
+def test_draft_model_settings_parse():
+    spec = SpeculativeConfig.from_dict({"method": "draft_model", "model": "m", "num_speculative_tokens": 5})
+    assert (spec.method, spec.options, spec.num_speculative_tokens) == ("draft_model", {"model": "m"}, 5)
+
+
+def test_an_expensive_proposer_gets_no_drafts():
+    a, b = 0.1, 0.001  # memory-bound steps: drafts pay for themselves when proposing is free
+    assert choose_draft_lengths([0.8] * 4, [4] * 4, a, b) == [4] * 4
+    assert choose_draft_lengths([0.8] * 4, [4] * 4, a, b, draft_s=0.05) == [0] * 4
+    cost = DraftCost()
+    cost.observe(4, 0.2)  # 4 draft steps in 0.2 s
+    cost.observe(2, 0.1)
+    assert cost.seconds_per_step == pytest.approx(0.05)
+    assert cost.per_token(5) == pytest.approx(0.01)  # a step drafts one token for each of 5 sequences
+
+
+class SlowProposer:
+    """Drafts the target's own greedy continuation (``outputs`` of spec off), taking ``delay`` seconds a call."""
+
+    def __init__(self, outputs, delay: float):
+        self.continuations = {tuple(o.prompt_token_ids): o.token_ids for o in outputs}
+        self.delay, self.prompts = delay, {}
+
+    def add_request(self, seq_id, prompt):
+        self.prompts[seq_id] = tuple(prompt)
+
+    def propose(self, seq_id, tokens, k):
+        time.sleep(self.delay)
+        prompt = self.prompts[seq_id]
+        return self.continuations[prompt][len(tokens) - len(prompt):][:k]
+
+    def finish(self, seq_id, tokens, num_prompt_tokens):
+        pass
+
+
+@pytest.mark.parametrize("delay, drafts_later", [(0.0, True), (0.05, False)])
+def test_the_speculator_charges_the_proposers_time(tiny_model, monkeypatch, delay, drafts_later):
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    with LLM(str(tiny_model), dtype="float32", device="cpu", kv_cache_memory=16 << 20,
+             speculative_config={"method": "ngram"}) as llm:
+        engine = llm.engine
+        prompts = mixed_prompts(llm, repeats=(1,))
+        reference = run(llm, None, prompts, params)
+        speculator = Speculator(SpeculativeConfig.from_dict({"method": "ngram"}), engine.max_model_len,
+                                engine.model_config.vocab_size, SlowProposer(reference, delay))
+        for _ in range(8):  # flat 10 ms steps (memory-bound), kept: the fit does not learn this machine's
+            speculator.cost.observe(1, 0.01)
+            speculator.cost.observe(40, 0.0101)
+        monkeypatch.setattr(speculator, "step_done", lambda *step: None)
+        outs = run(llm, speculator, prompts, params)
+        figures = llm.metrics()["speculative"]["ngram"]
+    assert outs[0].token_ids == reference[0].token_ids
+    # The first proposal is measured: a proposer slower than the step it saves is then left out (12.5 ms per
+    # draft step, of one sequence, against 10 ms steps), a free one keeps drafting.
+    assert (figures["drafting_share"] > 0.5) == drafts_later
