@@ -45,6 +45,8 @@ def probe_value(f: Field):
         return none_probes[f.name]
     if default == {} and f.name == "eplb_config":
         return {"num_redundant_experts": 2, "calibrate_once": True}
+    if default == {} and f.name == "speculative_config":
+        return {"method": "ngram", "num_speculative_tokens": 3}
     raise AssertionError(f"add a test value for the new knob {f.name} (default {default!r})")
 
 
