@@ -23,8 +23,7 @@ from batchgen.engine.sampling.params import SamplingParams
 from batchgen.engine.sampling.sampler import TokenBitmask
 from batchgen.engine.sampling.stopping import finish_reason, output_text
 from batchgen.engine.speculative.config import SpeculativeConfig
-from batchgen.engine.speculative.draft_model import build_draft_proposer
-from batchgen.engine.speculative.speculator import Speculator
+from batchgen.engine.speculative.speculator import Speculator, build_proposer
 from batchgen.engine.speculative.verify import first_rows
 from batchgen.engine.sampling.structured import (
     EXTRA_HINT, GrammarCompiler, GrammarState, draft_token_bitmask, grammar_key, structured_available, token_bitmask,
@@ -109,8 +108,8 @@ class LLMEngine:
         self._in_flight: InFlightStep | None = None
         self._last_done = 0.0  # when the latest step's tokens arrived
         spec = SpeculativeConfig.from_dict(config.speculative_config)
-        draft = build_draft_proposer(spec, self, LLMEngine) if spec is not None and spec.method == "draft_model" else None
-        self.speculator = (Speculator(spec, self.max_model_len, self.model_config.vocab_size, draft)
+        self.speculator = (Speculator(spec, self.max_model_len, self.model_config.vocab_size,
+                                      build_proposer(spec, self, LLMEngine))
                            if spec is not None else None)
         self.reset_metrics()
 

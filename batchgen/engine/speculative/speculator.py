@@ -5,11 +5,13 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, fields
-from typing import Iterable
+from typing import Any, Callable, Iterable
 
+from batchgen.engine.config import EngineConfig
 from batchgen.engine.core.sequence import Sequence, SequenceStatus
 from batchgen.engine.sampling.structured import draft_bitmask_rows
 from batchgen.engine.speculative.config import SpeculativeConfig
+from batchgen.engine.speculative.draft_model import build_draft_proposer
 from batchgen.engine.speculative.ngram import NgramProposer
 from batchgen.engine.speculative.policy import AcceptanceTracker, DraftCost, StepCostModel, choose_draft_lengths
 from batchgen.engine.speculative.proposer import Proposer, propose_batch
@@ -18,15 +20,18 @@ from batchgen.engine.speculative.suffix import SuffixProposer
 log = logging.getLogger(__name__)
 
 
-def build_proposer(config: SpeculativeConfig) -> Proposer:
-    """The proposer of ``config.method``, given the settings it takes."""
+def build_proposer(config: SpeculativeConfig, target: Any = None,
+                   engine_factory: Callable[[EngineConfig], Any] | None = None) -> Proposer:
+    """The proposer of ``config.method``, given the settings it takes; a draft model's engine is built by
+    ``engine_factory`` beside the ``target`` engine."""
     if config.method == "ngram":
         return NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
     if config.method == "suffix":
         return SuffixProposer(config.num_speculative_tokens, **config.options)
     if config.method == "draft_model":
-        raise ValueError("speculative method 'draft_model' needs its draft engine: the target's engine builds "
-                         "its proposer (draft_model.build_draft_proposer)")
+        if target is None or engine_factory is None:
+            raise ValueError("speculative method 'draft_model' needs the target engine to build its draft engine")
+        return build_draft_proposer(config, target, engine_factory)
     raise ValueError(f"speculative method {config.method!r} has no proposer in this build")
 
 
