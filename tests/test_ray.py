@@ -104,9 +104,10 @@ def ray_cluster():
                 os.environ[k] = v
 
 
-def job_inputs(folder: Path) -> tuple[list[str], list[str]]:
-    """Two JSONL files; an error row, and an id of the first file repeated in the second. (files, output ids)"""
-    a, b = records(24, "r"), records(14, "b")
+def job_inputs(folder: Path, scale: int = 1) -> tuple[list[str], list[str]]:
+    """Two JSONL files of ``scale`` x (24, 14) rows; an error row, and an id of the first file repeated in the
+    second. (files, output ids)"""
+    a, b = records(24 * scale, "r"), records(14 * scale, "b")
     a[5]["text"] = None
     b.append(dict(a[3]))
     files = [str(write_jsonl(folder / "a.jsonl", a)), str(write_jsonl(folder / "b.jsonl", b))]
@@ -286,7 +287,9 @@ def test_a_killed_replica_loses_and_repeats_no_row(ray_cluster, tmp_path, tiny_m
 @pytest.mark.timeout(500)
 def test_an_interrupted_ray_job_resumes_under_ray_and_locally(ray_cluster, tmp_path, tiny_model, tiny_llm,
                                                              engine_calls, monkeypatch):
-    files, ids = job_inputs(tmp_path)
+    # after a stop, the windows already running finish: up to 2 replicas x WINDOWS_AT_ONCE + 1 windows in flight,
+    # each 2 rows; three times the rows leave each interrupted run more than that to do
+    files, ids = job_inputs(tmp_path, scale=3)
     slow = {"batching": {"sort_window": 2}, "engine": {"max_num_seqs": 2, "kv_cache_memory": 64 << 20},
             "sampling": {"max_tokens": 12}}
     out = tmp_path / "out"

@@ -24,6 +24,14 @@ class StopRequest:
         self.grace_s = grace_s
         self.signum: int | None = None
         self._timer: threading.Timer | None = None
+        self._listeners: list[threading.Event] = []
+
+    def notify(self, event: threading.Event) -> None:
+        """Sets ``event`` when the stop is requested (at once if it already was): a thread that waits on it
+        learns of the stop without polling."""
+        self._listeners.append(event)
+        if self.event.is_set():
+            event.set()
 
     def set(self, signum: int) -> None:
         if self.signum is None:
@@ -32,6 +40,8 @@ class StopRequest:
             self._timer.daemon = True
             self._timer.start()
         self.event.set()
+        for listener in self._listeners:
+            listener.set()
 
     def is_set(self) -> bool:
         return self.event.is_set()

@@ -88,7 +88,7 @@ def _job_error(e: BaseException, reported: str | None = None) -> BaseException:
 class _Watch:
     """The driver's side of a running job, every ``REPORT_S`` in a thread: it moves the progress bar to the rows
     the replicas finished, checks the output's lease (a lost one stops every replica before its next write) and
-    passes a stop request on to the board."""
+    passes a stop request on to the board (at once: a stop wakes the thread)."""
 
     def __init__(self, board: Any, progress: Progress, writer: OutputWriter, stop: StopRequest) -> None:
         self.board, self.progress, self.writer, self.stop = board, progress, writer, stop
@@ -98,11 +98,17 @@ class _Watch:
         self._told = False
         self._lock = threading.Lock()
         self._closed = threading.Event()
+        self._wake = threading.Event()
+        stop.notify(self._wake)
         self._thread = threading.Thread(target=self._loop, name="ray-watch", daemon=True)
         self._thread.start()
 
     def _loop(self) -> None:
-        while not self._closed.wait(REPORT_S):
+        while not self._closed.is_set():
+            self._wake.wait(REPORT_S)
+            self._wake.clear()
+            if self._closed.is_set():
+                return
             try:
                 self.tick()
             except Exception as e:  # noqa: BLE001 - the board answers at the next tick or the job fails anyway
@@ -140,6 +146,7 @@ class _Watch:
 
     def close(self) -> None:
         self._closed.set()
+        self._wake.set()
         self._thread.join(timeout=10)
 
 
