@@ -180,6 +180,31 @@ class SlowProposer:
         pass
 
 
+def test_probes_bring_drafting_back_after_one_slow_verification(tiny_model, monkeypatch):
+    """A verification timed on a busy machine turns drafting off; the probe steps time it again and, as
+    verifying is really cheap, drafting comes back for the rest of the run."""
+    params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+    with LLM(str(tiny_model), dtype="float32", device="cpu", kv_cache_memory=16 << 20,
+             speculative_config={"method": "ngram"}) as llm:
+        engine = llm.engine
+        prompts = mixed_prompts(llm, repeats=(1,))[:1]
+        reference = run(llm, None, prompts, params)
+        speculator = Speculator(SpeculativeConfig.from_dict({"method": "ngram"}), engine.max_model_len,
+                                engine.model_config.vocab_size, SlowProposer(reference, 0.0))
+        for _ in range(8):
+            speculator.cost.observe(1, 0.01)
+        speculator.cost.observe(5, 5.0)  # the busy machine's verification
+        # This machine's own timings would be noise: every decode step costs 10 ms and 0.1 ms per token.
+        monkeypatch.setattr(speculator, "step_done", lambda prefill, tokens, seconds: prefill or
+                            speculator.cost.observe(tokens, 0.01 + 1e-4 * tokens))
+        outs = run(llm, speculator, prompts, params)
+        figures = llm.metrics()["speculative"]["ngram"]
+    assert outs[0].token_ids == reference[0].token_ids
+    assert figures["probe_steps"] == 2  # at 8 and 16 undrafted steps: the second outvotes the slow one
+    # the probes alone verify at most 2 x 4 drafts: the rest are the drafting that came back
+    assert figures["decode_seqs_drafting"] > figures["probe_steps"] and figures["accepted_tokens"] >= 24
+
+
 @pytest.mark.parametrize("delay, drafts_later", [(0.0, True), (0.05, False)])
 def test_the_speculator_charges_the_proposers_time(tiny_model, monkeypatch, delay, drafts_later):
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)

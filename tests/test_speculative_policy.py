@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from batchgen.engine.speculative.ngram import NgramProposer
-from batchgen.engine.speculative.policy import AcceptanceTracker, StepCostModel, choose_draft_lengths
+from batchgen.engine.speculative.policy import (PROBE_SEQUENCES, AcceptanceTracker, ProbeSchedule, StepCostModel,
+                                                choose_draft_lengths, probe_draft_lengths)
 
 
 def fitted(step_s, sizes=(1, 2, 4, 8, 16, 32, 64, 5, 9, 13)) -> StepCostModel:
@@ -39,6 +40,34 @@ def test_one_expensive_verification_turns_drafting_off():
     a, b = model.coefficients()
     assert b > 1.0 and choose_draft_lengths([0.9], [4], a, b) == [0]
     assert choose_draft_lengths([], [], 0.0, b) == []  # a step with no decoding sequence
+
+
+def test_a_slow_verification_is_outvoted_once_its_size_is_timed_again():
+    model = StepCostModel()
+    for _ in range(20):
+        model.observe(1, 0.010)
+    model.observe(5, 2.0)  # the machine was busy
+    assert choose_draft_lengths([0.8], [4], *model.coefficients()) == [0]
+    model.observe(5, 0.012)
+    model.observe(5, 0.012)  # its size's median is a real verification's time now
+    a, b = model.coefficients()
+    assert b == pytest.approx(0.0005, rel=0.2) and choose_draft_lengths([0.8], [4], a, b) == [4]
+
+
+def test_probes_come_ever_further_apart_and_start_over_once_drafting_pays():
+    probes = ProbeSchedule(first=4, longest=16)
+    fired = [step for step in range(1, 61) if probes.probe()]
+    assert fired == [4, 12, 28, 44, 60]  # gaps 4, 8, 16, then 16 at most
+    probes.drafted()
+    assert [probes.probe() for _ in range(4)] == [False, False, False, True]
+
+
+def test_a_probe_lets_the_best_accepted_sequences_draft_all_they_may():
+    rates = [0.1, 0.9, 0.5, 0.8, 0.7, 0.95, 0.2]
+    caps = [4, 4, 0, 2, 4, 3, 4]
+    ks = probe_draft_lengths(rates, caps)
+    assert len(ks) == len(caps) and sum(k > 0 for k in ks) == PROBE_SEQUENCES
+    assert ks == [0, 4, 0, 2, 4, 3, 0]  # the four best with room to draft, each up to its cap
 
 
 @pytest.mark.parametrize("batch", [8, 64, 256])

@@ -9,8 +9,8 @@ PREFIX_TIER_FIELDS = (
     "prefix_store_load_time_s", "prefix_store_wait_time_s", "prefix_store_misses_absent",
     "prefix_store_misses_corrupt", "prefix_store_misses_foreign", "prefix_store_misses_error",
 )
-SPEC_FIELDS = ("spec_decode_seqs", "spec_drafting_seqs", "spec_planned_tokens", "spec_draft_rows",
-               "spec_draft_tokens", "spec_accepted_tokens")
+SPEC_FIELDS = ("spec_decode_seqs", "spec_drafting_seqs", "spec_planned_tokens", "spec_probe_steps",
+               "spec_draft_rows", "spec_draft_tokens", "spec_accepted_tokens")
 
 
 @dataclass(frozen=True)
@@ -67,6 +67,7 @@ class StepRecord:
     spec_decode_seqs: int = 0
     spec_drafting_seqs: int = 0
     spec_planned_tokens: int = 0
+    spec_probe_steps: int = 0
     spec_draft_rows: int = 0
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
@@ -116,6 +117,7 @@ class EngineMetrics:
     spec_decode_seqs: int = 0  # decoding sequences the speculation cost model looked at, over the steps
     spec_drafting_seqs: int = 0  # ... that it gave draft tokens
     spec_planned_tokens: int = 0  # draft tokens it gave them
+    spec_probe_steps: int = 0  # steps that drafted only to time a verification (the cost model gave none)
     spec_draft_rows: int = 0  # sequence-steps that verified draft tokens
     spec_draft_tokens: int = 0  # draft tokens proposed and verified
     spec_accepted_tokens: int = 0  # of those, accepted: each one a decode step its sequence did not run
@@ -184,4 +186,4 @@ class EngineMetrics:
             "decode_seqs_considered": self.spec_decode_seqs, "decode_seqs_drafting": self.spec_drafting_seqs,
             "drafting_share": round(self.spec_drafting_seqs / self.spec_decode_seqs, 4)
             if self.spec_decode_seqs else None,
-            "planned_tokens": self.spec_planned_tokens, **self.spec_policy}}
+            "planned_tokens": self.spec_planned_tokens, "probe_steps": self.spec_probe_steps, **self.spec_policy}}

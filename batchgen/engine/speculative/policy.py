@@ -6,16 +6,21 @@ compute-bound and every extra position costs about as much as a plain decode tok
 tokens are accepted one after another with probability ``alpha`` (its running estimate), so its j-th draft
 adds ``alpha ** j`` expected tokens for ``b`` more seconds, plus what proposing it costs: the proposer's measured
 seconds per draft step over the batch (a draft model's forward passes; about zero for prompt lookup). Drafts are handed out, best first, while
-each raises the step's expected tokens per second.
+each raises the step's expected tokens per second. Where none pays, a probe step now and then drafts anyway, so
+that the fit keeps seeing verifying steps (see ProbeSchedule).
 """
 from __future__ import annotations
 
 import heapq
+import statistics
+from collections import deque
 from dataclasses import dataclass, field
 
 PRIOR_KNEE_TOKENS = 16.0  # before any data: a step of this many tokens takes twice a step of one
 PRIOR_WEIGHT = 0.5  # the prior (a, b) weighs as half a step of the first step's size: two sizes outweigh it
-DECAY = 0.999  # older steps fade slowly: a and b are the machine's and the model's, not the batch's
+SIZE_WINDOW = 9  # timings kept per step size (their median counts): a and b are the machine's and the model's
+MAX_STEP_SIZES = 1024  # step sizes timed at once; the least timed one makes room
+PROBE_SEQUENCES = 4  # sequences a probe step lets draft
 PRIOR_ACCEPTANCE = 0.5  # a method's acceptance rate before it has verified anything
 SEQ_DECAY = 0.8
 SEQ_PRIOR_TRIALS = 2.0  # a sequence's estimate leans on the method's rate for about this many drafts
@@ -24,16 +29,17 @@ MIN_GAIN = 1.03  # drafting must beat plain decode's tokens per second by 3 %: p
 
 @dataclass
 class StepCostModel:
-    """Online ridge regression of step seconds on tokens computed: weighted least squares over the decode
-    steps seen (decayed), pulled towards a prior (a0, b0) set from the first step. The prior is a penalty
-    on the coefficients, not pseudo-steps: with steps of one size only, the slope stays the prior's; two
-    sizes fix it."""
+    """Ridge regression of step seconds on tokens computed, over the median of each step size's recent timings
+    (one slow step on a shared machine moves nothing once its size has been timed three times), pulled towards
+    a prior (a0, b0) set from the first step. The prior is a penalty on the coefficients, not pseudo-steps: with
+    steps of one size only, the slope stays the prior's; two sizes fix it."""
 
     knee_tokens: float = PRIOR_KNEE_TOKENS
     prior_weight: float = PRIOR_WEIGHT
-    decay: float = DECAY
-    _sums: list[float] = field(default_factory=lambda: [0.0] * 5)  # w, w*x, w*y, w*x*x, w*x*y
+    window: int = SIZE_WINDOW
+    _timings: dict[int, deque[float]] = field(default_factory=dict)  # step size -> its latest seconds
     _prior: tuple[float, float, float] | None = None  # a0, b0, the first step's tokens
+    _fit: tuple[float, float] | None = None  # cached until the next observation
 
     def observe(self, tokens: int, seconds: float) -> None:
         if tokens <= 0 or seconds <= 0:
@@ -41,9 +47,10 @@ class StepCostModel:
         if self._prior is None:
             a0 = seconds / (1 + tokens / self.knee_tokens)
             self._prior = (a0, a0 / self.knee_tokens, float(tokens))
-        self._sums = [v * self.decay for v in self._sums]
-        for i, v in enumerate((1.0, tokens, seconds, tokens * tokens, tokens * seconds)):
-            self._sums[i] += v
+        if tokens not in self._timings and len(self._timings) >= MAX_STEP_SIZES:
+            del self._timings[min(self._timings, key=lambda n: len(self._timings[n]))]  # the least timed size
+        self._timings.setdefault(tokens, deque(maxlen=self.window)).append(seconds)
+        self._fit = None
 
     @property
     def fitted(self) -> bool:
@@ -53,10 +60,18 @@ class StepCostModel:
         """(a seconds, b seconds per token); before any step, the prior's shape at a = 1."""
         if self._prior is None:
             return 1.0, 1.0 / self.knee_tokens
+        if self._fit is None:
+            self._fit = self._solve()
+        return self._fit
+
+    def _solve(self) -> tuple[float, float]:
         a0, b0, scale = self._prior
         la, lb = self.prior_weight, self.prior_weight * scale ** 2
-        w, sx, sy, sxx, sxy = self._sums
-        # Normal equations of sum w (y - a - b x)^2 + la (a - a0)^2 + lb (b - b0)^2.
+        w = sx = sy = sxx = sxy = 0.0
+        for x, times in self._timings.items():
+            n, y = len(times), statistics.median(times)
+            w, sx, sy, sxx, sxy = w + n, sx + n * x, sy + n * y, sxx + n * x * x, sxy + n * x * y
+        # Normal equations of sum n (y - a - b x)^2 + la (a - a0)^2 + lb (b - b0)^2.
         m00, m01, m11 = w + la, sx, sxx + lb
         r0, r1 = sy + la * a0, sxy + lb * b0
         det = m00 * m11 - m01 * m01
@@ -66,6 +81,35 @@ class StepCostModel:
         if a < 0:
             return 0.0, r1 / m11
         return a, b
+
+
+@dataclass
+class ProbeSchedule:
+    """When the cost model says drafting does not pay, a step drafts anyway now and then, so that the model keeps
+    timing verifying steps: otherwise one slow verification (a busy machine) would keep drafting off for the rest
+    of the run, as no verifying step would be timed again. The first probe comes ``first`` undrafted steps after
+    drafting stopped, then twice as far apart up to ``longest``: on a workload where drafting never pays, probes
+    take a vanishing share of the steps."""
+
+    first: int = 8
+    longest: int = 256
+    _gap: int = 8
+    _waited: int = 0
+
+    def __post_init__(self) -> None:
+        self._gap = self.first
+
+    def probe(self) -> bool:
+        """Called for a step the cost model gives no drafts: True when this one should draft anyway."""
+        self._waited += 1
+        if self._waited < self._gap:
+            return False
+        self._waited, self._gap = 0, min(self.longest, self._gap * 2)
+        return True
+
+    def drafted(self) -> None:
+        """The cost model gave a step drafts of its own accord: probes start over from ``first``."""
+        self._waited, self._gap = 0, self.first
 
 
 @dataclass
@@ -150,3 +194,9 @@ def choose_draft_lengths(rates: list[float], caps: list[int], a: float, b: float
     if expected / seconds < MIN_GAIN * plain:
         return [0] * len(rates)
     return ks
+
+
+def probe_draft_lengths(rates: list[float], caps: list[int]) -> list[int]:
+    """A probe step's draft lengths: the ``PROBE_SEQUENCES`` best-accepted sequences draft all they may."""
+    best = sorted((i for i, cap in enumerate(caps) if cap > 0), key=lambda i: -rates[i])[:PROBE_SEQUENCES]
+    return [caps[i] if i in best else 0 for i in range(len(caps))]

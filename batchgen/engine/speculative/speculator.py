@@ -13,7 +13,8 @@ from batchgen.engine.sampling.structured import draft_bitmask_rows
 from batchgen.engine.speculative.config import SpeculativeConfig
 from batchgen.engine.speculative.draft_model import build_draft_proposer
 from batchgen.engine.speculative.ngram import NgramProposer
-from batchgen.engine.speculative.policy import AcceptanceTracker, DraftCost, StepCostModel, choose_draft_lengths
+from batchgen.engine.speculative.policy import (AcceptanceTracker, DraftCost, ProbeSchedule, StepCostModel,
+                                                choose_draft_lengths, probe_draft_lengths)
 from batchgen.engine.speculative.proposer import Proposer, propose_batch
 from batchgen.engine.speculative.suffix import SuffixProposer
 
@@ -42,6 +43,7 @@ class SpecCounts:
     spec_decode_seqs: int = 0  # decoding sequences the cost model looked at
     spec_drafting_seqs: int = 0  # of those, given k > 0
     spec_planned_tokens: int = 0  # the k it gave them, summed
+    spec_probe_steps: int = 0  # steps that drafted only to time a verification (the cost model gave none)
     spec_draft_rows: int = 0  # sequences that verified at least one draft token
     spec_draft_tokens: int = 0  # draft tokens verified
     spec_accepted_tokens: int = 0  # of those, kept
@@ -60,6 +62,7 @@ class Speculator:
         self.cost = StepCostModel()
         self.acceptance = AcceptanceTracker()
         self.draft_cost = DraftCost()
+        self.probes = ProbeSchedule()
         self._plan: dict[int, int] = {}
         self.counts = SpecCounts()
 
@@ -81,10 +84,15 @@ class Speculator:
         overlap the one before: its proposals need that step's tokens)."""
         decoding = [s for s in running if s.status == SequenceStatus.RUNNING and s.num_computed_tokens == s.num_tokens - 1]
         a, b = self.cost.coefficients()
-        ks = choose_draft_lengths([self.acceptance.rate(s.seq_id) for s in decoding],
-                                  [self._cap(s) for s in decoding], a, b, self.draft_cost.per_token(len(decoding)))
-        self._plan = {s.seq_id: k for s, k in zip(decoding, ks) if k > 0}
+        rates, caps = [self.acceptance.rate(s.seq_id) for s in decoding], [self._cap(s) for s in decoding]
+        ks = choose_draft_lengths(rates, caps, a, b, self.draft_cost.per_token(len(decoding)))
         c = self.counts
+        if any(ks):
+            self.probes.drafted()
+        elif any(caps) and self.probes.probe():
+            ks = probe_draft_lengths(rates, caps)
+            c.spec_probe_steps += 1
+        self._plan = {s.seq_id: k for s, k in zip(decoding, ks, strict=True) if k > 0}
         c.spec_decode_seqs += len(decoding)
         c.spec_drafting_seqs += len(self._plan)
         c.spec_planned_tokens += sum(self._plan.values())
