@@ -348,3 +348,43 @@ def test_triton_kernel_set_runs_chunked_prefill_then_decode():
         close(layers["triton"](q, k, v, meta), layers["torch"](q, k, v, meta), F32)
         done = ctx
     assert torch.equal(layers["triton"].k_cache, layers["torch"].k_cache)
+
+
+def spelled_out_acceptance(sampled: list[int], drafts: list[list[int]]) -> list[list[int]]:
+    """Each row's kept tokens: the tokens sampled at its positions while its drafts equal them, then one more."""
+    kept, at = [], 0
+    for d in drafts:
+        row = sampled[at:at + len(d) + 1]
+        n = 0
+        while n < len(d) and d[n] == row[n]:
+            n += 1
+        kept.append(row[:n + 1])
+        at += len(d) + 1
+    return kept
+
+
+@pytest.mark.parametrize("with_logprobs", [False, True])
+def test_accept_drafts_kernel_matches_the_rule(with_logprobs):
+    from batchgen.engine.backends.triton.accept import accept_drafts
+    from batchgen.engine.speculative.verify import accept
+
+    gen = torch.Generator().manual_seed(3)
+    lens = [0, 1, 4, 4, 2, 7, 3, 4]
+    drafts, sampled = [], []
+    for i, n in enumerate(lens):
+        row = torch.randint(0, 5, (n + 1,), generator=gen).tolist()  # a small vocabulary: drafts often match
+        draft = row[:n] if i % 3 == 0 else torch.randint(0, 5, (n,), generator=gen).tolist()
+        drafts.append(draft)
+        sampled += row
+    tokens = torch.tensor(sampled, device=DEVICE)
+    logprobs = -torch.rand(len(sampled), generator=gen).to(DEVICE) if with_logprobs else None
+    want = spelled_out_acceptance(sampled, drafts)
+    assert len(want) == len(lens) and any(len(w) > 1 for w in want) and any(len(w) == 1 for w in want)
+    for kernel in (ops.accept_drafts, accept_drafts):
+        got, got_logprobs = accept(tokens, logprobs, drafts, kernel).to_lists()
+        assert got == want
+        if with_logprobs:
+            starts = [sum(n + 1 for n in lens[:i]) for i in range(len(lens))]
+            assert got_logprobs == [logprobs[s:s + len(w)].tolist() for s, w in zip(starts, want, strict=True)]
+        else:
+            assert got_logprobs is None

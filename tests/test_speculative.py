@@ -11,7 +11,7 @@ import torch
 
 from batchgen.engine import LLM, SamplingParams
 from batchgen.engine.speculative import speculator as speculator_module
-from batchgen.engine.speculative import verify
+from batchgen.engine.backends.torch import ops as torch_ops
 from batchgen.engine.speculative.config import SpeculativeConfig
 from batchgen.engine.speculative.speculator import Speculator
 from tests.engine_helpers import TEXT, mixed_prompts
@@ -235,7 +235,7 @@ def test_a_broken_acceptance_rule_fails_the_chi_square(wide, always_draft, sampl
     """Keeping half the rejected drafts anyway (accepting with more than p(draft)) skews the distribution."""
     prompt, greedy, off = sampling_runs
     generator = torch.Generator().manual_seed(0)
-    monkeypatch.setattr(verify, "acceptance_rule", lambda drafts, targets: (drafts == targets) | (
+    monkeypatch.setattr(torch_ops, "acceptance_rule", lambda drafts, targets: (drafts == targets) | (
         torch.rand(drafts.shape, generator=generator) < 0.5))
     on = sampled_with_greedy_drafts(wide, prompt, greedy, seeded(SAMPLES, first_seed=10_000))
     stat, df = chi_square(off, on)

@@ -108,3 +108,28 @@ def test_captured_cuda_graphs_match_eager(tiny_model_factory):
         assert len(a.logprobs) == len(b.logprobs)
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) <= 1e-3
     assert {kind for kind, _ in graphed.engine.executor.runner.graphs.replays} == {"decode", "mixed"}
+
+
+def test_speculation_verifies_on_the_triton_kernel_set(tiny_model_factory, monkeypatch):
+    """Drafts verified with the Triton kernels (attention over the extra query positions, the acceptance
+    kernel) keep the tokens of plain decode."""
+    from batchgen.engine.speculative import speculator as speculator_module
+    from batchgen.engine.speculative.config import SpeculativeConfig
+
+    monkeypatch.setattr(speculator_module, "choose_draft_lengths", lambda rates, caps, *costs: list(caps))
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=True)
+    llm = LLM(str(tiny_model_factory("qwen3")), dtype="float32", device=DEVICE, kv_cache_memory=8 << 20,
+              attention_backend="triton")
+    prompts = mixed_prompts(llm, repeats=(3,))[:1]
+    expected = llm.generate(prompts, params)
+    engine = llm.engine
+    engine.speculator = speculator_module.Speculator(
+        SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 3}), engine.max_model_len,
+        engine.model_config.vocab_size)
+    engine.reset_metrics()
+    got = llm.generate(prompts, params)
+    figures = llm.metrics()["speculative"]["ngram"]
+    assert figures["proposed_tokens"] > 0 and figures["accepted_tokens"] > 0
+    assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+    for a, b in zip(got, expected, strict=True):
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) <= 1e-4

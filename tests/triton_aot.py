@@ -84,6 +84,7 @@ def record_launches(calls) -> list[Launch]:
 def engine_kernel_calls() -> None:
     """One call of each wrapper in the shapes the engine uses: bf16/fp16/fp32, head dims 64 and 128, and in
     bf16 the head dims padded to a power of two (80, 96, 192) and Gemma's 256."""
+    from batchgen.engine.backends.triton.accept import accept_drafts
     from batchgen.engine.backends.triton.activation import gelu_tanh_and_mul, silu_and_mul
     from batchgen.engine.backends.triton.decode_attention import decode_attention, decode_rows
     from batchgen.engine.backends.triton.kv_store import store_kv
@@ -124,6 +125,11 @@ def engine_kernel_calls() -> None:
         apply_rotary(q, k, torch.arange(tokens), torch.zeros(64, head_dim))
         silu_and_mul(torch.zeros(tokens, 2 * 1536, dtype=dtype))
         gelu_tanh_and_mul(torch.zeros(tokens, 2 * 1536, dtype=dtype))
+    # Speculative verification's acceptance (int64 tokens, fp32 logprobs), with and without logprobs.
+    sampled, drafts = torch.zeros(10, dtype=torch.int64), torch.zeros(2, 4, dtype=torch.int64)
+    spans = torch.tensor([0, 5]), torch.tensor([4, 4])
+    accept_drafts(sampled, None, *spans, drafts)
+    accept_drafts(sampled, torch.zeros(10), *spans, drafts)
 
 
 def moe_and_fp8_kernel_calls() -> None:

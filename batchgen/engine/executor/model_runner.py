@@ -202,7 +202,7 @@ class ModelRunner:
         batch = expand_sampling(step.sampling, step.drafts).to_batch(self.device, step.bitmask)
         tokens, logprobs = sample(logits, batch)
         self._last_tokens = None
-        accepted = accept(tokens, logprobs, step.drafts)
+        accepted = accept(tokens, logprobs, step.drafts, self.kernels.accept_drafts)
         launched = LaunchedStep(self, start, prepare_s, self._to_host(accepted.tokens),
                                 self._to_host(accepted.logprobs), saved_kv=saved,
                                 counts=self._to_host(accepted.counts))

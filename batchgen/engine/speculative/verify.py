@@ -12,17 +12,13 @@ request produces the same tokens with speculation on or off, greedy or not.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
+from batchgen.engine.backends.torch.ops import accept_drafts
 from batchgen.engine.executor.step import SamplingRows
 from batchgen.engine.transfer import to_device
-
-
-def acceptance_rule(drafts: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Which drafts (R, K) the target accepts, given the tokens it sampled at their positions (R, K)."""
-    return drafts == targets
 
 
 def verified_rows(ends: torch.Tensor, drafts: Sequence[Sequence[int]]) -> torch.Tensor:
@@ -69,19 +65,14 @@ class AcceptedTokens:
         return tokens, [row[:c] for row, c in zip(self.logprobs.tolist(), counts)]
 
 
-def accept(sampled: torch.Tensor, logprobs: torch.Tensor | None, drafts: Sequence[Sequence[int]]) -> AcceptedTokens:
-    """Keeps each row's drafts up to the first the target rejects, on the device (one copy back per step)."""
+def accept(sampled: torch.Tensor, logprobs: torch.Tensor | None, drafts: Sequence[Sequence[int]],
+           kernel: Callable = accept_drafts) -> AcceptedTokens:
+    """Keeps each row's drafts up to the first the target rejects, on the device (one copy back per step):
+    ``kernel`` is the kernel set's ``accept_drafts`` (a Triton launch on the GPU path, torch ops elsewhere)."""
     device = sampled.device
-    rows = len(drafts)
     width = max(len(d) for d in drafts) + 1
     starts = to_device(first_rows(drafts), device, torch.int64)
     lens = to_device([len(d) for d in drafts], device, torch.int64)
-    j = torch.arange(width, device=device)
-    valid = j[None, :] <= lens[:, None]
-    index = torch.where(valid, starts[:, None] + j[None, :], starts[:, None])
-    targets = sampled[index]
     padded = to_device([list(d) + [-1] * (width - 1 - len(d)) for d in drafts], device, torch.int64)
-    padded = padded.reshape(rows, width - 1)
-    kept = acceptance_rule(padded, targets[:, :-1]) & valid[:, 1:]
-    counts = kept.long().cumprod(dim=1).sum(dim=1) + 1
-    return AcceptedTokens(targets, counts, logprobs[index] if logprobs is not None else None)
+    tokens, counts, kept_logprobs = kernel(sampled, logprobs, starts, lens, padded.reshape(len(drafts), width - 1))
+    return AcceptedTokens(tokens, counts, kept_logprobs)

@@ -1,4 +1,4 @@
-"""The torch reference ops: RMSNorm, rotary, gated activations, mixture of experts."""
+"""The torch reference ops: RMSNorm, rotary, gated activations, mixture of experts, draft acceptance."""
 from __future__ import annotations
 
 import torch
@@ -66,3 +66,25 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     weighted = expert_out.float() * topk_weights.flatten()[order, None]
     out = torch.zeros(num_tokens, w2.shape[1], dtype=torch.float32, device=x.device)
     return out.index_add_(0, tokens, weighted).to(x.dtype)
+
+
+def acceptance_rule(drafts: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Which drafts (R, K) the target accepts, given the tokens it sampled at their positions (R, K)."""
+    return drafts == targets
+
+
+def accept_drafts(sampled: torch.Tensor, logprobs: torch.Tensor | None, starts: torch.Tensor, lens: torch.Tensor,
+                  drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Speculative verification's bookkeeping. Row r's positions are ``sampled[starts[r] .. starts[r] + lens[r]]``
+    (its last real token, then each of its ``lens[r]`` drafts, ``drafts[r, :lens[r]]``; the rest of the (R, K)
+    row is padding). Returns the tokens sampled at each row's positions (R, K + 1; past ``lens[r]``, padding
+    with the row's first), how many it keeps (R,: the drafts equal to the token sampled at their position, up to
+    the first that is not, plus one) and their logprobs (R, K + 1) when ``logprobs`` is given."""
+    width = drafts.shape[1] + 1
+    j = torch.arange(width, device=sampled.device)
+    valid = j[None, :] <= lens[:, None]
+    index = torch.where(valid, starts[:, None] + j[None, :], starts[:, None])
+    tokens = sampled[index]
+    kept = acceptance_rule(drafts, tokens[:, :-1]) & valid[:, 1:]
+    counts = kept.long().cumprod(dim=1).sum(dim=1) + 1
+    return tokens, counts, logprobs[index] if logprobs is not None else None
