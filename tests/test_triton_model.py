@@ -110,26 +110,30 @@ def test_captured_cuda_graphs_match_eager(tiny_model_factory):
     assert {kind for kind, _ in graphed.engine.executor.runner.graphs.replays} == {"decode", "mixed"}
 
 
-def test_speculation_verifies_on_the_triton_kernel_set(tiny_model_factory, monkeypatch):
-    """Drafts verified with the Triton kernels (attention over the extra query positions, the acceptance
-    kernel) keep the tokens of plain decode."""
+@pytest.mark.filterwarnings("ignore:overflow encountered")  # padded rows hold uninitialized values
+def test_verify_steps_replay_their_graphs(tiny_model_factory, monkeypatch):
+    """Drafts verified on the Triton kernel set (attention over the extra query positions, the acceptance
+    kernel) keep plain decode's tokens and logprobs. Steps that verify replay the verify graphs (padded to a
+    captured token count, every position's logits), run here without capture; a verify step with prompt tokens
+    runs eagerly. Plain decode's graphed steps are checked against eager ones above."""
     from batchgen.engine.speculative import speculator as speculator_module
-    from batchgen.engine.speculative.config import SpeculativeConfig
 
     monkeypatch.setattr(speculator_module, "choose_draft_lengths", lambda rates, caps, *costs: list(caps))
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=True)
-    llm = LLM(str(tiny_model_factory("qwen3")), dtype="float32", device=DEVICE, kv_cache_memory=8 << 20,
-              attention_backend="triton")
-    prompts = mixed_prompts(llm, repeats=(3,))[:1]
-    expected = llm.generate(prompts, params)
+    llm = LLM(str(tiny_model_factory("qwen3")), dtype="float32", device=DEVICE, max_num_batched_tokens=40,
+              max_num_seqs=4, kv_cache_memory=8 << 20, attention_backend="triton", cuda_graphs="emulate",
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3})
     engine = llm.engine
-    engine.speculator = speculator_module.Speculator(
-        SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 3}), engine.max_model_len,
-        engine.model_config.vocab_size)
+    prompts = mixed_prompts(llm, repeats=(3, 1, 2))
+    speculator, engine.speculator = engine.speculator, None
+    expected = llm.generate(prompts, params)
+    runner = model_runner(llm).graphs
+    assert runner.verify_sizes == [8, 16] and not any(kind == "verify" for kind, _ in runner.replays)
+    engine.speculator = speculator
     engine.reset_metrics()
     got = llm.generate(prompts, params)
-    figures = llm.metrics()["speculative"]["ngram"]
-    assert figures["proposed_tokens"] > 0 and figures["accepted_tokens"] > 0
+    assert any(kind == "verify" for kind, _ in runner.replays), runner.replays  # 4 sequences x (3 drafts + 1)
+    assert llm.metrics()["speculative"]["ngram"]["accepted_tokens"] > 0
     assert [o.token_ids for o in got] == [o.token_ids for o in expected]
     for a, b in zip(got, expected, strict=True):
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) <= 1e-4

@@ -1,4 +1,5 @@
-"""CUDA graphs for decode steps and mixed prefill+decode steps: fixed shapes, padded inputs, one replay."""
+"""CUDA graphs for decode steps, mixed prefill+decode steps and speculative verify steps: fixed shapes, padded
+inputs, one replay."""
 from __future__ import annotations
 
 import logging
@@ -28,6 +29,15 @@ def mixed_graph_sizes(max_num_batched_tokens: int) -> list[int]:
     """Powers of two from 16 tokens, and the step budget itself, up to MAX_MIXED_GRAPH_TOKENS."""
     top = min(max_num_batched_tokens, MAX_MIXED_GRAPH_TOKENS)
     return sorted({1 << i for i in range(4, 15) if 1 << i < top} | {top})
+
+
+def verify_graph_sizes(max_num_seqs: int, num_speculative_tokens: int, max_num_batched_tokens: int) -> list[int]:
+    """Tokens of a verify step (every sequence decoding, some with drafts): powers of two from 8, and the most
+    such a step holds (each sequence and all its drafts, within the step budget); none without speculation."""
+    if num_speculative_tokens <= 0:
+        return []
+    top = min(max_num_seqs * (num_speculative_tokens + 1), max_num_batched_tokens, MAX_MIXED_GRAPH_TOKENS)
+    return sorted({1 << i for i in range(3, 15) if 1 << i < top} | {top})
 
 
 class _Replay:
@@ -86,18 +96,26 @@ class GraphRunner:
     tokens write no KV (slot -1), padded sequences have no keys and no query tiles, and their logits
     rows are dropped. A mixed step's sequences of one new token run in the decode kernel's slots
     (``max_num_seqs`` of them, the unused ones skipped), the others in the prefill kernel's tiles.
+
+    A verify step (speculation: every sequence decoding, with or without drafts, and no prompt tokens) needs
+    the logits of every position it computes; its graphs are mixed steps whose logits rows are all their tokens,
+    one graph per token size whatever the drafts per sequence. A verify step with prompt tokens runs eagerly.
     """
 
     def __init__(self, model: Callable, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-                 block_size: int, device: torch.device, capture: bool, mixed: bool = True):
+                 block_size: int, device: torch.device, capture: bool, mixed: bool = True,
+                 num_speculative_tokens: int = 0):
         self.model, self.max_model_len, self.max_num_seqs = model, max_model_len, max_num_seqs
         self.decode_sizes = decode_graph_sizes(max_num_seqs)
         self.mixed_sizes = mixed_graph_sizes(max_num_batched_tokens) if mixed else []
+        self.verify_sizes = verify_graph_sizes(max_num_seqs, num_speculative_tokens, max_num_batched_tokens) \
+            if mixed else []
         max_blocks = -(-max_model_len // block_size)
-        max_tokens = max(self.mixed_sizes[-1:] + self.decode_sizes[-1:])
+        max_tokens = max(self.mixed_sizes[-1:] + self.decode_sizes[-1:] + self.verify_sizes[-1:])
         self.buf = _StaticInputs.allocate(max_tokens, max_num_seqs, max_blocks, device)
-        # A decode step's query offsets and logits rows are 0..batch whatever the batch holds.
-        self.decode_rows = torch.arange(self.decode_sizes[-1] + 1, device=device)
+        # A decode step's query offsets and logits rows are 0..batch whatever the batch holds; a verify step's
+        # logits rows are all its tokens.
+        self.decode_rows = torch.arange(max(self.decode_sizes[-1] + 1, max_tokens), device=device)
         self.decode_cu_seqlens = self.decode_rows.to(torch.int32)
         pool = torch.cuda.graph_pool_handle() if capture else None
         self.graphs: dict[tuple[str, int], _Replay] = {}
@@ -107,9 +125,11 @@ class GraphRunner:
             self.graphs["decode", size] = _Replay(self._forward("decode", size), capture, pool)
         for size in reversed(self.mixed_sizes):
             self.graphs["mixed", size] = _Replay(self._forward("mixed", size), capture, pool)
+        for size in reversed(self.verify_sizes):
+            self.graphs["verify", size] = _Replay(self._forward("verify", size), capture, pool)
         if capture:
-            log.info("captured CUDA graphs: decode batches %s, mixed steps of %s tokens",
-                     self.decode_sizes, self.mixed_sizes)
+            log.info("captured CUDA graphs: decode batches %s, mixed steps of %s tokens, verify steps of %s tokens",
+                     self.decode_sizes, self.mixed_sizes, self.verify_sizes)
 
     def _metadata(self, kind: str, size: int) -> AttentionMetadata:
         b = self.buf
@@ -125,14 +145,20 @@ class GraphRunner:
             decode_rows=None if kind == "decode" else b.decode_rows)
 
     def _forward(self, kind: str, size: int) -> Callable[[], torch.Tensor]:
-        meta = self._metadata(kind, size)
-        rows = self.decode_rows[:size] if kind == "decode" else self.buf.logits_rows
+        meta = self._metadata("mixed" if kind == "verify" else kind, size)
+        rows = self.buf.logits_rows if kind == "mixed" else self.decode_rows[:size]
         ids, positions = self.buf.input_ids[:size], self.buf.positions[:size]
         return lambda: self.model(ids, positions, meta, rows)
 
-    def pick(self, meta: AttentionMetadata, num_tokens: int) -> tuple[str, int] | None:
-        """The captured (kind, size) for this step, or None when it runs eagerly."""
-        if meta.decode_only:
+    def pick(self, meta: AttentionMetadata, num_tokens: int, num_logits_rows: int | None = None,
+             verify: bool = False) -> tuple[str, int] | None:
+        """The captured (kind, size) for this step, or None when it runs eagerly. A ``verify`` step replays
+        only where it needs every position's logits (``num_logits_rows`` == ``num_tokens``: no prompt tokens)."""
+        if verify:
+            if num_logits_rows != num_tokens:
+                return None
+            sizes, need, kind = self.verify_sizes, num_tokens, "verify"
+        elif meta.decode_only:
             sizes, need, kind = self.decode_sizes, meta.num_seqs, "decode"
         else:
             sizes, need, kind = self.mixed_sizes, num_tokens, "mixed"
@@ -158,8 +184,9 @@ class GraphRunner:
             b.cu_seqlens_q[: s + 1] = meta.cu_seqlens_q
             b.cu_seqlens_q[s + 1:] = n
             b.context_lens[s:] = 0
-            b.logits_rows[: len(logits_rows)] = logits_rows
-            b.logits_rows[len(logits_rows):] = 0  # any real row: a stale one may lie past this step
+            if kind == "mixed":
+                b.logits_rows[: len(logits_rows)] = logits_rows
+                b.logits_rows[len(logits_rows):] = 0  # any real row: a stale one may lie past this step
             capacity = prefill_tile_capacity(size, self.max_num_seqs)
             work = prefill_work(meta.query_lens, meta.context_lens_list, capacity=capacity, skip_decodes=True)
             b.prefill_work[:capacity] = to_device(work, b.prefill_work.device)

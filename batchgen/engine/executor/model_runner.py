@@ -107,7 +107,8 @@ class ModelRunner:
         with torch.inference_mode():
             return GraphRunner(self.model, self.engine.max_num_seqs, self.engine.max_num_batched_tokens,
                                self.max_model_len, self.block_size, self.device, capture=mode == "auto",
-                               mixed="mixed" in self.model.graph_step_kinds)
+                               mixed="mixed" in self.model.graph_step_kinds,
+                               num_speculative_tokens=self.engine.logits_rows_per_seq - 1)
 
     def prepare(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """Packs the step into flat tensors: no padding between sequences."""
@@ -173,8 +174,8 @@ class ModelRunner:
             scatter_blocks(self.kv_cache, step.restore_blocks, step.restore_kv)
         input_ids, positions, meta, logits_rows = self.prepare(step)
         prepare_s = time.perf_counter() - start
-        # Graphs are captured for one logits row per sequence: a step verifying drafts runs eagerly.
-        graph = self.graphs.pick(meta, len(input_ids)) if self.graphs is not None and not step.has_drafts else None
+        graph = self.graphs.pick(meta, len(input_ids), len(logits_rows), verify=step.has_drafts) \
+            if self.graphs is not None else None
         padded = graph[1] - len(input_ids) if graph is not None else 0
         if graph is not None:
             logits = self.graphs.run(graph, input_ids, positions, meta, logits_rows)
