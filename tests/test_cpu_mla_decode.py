@@ -18,6 +18,7 @@ from tests.test_cpu_decode import BLOCK, CONTEXTS, assert_as_good_as_torch, kern
 F32, BF16 = torch.float32, torch.bfloat16
 DEEPSEEK = (512, 64)  # DeepSeek-V2/V3's kv_lora_rank and rope dims
 SMALL = (32, 8)  # the tiny test models'
+ODD = (36, 6)  # no whole vector steps at the rows' or the values' ends
 # DeepSeek's width on fewer keys (the torch path pads every row to the longest); bf16 (emulated here) tinier.
 DEEPSEEK_CONTEXTS = [1, 15, 16, 17, 255, 256, 257, 1000, 4096]
 BF16_CONTEXTS = [1, 17, 300]
@@ -73,15 +74,17 @@ def torch_path(step: LatentStep, scale: float) -> torch.Tensor:
                                     step.value_dim, scale)
 
 
-CASES = [(F32, heads, dims, contexts) for heads in (1, 16) for dims, contexts in
-         ((DEEPSEEK, DEEPSEEK_CONTEXTS), (SMALL, CONTEXTS))] + [(BF16, heads, SMALL, BF16_CONTEXTS) for heads in (1, 16)]
+CASES = [(F32, heads, dims, contexts) for heads in (1, 16)
+         for dims, contexts in ((DEEPSEEK, DEEPSEEK_CONTEXTS), (SMALL, CONTEXTS))]
+CASES += [(BF16, heads, SMALL, BF16_CONTEXTS) for heads in (1, 16)]
+CASES.append((F32, 5, ODD, CONTEXTS))  # 5 heads: whole register tiles of heads and a partial one
 
 
 @pytest.mark.parametrize("dtype, heads, dims, contexts", CASES,
                          ids=[f"{'fp32' if d == F32 else 'bf16'}-H{h}-R{r[0]}" for d, h, r, _ in CASES])
 def test_latent_decode_against_fp64_and_torch(kernels, dtype, heads, dims, contexts):
     step = latent_step(dtype, heads, dims, contexts)
-    scale = {DEEPSEEK: 192, SMALL: 24}[dims] ** -0.5  # the models' nope + rope head dims, not the latent width
+    scale = {DEEPSEEK: 192, SMALL: 24, ODD: 20}[dims] ** -0.5  # nope + rope head dims, not the latent width
     ours = fused(step, scale)
     assert ours.shape == (len(contexts), heads, dims[0]) and ours.dtype == dtype
     assert_as_good_as_torch(ours, torch_path(step, scale), fp64_latent(step, scale), dtype)
@@ -128,9 +131,9 @@ def test_backend_sends_its_dtypes_to_the_op_and_others_to_torch(kernels, monkeyp
     assert len(calls) == 1 and torch.equal(got, torch_path(half, 0.2))
 
 
-# Shapes for the determinism test: DeepSeek's widths over many splits, the small ones, bf16.
+# Shapes for the determinism test: DeepSeek's widths over many splits, the small and odd ones, bf16.
 STRESS = [(F32, 16, DEEPSEEK, DEEPSEEK_CONTEXTS), (F32, 1, SMALL, CONTEXTS), (F32, 16, SMALL, CONTEXTS),
-          (BF16, 16, SMALL, BF16_CONTEXTS)]
+          (F32, 5, ODD, CONTEXTS), (BF16, 16, SMALL, BF16_CONTEXTS)]
 
 
 def stress_runs(threads: int, repeats: int) -> list[list[torch.Tensor]]:
@@ -162,9 +165,9 @@ def test_deepseek_decodes_through_the_op_like_the_torch_backend(kernels, tiny_mo
     kw = dict(dtype="float32", device="cpu", max_num_batched_tokens=64, kv_cache_memory=4 << 20)
     fused_llm, plain = LLM(path, **kw), LLM(path, attention_backend="torch", **kw)
     assert model_runner(fused_llm).kernels.mla.name == "cpu" and model_runner(plain).kernels.mla.name == "torch"
-    prompts = mixed_prompts(fused_llm, repeats=(1, 9, 2, 4))  # the longest past one 256-key split
+    prompts = mixed_prompts(fused_llm, repeats=(1, 9, 3))  # the longest past one 256-key split
     assert max(map(len, prompts)) > ops.SPLIT_KEYS
-    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=True)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=True)
     got, expected = fused_llm.generate(prompts, params), plain.generate(prompts, params)
     for a, b in zip(got, expected, strict=True):
         assert a.token_ids == b.token_ids

@@ -5,8 +5,9 @@
 // Work items are (sequence, split of split_keys keys) (paged.h); all H heads share one pass over a split's
 // rows (MQA: the group is every head). The split is walked in chunks of kChunk rows: each row is loaded (and,
 // from bf16, converted) once, and serves the chunk's scores and then its values while still in cache, with an
-// online softmax across chunks. Scores, softmax and accumulation are fp32; the merge of a sequence's splits
-// runs in split order, so the output is bit-identical for any thread count.
+// online softmax across chunks; scores and values run in register tiles of several heads. Scores, softmax
+// and accumulation are fp32; the merge of a sequence's splits runs in split order, so the output is
+// bit-identical for any thread count.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
@@ -73,28 +74,88 @@ inline void online_softmax(float* s, int64_t n, int64_t heads, float* m, float* 
   }
 }
 
-// o (H, V) = rescale o + sum_c p_c v_c over the chunk's rows, a head's output slice held in registers.
-inline void accumulate_values(float* o, const float* p, const float* rescale, const float* const* rows, int64_t n,
-                              int64_t heads, int64_t V) {
-  for (int64_t h = 0; h < heads; ++h) {
-    float* oh = o + h * V;
-    const float* ph = p + h * kChunk;
-    int64_t d = 0;
-    for (; d + kStep <= V; d += kStep) {
-      Vec acc0 = Vec::loadu(oh + d) * Vec(rescale[h]), acc1 = Vec::loadu(oh + d + Vec::size()) * Vec(rescale[h]);
-      for (int64_t c = 0; c < n; ++c) {
-        acc0 = at::vec::fmadd(Vec(ph[c]), Vec::loadu(rows[c] + d), acc0);
-        acc1 = at::vec::fmadd(Vec(ph[c]), Vec::loadu(rows[c] + d + Vec::size()), acc1);
-      }
-      acc0.store(oh + d);
-      acc1.store(oh + d + Vec::size());
-    }
-    for (; d < V; ++d) {
-      float acc = oh[d] * rescale[h];
-      for (int64_t c = 0; c < n; ++c) acc += ph[c] * rows[c][d];
-      oh[d] = acc;
+// Register tiles: scores of 2 heads x 4 rows (each loaded vector of q and of a row feeds several FMAs), values
+// of 4 heads x 16 dims (each row vector feeds 4 heads).
+constexpr int kScoreHeads = 2, kScoreRows = 4, kValueHeads = 4;
+
+// s[h][c] = scale q_h . row_c for HB heads from q and KB rows.
+template <int HB, int KB>
+inline void score_tile(const float* q, int64_t W, const float* const* rows, float* s, float scale) {
+  Vec acc[HB][KB];
+  for (int hb = 0; hb < HB; ++hb)
+    for (int kb = 0; kb < KB; ++kb) acc[hb][kb] = Vec(0.f);
+  int64_t d = 0;
+  for (; d + Vec::size() <= W; d += Vec::size()) {
+    Vec k[KB];
+    for (int kb = 0; kb < KB; ++kb) k[kb] = Vec::loadu(rows[kb] + d);
+    for (int hb = 0; hb < HB; ++hb) {
+      const Vec qv = Vec::loadu(q + hb * W + d);
+      for (int kb = 0; kb < KB; ++kb) acc[hb][kb] = at::vec::fmadd(qv, k[kb], acc[hb][kb]);
     }
   }
+  for (int hb = 0; hb < HB; ++hb)
+    for (int kb = 0; kb < KB; ++kb) {
+      float sum = sum_of(acc[hb][kb]);
+      for (int64_t t = d; t < W; ++t) sum += q[hb * W + t] * rows[kb][t];
+      s[hb * kChunk + kb] = sum * scale;
+    }
+}
+
+// scores (H, kChunk) of the chunk's n rows, in tiles of heads x rows with smaller ones at the edges.
+template <int HB>
+inline void score_heads(const float* q, int64_t W, const float* const* rows, int64_t n, float* s, float scale) {
+  int64_t c = 0;
+  for (; c + kScoreRows <= n; c += kScoreRows) score_tile<HB, kScoreRows>(q, W, rows + c, s + c, scale);
+  for (; c < n; ++c) score_tile<HB, 1>(q, W, rows + c, s + c, scale);
+}
+
+inline void scores_of(const float* q32, int64_t heads, int64_t W, const float* const* rows, int64_t n, float* s,
+                      float scale) {
+  int64_t h = 0;
+  for (; h + kScoreHeads <= heads; h += kScoreHeads)
+    score_heads<kScoreHeads>(q32 + h * W, W, rows, n, s + h * kChunk, scale);
+  for (; h < heads; ++h) score_heads<1>(q32 + h * W, W, rows, n, s + h * kChunk, scale);
+}
+
+// o[h] = rescale[h] o[h] + sum_c p[h][c] row_c[:V] for HB heads, 16 dims of each held in registers at a time.
+template <int HB>
+inline void value_tile(float* o, int64_t V, const float* p, const float* rescale, const float* const* rows,
+                       int64_t n) {
+  int64_t d = 0;
+  for (; d + kStep <= V; d += kStep) {
+    Vec acc[HB][2];
+    for (int hb = 0; hb < HB; ++hb) {
+      acc[hb][0] = Vec::loadu(o + hb * V + d) * Vec(rescale[hb]);
+      acc[hb][1] = Vec::loadu(o + hb * V + d + Vec::size()) * Vec(rescale[hb]);
+    }
+    for (int64_t c = 0; c < n; ++c) {
+      const Vec v0 = Vec::loadu(rows[c] + d), v1 = Vec::loadu(rows[c] + d + Vec::size());
+      for (int hb = 0; hb < HB; ++hb) {
+        const Vec pc(p[hb * kChunk + c]);
+        acc[hb][0] = at::vec::fmadd(pc, v0, acc[hb][0]);
+        acc[hb][1] = at::vec::fmadd(pc, v1, acc[hb][1]);
+      }
+    }
+    for (int hb = 0; hb < HB; ++hb) {
+      acc[hb][0].store(o + hb * V + d);
+      acc[hb][1].store(o + hb * V + d + Vec::size());
+    }
+  }
+  for (; d < V; ++d)
+    for (int hb = 0; hb < HB; ++hb) {
+      float acc = o[hb * V + d] * rescale[hb];
+      for (int64_t c = 0; c < n; ++c) acc += p[hb * kChunk + c] * rows[c][d];
+      o[hb * V + d] = acc;
+    }
+}
+
+// o (H, V) = rescale o + sum_c p_c v_c over the chunk's rows.
+inline void accumulate_values(float* o, const float* p, const float* rescale, const float* const* rows, int64_t n,
+                              int64_t heads, int64_t V) {
+  int64_t h = 0;
+  for (; h + kValueHeads <= heads; h += kValueHeads)
+    value_tile<kValueHeads>(o + h * V, V, p + h * kChunk, rescale + h, rows, n);
+  for (; h < heads; ++h) value_tile<1>(o + h * V, V, p + h * kChunk, rescale + h, rows, n);
 }
 
 // One split of one sequence, all heads: o (H, V) unnormalised, with each head's max m and sum l.
@@ -116,8 +177,7 @@ void attend_split(const Latent<T>& a, const Item& it, Scratch& w, float* o, floa
       const int64_t c = pos - first;
       rows[c] = as_float(a.cache + row, w.rows.data() + c * W, W);
     });
-    for (int64_t h = 0; h < H; ++h)
-      for (int64_t c = 0; c < n; ++c) w.scores[h * kChunk + c] = dot(w.q32.data() + h * W, rows[c], W) * a.scale;
+    scores_of(w.q32.data(), H, W, rows, n, w.scores.data(), a.scale);
     online_softmax(w.scores.data(), n, H, m, l, w.rescale.data());
     accumulate_values(o, w.scores.data(), w.rescale.data(), rows, n, H, V);
   }
