@@ -27,7 +27,7 @@ from decode_workload import decode_flops_per_token, linear_weights, random_promp
 KINDS = (
     ("linear layers", ("_linear_pointwise", "aten::addmm", "aten::mm", "aten::bmm", "aten::matmul",
                        "aten::linear", "_weight_int8pack_mm")),
-    ("attention", ("paged_decode_attention", "varlen_causal_attention", "scaled_dot_product", "flash_attention",
+    ("attention", ("decode_attention", "varlen_causal_attention", "scaled_dot_product", "flash_attention",
                    "aten::index_select", "aten::gather")),
     ("norm/rotary/activation/kv store", ("batchgen_cpu::", "rms_norm", "silu", "aten::mul", "aten::add",
                                          "aten::rsqrt", "aten::pow", "aten::mean", "aten::index_copy")),

@@ -229,7 +229,7 @@ def test_missing_compiler_falls_back_to_torch_with_one_warning(fresh_build, monk
         first, second = make_kernel_set("cpu"), make_kernel_set("cpu")
         llm = LLM(str(tiny_model), dtype="float32", device="cpu", kv_cache_memory=4 << 20)
         out = llm.generate([[1, 2, 3, 4, 5]], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))[0]
-    assert first.attention.name == second.attention.name == "torch"
+    assert first.attention.name == second.attention.name == first.mla.name == "torch"
     assert model_runner(llm).kernels.attention.name == "torch" and len(out.token_ids) == 3
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "no C++ compiler found" in warnings[0], warnings

@@ -113,7 +113,7 @@ def random_layer(q_lora_rank: int | None, backend: str) -> MLAAttention:
     return layer
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
 @pytest.mark.parametrize("q_lora_rank", [None, 16])
 def test_absorbed_decode_matches_expanded_prefill(backend, q_lora_rank):
     check_both_forms(random_layer(q_lora_rank, backend))

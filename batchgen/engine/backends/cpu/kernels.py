@@ -1,9 +1,10 @@
-"""The CPU kernel set: fused C++ attention and elementwise ops where they could be built, prepacked bf16 weights."""
+"""The CPU kernel set: fused C++ attention (MLA's latent decode too) and elementwise ops, prepacked bf16 weights."""
 from __future__ import annotations
 
 from batchgen.engine.backends.cpu import ops
 from batchgen.engine.backends.cpu.attention import CpuAttentionBackend
 from batchgen.engine.backends.cpu.build import load_kernels
+from batchgen.engine.backends.cpu.mla import CpuMLABackend
 from batchgen.engine.backends.cpu.prepack import prepack_linears
 
 
@@ -13,4 +14,4 @@ def cpu_kernels() -> dict[str, object] | None:
     if not load_kernels() or not ops.usable_dtypes():
         return None
     return dict(attention=CpuAttentionBackend(), rms_norm=ops.rms_norm, apply_rotary=ops.apply_rotary,
-                silu_and_mul=ops.silu_and_mul, prepare_model=prepack_linears)
+                silu_and_mul=ops.silu_and_mul, mla=CpuMLABackend(), prepare_model=prepack_linears)

@@ -80,6 +80,11 @@ def supports_decode(dtype: torch.dtype, head_dim: int) -> bool:
     return dtype in KERNEL_DTYPES and 0 < head_dim <= MAX_HEAD_DIM
 
 
+def supports_latent_decode(dtype: torch.dtype) -> bool:
+    """Like the decode op, the latent one needs no oneDNN micro-kernel, and takes any row width."""
+    return dtype in KERNEL_DTYPES
+
+
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            sliding_window: int | None = None, softcap: float | None = None,
@@ -90,6 +95,18 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     out = torch.empty(q.shape, dtype=q.dtype)
     torch.ops.batchgen_cpu.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale,
                                                   sliding_window or 0, softcap or 0.0, split_keys, out)
+    return out
+
+
+def latent_decode_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
+                            context_lens: torch.Tensor, value_dim: int, scale: float,
+                            split_keys: int = SPLIT_KEYS) -> torch.Tensor:
+    """MLA's absorbed decode: q (B, H, R + P), all heads over one latent head, the rows of the paged latent
+    cache (num_blocks, block_size, R + P) read in place; the values are the rows' first ``value_dim`` dims.
+    Returns (B, H, value_dim) in q's dtype; fp32 scores and accumulation."""
+    out = q.new_empty(q.shape[0], q.shape[1], value_dim)
+    torch.ops.batchgen_cpu.latent_decode_attention(q, cache, block_tables, context_lens, value_dim, scale,
+                                                   split_keys, out)
     return out
 
 

@@ -1,4 +1,4 @@
-"""Latent attention in plain torch: the CPU path of MLA, whatever the CPU attention backend, and the
+"""Latent attention in plain torch: the CPU path of MLA (the fused CPU backend keeps its prefill), and the
 reference for the Triton MLA kernels."""
 from __future__ import annotations
 

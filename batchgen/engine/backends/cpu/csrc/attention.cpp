@@ -401,13 +401,7 @@ void varlen_causal_attention(const at::Tensor& q, const at::Tensor& k, const at:
               Hkv, group, D, static_cast<float>(scale)};
     run(a, seqs, q_block);
   };
-  if (scalar == at::kFloat) {
-    launch(static_cast<float*>(nullptr));
-  } else if (scalar == at::kBFloat16) {
-    launch(static_cast<at::BFloat16*>(nullptr));
-  } else {
-    TORCH_CHECK(false, "varlen_causal_attention takes float32 or bfloat16, got ", scalar);
-  }
+  dispatch(scalar, "varlen_causal_attention", launch);
 }
 
 }  // namespace

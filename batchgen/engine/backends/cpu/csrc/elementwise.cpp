@@ -85,17 +85,6 @@ void rms_norm_rows(const T* x, const T* residual, const T* weight, T* out, T* re
   });
 }
 
-template <typename F>
-void dispatch(at::ScalarType type, const char* name, F&& f) {
-  if (type == at::kFloat) {
-    f(static_cast<float*>(nullptr));
-  } else if (type == at::kBFloat16) {
-    f(static_cast<at::BFloat16*>(nullptr));
-  } else {
-    TORCH_CHECK(false, name, " takes float32 or bfloat16, got ", type);
-  }
-}
-
 // out = x / rms(x) * weight; with residual: residual_out = x + residual first, normed instead of x.
 void rms_norm(const at::Tensor& x, const std::optional<at::Tensor>& residual, const at::Tensor& weight, double eps,
               const at::Tensor& out, const std::optional<at::Tensor>& residual_out) {

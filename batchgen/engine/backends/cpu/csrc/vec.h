@@ -3,6 +3,8 @@
 #pragma once
 
 #include <ATen/cpu/vec/vec.h>
+#include <c10/core/ScalarType.h>
+#include <c10/util/Exception.h>
 
 #include <cstdint>
 #include <tuple>
@@ -85,6 +87,18 @@ inline __m512 reciprocal_ps(__m512 x) {
   return _mm512_mul_ps(r, _mm512_fnmadd_ps(x, r, _mm512_set1_ps(2.f)));
 }
 #endif
+
+// Runs f(T* tag) with the tensors' element type, float or at::BFloat16; any other type is an error of `name`.
+template <typename F>
+void dispatch(at::ScalarType type, const char* name, F&& f) {
+  if (type == at::kFloat) {
+    f(static_cast<float*>(nullptr));
+  } else if (type == at::kBFloat16) {
+    f(static_cast<at::BFloat16*>(nullptr));
+  } else {
+    TORCH_CHECK(false, name, " takes float32 or bfloat16, got ", type);
+  }
+}
 
 template <typename T>
 constexpr int kExpDegree = std::is_same_v<T, float> ? 6 : 3;
