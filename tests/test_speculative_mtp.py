@@ -170,6 +170,7 @@ def test_greedy_equals_spec_off_through_chunked_prefill(random_llm, always_draft
     off = run(llm, False, prompts, GREEDY)
     on = run(llm, True, prompts, GREEDY)
     same_outputs(off, on)
+    assert list(llm.llm.metrics()["speculative"]) == ["mtp"]  # the stats are the method's
     f = llm.figures()
     assert f["proposed_tokens"] > 0 and f["accepted_tokens"] <= f["proposed_tokens"]
 
@@ -225,6 +226,10 @@ def test_without_the_method_the_mtp_layer_is_ignored(random_mtp, random_llm):
     prompts = mixed_prompts(random_llm, repeats=(1,))
     with make_llm(random_mtp, spec=None) as plain:
         assert model_runner(plain).model.mtp is None
+        # The KV budget counts the MTP layer's cache: one more latent layer beside the three of the target.
+        blocks, plain_blocks = model_runner(random_llm.llm).num_blocks, model_runner(plain).num_blocks
+        assert abs(blocks - plain_blocks * 3 / 4) <= 1
+        assert len(random_llm.ngram.proposer.cache[0]) >= blocks
         assert plain.generate(prompts, GREEDY)[0].token_ids == run(random_llm, False, prompts, GREEDY)[0].token_ids
 
 

@@ -78,7 +78,8 @@ class ModelRunner:
         # the float32 logits of every sequence with the sampler's working copies (4 of them).
         reserve = engine.max_num_batched_tokens * self.profile.activation_values_per_token * 4 \
             + engine.max_num_seqs * engine.logits_rows_per_seq * self.model_cfg.vocab_size * 4 * 4
-        per_block = self.kv_layout.bytes_per_block(self.block_size, self.dtype)
+        per_block = sum(layout.bytes_per_block(self.block_size, self.dtype)
+                        for layout in (self.kv_layout, self.model.proposer_kv_layout()))
         return max(1, kv_budget_bytes(engine, self.device, reserve) // per_block)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:

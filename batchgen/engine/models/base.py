@@ -276,6 +276,11 @@ class CausalLM(nn.Module):
         return KVLayout(tuple(tuple(layer.cache_token_shapes()) for layer in layers),
                         window=max(windows) if windows and None not in windows else None)
 
+    def proposer_kv_layout(self) -> KVLayout:
+        """What the model's drafting layers outside ``layers`` (DeepSeek's MTP layer) keep per token in their own
+        paged cache, which the KV budget counts too: nothing by default."""
+        return KVLayout(())
+
     def bind_kv_cache(self, caches: Sequence[Sequence[torch.Tensor]]) -> None:
         layers = self.cache_layers()
         if len(caches) != len(layers):

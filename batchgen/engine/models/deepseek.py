@@ -19,6 +19,7 @@ from torch import nn
 
 from batchgen.engine.backends.interface import AttentionMetadata, KernelSet
 from batchgen.engine.config import MoEConfig, ModelConfig
+from batchgen.engine.core.kv_cache import KVLayout
 from batchgen.engine.layers.linear import default_weight_loader, new_parameter
 from batchgen.engine.layers.mla import MLAAttention, MLAMetadata
 from batchgen.engine.layers.mlp import GatedMLP
@@ -187,6 +188,11 @@ class DeepseekV2ForCausalLM(CausalLM):
                 raise ValueError(f"speculative method 'mtp': the checkpoint has no weights of its multi-token-"
                                  f"prediction layer ({prefix}enorm, hnorm, eh_proj, self_attn, mlp, ...)") from None
             raise
+
+    def proposer_kv_layout(self) -> KVLayout:
+        if self.mtp is None:
+            return super().proposer_kv_layout()
+        return KVLayout((tuple(self.mtp.self_attn.cache_token_shapes()),))
 
     def mtp_hidden_states(self, input_ids: torch.Tensor, previous: torch.Tensor, positions: torch.Tensor,
                           meta: AttentionMetadata) -> torch.Tensor:

@@ -76,10 +76,9 @@ class MtpProposer:
     def __init__(self, runner: Any, num_speculative_tokens: int, num_blocks: int):
         self.runner, self.model = runner, runner.model
         self.num_speculative_tokens, self.block_size = num_speculative_tokens, runner.block_size
-        attention = self.model.mtp.self_attn
-        self.cache = [torch.zeros(num_blocks, self.block_size, *shape, dtype=runner.dtype, device=runner.device)
-                      for shape in attention.cache_token_shapes()]
-        attention.bind_cache(self.cache)
+        (self.cache,) = self.model.proposer_kv_layout().allocate(num_blocks, self.block_size, runner.dtype,
+                                                                 runner.device)
+        self.model.mtp.self_attn.bind_cache(self.cache)
         self.pool = BlockPool(num_blocks)
         self.states: dict[int, MtpState] = {}
         self.steady_seconds: float | None = None
@@ -187,6 +186,6 @@ def build_mtp_proposer(spec: SpeculativeConfig, target: Any) -> MtpProposer:
     if runner is None or getattr(runner.model, "mtp", None) is None:
         raise ValueError("speculative method 'mtp' needs the target model in this process, built with its "
                          "multi-token-prediction layer (one device: tensor_parallel_size and data_parallel_size 1)")
-    # As many blocks as the target's cache (one more layer's worth) and a chain's overhang for each sequence.
+    # As many blocks as the target's cache (the KV budget counts them) and a chain's overhang for each sequence.
     extra = target.config.max_num_seqs * -(-spec.num_speculative_tokens // runner.block_size)
     return MtpProposer(runner, spec.num_speculative_tokens, runner.num_blocks + extra)
