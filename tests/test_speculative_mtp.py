@@ -129,11 +129,12 @@ class ReferenceMtp:
         return kept[0][0]
 
     @torch.inference_mode()
-    def draft_logits(self, tokens: list[int], k: int) -> list[torch.Tensor]:
+    def draft_logits(self, tokens: list[int], k: int, start: int = 0) -> list[torch.Tensor]:
         """The MTP logits at the last position (its input: the last token with h of the one before), then those
-        of k - 1 chained positions (the previous draft with the previous MTP output hidden state)."""
+        of k - 1 chained positions (the previous draft with the previous MTP output hidden state); the MTP layer
+        sees the positions from ``start`` on (rope is relative: they may start at 0 here)."""
         m, h = self.mtp, self.target_hidden(tokens[:-1])
-        nexts, previous, logits, outputs = list(tokens[1:]), list(h), [], []
+        nexts, previous, logits, outputs = list(tokens[start + 1:]), list(h[start:]), [], []
         hook = self.layer.model.layers[0].register_forward_hook(
             lambda module, args, out: outputs.append(out[0] if isinstance(out, tuple) else out))
         for _ in range(k):
@@ -153,13 +154,19 @@ def test_drafts_match_a_reference_of_the_mtp_formulas(random_mtp, random_llm, al
     recorded: list[torch.Tensor] = []
     logits = model.mtp_logits
     monkeypatch.setattr(model, "mtp_logits", lambda hidden: recorded.append(out := logits(hidden)) or out)
-    out = run(llm, True, [prompt], SamplingParams(max_tokens=k + 2, temperature=0, ignore_eos=True))[0]
-    # The prompt's catch-up (its one step: max_num_batched_tokens 48) ends with the first sampled token; the
-    # first proposal then chains k - 1 positions.
-    ours = [recorded[0][0]] + [r[0] for r in recorded[1:k]]
-    reference = ReferenceMtp(random_mtp).draft_logits(prompt + out.token_ids[:1], k)
-    for mine, ref in zip(ours, reference, strict=True):
-        torch.testing.assert_close(mine, ref, rtol=1e-4, atol=1e-4)
+    reference = ReferenceMtp(random_mtp)
+    cached = []
+    for _ in range(2):  # the second time the prompt's first blocks come from the prefix cache
+        recorded.clear()
+        out = run(llm, True, [prompt], SamplingParams(max_tokens=k + 2, temperature=0, ignore_eos=True))[0]
+        cached.append(out.num_cached_tokens)
+        # The prompt's catch-up (its one step: max_num_batched_tokens 48) ends with the first sampled token;
+        # the first proposal then chains k - 1 positions.
+        ours = [recorded[0][0]] + [r[0] for r in recorded[1:k]]
+        expected = reference.draft_logits(prompt + out.token_ids[:1], k, start=out.num_cached_tokens)
+        for mine, ref in zip(ours, expected, strict=True):
+            torch.testing.assert_close(mine, ref, rtol=1e-4, atol=1e-4)
+    assert cached[0] == 0 and cached[1] >= 16
 
 
 # ---- (b) greedy, (c) seeded sampling: lossless against spec off ------------------------------------------------

@@ -9,8 +9,8 @@ own output hidden state. Drafts are argmax tokens, deterministic, so the target'
 
 The layer's KV lives in its own paged cache, in the target's layout (block size, latent rows), with its own
 blocks per sequence; the positions a chain wrote for rejected drafts are overwritten by the next catch-up. A
-sequence the cache has no room for drafts nothing. Positions the target never computed (a prefix-cache hit)
-leave the layer's KV there unset: drafts stay lossless, they are only accepted less.
+sequence the cache has no room for drafts nothing. A sequence whose first positions the target did not compute
+(a prefix-cache hit) starts the layer's cache at the first one it did: the layer attends to the positions it saw.
 """
 from __future__ import annotations
 
@@ -43,6 +43,8 @@ class MtpState:
     """One sequence's MTP cache blocks and, when it may draft, its first draft and the hidden state to chain."""
 
     blocks: list[int] = field(default_factory=list)
+    first: int = 0  # the first position its cache holds (slot index = position - first)
+    end: int = 0  # positions first .. end - 1 are held
     for_length: int = -1  # the sequence length the draft below is for
     next_token: int = -1
     hidden: torch.Tensor | None = None  # the MTP output at the last caught-up position
@@ -116,15 +118,15 @@ class MtpProposer:
         for j in range(1, max((k for _, _, k, _ in chains), default=0)):
             # Position p + j - 1 holds draft j (p: the sequence's last token): its output predicts draft j + 1.
             live = [(row, state, last) for row, state, k, last in chains
-                    if k > j and self._room(requests[row][0], last + j)]
+                    if k > j and self._room(requests[row][0], last + j - state.first)]
             if not live:
                 break
             step = StepInput(input_ids=[drafts[row][-1] for row, _, _ in live], query_lens=[1] * len(live),
-                             context_lens=[last + j for _, _, last in live],
+                             context_lens=[last + j - state.first for _, state, last in live],
                              block_tables=[list(state.blocks) for _, state, _ in live],
                              sample_seqs=list(range(len(live))))
             previous = torch.stack([state.hidden for _, state, _ in live])
-            hidden, tokens = self._run(step, previous)
+            hidden, tokens = self._run(step, previous, [state.first for _, state, _ in live])
             for i, (row, state, _) in enumerate(live):
                 state.hidden = hidden[i]
                 drafts[row].append(tokens[i])
@@ -142,17 +144,20 @@ class MtpProposer:
             if state is None:
                 continue
             state.for_length, state.hidden = -1, None
-            if self._room(r.seq_id, r.start + r.count):
+            if not state.first <= r.start <= state.end:  # a prefix-cache hit, or recomputed from further back
+                state.first = r.start
+            state.end = r.start + r.count
+            if self._room(r.seq_id, state.end - state.first):
                 kept.append((r, state))
         if not kept:
             return
         step = StepInput(
             input_ids=[t for r, _ in kept for t in r.tokens[r.start + 1:r.start + r.count + 1]],
-            query_lens=[r.count for r, _ in kept], context_lens=[r.start + r.count for r, _ in kept],
+            query_lens=[r.count for r, _ in kept], context_lens=[state.end - state.first for _, state in kept],
             block_tables=[list(state.blocks) for _, state in kept],
             sample_seqs=[i for i, (r, _) in enumerate(kept) if r.decoding])
         index = torch.cat([torch.arange(r.row, r.row + r.count) for r, _ in kept]).to(hidden.device)
-        out_hidden, tokens = self._run(step, hidden[index])
+        out_hidden, tokens = self._run(step, hidden[index], [state.first for _, state in kept])
         for i, seq in enumerate(step.sample_seqs):
             r, state = kept[seq]
             state.for_length, state.next_token, state.hidden = len(r.tokens), tokens[i], out_hidden[i]
@@ -171,9 +176,11 @@ class MtpProposer:
         self.finish(seq_id, (), 0)
         return False
 
-    def _run(self, step: StepInput, previous: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
-        """The MTP layer over a packed step: the output hidden states of its sampling rows and their argmax."""
-        input_ids, positions, meta, rows = self.runner.prepare(step)
+    def _run(self, step: StepInput, previous: torch.Tensor, firsts: list[int]) -> tuple[torch.Tensor, list[int]]:
+        """The MTP layer over a packed step (each sequence's positions from its ``first``, which its cache holds at
+        slot 0): the output hidden states of its sampling rows and their argmax."""
+        input_ids, slots, meta, rows = self.runner.prepare(step)
+        positions = slots + torch.repeat_interleave(torch.tensor(firsts), torch.tensor(step.query_lens)).to(slots)
         hidden = self.model.mtp_hidden_states(input_ids, previous, positions, meta)[rows]
         if len(rows) == 0:
             return hidden, []
