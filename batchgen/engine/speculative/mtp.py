@@ -2,10 +2,11 @@
 
 Right after each target step the proposer catches up: for every position i the target just computed (a prompt
 chunk, a decode, or a verification's last real token and its accepted drafts) it runs the MTP layer on
-(token i + 1, the target's hidden state i), writing the layer's KV and, for a sequence about to decode, the
-logits of its next draft. The step's hidden states are consumed at once, so they never pile up. ``propose`` then
-chains the layer from the last position: each further draft is the MTP layer run on the previous draft with its
-own output hidden state. Drafts are argmax tokens, deterministic, so the target's acceptance stays lossless.
+(token i + 1, the target's hidden state i), writing the layer's KV and keeping, for a sequence about to decode,
+the layer's output at its last position. The step's hidden states are consumed at once, so they never pile up.
+``propose`` drafts from that output (the shared head runs only there, so a step the cost model leaves undrafted
+pays the layer alone) and chains the layer on: each further draft is the MTP layer run on the previous draft with
+its own output hidden state. Drafts are argmax tokens, deterministic, so the target's acceptance stays lossless.
 
 The layer's KV lives in its own paged cache, in the target's layout (block size, latent rows), with its own
 blocks per sequence; the positions a chain wrote for rejected drafts are overwritten by the next catch-up. A
@@ -40,13 +41,12 @@ class ComputedRows:
 
 @dataclass
 class MtpState:
-    """One sequence's MTP cache blocks and, when it may draft, its first draft and the hidden state to chain."""
+    """One sequence's MTP cache blocks and, when it may draft, the MTP output to draft from."""
 
     blocks: list[int] = field(default_factory=list)
     first: int = 0  # the first position its cache holds (slot index = position - first)
     end: int = 0  # positions first .. end - 1 are held
-    for_length: int = -1  # the sequence length the draft below is for
-    next_token: int = -1
+    for_length: int = -1  # the sequence length ``hidden`` drafts for
     hidden: torch.Tensor | None = None  # the MTP output at the last caught-up position
 
 
@@ -108,28 +108,30 @@ class MtpProposer:
         catch-up did not reach."""
         start = time.perf_counter()
         drafts: list[list[int]] = [[] for _ in requests]
-        chains = []  # (row, state, k)
+        chains = []  # (row, state, k, index of the sequence's last token)
         for row, (seq_id, tokens, k) in enumerate(requests):
             state = self.states.get(seq_id)
-            if state is None or state.for_length != len(tokens) or k <= 0:
-                continue
-            drafts[row].append(state.next_token)
-            chains.append((row, state, min(k, self.num_speculative_tokens), len(tokens) - 1))
-        for j in range(1, max((k for _, _, k, _ in chains), default=0)):
-            # Position p + j - 1 holds draft j (p: the sequence's last token): its output predicts draft j + 1.
-            live = [(row, state, last) for row, state, k, last in chains
-                    if k > j and self._room(requests[row][0], last + j - state.first)]
+            if state is not None and state.for_length == len(tokens) and k > 0:
+                chains.append((row, state, min(k, self.num_speculative_tokens), len(tokens) - 1))
+        live = [(row, state, last) for row, state, _, last in chains]
+        current = {row: state.hidden for row, state, _ in live}  # each chain's latest MTP output
+        for j in range(1, max((k for _, _, k, _ in chains), default=0) + 1):
             if not live:
                 break
-            step = StepInput(input_ids=[drafts[row][-1] for row, _, _ in live], query_lens=[1] * len(live),
-                             context_lens=[last + j - state.first for _, state, last in live],
-                             block_tables=[list(state.blocks) for _, state, _ in live],
-                             sample_seqs=list(range(len(live))))
-            previous = torch.stack([state.hidden for _, state, _ in live])
-            hidden, tokens = self._run(step, previous, [state.first for _, state, _ in live])
-            for i, (row, state, _) in enumerate(live):
-                state.hidden = hidden[i]
-                drafts[row].append(tokens[i])
+            hidden = torch.stack([current[row] for row, _, _ in live])
+            for (row, _, _), token in zip(live, self.model.mtp_logits(hidden).argmax(dim=-1).tolist()):
+                drafts[row].append(token)
+            # Position last + j - 1 takes draft j (the catch-up's last position was last - 1): its output
+            # predicts draft j + 1.
+            live = [(row, state, last) for row, state, k, last in chains
+                    if k > j and self._room(requests[row][0], last + j - state.first)]
+            if live:
+                step = StepInput(input_ids=[drafts[row][-1] for row, _, _ in live], query_lens=[1] * len(live),
+                                 context_lens=[last + j - state.first for _, state, last in live],
+                                 block_tables=[list(state.blocks) for _, state, _ in live])
+                hidden = self._run(step, torch.stack([current[row] for row, _, _ in live]),
+                                   [state.first for _, state, _ in live])
+                current.update((row, hidden[i]) for i, (row, _, _) in enumerate(live))
         self.steady_seconds = time.perf_counter() - start + self._catch_up_s
         return drafts
 
@@ -154,13 +156,12 @@ class MtpProposer:
         step = StepInput(
             input_ids=[t for r, _ in kept for t in r.tokens[r.start + 1:r.start + r.count + 1]],
             query_lens=[r.count for r, _ in kept], context_lens=[state.end - state.first for _, state in kept],
-            block_tables=[list(state.blocks) for _, state in kept],
-            sample_seqs=[i for i, (r, _) in enumerate(kept) if r.decoding])
+            block_tables=[list(state.blocks) for _, state in kept])
         index = torch.cat([torch.arange(r.row, r.row + r.count) for r, _ in kept]).to(hidden.device)
-        out_hidden, tokens = self._run(step, hidden[index], [state.first for _, state in kept])
-        for i, seq in enumerate(step.sample_seqs):
-            r, state = kept[seq]
-            state.for_length, state.next_token, state.hidden = len(r.tokens), tokens[i], out_hidden[i]
+        last_rows = self._run(step, hidden[index], [state.first for _, state in kept])
+        for (r, state), out in zip(kept, last_rows):
+            if r.decoding:
+                state.for_length, state.hidden = len(r.tokens), out
         decoding = sum(r.decoding for r, _ in kept)
         self._catch_up_s = (time.perf_counter() - start) * decoding / len(kept)
 
@@ -176,15 +177,13 @@ class MtpProposer:
         self.finish(seq_id, (), 0)
         return False
 
-    def _run(self, step: StepInput, previous: torch.Tensor, firsts: list[int]) -> tuple[torch.Tensor, list[int]]:
+    def _run(self, step: StepInput, previous: torch.Tensor, firsts: list[int]) -> torch.Tensor:
         """The MTP layer over a packed step (each sequence's positions from its ``first``, which its cache holds at
-        slot 0): the output hidden states of its sampling rows and their argmax."""
+        slot 0): the output hidden state of each sequence's last row."""
+        step.sample_seqs = list(range(step.num_seqs))
         input_ids, slots, meta, rows = self.runner.prepare(step)
         positions = slots + torch.repeat_interleave(torch.tensor(firsts), torch.tensor(step.query_lens)).to(slots)
-        hidden = self.model.mtp_hidden_states(input_ids, previous, positions, meta)[rows]
-        if len(rows) == 0:
-            return hidden, []
-        return hidden, self.model.mtp_logits(hidden).argmax(dim=-1).tolist()
+        return self.model.mtp_hidden_states(input_ids, previous, positions, meta)[rows]
 
 
 def build_mtp_proposer(spec: SpeculativeConfig, target: Any) -> MtpProposer:
