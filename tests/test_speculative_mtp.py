@@ -283,3 +283,18 @@ def test_aborted_requests_give_their_mtp_blocks_back(random_llm, always_draft):
     assert proposer.states and len(proposer.pool.free) < len(proposer.cache[0])
     assert engine.abort_all() == 2
     assert not proposer.states and len(proposer.pool.free) == len(proposer.cache[0])
+
+
+@pytest.mark.slow
+def test_preemption_under_a_small_kv_budget(random_mtp, random_llm, always_draft):
+    prompts = [random_llm.tokenizer.encode(f"{i} " + TEXT * 2)[:60] for i in range(4)]
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=True)
+    off = run(random_llm, False, prompts, params)
+    runner = model_runner(random_llm.llm)
+    per_block = sum(layout.bytes_per_block(16, torch.float32)
+                    for layout in (runner.kv_layout, runner.model.proposer_kv_layout()))
+    small = Toggle(make_llm(random_mtp, max_num_batched_tokens=256, kv_cache_memory=per_block * 12))
+    on = run(small, True, prompts, params)
+    same_outputs(off, on)
+    assert small.llm.metrics()["preemptions"] > 0 and small.figures()["proposed_tokens"] > 0
+    small.llm.close()
