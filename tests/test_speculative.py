@@ -281,7 +281,7 @@ def test_grammar_rows_verify_drafts_under_each_positions_mask(narrow, always_dra
 
 
 @pytest.mark.parametrize("config, message", [
-    ({"method": "mtp"}, "not supported yet"),
+    ({"method": "eagle"}, "not supported yet"),
     ({"method": "lookahead"}, "unknown speculative_config method"),
     ({"num_speculative_tokens": 3}, "needs a 'method'"),
     ({"method": "ngram", "prompt_lookup_maxx": 3}, "unknown speculative_config key"),

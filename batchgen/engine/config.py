@@ -187,7 +187,7 @@ class EngineConfig:
     eplb_config: dict = knob({}, "EPLB settings: num_redundant_experts, window_size, step_interval, "
                                  "log_balancedness, calibrate_once, skip_unprofitable")
     speculative_config: dict = knob({}, "speculative decoding (vLLM's keys): method (ngram, suffix, "
-                                        "draft_model with its model), num_speculative_tokens, prompt_lookup_min, "
+                                        "draft_model with its model, mtp), num_speculative_tokens, prompt_lookup_min, "
                                         "prompt_lookup_max; a cost "
                                         "model picks 0..num_speculative_tokens drafts per sequence and step")
 
@@ -205,7 +205,11 @@ class EngineConfig:
         if self.max_num_batched_tokens < self.block_size:
             raise ValueError("max_num_batched_tokens must be at least block_size")
         EplbConfig.from_dict(self.eplb_config)
-        SpeculativeConfig.from_dict(self.speculative_config)
+        spec = SpeculativeConfig.from_dict(self.speculative_config)
+        if spec is not None and spec.method == "mtp" and self.world_size > 1:
+            raise ValueError("speculative method 'mtp' runs on one device for now: it needs tensor_parallel_size "
+                             f"and data_parallel_size 1, got {self.tensor_parallel_size} and "
+                             f"{self.data_parallel_size}")
         if self.enable_eplb and not self.enable_expert_parallel:
             raise ValueError("enable_eplb needs enable_expert_parallel (it balances experts split over ranks)")
         self._check_prefix_tiers()

@@ -111,6 +111,8 @@ class LLMEngine:
         self.speculator = (Speculator(spec, self.max_model_len, self.model_config.vocab_size,
                                       build_proposer(spec, self, LLMEngine))
                            if spec is not None else None)
+        if self.speculator is not None and self.speculator.needs_hidden_states:
+            self.overlap = False  # the proposer reads each step's hidden states before the next is planned
         self.reset_metrics()
 
     @property
@@ -165,6 +167,8 @@ class LLMEngine:
     def abort_all(self) -> int:
         """Drops every unfinished request (a caller that stopped reading their outputs)."""
         self._drain()
+        if self.speculator is not None:
+            self.speculator.drop_all()
         return sum(r.abort_all() for r in self.replicas)
 
     def has_unfinished(self) -> bool:
@@ -249,11 +253,13 @@ class LLMEngine:
         device_start = max(launched.submitted_at, self._last_done)  # overlapped steps share no device time
         self._last_done = done
         finished: list[RequestOutput] = []
-        for replica, step, out in zip(self.replicas, launched.steps, outputs):
+        for replica, step, step_input, out in zip(self.replicas, launched.steps, launched.inputs, outputs):
             if step.saves and self.prefix_tiers is not None:
                 self.prefix_tiers.save(step.saves, out.saved_kv)
             if step.seqs:
                 finished += self._apply(replica, step.seqs, out)
+                if self.speculator is not None:
+                    self.speculator.observe_step(step.seqs, step_input, out)
         launched.host_s += time.perf_counter() - done
         self._record(launched, outputs, device_start, done - device_start)
         return finished

@@ -23,6 +23,7 @@ from batchgen.engine.parallel.balancer import EplbConfig, ExpertBalancer, with_l
 from batchgen.engine.parallel.context import SINGLE_PROCESS, ParallelContext
 from batchgen.engine.quantization import choose_weight_methods, load_checkpoint
 from batchgen.engine.sampling.sampler import sample
+from batchgen.engine.speculative.config import SpeculativeConfig
 from batchgen.engine.speculative.verify import AcceptedTokens, accept, expand_sampling, verified_rows
 from batchgen.engine.transfer import to_device
 
@@ -48,8 +49,9 @@ class ModelRunner:
         self.block_size, self.max_model_len = engine.block_size, max_model_len
         self.backend = engine.attention_backend or default_backend(self.device)
         self.kernels = make_kernel_set(self.backend)
+        spec = SpeculativeConfig.from_dict(engine.speculative_config)
         self.model = build_model(model_cfg, self.kernels, max_model_len, self.dtype, self.device, parallel,
-                                 self.weight_methods())
+                                 self.weight_methods(), mtp=spec is not None and spec.method == "mtp")
         load_checkpoint(self.model, source.weights)
         self.profile = self.model.profile()
         self.kv_layout = self.model.kv_layout()
@@ -76,7 +78,8 @@ class ModelRunner:
         # the float32 logits of every sequence with the sampler's working copies (4 of them).
         reserve = engine.max_num_batched_tokens * self.profile.activation_values_per_token * 4 \
             + engine.max_num_seqs * engine.logits_rows_per_seq * self.model_cfg.vocab_size * 4 * 4
-        per_block = self.kv_layout.bytes_per_block(self.block_size, self.dtype)
+        per_block = sum(layout.bytes_per_block(self.block_size, self.dtype)
+                        for layout in (self.kv_layout, self.model.proposer_kv_layout()))
         return max(1, kv_budget_bytes(engine, self.device, reserve) // per_block)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
@@ -101,6 +104,9 @@ class ModelRunner:
             return None
         if self.parallel.exchanges_tokens:
             log.info("CUDA graphs off: the expert exchange between replicas changes shape every step")
+            return None
+        if self.model.keep_hidden_states:
+            log.info("CUDA graphs off: the speculative proposer reads every step's hidden states")
             return None
         from batchgen.engine.executor.cuda_graphs import GraphRunner  # imports triton
 
@@ -181,15 +187,16 @@ class ModelRunner:
             logits = self.graphs.run(graph, input_ids, positions, meta, logits_rows)
         else:
             logits = self.model(input_ids, positions, meta, logits_rows)
+        hidden = self.model.take_hidden_states()
         saved = gather_blocks(self.kv_cache, step.save_blocks) if step.save_blocks else None
         if len(logits_rows) == 0 or not self.samples:  # only non-final prompt chunks, or not the sampling rank
-            return LaunchedStep(self, start, prepare_s, padded=padded, saved_kv=saved)
+            return LaunchedStep(self, start, prepare_s, padded=padded, saved_kv=saved, hidden=hidden)
         if step.has_drafts:
-            return self._verify(step, logits, start, prepare_s, saved)
+            return self._verify(step, logits, start, prepare_s, saved, hidden)
         tokens, logprobs = sample(logits, step.sampling.to_batch(self.device, step.bitmask))
         self._last_tokens = tokens
         launched = LaunchedStep(self, start, prepare_s, self._to_host(tokens), self._to_host(logprobs), padded,
-                                saved_kv=saved)
+                                saved_kv=saved, hidden=hidden)
         if self.device.type == "cuda":
             # Queued now, the copies wait for this step alone, not for the next step queued behind it.
             launched.copied = torch.cuda.Event()
@@ -197,7 +204,7 @@ class ModelRunner:
         return launched
 
     def _verify(self, step: StepInput, logits: torch.Tensor, start: float, prepare_s: float,
-                saved: torch.Tensor | None) -> "LaunchedStep":
+                saved: torch.Tensor | None, hidden: torch.Tensor | None) -> "LaunchedStep":
         """Samples every verified position as plain decode would and keeps each row's accepted drafts. The
         engine applies such a step before scheduling the next, so no later step defers to its tokens."""
         batch = expand_sampling(step.sampling, step.drafts).to_batch(self.device, step.bitmask)
@@ -206,7 +213,7 @@ class ModelRunner:
         accepted = accept(tokens, logprobs, step.drafts, self.kernels.accept_drafts)
         launched = LaunchedStep(self, start, prepare_s, self._to_host(accepted.tokens),
                                 self._to_host(accepted.logprobs), saved_kv=saved,
-                                counts=self._to_host(accepted.counts))
+                                counts=self._to_host(accepted.counts), hidden=hidden)
         if self.device.type == "cuda":
             launched.copied = torch.cuda.Event()
             launched.copied.record()
@@ -256,11 +263,12 @@ class LaunchedStep:
     eplb: dict | None = None  # the expert load balancer's report, on the steps that evaluated it
     saved_kv: torch.Tensor | None = None  # the step's save_blocks, copied out behind its forward
     counts: torch.Tensor | None = None  # a step verifying drafts: tokens kept per row (tokens is then padded)
+    hidden: torch.Tensor | None = None  # the model's kept hidden states (keep_hidden_states), on the device
 
     def result(self) -> StepOutput:
         runner = self.runner
         out = StepOutput(padded_tokens=self.padded, prepare_s=self.prepare_s, eplb=self.eplb,
-                         saved_kv=self.saved_kv)
+                         saved_kv=self.saved_kv, hidden_states=self.hidden)
         if self.copied is not None:
             self.copied.synchronize()
         elif self.saved_kv is not None and runner.device.type == "cuda":

@@ -122,6 +122,9 @@ class StepOutput:
     prepare_s: float = 0.0
     eplb: dict | None = None
     saved_kv: torch.Tensor | None = None  # (len(save_blocks), block bytes) uint8: the saved blocks' KV
+    # In-process executors, for a model that keeps them: every computed row's last hidden state before the
+    # final norm (num_tokens, hidden), on the device, for the proposer to read at once (speculative "mtp").
+    hidden_states: torch.Tensor | None = None
 
 
 @dataclass

@@ -152,6 +152,10 @@ class CausalLM(nn.Module):
     decoder_layer: ClassVar[type[DecoderLayer]] = DecoderLayer
     # The kinds of step whose forward can be replayed from a CUDA graph (fixed shapes, no host sizing).
     graph_step_kinds: ClassVar[tuple[str, ...]] = ("decode", "mixed")
+    # Whether forward keeps the last hidden state (before the final norm) of every row, for a proposer that
+    # drafts from them (DeepSeek's MTP layer); ``take_hidden_states`` hands them over once.
+    keep_hidden_states: bool = False
+    hidden_states: torch.Tensor | None = None
 
     def __init__(self, cfg: ModelConfig, kernels: KernelSet, max_positions: int, chunk_tokens: int = 1024,
                  parallel: ParallelContext = SINGLE_PROCESS):
@@ -209,10 +213,17 @@ class CausalLM(nn.Module):
         x, residual = self.embed(input_ids), None
         for i, layer in enumerate(self.layers):
             x, residual = layer(x, residual, positions, self.layer_cos_sin(i), meta)
+        if self.keep_hidden_states:
+            self.hidden_states = x + residual
         # Only the rows that produce a next token go through the final norm and the vocabulary matmul.
         # Under tensor parallelism only the first rank gets the logits of the whole vocabulary.
         x = self.norm(x[logits_indices], residual[logits_indices])[0]
         return self.compute_logits(x)
+
+    def take_hidden_states(self) -> torch.Tensor | None:
+        """The latest forward's hidden states (with ``keep_hidden_states``), no longer kept here."""
+        hidden, self.hidden_states = self.hidden_states, None
+        return hidden
 
     # ---- checkpoint loading ------------------------------------------------------------------------
     def checkpoint_target(self, hf_name: str) -> tuple[str, Any] | None:
@@ -255,14 +266,20 @@ class CausalLM(nn.Module):
 
     # ---- what the runner and the FLOP counter ask --------------------------------------------------
     def cache_layers(self) -> list[nn.Module]:
-        """The layers that keep state in the paged cache, in order."""
-        return [m for m in self.modules() if callable(getattr(m, "cache_token_shapes", None))]
+        """The decoder layers' modules that keep state in the paged cache, in order (a proposer's layers,
+        such as DeepSeek's MTP layer, keep their own)."""
+        return [m for m in self.layers.modules() if callable(getattr(m, "cache_token_shapes", None))]
 
     def kv_layout(self) -> KVLayout:
         layers = self.cache_layers()
         windows = [getattr(layer, "sliding_window", None) for layer in layers]
         return KVLayout(tuple(tuple(layer.cache_token_shapes()) for layer in layers),
                         window=max(windows) if windows and None not in windows else None)
+
+    def proposer_kv_layout(self) -> KVLayout:
+        """What the model's drafting layers outside ``layers`` (DeepSeek's MTP layer) keep per token in their own
+        paged cache, which the KV budget counts too: nothing by default."""
+        return KVLayout(())
 
     def bind_kv_cache(self, caches: Sequence[Sequence[torch.Tensor]]) -> None:
         layers = self.cache_layers()

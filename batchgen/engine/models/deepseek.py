@@ -12,19 +12,22 @@ mscale on the softmax scale.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 from torch import nn
 
 from batchgen.engine.backends.interface import AttentionMetadata, KernelSet
 from batchgen.engine.config import MoEConfig, ModelConfig
+from batchgen.engine.core.kv_cache import KVLayout
 from batchgen.engine.layers.linear import default_weight_loader, new_parameter
 from batchgen.engine.layers.mla import MLAAttention, MLAMetadata
 from batchgen.engine.layers.mlp import GatedMLP
 from batchgen.engine.layers.moe import FusedMoE, SparseMoeBlock, TopKRouter
 from batchgen.engine.layers.rotary import cos_sin_cache
+from batchgen.engine.loading.model_source import Weight
 from batchgen.engine.models.base import CausalLM, CheckpointNames, WeightRule, expert_rules
+from batchgen.engine.models.deepseek_mtp import OPTIONAL_WEIGHTS, MultiTokenPredictor, mtp_layer_count
 from batchgen.engine.models.errors import UnsupportedModelError
 from batchgen.engine.parallel.context import SINGLE_PROCESS, ParallelContext
 
@@ -117,12 +120,23 @@ class DeepseekV2ForCausalLM(CausalLM):
     graph_step_kinds = ("decode",)
 
     def __init__(self, cfg: ModelConfig, kernels: KernelSet, max_positions: int, chunk_tokens: int = 1024,
-                 parallel: ParallelContext = SINGLE_PROCESS):
+                 parallel: ParallelContext = SINGLE_PROCESS, mtp: bool = False):
+        """``mtp``: also build (and load) the checkpoint's first multi-token-prediction layer, ``self.mtp``, and
+        keep every step's last hidden states for it (``keep_hidden_states``)."""
         if cfg.mla is None or cfg.moe is None:
             raise UnsupportedModelError(f"{cfg.architecture} needs kv_lora_rank and routed experts in its config")
         if cfg.hf.get("mlp_bias"):
             raise UnsupportedModelError("mlp_bias is not supported")
         super().__init__(cfg, kernels, max_positions, chunk_tokens, parallel)
+        self.mtp: MultiTokenPredictor | None = None
+        if mtp:
+            if mtp_layer_count(cfg) < 1:
+                raise ValueError("speculative method 'mtp' needs a checkpoint with multi-token-prediction layers: "
+                                 f"this config.json has num_nextn_predict_layers = "
+                                 f"{cfg.hf.get('num_nextn_predict_layers')!r}, not >= 1")
+            n = cfg.num_layers  # the MTP layer's index: the usual dense / MoE rule applies to it
+            self.mtp = MultiTokenPredictor(self.make_attention(n), self.make_mlp(n), cfg, kernels, chunk_tokens)
+            self.keep_hidden_states = True
 
     def pairwise_rope(self) -> bool:
         return True
@@ -146,8 +160,49 @@ class DeepseekV2ForCausalLM(CausalLM):
     def checkpoint_target(self, hf_name: str) -> tuple[str, Any] | None:
         layer = hf_name.removeprefix("model.").split(".")
         if layer[0] == "layers" and int(layer[1]) >= self.cfg.num_layers:
-            return None  # the multi-token-prediction layers after the last one
+            if self.mtp is None or int(layer[1]) > self.cfg.num_layers:
+                return None  # the multi-token-prediction layers after the last one (only the first is used)
+            return super().checkpoint_target(".".join(["mtp", *layer[2:]]))
         return super().checkpoint_target(hf_name)
+
+    def load_weights(self, weights: Iterable[tuple[str, Weight]]) -> None:
+        """The main model's weights and, with ``mtp``, its MTP layer's (a clear error when it has none)."""
+        if self.mtp is None:
+            return super().load_weights(weights)
+        prefix, seen = f"model.layers.{self.cfg.num_layers}.", []
+
+        def main_and_mtp_layer():
+            for name, tensor in weights:
+                rest = name.removeprefix(prefix)
+                if rest != name:
+                    seen.append(name)
+                    if rest in OPTIONAL_WEIGHTS:
+                        self.mtp.load_optional(rest, tensor)
+                        continue
+                yield name, tensor
+
+        try:
+            super().load_weights(main_and_mtp_layer())
+        except ValueError:
+            if not seen:
+                raise ValueError(f"speculative method 'mtp': the checkpoint has no weights of its multi-token-"
+                                 f"prediction layer ({prefix}enorm, hnorm, eh_proj, self_attn, mlp, ...)") from None
+            raise
+
+    def proposer_kv_layout(self) -> KVLayout:
+        if self.mtp is None:
+            return super().proposer_kv_layout()
+        return KVLayout((tuple(self.mtp.self_attn.cache_token_shapes()),))
+
+    def mtp_hidden_states(self, input_ids: torch.Tensor, previous: torch.Tensor, positions: torch.Tensor,
+                          meta: AttentionMetadata) -> torch.Tensor:
+        """The MTP layer's output rows (see ``MultiTokenPredictor.hidden_states``) over its own paged cache."""
+        if not meta.decode_only:
+            meta = MLAMetadata.for_step(meta, self.mtp.self_attn.cache.shape[1])
+        return self.mtp.hidden_states(input_ids, previous, positions, self.cos_sin, meta, self.embed)
+
+    def mtp_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.mtp.logits(hidden, self.compute_logits)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 logits_indices: torch.Tensor) -> torch.Tensor:

@@ -146,10 +146,11 @@ def model_config(cfg: dict[str, Any]) -> ModelConfig:
 
 def build_model(cfg: ModelConfig, kernels: "KernelSet", max_positions: int, dtype: torch.dtype,
                 device: torch.device | str, parallel: "ParallelContext | None" = None,
-                methods: "WeightMethods | None" = None) -> "CausalLM":
+                methods: "WeightMethods | None" = None, mtp: bool = False) -> "CausalLM":
     """The model allocated directly in ``dtype`` on ``device`` (no fp32 copy first; "meta" allocates nothing),
     holding this rank's share of the weights under ``parallel``; ``methods`` (from
-    ``quantization.choose_weight_methods``) gives its layers quantized weights."""
+    ``quantization.choose_weight_methods``) gives its layers quantized weights. ``mtp``: with the checkpoint's
+    multi-token-prediction layer (speculative method "mtp")."""
     from batchgen.engine.layers.linear import weight_methods
 
     cls = _BY_NAME[cfg.architecture].model_class()
@@ -158,6 +159,12 @@ def build_model(cfg: ModelConfig, kernels: "KernelSet", max_positions: int, dtyp
         if "parallel" not in inspect.signature(cls.__init__).parameters:
             raise UnsupportedModelError(f"{cfg.architecture} cannot be split over several devices yet")
         extra["parallel"] = parallel
+    if mtp:
+        if "mtp" not in inspect.signature(cls.__init__).parameters:
+            raise ValueError(f"speculative method 'mtp' needs a DeepSeek-V3-style checkpoint with multi-token-"
+                             f"prediction layers; {cfg.architecture} has none (try 'ngram', 'suffix' or "
+                             f"'draft_model')")
+        extra["mtp"] = True
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     device = torch.device(device)

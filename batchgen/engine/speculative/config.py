@@ -6,10 +6,12 @@ from typing import Any
 
 from batchgen.engine.speculative.suffix import SuffixOptions
 
-BUILT_METHODS = ("ngram", "suffix", "draft_model")
+BUILT_METHODS = ("ngram", "suffix", "draft_model", "mtp")
 NGRAM_KEYS = ("prompt_lookup_min", "prompt_lookup_max")
 DRAFT_MODEL_KEYS = ("model",)  # a folder, GGUF file or built-in name, loaded like the target
-PLANNED_METHODS = ("mtp", "eagle", "eagle3", "medusa")
+PLANNED_METHODS = ("eagle", "eagle3", "medusa")
+OWN_KEYS = {"ngram": "num_speculative_tokens, prompt_lookup_min, prompt_lookup_max",
+            "mtp": "num_speculative_tokens"}  # methods that take no options: all their keys
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -22,6 +24,7 @@ class SpeculativeConfig:
     ``ngram`` method matches. The ``suffix`` method's own keys (``options``: max_tree_depth, max_spec_factor,
     max_spec_offset, min_token_prob, max_cached_tokens, max_cached_nodes, cache_prompts) go to its proposer;
     the ``draft_model`` method's ``model`` (the draft's folder, GGUF file or built-in name) is in ``options`` too.
+    ``mtp`` (a DeepSeek-V3-style checkpoint's multi-token-prediction layer) takes only ``num_speculative_tokens``.
     """
 
     method: str
@@ -50,10 +53,9 @@ class SpeculativeConfig:
         for key, value in ints.items():
             if not isinstance(value, int) or isinstance(value, bool):
                 raise ValueError(f"speculative_config {key!r} must be an integer, got {value!r}")
-        if method == "ngram" and options:
-            raise ValueError(f"unknown speculative_config key(s) for method 'ngram': "
-                             f"{', '.join(map(repr, sorted(options)))}; known: num_speculative_tokens, "
-                             f"prompt_lookup_min, prompt_lookup_max")
+        if method in OWN_KEYS and options:
+            raise ValueError(f"unknown speculative_config key(s) for method {method!r}: "
+                             f"{', '.join(map(repr, sorted(options)))}; known: {OWN_KEYS[method]}")
         misplaced = sorted(set(ints) & set(NGRAM_KEYS)) if method != "ngram" else []
         if misplaced:
             raise ValueError(f"speculative_config {', '.join(map(repr, misplaced))}: keys of method 'ngram', "

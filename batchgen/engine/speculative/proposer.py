@@ -14,6 +14,10 @@ class Proposer(Protocol):
     completion), so that a proposer can learn from it and drop what it kept for the request. A proposer
     built with ``num_speculative_tokens`` never needs to return more tokens than that.
 
+    A proposer that drafts from the target's hidden states sets ``needs_hidden_states`` and has
+    ``observe_step(rows, hidden)``, called right after each target step with the positions it computed and kept
+    (``mtp.ComputedRows``) and their hidden states (steps then do not overlap).
+
     The speculator charges a proposer's time per drafted token in the cost model: a call's wall time, or its
     ``steady_seconds`` where it sets one after each call (the part that drafting costs each step, one-off work
     such as a draft model's first pass over a new prompt left out).

@@ -8,10 +8,13 @@ from dataclasses import dataclass, fields
 from typing import Any, Callable, Iterable
 
 from batchgen.engine.config import EngineConfig
+from batchgen.engine.core.scheduler import ScheduledSeq
 from batchgen.engine.core.sequence import Sequence, SequenceStatus
+from batchgen.engine.executor.step import StepInput, StepOutput
 from batchgen.engine.sampling.structured import draft_bitmask_rows
 from batchgen.engine.speculative.config import SpeculativeConfig
 from batchgen.engine.speculative.draft_model import build_draft_proposer
+from batchgen.engine.speculative.mtp import ComputedRows, build_mtp_proposer
 from batchgen.engine.speculative.ngram import NgramProposer
 from batchgen.engine.speculative.policy import (AcceptanceTracker, DraftCost, ProbeSchedule, StepCostModel,
                                                 choose_draft_lengths, probe_draft_lengths)
@@ -33,6 +36,10 @@ def build_proposer(config: SpeculativeConfig, target: Any = None,
         if target is None or engine_factory is None:
             raise ValueError("speculative method 'draft_model' needs the target engine to build its draft engine")
         return build_draft_proposer(config, target, engine_factory)
+    if config.method == "mtp":
+        if target is None:
+            raise ValueError("speculative method 'mtp' needs the target engine: it drafts with the target's model")
+        return build_mtp_proposer(config, target)
     raise ValueError(f"speculative method {config.method!r} has no proposer in this build")
 
 
@@ -69,9 +76,36 @@ class Speculator:
     def add_request(self, seq: Sequence) -> None:
         self.proposer.add_request(seq.seq_id, seq.token_ids[:seq.num_prompt_tokens])
 
+    @property
+    def needs_hidden_states(self) -> bool:
+        """Whether the proposer reads each step's hidden states (``observe_step``): steps then do not overlap."""
+        return bool(getattr(self.proposer, "needs_hidden_states", False))
+
+    def observe_step(self, scheduled: list[ScheduledSeq], step: StepInput, out: StepOutput) -> None:
+        """Hands a proposer that reads them the hidden states of the positions the step computed and kept (its
+        sequences' tokens already applied): a verifying row's last real token and its accepted drafts."""
+        observe = getattr(self.proposer, "observe_step", None)
+        if observe is None or out.hidden_states is None:
+            return
+        rows, at = [], 0
+        for s, q, context in zip(scheduled, step.query_lens, step.context_lens, strict=True):
+            seq, start = s.seq, context - q
+            count = min(q, seq.num_computed_tokens - start)
+            if not seq.is_finished and count > 0:
+                rows.append(ComputedRows(seq.seq_id, seq.token_ids, start, count, at,
+                                         decoding=seq.num_computed_tokens == seq.num_tokens - 1))
+            at += q
+        observe(rows, out.hidden_states)
+
     def finish(self, seq: Sequence) -> None:
         self.proposer.finish(seq.seq_id, seq.token_ids, seq.num_prompt_tokens)
         self.acceptance.drop(seq.seq_id)
+
+    def drop_all(self) -> None:
+        """Every request was aborted: a proposer that keeps device state per request (``drop_all``) frees it."""
+        drop = getattr(self.proposer, "drop_all", None)
+        if drop is not None:
+            drop()
 
     def _cap(self, seq: Sequence) -> int:
         """Most drafts the sequence may verify: its output and the context must hold them all."""
