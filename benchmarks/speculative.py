@@ -7,8 +7,8 @@ Workloads (jobs/data/articles.jsonl's documents, chat-templated, greedy):
   summarize  "Summarize the text below in three sentences." over the first ~1500 characters;
   extract    jobs/extract.yaml's prompt and JSON schema (grammar rows: see docs/speculative.md).
 For each batch size (max_num_seqs) the workload has max(4, min(2 x batch, 64)) prompts (documents cycled).
-Each workload runs under every method back to back on one engine (a fresh speculator each time), so that a
-machine shared with other work loads them alike. Prints output tok/s, the ratio to spec off, acceptance rate, mean accepted length, the share of decoding
+Each workload runs under every method back to back on one engine (a fresh speculator each time, no prefix
+cache), so that a machine shared with other work loads them alike. Prints output tok/s, the ratio to spec off, acceptance rate, mean accepted length, the share of decoding
 sequence-steps the cost model let draft, and whether the outputs equal spec off's (they must: greedy).
 """
 from __future__ import annotations
@@ -68,7 +68,9 @@ def run(batch: int, names: list[str], methods: list[str], args) -> dict[tuple[st
     from batchgen.engine.speculative.config import SpeculativeConfig
     from batchgen.engine.speculative.speculator import Speculator
 
-    llm = LLM(MODEL, dtype=args.dtype, device="cpu", max_num_seqs=batch)
+    # No prefix cache: every method runs the same prompts on this engine, and a later one would find the
+    # earlier ones' prompt KV cached (a faster prefill that is not speculation's).
+    llm = LLM(MODEL, dtype=args.dtype, device="cpu", max_num_seqs=batch, enable_prefix_caching=False)
     engine = llm.engine
     llm.generate([llm.tokenizer.encode("Warm up the engine, please.")], SamplingParams(max_tokens=8, temperature=0))
     results: dict[tuple[str, str], dict] = {}

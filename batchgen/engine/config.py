@@ -121,6 +121,13 @@ class ModelConfig:
     def __post_init__(self) -> None:
         self.rotary_dim = self.rotary_dim or self.head_dim
 
+    def context_len(self, requested: int | None = None) -> int:
+        """The longest sequence an engine runs: the model's context, or ``requested`` (max_model_len)."""
+        if requested is not None and requested > self.max_position_embeddings:
+            raise ValueError(f"max_model_len {requested} exceeds the model's limit of "
+                             f"{self.max_position_embeddings} tokens")
+        return requested if requested is not None else self.max_position_embeddings
+
 
 ATTENTION_BACKENDS = ("torch", "cpu", "triton")
 DEVICES = ("auto", "cpu", "cuda")

@@ -8,7 +8,6 @@ from typing import Any
 from jinja2 import Environment, nodes
 
 from batchgen.engine import LLM
-from batchgen.engine.core.llm_engine import model_context_len
 from batchgen.engine.loading.loader import load_model_source
 from batchgen.engine.models.registry import model_config
 from batchgen.io import InputError, OutputError, OutputWriter, expand_inputs, read_columns, redact
@@ -159,7 +158,7 @@ def load_tokenizer(spec: JobSpec) -> tuple[Any, int]:
     its weight files)."""
     try:
         source = load_model_source(spec.model.path, spec.storage_options, weights=False)
-        return source.tokenizer, model_context_len(model_config(source.config), spec.engine.max_model_len)
+        return source.tokenizer, model_config(source.config).context_len(spec.engine.max_model_len)
     except Exception as e:  # noqa: BLE001 - bad paths, unsupported architectures, bad tokenizers alike
         raise model_failure(spec, "the tokenizer of ", e) from None
 

@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from batchgen.engine.config import EngineConfig, ModelConfig
+from batchgen.engine.config import EngineConfig
 from batchgen.engine.core.block_manager import BlockManager
 from batchgen.engine.core.metrics import EngineMetrics, StepRecord
 from batchgen.engine.core.outputs import RequestOutput
@@ -22,8 +22,7 @@ from batchgen.engine.models.registry import model_config
 from batchgen.engine.sampling.params import SamplingParams
 from batchgen.engine.sampling.sampler import TokenBitmask
 from batchgen.engine.sampling.stopping import finish_reason, output_text
-from batchgen.engine.speculative.config import SpeculativeConfig
-from batchgen.engine.speculative.speculator import Speculator, build_proposer
+from batchgen.engine.speculative.speculator import build_speculator
 from batchgen.engine.speculative.verify import first_rows
 from batchgen.engine.sampling.structured import (
     EXTRA_HINT, GrammarCompiler, GrammarState, draft_token_bitmask, grammar_key, structured_available, token_bitmask,
@@ -32,16 +31,6 @@ from batchgen.engine.sampling.structured import (
 log = logging.getLogger(__name__)
 
 GRAMMAR_WAIT_S = 0.05  # how long an idle step waits for a grammar to compile before returning
-
-
-def model_context_len(cfg: ModelConfig, requested: int | None = None) -> int:
-    """The longest sequence the engine runs: the model's context, or ``requested``."""
-    limit = cfg.max_position_embeddings
-    if requested is not None:
-        if requested > limit:
-            raise ValueError(f"max_model_len {requested} exceeds the model's limit of {limit} tokens")
-        return requested
-    return limit
 
 
 @dataclass
@@ -83,7 +72,7 @@ class LLMEngine:
         source = load_model_source(config.model, config.storage_options)
         self.model_config = model_config(source.config)
         self.tokenizer = source.tokenizer
-        self.max_model_len = model_context_len(self.model_config, config.max_model_len)
+        self.max_model_len = self.model_config.context_len(config.max_model_len)
         self.executor = make_executor(config, self.model_config, source, self.max_model_len)
         capacity = self.executor.num_blocks * config.block_size
         if capacity < self.max_model_len:
@@ -107,10 +96,7 @@ class LLMEngine:
             log.info("overlapped scheduling off: worker ranks learn each step's tokens only through the engine")
         self._in_flight: InFlightStep | None = None
         self._last_done = 0.0  # when the latest step's tokens arrived
-        spec = SpeculativeConfig.from_dict(config.speculative_config)
-        self.speculator = (Speculator(spec, self.max_model_len, self.model_config.vocab_size,
-                                      build_proposer(spec, self, LLMEngine))
-                           if spec is not None else None)
+        self.speculator = build_speculator(self, LLMEngine)
         if self.speculator is not None and self.speculator.needs_hidden_states:
             self.overlap = False  # the proposer reads each step's hidden states before the next is planned
         self.reset_metrics()

@@ -43,6 +43,15 @@ def build_proposer(config: SpeculativeConfig, target: Any = None,
     raise ValueError(f"speculative method {config.method!r} has no proposer in this build")
 
 
+def build_speculator(target: Any, engine_factory: Callable[[EngineConfig], Any]) -> "Speculator | None":
+    """The ``target`` engine's speculator, from its ``speculative_config``; None when speculation is off."""
+    config = SpeculativeConfig.from_dict(target.config.speculative_config)
+    if config is None:
+        return None
+    return Speculator(config, target.max_model_len, target.model_config.vocab_size,
+                      build_proposer(config, target, engine_factory))
+
+
 @dataclass
 class SpecCounts:
     """One step's speculation, under StepRecord's field names: the policy's decisions and what was verified."""
