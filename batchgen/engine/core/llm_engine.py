@@ -370,7 +370,9 @@ class LLMEngine:
             **self._tier_counts(steps), **spec)
         self.metrics.add_step(record)
         if self.speculator is not None:
-            self.speculator.step_done(record.prefill_tokens, record.num_tokens, elapsed + launched.host_s)
+            # A grammar row's masks are computed per verified position: drafting pays for them too.
+            self.speculator.step_done(record.prefill_tokens, record.num_tokens,
+                                      elapsed + launched.host_s + launched.mask_s)
             self.metrics.spec_policy = self.speculator.figures()
         for listener in self.step_listeners:
             listener(record)
