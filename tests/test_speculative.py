@@ -280,6 +280,22 @@ def test_grammar_rows_verify_drafts_under_each_positions_mask(narrow, always_dra
         assert figures["accepted_tokens"] == 0
 
 
+def test_verification_reuses_the_proposers_grammar_masks(narrow, always_draft, monkeypatch):
+    """The proposer's grammar check computed each drafted position's mask: the verifying step takes those
+    instead of walking the grammar again, and keeps spec off's tokens."""
+    pytest.importorskip("xgrammar")
+    from batchgen.engine.sampling import structured
+
+    prompts = mixed_prompts(narrow.llm, repeats=(1, 2))
+    params = SamplingParams(max_tokens=30, temperature=0, json_schema=SCHEMA)
+    off = narrow.off(prompts, params)
+    walks, walk = [], structured.draft_bitmask_rows
+    monkeypatch.setattr(structured, "draft_bitmask_rows", lambda *a: (walks.append(len(a[1])), walk(*a))[1])
+    on = narrow.on(prompts, params, ReferenceProposer(references(off), narrow.vocab, 0))
+    same_outputs(off, on, logprobs=False)
+    assert narrow.figures()["proposed_tokens"] > 0 and walks == []
+
+
 @pytest.mark.parametrize("config, message", [
     ({"method": "eagle"}, "not supported yet"),
     ({"method": "lookahead"}, "unknown speculative_config method"),

@@ -316,8 +316,10 @@ class LLMEngine:
         if not any(s.drafts for s in sampling):
             return token_bitmask([sampling[i].seq.grammar for i in rows], rows, vocab)
         starts = first_rows([s.drafts for s in sampling])
+        known = self.speculator.grammar_masks if self.speculator is not None else {}
         return draft_token_bitmask([sampling[i].seq.grammar for i in rows], [sampling[i].drafts for i in rows],
-                                   [starts[i] for i in rows], vocab)
+                                   [starts[i] for i in rows], vocab,
+                                   [known.get(sampling[i].seq.seq_id) if sampling[i].drafts else None for i in rows])
 
     def _grammar_failed(self, seq: Sequence) -> RequestOutput:
         return RequestOutput(seq.seq_id, seq.token_ids[:seq.num_prompt_tokens], finish_reason="error",

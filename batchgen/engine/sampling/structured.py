@@ -224,14 +224,18 @@ def draft_bitmask_rows(grammar: GrammarState, drafts: Sequence[int], vocab_size:
 
 
 def draft_token_bitmask(grammars: Sequence[GrammarState], drafts: Sequence[Sequence[int]], first_rows: list[int],
-                        vocab_size: int) -> TokenBitmask:
+                        vocab_size: int, known: Sequence[torch.Tensor | None] | None = None) -> TokenBitmask:
     """The allowed tokens of every verified position of the grammar rows: row ``first_rows[i] + j`` is the
-    i-th grammar's position after its first ``j`` drafts (drafts the grammar allows: see draft_bitmask_rows)."""
+    i-th grammar's position after its first ``j`` drafts (drafts the grammar allows: see draft_bitmask_rows).
+    ``known[i]``, where given, holds those rows already: draft_bitmask_rows' masks for these drafts or longer
+    ones (the proposer's check, reused instead of walking the grammar again)."""
     blocks, rows = [], []
-    for grammar, row_drafts, first in zip(grammars, drafts, first_rows):
-        bits, kept = draft_bitmask_rows(grammar, row_drafts, vocab_size)
-        if kept != len(row_drafts):
-            raise RuntimeError("a grammar row verifies draft tokens its grammar does not allow")
-        blocks.append(bits)
-        rows += range(first, first + kept + 1)
+    for i, (grammar, row_drafts, first) in enumerate(zip(grammars, drafts, first_rows, strict=True)):
+        bits = known[i] if known is not None else None
+        if bits is None or len(bits) <= len(row_drafts):
+            bits, kept = draft_bitmask_rows(grammar, row_drafts, vocab_size)
+            if kept != len(row_drafts):
+                raise RuntimeError("a grammar row verifies draft tokens its grammar does not allow")
+        blocks.append(bits[:len(row_drafts) + 1])
+        rows += range(first, first + len(row_drafts) + 1)
     return TokenBitmask(torch.cat(blocks), rows)

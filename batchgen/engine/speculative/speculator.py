@@ -7,6 +7,8 @@ import time
 from dataclasses import dataclass, fields
 from typing import Any, Callable, Iterable
 
+import torch
+
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.core.scheduler import ScheduledSeq
 from batchgen.engine.core.sequence import Sequence, SequenceStatus
@@ -80,6 +82,7 @@ class Speculator:
         self.draft_cost = DraftCost()
         self.probes = ProbeSchedule()
         self._plan: dict[int, int] = {}
+        self.grammar_masks: dict[int, torch.Tensor] = {}  # the latest proposals' masks, by seq_id (see propose)
         self.counts = SpecCounts()
 
     def add_request(self, seq: Sequence) -> None:
@@ -143,10 +146,11 @@ class Speculator:
 
     def propose(self, running: Iterable[Sequence]) -> dict[int, list[int]]:
         """Drafts of the planned sequences still running (by seq_id); none for a sequence the proposer has
-        nothing for."""
+        nothing for. A grammar row keeps only the drafts its grammar allows, and the masks of their positions
+        stay in ``grammar_masks`` for the verifying step (which needs the same ones)."""
         drafting = [(seq, self._plan.get(seq.seq_id, 0)) for seq in running]
         drafting = [(seq, k) for seq, k in drafting if k and not seq.is_finished and seq.token_ids[-1] >= 0]
-        self._plan = {}
+        self._plan, self.grammar_masks = {}, {}
         if not drafting:
             return {}
         start = time.perf_counter()
@@ -158,7 +162,10 @@ class Speculator:
         for (seq, k), proposed in zip(drafting, batch, strict=True):
             proposed = proposed[:k]
             if proposed and seq.grammar is not None:  # keep what the grammar allows
-                proposed = proposed[:draft_bitmask_rows(seq.grammar, proposed, self.vocab_size)[1]]
+                bits, kept = draft_bitmask_rows(seq.grammar, proposed, self.vocab_size)
+                proposed = proposed[:kept]
+                if proposed:
+                    self.grammar_masks[seq.seq_id] = bits
             if proposed:
                 drafts[seq.seq_id] = proposed
         return drafts
