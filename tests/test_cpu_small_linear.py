@@ -1,0 +1,105 @@
+"""The fused small-row fp32 linear (``batchgen_cpu.small_linear``): against fp64, batch-invariant rows,
+bit-identical across thread counts, and the layer that routes steps to it or to ``F.linear``."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from batchgen.engine.backends.cpu import build
+from batchgen.engine.backends.cpu.features import cpu_features
+from batchgen.engine.backends.cpu.prepack import SMALL_ROWS, SmallRowsLinear, prepack_linears
+
+
+@pytest.fixture(scope="module")
+def op():
+    if cpu_features().isa is None or shutil.which(build.compiler()) is None:
+        pytest.skip("no AVX2 CPU or no C++ compiler: the engine runs torch's ops (test_cpu_kernels tests that)")
+    assert build.load_kernels(), "the fused CPU kernels failed to build; see the warning above"
+    return torch.ops.batchgen_cpu.small_linear
+
+
+def small_linear(op, x, weight, bias=None):
+    out = torch.empty(x.shape[0], weight.shape[0])
+    op(x, weight, bias, out)
+    return out
+
+
+# (K, N): SmolLM2's projections and LM-head-like widths, K with a tail past the vector width, N not a
+# multiple of the 4-row tile.
+SHAPES = [(576, 960), (1536, 576), (64, 49), (37, 13), (8, 4), (3, 7)]
+
+
+@pytest.mark.parametrize("k,n", SHAPES)
+def test_matches_fp64_at_every_small_row_count(op, k, n):
+    gen = torch.Generator().manual_seed(k * 1000 + n)
+    weight, bias = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
+    for m in range(1, SMALL_ROWS + 3):
+        x = torch.randn(m, k, generator=gen)
+        expected = x.double() @ weight.double().T + bias.double()
+        got = small_linear(op, x, weight, bias)
+        torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5 * k ** 0.5)
+        torch.testing.assert_close(small_linear(op, x, weight), (x.double() @ weight.double().T).float(),
+                                   rtol=1e-5, atol=1e-5 * k ** 0.5)
+
+
+def test_a_rows_result_does_not_depend_on_the_other_rows(op):
+    """Each output is one dot product summed in a fixed order: row i of an M-row step equals that row alone,
+    bit for bit (so a verification step's rows give plain decode's numbers)."""
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(300, 576, generator=gen)
+    x = torch.randn(SMALL_ROWS, 576, generator=gen)
+    alone = torch.cat([small_linear(op, x[i:i + 1], weight) for i in range(len(x))])
+    for m in range(1, SMALL_ROWS + 1):
+        assert torch.equal(small_linear(op, x[:m], weight), alone[:m]), m
+
+
+def test_bit_identical_across_thread_counts(op):
+    if torch.get_num_threads() < 2:
+        pytest.skip("one thread: nothing to compare against")
+    gen = torch.Generator().manual_seed(4)
+    weight, x = torch.randn(3072, 576, generator=gen), torch.randn(7, 576, generator=gen)
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        reference = small_linear(op, x, weight)
+        torch.set_num_threads(previous)
+        for _ in range(5):
+            assert torch.equal(small_linear(op, x, weight), reference)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_strided_rows_and_bad_input(op):
+    gen = torch.Generator().manual_seed(5)
+    weight = torch.randn(20, 32, generator=gen)
+    wide = torch.randn(4, 48, generator=gen)
+    x = wide[:, 8:40]  # rows 48 apart
+    torch.testing.assert_close(small_linear(op, x, weight), x @ weight.T, rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="float32"):
+        small_linear(op, x.to(torch.bfloat16), weight.to(torch.bfloat16))
+    with pytest.raises(RuntimeError, match="contiguous"):
+        small_linear(op, x, weight.T.contiguous().T)
+    with pytest.raises(RuntimeError, match="bias"):
+        small_linear(op, x, weight, torch.randn(19))
+
+
+def test_the_layer_routes_small_steps_to_the_op_and_shares_its_weight(op, monkeypatch):
+    from batchgen.engine.layers.linear import ColumnParallelLinear
+
+    layer = ColumnParallelLinear(40, 24, bias=True)
+    torch.nn.init.normal_(layer.weight)
+    torch.nn.init.normal_(layer.bias)
+    model = torch.nn.Sequential(layer, torch.nn.Linear(8, 8))
+    assert prepack_linears(model) == 1  # our projection; torch's own Linear is not ours to replace
+    small = model[0]
+    assert isinstance(small, SmallRowsLinear) and small.weight.data_ptr() == layer.weight.data_ptr()
+    calls = []
+    monkeypatch.setattr(torch.ops.batchgen_cpu, "small_linear", lambda *a: (calls.append(a[0].shape[0]), op(*a)))
+    for rows in (1, SMALL_ROWS, SMALL_ROWS + 1):
+        x = torch.randn(rows, 40)
+        torch.testing.assert_close(small(x.view(1, rows, 40)), F.linear(x, layer.weight, layer.bias).view(1, rows, 24),
+                                   rtol=1e-5, atol=1e-4)
+    assert calls == [1, SMALL_ROWS]
