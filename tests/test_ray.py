@@ -218,10 +218,14 @@ def test_two_replicas_give_the_local_rows(ray_cluster, tmp_path, tiny_model, tin
     local = tmp_path / "local"
     run_job(spec_from_dict(job(tiny_model, files, local, ray_replicas=None)), llm=tiny_llm, quiet=True)
     out = tmp_path / "ray"
-    stats = run_job(spec_from_dict(job(tiny_model, files, out)), quiet=True)
+    speculating = job(tiny_model, files, out, engine={"kv_cache_memory": 64 << 20,
+                                                      "speculative_config": {"method": "ngram"}})
+    stats = run_job(spec_from_dict(speculating), quiet=True)
 
     rows = check_output(out, stats, ids)
     same_rows(rows, read_output(str(local)))  # greedy: the same outputs, token counts, error rows, carried columns
+    ngram = stats["engine"]["speculative"]["ngram"]  # the replicas' figures under their method's name
+    assert ngram["decode_seqs_considered"] > 0 and ngram["cost_fitted"] is True
     assert by_id(rows)["r3#dup1"]["error"]["code"] == "duplicate_id"
     ex = stats["executor"]
     assert ex["kind"] == "ray" and ex["num_replicas"] == 2 and ex["retried_windows"] == 0
@@ -240,7 +244,7 @@ def test_two_replicas_give_the_local_rows(ray_cluster, tmp_path, tiny_model, tin
     report = load_report_data(str(out))
     assert report.rows.height == stats["rows"] and report.complete
 
-    again = run_job(spec_from_dict(job(tiny_model, files, out)), quiet=True)  # a finished job is a no-op
+    again = run_job(spec_from_dict(speculating), quiet=True)  # a finished job is a no-op
     assert again["finished_at"] == stats["finished_at"]
 
 

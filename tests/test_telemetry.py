@@ -220,3 +220,24 @@ def test_job_writes_telemetry_matching_its_stats(tmp_path, tiny_model, tiny_llm)
     assert all(v >= 0 for v in tel["stages_s"].values()) and tel["stages_s"]["engine"] > 0
     assert tel["stages_s"]["engine"] <= stats["generate_s"] + 1e-3  # measured inside the generation
     assert not tiny_llm.engine.step_listeners  # the job's listener is gone
+
+
+def test_replicas_speculative_figures_reach_the_drivers_totals():
+    """A Ray replica's step records carry its speculation counts, not the method or the cost model's fit:
+    those come from its engine, cross with the telemetry, and name the merged per-method figures."""
+    from batchgen.engine.flops import engine_figures
+
+    driver = Telemetry(512, clock=FakeClock())
+    for drafted, accepted in ((8, 6), (4, 1)):
+        replica = Telemetry(512, clock=FakeClock())
+        replica.on_step(StepRecord(start_s=0.0, duration_s=0.1, num_seqs=2, prefill_tokens=0, decode_tokens=2 + drafted,
+                                   sampled_tokens=2 + accepted, token_budget=512, spec_draft_rows=2,
+                                   spec_draft_tokens=drafted, spec_accepted_tokens=accepted))
+        engine = EngineMetrics()
+        engine.spec_method, engine.spec_policy = "ngram", {"cost_fitted": True}
+        replica.metrics.adopt_states(engine.states())
+        driver.absorb(json.loads(json.dumps(replica.state())))
+    figures = engine_figures(driver.metrics, 1.0, 512)["speculative"]
+    assert list(figures) == ["ngram"]
+    assert figures["ngram"]["proposed_tokens"] == 12 and figures["ngram"]["accepted_tokens"] == 7
+    assert figures["ngram"]["acceptance_rate"] == round(7 / 12, 4) and figures["ngram"]["cost_fitted"] is True

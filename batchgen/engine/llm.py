@@ -134,6 +134,5 @@ def with_settings(counters: EngineMetrics, engine: EngineMetrics) -> EngineMetri
     """Totals a caller summed from step records, with the engine's states that no step record carries
     (the speculative method and its cost model's fit)."""
     merged = copy.copy(counters)
-    merged.spec_method = merged.spec_method or engine.spec_method
-    merged.spec_policy = merged.spec_policy or engine.spec_policy
+    merged.adopt_states(engine.states())
     return merged

@@ -197,7 +197,7 @@ class Telemetry:
 
     def state(self) -> dict[str, Any]:
         """What :meth:`absorb` takes: the telemetry and the engine totals (plain data, to cross processes)."""
-        return {**self.to_dict(), "metrics": asdict(self.metrics)}
+        return {**self.to_dict(), "metrics": asdict(self.metrics), "metric_states": self.metrics.states()}
 
     def absorb(self, state: dict[str, Any]) -> None:
         """Adds another process's share of the job (its :meth:`state`, timed from the same start)."""
@@ -206,3 +206,4 @@ class Telemetry:
             self.stages.add(stage, seconds)
         for f in fields(EngineMetrics):
             setattr(self.metrics, f.name, getattr(self.metrics, f.name) + state["metrics"][f.name])
+        self.metrics.adopt_states(state.get("metric_states") or {})

@@ -159,6 +159,18 @@ class EngineMetrics:
         if r.eplb is not None:
             self.eplb = r.eplb
 
+    def states(self) -> dict:
+        """What no total holds (the speculative method, its cost model's fit, the balancer's report), as plain
+        data for :meth:`adopt_states` in another process or on a caller's totals."""
+        return {"spec_method": self.spec_method, "spec_policy": dict(self.spec_policy), "eplb": self.eplb}
+
+    def adopt_states(self, states: dict) -> None:
+        """Takes ``states``' values where this one has none (totals summed from step records, or merged from
+        replicas that run the same engine settings)."""
+        self.spec_method = self.spec_method or states.get("spec_method")
+        self.spec_policy = self.spec_policy or dict(states.get("spec_policy") or {})
+        self.eplb = self.eplb if self.eplb is not None else states.get("eplb")
+
     def add_tier_counters(self, counters: dict[str, float]) -> None:
         """Store traffic after the last step (the writes the tiers' close waited for)."""
         for name, value in counters.items():

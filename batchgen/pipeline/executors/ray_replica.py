@@ -211,6 +211,7 @@ class EngineReplica:
                     write(row)
             self.feed.run([r for r in window.requests if r.row_id not in done], write)
         self.recorded |= sink.recorded
+        self.telemetry.metrics.adopt_states(self.llm.engine.metrics.states())  # the method and fit: no step has them
         self.link.end(key, self.telemetry.state())
         return sink.run.rows
 
