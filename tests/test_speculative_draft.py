@@ -23,8 +23,10 @@ from tests.tiny_models import build_tiny_model
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=True)
 
 
-def draft_llm(target, draft, **kw) -> LLM:
+def draft_llm(target, draft, draft_sampling: str | None = None, **kw) -> LLM:
     spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3}
+    if draft_sampling is not None:
+        spec["draft_sampling"] = draft_sampling
     kw = {"kv_cache_memory": 16 << 20, "max_num_batched_tokens": 64, **kw}
     return LLM(str(target), dtype="float32", device="cpu", speculative_config=spec, **kw)
 
@@ -96,8 +98,9 @@ def test_greedy_drafts_give_a_seeded_row_spec_offs_tokens(other_draft, always_dr
 
 
 def test_the_target_as_its_own_draft_accepts_its_drafts(tiny_model, always_draft):
-    with draft_llm(tiny_model, tiny_model) as llm:
+    with draft_llm(tiny_model, tiny_model, draft_sampling="greedy") as llm:
         speculator = llm.engine.speculator
+        assert not speculator.proposer.sampled
         prompts = mixed_prompts(llm, repeats=(1, 2))
         off = run(llm, None, prompts, GREEDY)
         on = run(llm, speculator, prompts, GREEDY)
@@ -142,6 +145,8 @@ def test_a_job_spec_names_its_draft_model(tmp_path, tiny_model, always_draft):
     ({"method": "draft_model", "model": ""}, "needs 'model'"),
     ({"method": "draft_model", "model": "m", "draft_tensor_parallel_size": 2}, "unknown speculative_config key"),
     ({"method": "draft_model", "model": "m", "prompt_lookup_max": 3}, "keys of method 'ngram'"),
+    ({"method": "draft_model", "model": "m", "draft_sampling": "typical"},
+     "'draft_sampling' must be one of 'probabilistic', 'greedy', got 'typical'"),
 ])
 def test_bad_draft_model_settings_are_refused(config, message):
     with pytest.raises(ValueError, match=message):
@@ -151,6 +156,8 @@ def test_bad_draft_model_settings_are_refused(config, message):
 def test_draft_model_settings_parse():
     spec = SpeculativeConfig.from_dict({"method": "draft_model", "model": "m", "num_speculative_tokens": 5})
     assert (spec.method, spec.options, spec.num_speculative_tokens) == ("draft_model", {"model": "m"}, 5)
+    spec = SpeculativeConfig.from_dict({"method": "draft_model", "model": "m", "draft_sampling": "greedy"})
+    assert spec.options == {"model": "m", "draft_sampling": "greedy"}
 
 
 def test_an_expensive_proposer_gets_no_drafts():
