@@ -100,9 +100,9 @@ def sample_rows(logits: torch.Tensor, batch: SamplingBatch) -> SampledRows:
         tokens = greedy_tokens
     else:
         probs = sampling_probs(logits, batch)
-        noise = seeded_uniform(batch.seeds, batch.steps, logits.shape[-1])
-        # Exponential race: argmax(p / E) with E ~ Exp(1) draws a token with probability p.
-        sampled = (probs / -noise.log_()).argmax(dim=-1)
+        race = seeded_uniform(batch.seeds, batch.steps, logits.shape[-1]).log_().neg_()
+        # Exponential race: argmax(p / E) with E ~ Exp(1) draws a token with probability p (probs stay kept).
+        sampled = torch.div(probs, race, out=race).argmax(dim=-1)
         tokens = torch.where(batch.temperatures == 0, greedy_tokens, sampled)
     logprobs = None
     if raw_logsumexp is not None:
