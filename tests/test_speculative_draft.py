@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from batchgen.engine import LLM, SamplingParams
+from batchgen.engine.backends.torch import ops as torch_ops
 from batchgen.engine.speculative import speculator as speculator_module
 from batchgen.engine.speculative.config import SpeculativeConfig
 from batchgen.engine.speculative.policy import DraftCost, choose_draft_lengths
@@ -95,6 +96,32 @@ def test_greedy_drafts_give_a_seeded_row_spec_offs_tokens(other_draft, always_dr
     on = run(llm, speculator, prompts, params)
     assert [len(o.token_ids) for o in on] == [6, 6]
     assert [o.token_ids for o in on] == [o.token_ids for o in off]
+
+
+def test_greedy_rows_beside_sampled_drafts_equal_spec_off(other_draft, always_draft, monkeypatch):
+    """A step verifying sampled drafts (rejection sampling) keeps the exact rule for its greedy rows: their tokens
+    and logprobs are spec off's."""
+    llm = other_draft
+    speculator = llm.engine.speculator
+    prompts = mixed_prompts(llm, repeats=(1, 2, 1, 3))
+    params = [GREEDY if i % 2 else SamplingParams(max_tokens=12, temperature=1.0, seed=i, ignore_eos=True)
+              for i in range(len(prompts))]
+    verified = []
+    monkeypatch.setattr(llm.engine.executor.runner.kernels, "reject_drafts", spy(torch_ops.reject_drafts, verified))
+    off = run(llm, None, prompts, params)
+    on = run(llm, speculator, prompts, params)
+    for x, y in list(zip(on, off, strict=True))[1::2]:
+        assert x.token_ids == y.token_ids
+        assert max(abs(u - v) for u, v in zip(x.logprobs, y.logprobs, strict=True)) < 1e-5
+    q_starts = [args[3].tolist() for args in verified]  # -1: a row of deterministic drafts
+    assert any(min(q) < 0 <= max(q) for q in q_starts)  # greedy rows shared steps with sampled drafts
+
+
+def spy(fn, calls: list):
+    def record(*args):
+        calls.append(args)
+        return fn(*args)
+    return record
 
 
 def test_the_target_as_its_own_draft_accepts_its_drafts(tiny_model, always_draft):
