@@ -86,7 +86,8 @@ def _check_draft_model_options(options: dict[str, Any]) -> None:
     unknown = sorted(set(options) - set(DRAFT_MODEL_KEYS))
     if unknown:
         raise ValueError(f"unknown speculative_config key(s) for method 'draft_model': "
-                         f"{', '.join(map(repr, unknown))}; known: num_speculative_tokens, {', '.join(DRAFT_MODEL_KEYS)}")
+                         f"{', '.join(map(repr, unknown))}; known: num_speculative_tokens, "
+                         f"{', '.join(DRAFT_MODEL_KEYS)}")
     model = options.get("model")
     if not isinstance(model, str) or not model.strip():
         raise ValueError("speculative_config method 'draft_model' needs 'model': the path or built-in name of a "

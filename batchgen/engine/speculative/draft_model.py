@@ -11,7 +11,7 @@ context: the target's rule for deterministic drafts (d kept with probability p(d
 is exactly lossless for them, and a seeded row gives spec off's very tokens (acceptance p(argmax), though).
 
 The draft runs as its own engine on the target's device and dtype, with a modest KV cache and prefix caching: each
-call queues one greedy request of ``k`` tokens per drafting sequence (its whole context) and steps them together,
+call queues one request of ``k`` tokens per drafting sequence (its whole context) and steps them together,
 so a call is one step computing every sequence's new tokens and k - 1 decode steps for the batch. The prefix cache
 still holds each context's KV from the previous call: only the tokens since then (and the last, partial block)
 are computed again. The first call for a sequence computes its whole prompt, a cost paid once per request, so a
@@ -19,8 +19,8 @@ call's ``steady_seconds`` (what the cost model charges) counts its first step as
 """
 from __future__ import annotations
 
-import time
 import hashlib
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -95,7 +95,7 @@ class DraftModelProposer:
     def __init__(self, engine: Any, num_speculative_tokens: int, sampled: bool = True):
         self.engine, self.num_speculative_tokens, self.sampled = engine, num_speculative_tokens, sampled
         self.steady_seconds: float | None = None  # the latest call's time, its prompt catch-up left out
-        self.draft_probs: dict[int, Any] = {}  # the latest call's sampled drafts' distributions, by seq_id
+        self.draft_probs: dict[int, torch.Tensor] = {}  # the latest call's sampled drafts' distributions, by seq_id
 
     def add_request(self, seq_id: int, prompt: Sequence[int]) -> None:
         pass  # nothing kept per request: the draft's prefix cache holds the contexts' KV
