@@ -388,3 +388,42 @@ def test_accept_drafts_kernel_matches_the_rule(with_logprobs):
             assert got_logprobs == [logprobs[s:s + len(w)].tolist() for s, w in zip(starts, want, strict=True)]
         else:
             assert got_logprobs is None
+
+
+def test_accept_sampled_drafts_kernel_matches_the_torch_rejection_sampling():
+    """Rows of 0..4 drafts, sampled (some with q == p and rejected anyway: the residual is all zero) or
+    deterministic, over a vocabulary of several kernel blocks: the same tokens and counts as ``ops.reject_drafts``."""
+    from batchgen.engine.backends.triton.rejection import reject_drafts
+
+    gen = torch.Generator().manual_seed(5)
+    vocab, lens = 2500, [0, 1, 4, 4, 2, 3, 4, 1, 4, 2, 3, 4]
+    starts = torch.tensor([sum(n + 1 for n in lens[:i]) for i in range(len(lens))])
+    positions = sum(n + 1 for n in lens)
+    probs = (torch.randn(positions, vocab, generator=gen) * 3).softmax(-1)
+    sampled = torch.multinomial(probs, 1, generator=gen)[:, 0]
+    q_starts, q_rows, drafts = [], [], torch.full((len(lens), 4), -1)
+    for r, n in enumerate(lens):
+        rows = probs[starts[r]:starts[r] + n]
+        if r % 4 == 3:  # deterministic: the sampled tokens, then one that is not
+            q_starts.append(-1)
+            drafts[r, :n] = sampled[starts[r]:starts[r] + n]
+            drafts[r, n - 1:n] = (drafts[r, n - 1:n] + 1) % vocab
+            continue
+        q = rows.clone() if r % 4 == 2 else (torch.randn(n, vocab, generator=gen) * 3).softmax(-1)
+        q_starts.append(sum(len(x) for x in q_rows))
+        q_rows.append(q)
+        if n:
+            drafts[r, :n] = torch.multinomial(q, 1, generator=gen)[:, 0]
+    uniforms = torch.rand(positions, generator=gen)
+    for r in range(2, len(lens), 4):  # u = 1 rejects even q == p: the guard for a residual rounded to zero
+        uniforms[starts[r]:starts[r] + lens[r]] = 1.0
+    inputs = [sampled, probs, torch.cat(q_rows), torch.tensor(q_starts), uniforms,
+              torch.randint(0, 2 ** 62, (positions,), generator=gen), torch.arange(positions) % 7, starts,
+              torch.tensor(lens), drafts]
+    want_tokens, want_counts = ops.reject_drafts(*inputs)
+    got_tokens, got_counts = reject_drafts(*[x.to(DEVICE) for x in inputs])
+    assert got_counts.tolist() == want_counts.tolist()
+    counts = want_counts.tolist()
+    assert any(c - 1 < n and q >= 0 for c, n, q in zip(counts, lens, q_starts)) and any(c > 2 for c in counts)
+    for got, want, c in zip(got_tokens.tolist(), want_tokens.tolist(), want_counts.tolist(), strict=True):
+        assert got[:c] == want[:c]

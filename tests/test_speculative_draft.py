@@ -12,20 +12,24 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from batchgen.engine import LLM, SamplingParams
+from batchgen.engine.backends.torch import ops as torch_ops
 from batchgen.engine.speculative import speculator as speculator_module
 from batchgen.engine.speculative.config import SpeculativeConfig
 from batchgen.engine.speculative.policy import DraftCost, choose_draft_lengths
 from batchgen.engine.speculative.speculator import Speculator
-from tests.engine_helpers import mixed_prompts
+from tests.engine_helpers import TEXT, hf_logprobs, mixed_prompts
+from tests.test_speculative import chi2_999, chi_square, seeded
 from tests.tiny_models import build_tiny_model
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=True)
 
 
-def draft_llm(target, draft, **kw) -> LLM:
+def draft_llm(target, draft, draft_sampling: str | None = None, **kw) -> LLM:
     spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3}
-    return LLM(str(target), dtype="float32", device="cpu", kv_cache_memory=16 << 20, max_num_batched_tokens=64,
-               speculative_config=spec, **kw)
+    if draft_sampling is not None:
+        spec["draft_sampling"] = draft_sampling
+    kw = {"kv_cache_memory": 16 << 20, "max_num_batched_tokens": 64, **kw}
+    return LLM(str(target), dtype="float32", device="cpu", speculative_config=spec, **kw)
 
 
 def run(llm: LLM, speculator, prompts, params):
@@ -81,9 +85,11 @@ def test_greedy_with_a_tiny_draft_equals_spec_off(other_draft, always_draft):
     assert 0 < draft.metrics.prompt_tokens_computed < 0.5 * draft.metrics.prefix_cache_queries
 
 
-def test_seeded_sampling_with_a_draft_gives_spec_offs_tokens(other_draft, always_draft):
+def test_greedy_drafts_give_a_seeded_row_spec_offs_tokens(other_draft, always_draft, monkeypatch):
+    """``draft_sampling: "greedy"``: argmax drafts under the deterministic rule, the plain sampler's noise."""
     llm = other_draft
     speculator = llm.engine.speculator
+    monkeypatch.setattr(speculator.proposer, "sampled", False)
     prompts = mixed_prompts(llm, repeats=(1, 3))
     params = [SamplingParams(max_tokens=6, temperature=0.7, seed=seed, ignore_eos=True) for seed in (3, 4)]
     off = run(llm, None, prompts, params)
@@ -92,9 +98,36 @@ def test_seeded_sampling_with_a_draft_gives_spec_offs_tokens(other_draft, always
     assert [o.token_ids for o in on] == [o.token_ids for o in off]
 
 
+def test_greedy_rows_beside_sampled_drafts_equal_spec_off(other_draft, always_draft, monkeypatch):
+    """A step verifying sampled drafts (rejection sampling) keeps the exact rule for its greedy rows: their tokens
+    and logprobs are spec off's."""
+    llm = other_draft
+    speculator = llm.engine.speculator
+    prompts = mixed_prompts(llm, repeats=(1, 2, 1, 3))
+    params = [GREEDY if i % 2 else SamplingParams(max_tokens=12, temperature=1.0, seed=i, ignore_eos=True)
+              for i in range(len(prompts))]
+    verified = []
+    monkeypatch.setattr(llm.engine.executor.runner.kernels, "reject_drafts", spy(torch_ops.reject_drafts, verified))
+    off = run(llm, None, prompts, params)
+    on = run(llm, speculator, prompts, params)
+    for x, y in list(zip(on, off, strict=True))[1::2]:
+        assert x.token_ids == y.token_ids
+        assert max(abs(u - v) for u, v in zip(x.logprobs, y.logprobs, strict=True)) < 1e-5
+    q_starts = [args[3].tolist() for args in verified]  # -1: a row of deterministic drafts
+    assert any(min(q) < 0 <= max(q) for q in q_starts)  # greedy rows shared steps with sampled drafts
+
+
+def spy(fn, calls: list):
+    def record(*args):
+        calls.append(args)
+        return fn(*args)
+    return record
+
+
 def test_the_target_as_its_own_draft_accepts_its_drafts(tiny_model, always_draft):
-    with draft_llm(tiny_model, tiny_model) as llm:
+    with draft_llm(tiny_model, tiny_model, draft_sampling="greedy") as llm:
         speculator = llm.engine.speculator
+        assert not speculator.proposer.sampled
         prompts = mixed_prompts(llm, repeats=(1, 2))
         off = run(llm, None, prompts, GREEDY)
         on = run(llm, speculator, prompts, GREEDY)
@@ -139,6 +172,8 @@ def test_a_job_spec_names_its_draft_model(tmp_path, tiny_model, always_draft):
     ({"method": "draft_model", "model": ""}, "needs 'model'"),
     ({"method": "draft_model", "model": "m", "draft_tensor_parallel_size": 2}, "unknown speculative_config key"),
     ({"method": "draft_model", "model": "m", "prompt_lookup_max": 3}, "keys of method 'ngram'"),
+    ({"method": "draft_model", "model": "m", "draft_sampling": "typical"},
+     "'draft_sampling' must be one of 'probabilistic', 'greedy', got 'typical'"),
 ])
 def test_bad_draft_model_settings_are_refused(config, message):
     with pytest.raises(ValueError, match=message):
@@ -148,6 +183,8 @@ def test_bad_draft_model_settings_are_refused(config, message):
 def test_draft_model_settings_parse():
     spec = SpeculativeConfig.from_dict({"method": "draft_model", "model": "m", "num_speculative_tokens": 5})
     assert (spec.method, spec.options, spec.num_speculative_tokens) == ("draft_model", {"model": "m"}, 5)
+    spec = SpeculativeConfig.from_dict({"method": "draft_model", "model": "m", "draft_sampling": "greedy"})
+    assert spec.options == {"model": "m", "draft_sampling": "greedy"}
 
 
 def test_an_expensive_proposer_gets_no_drafts():
@@ -225,3 +262,65 @@ def test_the_speculator_charges_the_proposers_time(tiny_model, monkeypatch, dela
     # The first proposal is measured: a proposer slower than the step it saves is then left out (12.5 ms per
     # draft step, of one sequence, against 10 ms steps), a free one keeps drafting.
     assert (figures["drafting_share"] > 0.5) == drafts_later
+
+
+SAMPLES = 200
+
+
+@pytest.fixture(scope="module")
+def wide_draft(tmp_path_factory, tiny_model):
+    """Hundreds of requests at once, drafted by a noisy copy of the target (the sampling distributions)."""
+    draft = noisy_copy(tiny_model, tmp_path_factory.mktemp("wide") / "noisy")
+    llm = draft_llm(tiny_model, draft, max_num_batched_tokens=2048, max_num_seqs=512, kv_cache_memory=64 << 20)
+    yield llm
+    llm.close()
+
+
+@pytest.fixture(scope="module")
+def spec_off_samples(wide_draft) -> list[tuple]:
+    """Spec off's first four tokens under SAMPLES seeds (temperature 1, top-k 2)."""
+    prompt, speculator = wide_draft.tokenizer.encode("3: " + TEXT), wide_draft.engine.speculator
+    off = sampled_tokens(wide_draft, None, prompt, seeded(SAMPLES))[0]
+    wide_draft.engine.speculator = speculator
+    return off
+
+
+def sampled_tokens(llm, speculator, prompt, params) -> tuple[list[tuple], float]:
+    outs = run(llm, speculator, [prompt] * len(params), params)
+    rate = llm.metrics()["speculative"]["draft_model"]["acceptance_rate"] if speculator is not None else 0.0
+    return [tuple(o.token_ids) for o in outs], rate
+
+
+def test_sampled_drafts_keep_the_targets_distribution_and_accept_more(wide_draft, spec_off_samples, tiny_model,
+                                                                       always_draft, monkeypatch):
+    """At temperature 1 (top-k 2) the first four tokens under rejection sampling follow spec off's distribution,
+    a seed gives the same tokens on a rerun, logprobs are the target's, and more drafts are kept than with argmax
+    drafts (accepted with p(argmax) only)."""
+    llm, speculator = wide_draft, wide_draft.engine.speculator
+    assert speculator.proposer.sampled  # "probabilistic", the default
+    prompt = llm.tokenizer.encode("3: " + TEXT)
+    on, sampled_rate = sampled_tokens(llm, speculator, prompt, seeded(SAMPLES, first_seed=10_000))
+    stat, df = chi_square(spec_off_samples, on)
+    assert df >= 3 and stat < chi2_999(df), (stat, df)
+    params = [SamplingParams(max_tokens=4, temperature=1.0, top_k=2, seed=10_000 + i, ignore_eos=True,
+                             logprobs=True) for i in range(3)]
+    again = run(llm, speculator, [prompt] * 3, params)
+    assert [tuple(o.token_ids) for o in again] == on[:3]
+    for out in again:
+        want = hf_logprobs(str(tiny_model), prompt, out.token_ids)
+        assert max(abs(u - v) for u, v in zip(out.logprobs, want, strict=True)) < 1e-4
+    monkeypatch.setattr(speculator.proposer, "sampled", False)
+    _, greedy_rate = sampled_tokens(llm, speculator, prompt, seeded(SAMPLES, first_seed=10_000))
+    assert sampled_rate > greedy_rate + 0.1, (sampled_rate, greedy_rate)
+
+
+def test_a_broken_rejection_rule_fails_end_to_end(wide_draft, spec_off_samples, always_draft, monkeypatch):
+    """Keeping every sampled draft makes the tokens the draft's, not the target's: the chi-square sees it."""
+    from batchgen.engine.backends.torch import ops
+
+    llm, speculator = wide_draft, wide_draft.engine.speculator
+    prompt = llm.tokenizer.encode("3: " + TEXT)
+    monkeypatch.setattr(ops, "probabilistic_acceptance", lambda u, p, q: torch.ones_like(p, dtype=torch.bool))
+    on, _ = sampled_tokens(llm, speculator, prompt, seeded(SAMPLES, first_seed=10_000))
+    stat, df = chi_square(spec_off_samples, on)
+    assert stat > chi2_999(df), (stat, df)

@@ -85,6 +85,7 @@ def engine_kernel_calls() -> None:
     """One call of each wrapper in the shapes the engine uses: bf16/fp16/fp32, head dims 64 and 128, and in
     bf16 the head dims padded to a power of two (80, 96, 192) and Gemma's 256."""
     from batchgen.engine.backends.triton.accept import accept_drafts
+    from batchgen.engine.backends.triton.rejection import reject_drafts
     from batchgen.engine.backends.triton.activation import gelu_tanh_and_mul, silu_and_mul
     from batchgen.engine.backends.triton.decode_attention import decode_attention, decode_rows
     from batchgen.engine.backends.triton.kv_store import store_kv
@@ -130,6 +131,9 @@ def engine_kernel_calls() -> None:
     spans = torch.tensor([0, 5]), torch.tensor([4, 4])
     accept_drafts(sampled, None, *spans, drafts)
     accept_drafts(sampled, torch.zeros(10), *spans, drafts)
+    # Rejection sampling of sampled drafts: fp32 target and draft distributions over a 49,152-token vocabulary.
+    probs, draft_probs = torch.zeros(10, 49152), torch.zeros(8, 49152)
+    reject_drafts(sampled, probs, draft_probs, torch.tensor([0, 4]), torch.zeros(10), sampled, sampled, *spans, drafts)
 
 
 def moe_and_fp8_kernel_calls() -> None:

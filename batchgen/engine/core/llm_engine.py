@@ -120,8 +120,11 @@ class LLMEngine:
         ids = eos if isinstance(eos, list) else ([eos] if eos is not None else [])
         return list(ids) + list(getattr(self.tokenizer, "eos_token_ids", None) or [])
 
-    def add_request(self, prompt_token_ids: list[int], params: SamplingParams) -> Sequence | RequestOutput:
-        """Queues a request; a prompt the engine cannot take comes back at once as an error output."""
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
+                    keep_probs: bool = False) -> Sequence | RequestOutput:
+        """Queues a request; a prompt the engine cannot take comes back at once as an error output.
+        ``keep_probs`` (engine-internal: a draft model's sampled drafts) keeps each token's sampling distribution
+        on the device, in ``RequestOutput.probs``."""
         seq_id = next(self._ids)
         error = None
         if not prompt_token_ids:
@@ -136,7 +139,7 @@ class LLMEngine:
         if error:
             return RequestOutput(seq_id, list(prompt_token_ids), finish_reason="error", error=error)
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(62)
-        seq = Sequence(seq_id, list(prompt_token_ids), params, seed=seed)
+        seq = Sequence(seq_id, list(prompt_token_ids), params, seed=seed, probs=[] if keep_probs else None)
         key = grammar_key(params)
         if key is not None:
             seq.grammar = GrammarState(self._grammar_compiler().submit(key))
@@ -260,7 +263,9 @@ class LLMEngine:
                      ) -> list[StepInput | None]:
         """Each replica's step as the executor takes it; None for an idle replica, unless the replicas
         run in lockstep: then it runs an empty step, and every step carries all replicas' token counts."""
-        inputs = [build_step_input(step.seqs, mask) if step.seqs else None for step, mask in zip(steps, bitmasks)]
+        probs = self.speculator.draft_probs if self.speculator is not None else None
+        inputs = [build_step_input(step.seqs, mask, probs) if step.seqs else None
+                  for step, mask in zip(steps, bitmasks)]
         if not self.lockstep:
             return inputs
         inputs = [i if i is not None else StepInput() for i in inputs]
@@ -284,6 +289,8 @@ class LLMEngine:
             if s.drafts:
                 self.speculator.verified(seq.seq_id, len(s.drafts), len(tokens) - 1)
             seq.token_ids.pop()  # the placeholder
+            if seq.probs is not None:  # a request that keeps them samples one token a step (it never drafts)
+                seq.probs.append(out.probs[row])
             for i, token in enumerate(tokens):
                 seq.token_ids.append(token)
                 if seq.grammar is not None:
@@ -395,4 +402,5 @@ class LLMEngine:
             token_ids=seq.completion_token_ids, text=output_text(seq, self.tokenizer),
             finish_reason=seq.finish_reason, logprobs=list(seq.logprobs) if seq.params.logprobs else None,
             num_cached_tokens=seq.num_cached_tokens,
-            grammar_complete=seq.grammar.is_complete if seq.grammar is not None else None)
+            grammar_complete=seq.grammar.is_complete if seq.grammar is not None else None,
+            probs=seq.probs)

@@ -2,6 +2,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -23,3 +27,4 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (device, host or store)
     error: str | None = None
     grammar_complete: bool | None = None
+    probs: "list[torch.Tensor] | None" = None  # engine-internal (keep_probs): each token's sampling distribution

@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING
 from batchgen.engine.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
+    import torch
+
     from batchgen.engine.sampling.structured import GrammarState
 
 
@@ -53,6 +55,9 @@ class Sequence:
     logprobs: list[float] = field(default_factory=list)
     finish_reason: str | None = None
     grammar: GrammarState | None = None  # the output constraint's matcher, when the request has one
+    # An engine-internal request option (a draft model's sampled drafts): the distribution each completion
+    # token was sampled from, (vocab,) float32 rows on the device; None when the request does not keep them.
+    probs: list[torch.Tensor] | None = None
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)

@@ -22,9 +22,9 @@ from batchgen.engine.models.registry import build_model
 from batchgen.engine.parallel.balancer import EplbConfig, ExpertBalancer, with_load_balancing
 from batchgen.engine.parallel.context import SINGLE_PROCESS, ParallelContext
 from batchgen.engine.quantization import choose_weight_methods, load_checkpoint
-from batchgen.engine.sampling.sampler import sample
+from batchgen.engine.sampling.sampler import sample_rows
 from batchgen.engine.speculative.config import SpeculativeConfig
-from batchgen.engine.speculative.verify import AcceptedTokens, accept, expand_sampling, verified_rows
+from batchgen.engine.speculative.verify import AcceptedTokens, expand_sampling, verified_rows, verify
 from batchgen.engine.transfer import to_device
 
 if TYPE_CHECKING:
@@ -193,10 +193,11 @@ class ModelRunner:
             return LaunchedStep(self, start, prepare_s, padded=padded, saved_kv=saved, hidden=hidden)
         if step.has_drafts:
             return self._verify(step, logits, start, prepare_s, saved, hidden)
-        tokens, logprobs = sample(logits, step.sampling.to_batch(self.device, step.bitmask))
-        self._last_tokens = tokens
-        launched = LaunchedStep(self, start, prepare_s, self._to_host(tokens), self._to_host(logprobs), padded,
-                                saved_kv=saved, hidden=hidden)
+        sampled = sample_rows(logits, step.sampling.to_batch(self.device, step.bitmask))
+        self._last_tokens = sampled.tokens
+        launched = LaunchedStep(self, start, prepare_s, self._to_host(sampled.tokens),
+                                self._to_host(sampled.logprobs), padded, saved_kv=saved, hidden=hidden,
+                                probs=sampled.probs if any(step.sampling.keep_probs) else None)
         if self.device.type == "cuda":
             # Queued now, the copies wait for this step alone, not for the next step queued behind it.
             launched.copied = torch.cuda.Event()
@@ -208,9 +209,8 @@ class ModelRunner:
         """Samples every verified position as plain decode would and keeps each row's accepted drafts. The
         engine applies such a step before scheduling the next, so no later step defers to its tokens."""
         batch = expand_sampling(step.sampling, step.drafts).to_batch(self.device, step.bitmask)
-        tokens, logprobs = sample(logits, batch)
         self._last_tokens = None
-        accepted = accept(tokens, logprobs, step.drafts, self.kernels.accept_drafts)
+        accepted = verify(logits, batch, step.drafts, step.draft_probs, self.kernels)
         launched = LaunchedStep(self, start, prepare_s, self._to_host(accepted.tokens),
                                 self._to_host(accepted.logprobs), saved_kv=saved,
                                 counts=self._to_host(accepted.counts), hidden=hidden)
@@ -264,11 +264,12 @@ class LaunchedStep:
     saved_kv: torch.Tensor | None = None  # the step's save_blocks, copied out behind its forward
     counts: torch.Tensor | None = None  # a step verifying drafts: tokens kept per row (tokens is then padded)
     hidden: torch.Tensor | None = None  # the model's kept hidden states (keep_hidden_states), on the device
+    probs: torch.Tensor | None = None  # the sampling rows' distributions, when a row keeps them (on the device)
 
     def result(self) -> StepOutput:
         runner = self.runner
         out = StepOutput(padded_tokens=self.padded, prepare_s=self.prepare_s, eplb=self.eplb,
-                         saved_kv=self.saved_kv, hidden_states=self.hidden)
+                         saved_kv=self.saved_kv, hidden_states=self.hidden, probs=self.probs)
         if self.copied is not None:
             self.copied.synchronize()
         elif self.saved_kv is not None and runner.device.type == "cuda":

@@ -8,7 +8,7 @@ tensors are built.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 import torch
 
@@ -30,17 +30,20 @@ class SamplingRows:
     seeds: list[int] = field(default_factory=list)  # decided by the engine, never by a worker
     steps: list[int] = field(default_factory=list)  # index of the token each row generates
     logprobs: list[bool] = field(default_factory=list)
+    keep_probs: list[bool] = field(default_factory=list)  # rows whose sampling distribution comes back
 
     def __len__(self) -> int:
         return len(self.seeds)
 
-    def append(self, temperature: float, top_k: int, top_p: float, seed: int, step: int, logprobs: bool) -> None:
+    def append(self, temperature: float, top_k: int, top_p: float, seed: int, step: int, logprobs: bool,
+               keep_probs: bool = False) -> None:
         self.temperatures.append(temperature)
         self.top_ks.append(top_k)
         self.top_ps.append(top_p)
         self.seeds.append(seed)
         self.steps.append(step)
         self.logprobs.append(logprobs)
+        self.keep_probs.append(keep_probs)
 
     def to_batch(self, device: torch.device, bitmask: TokenBitmask | None) -> SamplingBatch:
         return SamplingBatch(
@@ -90,6 +93,10 @@ class StepInput:
     # after the row's last real token); every one of those positions is sampled and verified, and the
     # bitmask's rows then index those positions (a row's last real token, then each of its drafts, in order).
     drafts: list[list[int]] = field(default_factory=list)
+    # Per sampling row: the distribution each of its drafts was sampled from ((len(drafts[i]), vocab) float32,
+    # on the device), verified with Leviathan et al.'s rule; None for deterministic drafts (kept while they
+    # equal the token the target samples at their position) and for a row without drafts.
+    draft_probs: list[torch.Tensor | None] = field(default_factory=list)
 
     @property
     def has_drafts(self) -> bool:
@@ -125,6 +132,9 @@ class StepOutput:
     # In-process executors, for a model that keeps them: every computed row's last hidden state before the
     # final norm (num_tokens, hidden), on the device, for the proposer to read at once (speculative "mtp").
     hidden_states: torch.Tensor | None = None
+    # In-process executors, when a sampling row keeps its probabilities (``SamplingRows.keep_probs``): every
+    # sampling row's distribution (rows, vocab) float32, on the device.
+    probs: torch.Tensor | None = None
 
 
 @dataclass
@@ -137,8 +147,11 @@ class FinishedStep:
         return self.outputs
 
 
-def build_step_input(scheduled: Sequence["ScheduledSeq"], bitmask: TokenBitmask | None = None) -> StepInput:
-    """Writes down a scheduled step; reads the sequences, never changes them."""
+def build_step_input(scheduled: Sequence["ScheduledSeq"], bitmask: TokenBitmask | None = None,
+                     draft_probs: Mapping[int, torch.Tensor] | None = None) -> StepInput:
+    """Writes down a scheduled step; reads the sequences, never changes them. ``draft_probs`` (by seq_id):
+    the distributions sampled drafts came from (the first ``len(drafts)`` rows of each are verified)."""
+    draft_probs = draft_probs or {}
     step = StepInput(bitmask=bitmask)
     ids, sampling = step.input_ids, step.sampling
     for i, s in enumerate(scheduled):
@@ -158,6 +171,9 @@ def build_step_input(scheduled: Sequence["ScheduledSeq"], bitmask: TokenBitmask 
         if s.sample:
             p = seq.params
             step.sample_seqs.append(i)
-            sampling.append(p.temperature, p.top_k, p.top_p, seq.seed, seq.num_completion_tokens, p.logprobs)
+            sampling.append(p.temperature, p.top_k, p.top_p, seq.seed, seq.num_completion_tokens, p.logprobs,
+                            seq.probs is not None)
             step.drafts.append(list(s.drafts))
+            q = draft_probs.get(seq.seq_id) if s.drafts else None
+            step.draft_probs.append(q[:len(s.drafts)] if q is not None else None)
     return step

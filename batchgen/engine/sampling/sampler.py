@@ -66,30 +66,57 @@ class SamplingBatch:
     bitmask: TokenBitmask | None = None
 
 
+@dataclass
+class SampledRows:
+    """One step's sampling, with what a caller may read beyond the tokens."""
+
+    tokens: torch.Tensor  # int64 (R,)
+    logprobs: torch.Tensor | None  # float32 (R,): raw log-probabilities of ``tokens``, when a row asked
+    probs: torch.Tensor | None  # float32 (R, V): each row's sampling distribution; None when every row is greedy
+    logits: torch.Tensor  # float32 (R, V), the grammar's disallowed tokens at -inf
+    raw_logsumexp: torch.Tensor | None  # float32 (R,), of the unmasked logits, when a row asked for logprobs
+
+    def logprobs_of(self, rows: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """Raw log-probabilities of ``tokens`` (any shape) at sampling rows ``rows`` (the same shape); a token
+        the grammar disallows gets -inf."""
+        return self.logits[rows, tokens] - self.raw_logsumexp[rows]
+
+
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Returns (token ids (R,), raw log-probabilities of those tokens or None)."""
+    sampled = sample_rows(logits, batch)
+    return sampled.tokens, sampled.logprobs
+
+
+def sample_rows(logits: torch.Tensor, batch: SamplingBatch) -> SampledRows:
+    """Samples every row (see :func:`sample`) and keeps the distributions it sampled from."""
     logits = logits.float()
     raw_logsumexp = logits.logsumexp(dim=-1) if batch.want_logprobs else None
     if batch.bitmask is not None:
         apply_token_bitmask(logits, batch.bitmask)
     greedy_tokens = logits.argmax(dim=-1)
+    probs = None
     if batch.all_greedy:
         tokens = greedy_tokens
     else:
-        temps = batch.temperatures.clamp(min=1e-5)[:, None]
-        scaled = logits / temps
-        if batch.any_top_k_or_p:
-            scaled = _apply_top_k_top_p(scaled, batch.top_ks, batch.top_ps)
-        probs = scaled.softmax(dim=-1)
-        noise = seeded_uniform(batch.seeds, batch.steps, logits.shape[-1])
-        # Exponential race: argmax(p / E) with E ~ Exp(1) draws a token with probability p.
-        sampled = probs.div_(-noise.log_()).argmax(dim=-1)
+        probs = sampling_probs(logits, batch)
+        race = seeded_uniform(batch.seeds, batch.steps, logits.shape[-1]).log_().neg_()
+        # Exponential race: argmax(p / E) with E ~ Exp(1) draws a token with probability p (probs stay kept).
+        sampled = torch.div(probs, race, out=race).argmax(dim=-1)
         tokens = torch.where(batch.temperatures == 0, greedy_tokens, sampled)
     logprobs = None
     if raw_logsumexp is not None:
         # A sampled token is never masked, so its logit is still the raw one.
         logprobs = logits.gather(1, tokens[:, None]).squeeze(1) - raw_logsumexp
-    return tokens, logprobs
+    return SampledRows(tokens, logprobs, probs, logits, raw_logsumexp)
+
+
+def sampling_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Each row's distribution: softmax of the (masked) logits at its temperature, within its top-k and top-p."""
+    scaled = logits / batch.temperatures.clamp(min=1e-5)[:, None]
+    if batch.any_top_k_or_p:
+        scaled = _apply_top_k_top_p(scaled, batch.top_ks, batch.top_ps)
+    return scaled.softmax(dim=-1)
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,8 @@ from batchgen.engine.speculative.suffix import SuffixOptions
 
 BUILT_METHODS = ("ngram", "suffix", "draft_model", "mtp")
 NGRAM_KEYS = ("prompt_lookup_min", "prompt_lookup_max")
-DRAFT_MODEL_KEYS = ("model",)  # a folder, GGUF file or built-in name, loaded like the target
+DRAFT_MODEL_KEYS = ("model", "draft_sampling")  # the draft: a folder, GGUF file or built-in name; how it drafts
+DRAFT_SAMPLING = ("probabilistic", "greedy")  # draft_model's "draft_sampling", the default first
 PLANNED_METHODS = ("eagle", "eagle3", "medusa")
 OWN_KEYS = {"ngram": "num_speculative_tokens, prompt_lookup_min, prompt_lookup_max",
             "mtp": "num_speculative_tokens"}  # methods that take no options: all their keys
@@ -23,7 +24,9 @@ class SpeculativeConfig:
     0 .. that many per sequence and step. ``prompt_lookup_min`` / ``prompt_lookup_max`` bound the n-gram the
     ``ngram`` method matches. The ``suffix`` method's own keys (``options``: max_tree_depth, max_spec_factor,
     max_spec_offset, min_token_prob, max_cached_tokens, max_cached_nodes, cache_prompts) go to its proposer;
-    the ``draft_model`` method's ``model`` (the draft's folder, GGUF file or built-in name) is in ``options`` too.
+    the ``draft_model`` method's ``model`` (the draft's folder, GGUF file or built-in name) and ``draft_sampling``
+    (``"probabilistic"``, the default: rows with temperature > 0 sample their drafts and verify them by rejection
+    sampling; ``"greedy"``: argmax drafts for every row) are in ``options`` too.
     ``mtp`` (a DeepSeek-V3-style checkpoint's multi-token-prediction layer) takes only ``num_speculative_tokens``.
     """
 
@@ -83,8 +86,13 @@ def _check_draft_model_options(options: dict[str, Any]) -> None:
     unknown = sorted(set(options) - set(DRAFT_MODEL_KEYS))
     if unknown:
         raise ValueError(f"unknown speculative_config key(s) for method 'draft_model': "
-                         f"{', '.join(map(repr, unknown))}; known: num_speculative_tokens, model")
+                         f"{', '.join(map(repr, unknown))}; known: num_speculative_tokens, "
+                         f"{', '.join(DRAFT_MODEL_KEYS)}")
     model = options.get("model")
     if not isinstance(model, str) or not model.strip():
         raise ValueError("speculative_config method 'draft_model' needs 'model': the path or built-in name of a "
                          f"small model with the target's tokenizer, got {model!r}")
+    sampling = options.get("draft_sampling", DRAFT_SAMPLING[0])
+    if sampling not in DRAFT_SAMPLING:
+        raise ValueError(f"speculative_config 'draft_sampling' must be one of {', '.join(map(repr, DRAFT_SAMPLING))}, "
+                         f"got {sampling!r}")

@@ -1,13 +1,17 @@
 """Draft-model speculation (``"draft_model"``): a small model with the target's tokenizer, run by batchgen's own
-engine, drafts each sequence's next tokens greedily.
+engine, drafts each sequence's next tokens.
 
-The draft's tokens are its argmax continuation, a deterministic function of the context. The target's acceptance
-rule for deterministic drafts (a one-hot q: the draft d is kept with probability p(d), and on rejection the token is
-p with d removed and renormalized) is therefore exactly lossless at any temperature, with no draft probabilities.
-Not built: drafts sampled from the draft's distribution with Leviathan et al.'s min(1, p/q) rule.
+With ``draft_sampling: "probabilistic"`` (the default) a row with temperature > 0 (and no grammar) samples its
+drafts from the draft's own distribution q at the request's temperature, top-k and top-p, with noise from the
+request's seed and the first draft's output index (salted: not the target's noise), and hands q back with them
+(the draft engine's ``keep_probs`` requests); the target verifies them with Leviathan et al.'s rejection sampling,
+which keeps the target's distribution and accepts min(p, q) summed over the vocabulary per draft. Greedy rows, rows
+with a grammar, and every row under ``"greedy"`` draft the argmax continuation, a deterministic function of the
+context: the target's rule for deterministic drafts (d kept with probability p(d), on rejection p with d removed)
+is exactly lossless for them, and a seeded row gives spec off's very tokens (acceptance p(argmax), though).
 
 The draft runs as its own engine on the target's device and dtype, with a modest KV cache and prefix caching: each
-call queues one greedy request of ``k`` tokens per drafting sequence (its whole context) and steps them together,
+call queues one request of ``k`` tokens per drafting sequence (its whole context) and steps them together,
 so a call is one step computing every sequence's new tokens and k - 1 decode steps for the batch. The prefix cache
 still holds each context's KV from the previous call: only the tokens since then (and the last, partial block)
 are computed again. The first call for a sequence computes its whole prompt, a cost paid once per request, so a
@@ -15,18 +19,37 @@ call's ``steady_seconds`` (what the cost model charges) counts its first step as
 """
 from __future__ import annotations
 
+import hashlib
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+import torch
+
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.core.outputs import RequestOutput
 from batchgen.engine.sampling.params import SamplingParams
-from batchgen.engine.speculative.config import SpeculativeConfig
-from batchgen.engine.speculative.proposer import DraftRequest
+from batchgen.engine.speculative.config import DRAFT_SAMPLING, SpeculativeConfig
+from batchgen.engine.speculative.proposer import DraftRequest, DraftSampling
 
 DRAFT_KV_CACHE_BYTES = 1 << 30  # the draft's KV cache, unless the target's own is smaller
 VOCAB_SAMPLE = 64  # token ids compared between the two tokenizers, spread over the vocabulary
+
+
+def draft_seed(seed: int, output_index: int) -> int:
+    """The draft's seed for drafts starting at ``output_index`` of a request seeded ``seed``: a salted hash of
+    both, so that its noise is the target's at no position and a rerun drafts the same tokens."""
+    digest = hashlib.blake2b(f"{seed}:{output_index}".encode(), digest_size=8, person=b"batchgen-draft").digest()
+    return int.from_bytes(digest, "little") >> 2  # 62 bits, as the engine's own seeds
+
+
+def draft_params(k: int, sampling: DraftSampling | None) -> SamplingParams:
+    """The draft request's settings: ``k`` tokens, greedy or sampled as the request samples."""
+    if sampling is None:
+        return SamplingParams(max_tokens=k, temperature=0, ignore_eos=True)
+    return SamplingParams(max_tokens=k, temperature=sampling.temperature, top_k=sampling.top_k,
+                          top_p=sampling.top_p, seed=draft_seed(sampling.seed, sampling.output_index),
+                          ignore_eos=True)
 
 
 def draft_engine_config(target: EngineConfig, draft_model: str) -> EngineConfig:
@@ -66,29 +89,32 @@ class Vocabulary:
 
 
 class DraftModelProposer:
-    """Greedy drafts from a small model's engine (an LLMEngine: ``add_request``, ``step``, ``has_unfinished``)."""
+    """Drafts from a small model's engine (an LLMEngine: ``add_request``, ``step``, ``has_unfinished``), greedy or,
+    with ``sampled``, sampled as each request samples (see the module's docstring)."""
 
-    def __init__(self, engine: Any, num_speculative_tokens: int):
-        self.engine, self.num_speculative_tokens = engine, num_speculative_tokens
+    def __init__(self, engine: Any, num_speculative_tokens: int, sampled: bool = True):
+        self.engine, self.num_speculative_tokens, self.sampled = engine, num_speculative_tokens, sampled
         self.steady_seconds: float | None = None  # the latest call's time, its prompt catch-up left out
+        self.draft_probs: dict[int, torch.Tensor] = {}  # the latest call's sampled drafts' distributions, by seq_id
 
     def add_request(self, seq_id: int, prompt: Sequence[int]) -> None:
         pass  # nothing kept per request: the draft's prefix cache holds the contexts' KV
 
     def propose(self, seq_id: int, tokens: Sequence[int], k: int) -> list[int]:
-        return self.propose_batch([(seq_id, tokens, k)])[0]
+        return self.propose_batch([DraftRequest(seq_id, tokens, k)])[0]
 
     def propose_batch(self, requests: list[DraftRequest]) -> list[list[int]]:
-        """Each request's ``k`` greedy draft tokens, all requests run as one batch; [] for a context longer
-        than the draft's."""
+        """Each request's ``k`` draft tokens, all requests run as one batch; [] for a context longer than the
+        draft's. The sampled ones' distributions go to ``draft_probs``."""
         drafts: list[list[int]] = [[] for _ in requests]
         rows: dict[int, int] = {}
-        for row, (_, tokens, k) in enumerate(requests):
+        self.draft_probs = {}
+        for row, (_, tokens, k, sampling) in enumerate(requests):
             k = min(k, self.num_speculative_tokens)
             if k <= 0 or len(tokens) + k > self.engine.max_model_len:
                 continue
-            queued = self.engine.add_request(list(tokens), SamplingParams(max_tokens=k, temperature=0,
-                                                                          ignore_eos=True))
+            sampling = sampling if self.sampled else None
+            queued = self.engine.add_request(list(tokens), draft_params(k, sampling), keep_probs=sampling is not None)
             if not isinstance(queued, RequestOutput):  # an error output: no draft for that one
                 rows[queued.seq_id] = row
         start, first_s, steps = time.perf_counter(), 0.0, 0
@@ -97,6 +123,8 @@ class DraftModelProposer:
                 row = rows.pop(out.request_id, None)  # None: a request a failed call left behind
                 if row is not None:
                     drafts[row] = list(out.token_ids)
+                    if out.probs:
+                        self.draft_probs[requests[row].seq_id] = torch.stack(out.probs)
             steps += 1
             if steps == 1:
                 first_s = time.perf_counter() - start
@@ -123,4 +151,5 @@ def build_draft_proposer(spec: SpeculativeConfig, target: Any,
         engine.shutdown()
         raise ValueError(f"speculative_config draft model {name!r} cannot draft for {target.config.model!r}: {why}; "
                          f"'draft_model' needs a model with the same tokenizer")
-    return DraftModelProposer(engine, spec.num_speculative_tokens)
+    return DraftModelProposer(engine, spec.num_speculative_tokens,
+                              sampled=spec.options.get("draft_sampling", DRAFT_SAMPLING[0]) == "probabilistic")

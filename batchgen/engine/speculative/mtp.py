@@ -100,7 +100,7 @@ class MtpProposer:
             self.finish(seq_id, (), 0)
 
     def propose(self, seq_id: int, tokens: Sequence[int], k: int) -> list[int]:
-        return self.propose_batch([(seq_id, tokens, k)])[0]
+        return self.propose_batch([DraftRequest(seq_id, tokens, k)])[0]
 
     @torch.inference_mode()
     def propose_batch(self, requests: list[DraftRequest]) -> list[list[int]]:
@@ -109,7 +109,7 @@ class MtpProposer:
         start = time.perf_counter()
         drafts: list[list[int]] = [[] for _ in requests]
         chains = []  # (row, state, k, index of the sequence's last token)
-        for row, (seq_id, tokens, k) in enumerate(requests):
+        for row, (seq_id, tokens, k, _) in enumerate(requests):
             state = self.states.get(seq_id)
             if state is not None and state.for_length == len(tokens) and k > 0:
                 chains.append((row, state, min(k, self.num_speculative_tokens), len(tokens) - 1))

@@ -1,7 +1,8 @@
 """What a speculative method implements: draft tokens for a sequence from what it has seen."""
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple, Protocol, Sequence
 
 
 class Proposer(Protocol):
@@ -21,6 +22,10 @@ class Proposer(Protocol):
     The speculator charges a proposer's time per drafted token in the cost model: a call's wall time, or its
     ``steady_seconds`` where it sets one after each call (the part that drafting costs each step, one-off work
     such as a draft model's first pass over a new prompt left out).
+
+    A proposer that samples its drafts (a draft model at the request's temperature) sets ``draft_probs`` after
+    each call: by seq_id, the distribution each draft token was drawn from, (len(draft), vocab) on the device;
+    the target then verifies those drafts by rejection sampling. The others' drafts are deterministic.
     """
 
     def add_request(self, seq_id: int, prompt: Sequence[int]) -> None: ...
@@ -30,7 +35,26 @@ class Proposer(Protocol):
     def finish(self, seq_id: int, tokens: Sequence[int], num_prompt_tokens: int) -> None: ...
 
 
-DraftRequest = tuple[int, Sequence[int], int]  # (seq_id, tokens, k), as ``propose`` takes them
+@dataclass(frozen=True)
+class DraftSampling:
+    """How a request samples (temperature > 0, no grammar), for a proposer that samples its drafts the same way:
+    its settings, seed and the output index of the first draft."""
+
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+    output_index: int
+
+
+class DraftRequest(NamedTuple):
+    """One sequence to draft for: ``propose``'s arguments, and how the request samples (None: greedy or with
+    a grammar, whose drafts stay deterministic)."""
+
+    seq_id: int
+    tokens: Sequence[int]
+    k: int
+    sampling: DraftSampling | None = None
 
 
 def propose_batch(proposer: Proposer, requests: list[DraftRequest]) -> list[list[int]]:
@@ -39,4 +63,4 @@ def propose_batch(proposer: Proposer, requests: list[DraftRequest]) -> list[list
     batch = getattr(proposer, "propose_batch", None)
     if batch is not None:
         return batch(requests)
-    return [proposer.propose(seq_id, tokens, k) for seq_id, tokens, k in requests]
+    return [proposer.propose(r.seq_id, r.tokens, r.k) for r in requests]

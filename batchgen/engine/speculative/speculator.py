@@ -20,7 +20,7 @@ from batchgen.engine.speculative.mtp import ComputedRows, build_mtp_proposer
 from batchgen.engine.speculative.ngram import NgramProposer
 from batchgen.engine.speculative.policy import (AcceptanceTracker, DraftCost, ProbeSchedule, StepCostModel,
                                                 choose_draft_lengths, probe_draft_lengths)
-from batchgen.engine.speculative.proposer import Proposer, propose_batch
+from batchgen.engine.speculative.proposer import DraftRequest, DraftSampling, Proposer, propose_batch
 from batchgen.engine.speculative.suffix import SuffixProposer
 
 log = logging.getLogger(__name__)
@@ -54,6 +54,15 @@ def build_speculator(target: Any, engine_factory: Callable[[EngineConfig], Any])
                       build_proposer(config, target, engine_factory))
 
 
+def draft_sampling(seq: Sequence) -> DraftSampling | None:
+    """How a proposer may sample the sequence's next drafts; None for greedy rows and rows with a grammar (their
+    drafts are cut where the grammar disallows one, which only the deterministic rule allows)."""
+    p = seq.params
+    if p.temperature == 0 or seq.grammar is not None:
+        return None
+    return DraftSampling(p.temperature, p.top_k, p.top_p, seq.seed, seq.num_completion_tokens)
+
+
 @dataclass
 class SpecCounts:
     """One step's speculation, under StepRecord's field names: the policy's decisions and what was verified."""
@@ -84,6 +93,7 @@ class Speculator:
         self._plan: dict[int, int] = {}
         self.grammar_masks: dict[int, torch.Tensor] = {}  # the latest proposals' masks, by seq_id (see propose)
         self.counts = SpecCounts()
+        self.draft_probs: dict[int, Any] = {}  # the latest drafts' distributions, by seq_id, where sampled
 
     def add_request(self, seq: Sequence) -> None:
         self.proposer.add_request(seq.seq_id, seq.token_ids[:seq.num_prompt_tokens])
@@ -147,14 +157,17 @@ class Speculator:
     def propose(self, running: Iterable[Sequence]) -> dict[int, list[int]]:
         """Drafts of the planned sequences still running (by seq_id); none for a sequence the proposer has
         nothing for. A grammar row keeps only the drafts its grammar allows, and the masks of their positions
-        stay in ``grammar_masks`` for the verifying step (which needs the same ones)."""
+        stay in ``grammar_masks`` for the verifying step (which needs the same ones). Where the proposer
+        sampled the drafts, their distributions are in ``draft_probs``."""
         drafting = [(seq, self._plan.get(seq.seq_id, 0)) for seq in running]
         drafting = [(seq, k) for seq, k in drafting if k and not seq.is_finished and seq.token_ids[-1] >= 0]
-        self._plan, self.grammar_masks = {}, {}
+        self._plan, self.grammar_masks, self.draft_probs = {}, {}, {}
         if not drafting:
             return {}
         start = time.perf_counter()
-        batch = propose_batch(self.proposer, [(seq.seq_id, seq.token_ids, k) for seq, k in drafting])
+        batch = propose_batch(self.proposer, [DraftRequest(seq.seq_id, seq.token_ids, k, draft_sampling(seq))
+                                              for seq, k in drafting])
+        sampled = getattr(self.proposer, "draft_probs", {})
         seconds = getattr(self.proposer, "steady_seconds", None)  # its own account of one-off work, if it keeps one
         self.draft_cost.observe(max(k for _, k in drafting), seconds if seconds is not None else
                                 time.perf_counter() - start)
@@ -168,6 +181,8 @@ class Speculator:
                     self.grammar_masks[seq.seq_id] = bits
             if proposed:
                 drafts[seq.seq_id] = proposed
+                if seq.seq_id in sampled:
+                    self.draft_probs[seq.seq_id] = sampled[seq.seq_id][:len(proposed)]
         return drafts
 
     def verified(self, seq_id: int, proposed: int, accepted: int) -> None:

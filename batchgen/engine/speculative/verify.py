@@ -8,6 +8,12 @@ differs (or the one after the last draft) gives the step's last token. For a det
 the lossless rule: the draft d is kept with probability p(d), and on rejection the token sampled is
 distributed as p with d removed and renormalized. Because the noise is the plain sampler's own, a seeded
 request produces the same tokens with speculation on or off, greedy or not.
+
+Drafts sampled from a draft model's distribution q (its probabilities come with them) are verified with
+Leviathan et al.'s rejection sampling instead: d is kept when u < min(1, p(d) / q(d)), and at the first
+rejection the token is drawn from max(0, p - q) renormalized; the emitted tokens are distributed as p. The
+noise then comes from the request's seed and output index under salts of its own, so the tokens are
+reproducible for a seed but differ from spec off's.
 """
 from __future__ import annotations
 
@@ -16,9 +22,16 @@ from typing import Callable, Sequence
 
 import torch
 
+from batchgen.engine.backends.interface import KernelSet
 from batchgen.engine.backends.torch.ops import accept_drafts
 from batchgen.engine.executor.step import SamplingRows
+from batchgen.engine.sampling.sampler import SamplingBatch, sample, sample_rows, seeded_uniform
 from batchgen.engine.transfer import to_device
+
+# Salts on a request's seed for the noise of rejection sampling, apart from the plain sampler's own (the
+# draft model's noise has its own, see draft_model.draft_seed).
+ACCEPT_SALT = 0x2C1B3C6D5E8F9A07  # u of each draft's acceptance test
+RESIDUAL_SALT = 0x1F83D9ABFB41BD6B  # the token drawn from the residual at the first rejection
 
 
 def verified_rows(ends: torch.Tensor, drafts: Sequence[Sequence[int]]) -> torch.Tensor:
@@ -65,14 +78,44 @@ class AcceptedTokens:
         return tokens, [row[:c] for row, c in zip(self.logprobs.tolist(), counts)]
 
 
+def _spans(drafts: Sequence[Sequence[int]], device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Each row's first position, its number of drafts and its drafts padded with -1 to (R, K), on the device."""
+    width = max(len(d) for d in drafts)
+    starts = to_device(first_rows(drafts), device, torch.int64)
+    lens = to_device([len(d) for d in drafts], device, torch.int64)
+    padded = to_device([list(d) + [-1] * (width - len(d)) for d in drafts], device, torch.int64)
+    return starts, lens, padded.reshape(len(drafts), width)
+
+
 def accept(sampled: torch.Tensor, logprobs: torch.Tensor | None, drafts: Sequence[Sequence[int]],
            kernel: Callable = accept_drafts) -> AcceptedTokens:
     """Keeps each row's drafts up to the first the target rejects, on the device (one copy back per step):
     ``kernel`` is the kernel set's ``accept_drafts`` (a Triton launch on the GPU path, torch ops elsewhere)."""
-    device = sampled.device
-    width = max(len(d) for d in drafts) + 1
-    starts = to_device(first_rows(drafts), device, torch.int64)
-    lens = to_device([len(d) for d in drafts], device, torch.int64)
-    padded = to_device([list(d) + [-1] * (width - 1 - len(d)) for d in drafts], device, torch.int64)
-    tokens, counts, kept_logprobs = kernel(sampled, logprobs, starts, lens, padded.reshape(len(drafts), width - 1))
+    tokens, counts, kept_logprobs = kernel(sampled, logprobs, *_spans(drafts, sampled.device))
     return AcceptedTokens(tokens, counts, kept_logprobs)
+
+
+def verify(logits: torch.Tensor, batch: SamplingBatch, drafts: Sequence[Sequence[int]],
+           draft_probs: Sequence[torch.Tensor | None], kernels: KernelSet) -> AcceptedTokens:
+    """Samples every verified position (``batch``: one row each) and keeps each row's accepted drafts: by the
+    deterministic rule, or by rejection sampling for the rows whose drafts were sampled (``draft_probs``)."""
+    if all(q is None for q in draft_probs):
+        tokens, logprobs = sample(logits, batch)
+        return accept(tokens, logprobs, drafts, kernels.accept_drafts)
+    sampled = sample_rows(logits, batch)
+    device = sampled.tokens.device
+    q_starts, at = [], 0
+    for d, q in zip(drafts, draft_probs, strict=True):
+        q_starts.append(at if q is not None else -1)
+        at += len(d) if q is not None else 0
+    q = torch.cat([q for q in draft_probs if q is not None]).to(device)
+    uniforms = seeded_uniform(batch.seeds ^ ACCEPT_SALT, batch.steps, 1)[:, 0]
+    starts, lens, padded = _spans(drafts, device)
+    tokens, counts = kernels.reject_drafts(sampled.tokens, sampled.probs, q, to_device(q_starts, device, torch.int64),
+                                           uniforms, batch.seeds ^ RESIDUAL_SALT, batch.steps, starts, lens, padded)
+    logprobs = None
+    if batch.want_logprobs:
+        j = torch.arange(tokens.shape[1], device=device)
+        positions = torch.where(j[None, :] <= lens[:, None], starts[:, None] + j[None, :], starts[:, None])
+        logprobs = sampled.logprobs_of(positions, tokens)
+    return AcceptedTokens(tokens, counts, logprobs)

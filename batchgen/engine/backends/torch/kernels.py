@@ -10,4 +10,5 @@ from batchgen.engine.backends.torch.mla import TorchMLABackend
 def torch_kernels() -> KernelSet:
     return KernelSet(attention=TorchAttentionBackend(), rms_norm=ops.rms_norm, apply_rotary=ops.apply_rotary,
                      silu_and_mul=ops.silu_and_mul, gelu_tanh_and_mul=ops.gelu_tanh_and_mul,
-                     fused_moe=ops.fused_moe, mla=TorchMLABackend(), accept_drafts=ops.accept_drafts)
+                     fused_moe=ops.fused_moe, mla=TorchMLABackend(), accept_drafts=ops.accept_drafts,
+                     reject_drafts=ops.reject_drafts)

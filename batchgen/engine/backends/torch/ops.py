@@ -1,8 +1,10 @@
-"""The torch reference ops: RMSNorm, rotary, gated activations, mixture of experts, draft acceptance."""
+"""The torch reference ops: RMSNorm, rotary, gated activations, mixture of experts, speculative verification."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from batchgen.engine.sampling.sampler import seeded_uniform
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -88,3 +90,44 @@ def accept_drafts(sampled: torch.Tensor, logprobs: torch.Tensor | None, starts: 
     kept = acceptance_rule(drafts, tokens[:, :-1]) & valid[:, 1:]
     counts = kept.long().cumprod(dim=1).sum(dim=1) + 1
     return tokens, counts, logprobs[index] if logprobs is not None else None
+
+
+def probabilistic_acceptance(uniforms: torch.Tensor, target_probs: torch.Tensor,
+                             draft_probs: torch.Tensor) -> torch.Tensor:
+    """Leviathan et al.'s rule: a draft sampled from q is kept when u < min(1, p / q), u uniform on (0, 1)."""
+    return uniforms * draft_probs < target_probs
+
+
+def reject_drafts(sampled: torch.Tensor, probs: torch.Tensor, draft_probs: torch.Tensor, q_starts: torch.Tensor,
+                  uniforms: torch.Tensor, residual_seeds: torch.Tensor, steps: torch.Tensor, starts: torch.Tensor,
+                  lens: torch.Tensor, drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Speculative verification of sampled drafts (rejection sampling), beside deterministic ones.
+
+    Positions, ``sampled``, ``starts``, ``lens`` and ``drafts`` are as in :func:`accept_drafts`; ``probs`` (N, V)
+    is the target's distribution at each position and ``uniforms`` (N,) its acceptance noise. Row r's drafts were
+    sampled from ``draft_probs[q_starts[r] + j]`` (one row per draft); ``q_starts[r]`` < 0 marks deterministic
+    drafts, kept while they equal ``sampled`` (:func:`acceptance_rule`). A sampled draft d is kept under
+    :func:`probabilistic_acceptance`; at the first rejection the token is drawn from max(0, p - q) renormalized
+    (p where that is all zero), with the noise ``seeded_uniform(residual_seeds, steps)`` of its position; with
+    every draft kept, the next token is the one ``sampled`` after them. Returns each row's tokens (R, K + 1;
+    past the kept ones, padding) and how many it keeps (R,), as :func:`accept_drafts`."""
+    k = drafts.shape[1]
+    j = torch.arange(k + 1, device=sampled.device)
+    valid = j[None, :] <= lens[:, None]
+    index = torch.where(valid, starts[:, None] + j[None, :], starts[:, None])
+    tokens, at, in_draft = sampled[index], index[:, :k], valid[:, 1:]
+    has_q, d = q_starts >= 0, drafts.clamp(min=0)
+    q_rows = torch.where(has_q[:, None] & in_draft, q_starts[:, None] + j[None, :k], 0)
+    kept = torch.where(has_q[:, None], probabilistic_acceptance(uniforms[at], probs[at, d], draft_probs[q_rows, d]),
+                       acceptance_rule(drafts, tokens[:, :-1])) & in_draft
+    counts = kept.long().cumprod(dim=1).sum(dim=1) + 1
+    first = counts - 1  # the first rejected draft's position, or lens[r]: the token after every draft
+    rejected = has_q & (first < lens)
+    pos = index.gather(1, first[:, None])[:, 0]
+    residual = (probs[pos] - draft_probs[torch.where(rejected, q_starts + first, 0)]).clamp_(min=0)
+    residual = torch.where(residual.sum(dim=1, keepdim=True) > 0, residual, probs[pos])
+    noise = seeded_uniform(residual_seeds[pos], steps[pos], probs.shape[1])
+    resampled = (residual / -noise.log()).argmax(dim=1)  # the exponential race, as the sampler draws
+    out = torch.where(has_q[:, None] & (j[None, :] < first[:, None]), torch.cat([d, tokens[:, k:]], dim=1), tokens)
+    last = torch.where(rejected, resampled, out.gather(1, first[:, None])[:, 0])
+    return out.scatter(1, first[:, None], last[:, None]), counts

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from batchgen.engine.backends.triton.accept import accept_drafts
+from batchgen.engine.backends.triton.rejection import reject_drafts
 from batchgen.engine.backends.triton.activation import gelu_tanh_and_mul, silu_and_mul
 from batchgen.engine.backends.triton.decode_attention import decode_attention, decode_rows
 from batchgen.engine.backends.triton.fp8.gemm import fp8_linear
@@ -80,4 +81,5 @@ def triton_kernels() -> dict[str, object]:
     """The Triton implementations of the kernel set's fields (the torch ones fill the rest)."""
     return dict(attention=TritonAttentionBackend(), rms_norm=rms_norm, apply_rotary=apply_rotary,
                 silu_and_mul=silu_and_mul, gelu_tanh_and_mul=gelu_tanh_and_mul, fused_moe=fused_moe,
-                fp8_linear=fp8_linear, mla=TritonMLABackend(), accept_drafts=accept_drafts)
+                fp8_linear=fp8_linear, mla=TritonMLABackend(), accept_drafts=accept_drafts,
+                reject_drafts=reject_drafts)
