@@ -23,9 +23,8 @@ from batchgen.engine.sampling.params import SamplingParams
 from batchgen.engine.sampling.sampler import TokenBitmask
 from batchgen.engine.sampling.stopping import finish_reason, output_text
 from batchgen.engine.speculative.speculator import build_speculator
-from batchgen.engine.speculative.verify import first_rows
 from batchgen.engine.sampling.structured import (
-    EXTRA_HINT, GrammarCompiler, GrammarState, draft_token_bitmask, grammar_key, structured_available, token_bitmask,
+    EXTRA_HINT, GrammarCompiler, GrammarState, grammar_key, step_token_bitmask, structured_available,
 )
 
 log = logging.getLogger(__name__)
@@ -313,20 +312,11 @@ class LLMEngine:
         return finished
 
     def _token_bitmask(self, scheduled: list[ScheduledSeq]) -> TokenBitmask | None:
-        """The grammar rows' allowed tokens (at each verified position, with draft tokens), or None when no
-        sampling row has a grammar."""
+        """The grammar rows' allowed tokens at each verified position, or None when no sampling row has one."""
         sampling = [s for s in scheduled if s.sample]
-        rows = [i for i, s in enumerate(sampling) if s.seq.grammar is not None]
-        if not rows:
-            return None
-        vocab = self.model_config.vocab_size
-        if not any(s.drafts for s in sampling):
-            return token_bitmask([sampling[i].seq.grammar for i in rows], rows, vocab)
-        starts = first_rows([s.drafts for s in sampling])
         known = self.speculator.grammar_masks if self.speculator is not None else {}
-        return draft_token_bitmask([sampling[i].seq.grammar for i in rows], [sampling[i].drafts for i in rows],
-                                   [starts[i] for i in rows], vocab,
-                                   [known.get(sampling[i].seq.seq_id) if sampling[i].drafts else None for i in rows])
+        return step_token_bitmask([s.seq.grammar for s in sampling], [s.drafts for s in sampling],
+                                  [known.get(s.seq.seq_id) for s in sampling], self.model_config.vocab_size)
 
     def _grammar_failed(self, seq: Sequence) -> RequestOutput:
         return RequestOutput(seq.seq_id, seq.token_ids[:seq.num_prompt_tokens], finish_reason="error",

@@ -6,6 +6,7 @@ rows that have a grammar. ``import xgrammar`` is deferred to the compile thread:
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
 import logging
 import threading
@@ -239,3 +240,18 @@ def draft_token_bitmask(grammars: Sequence[GrammarState], drafts: Sequence[Seque
         blocks.append(bits[:len(row_drafts) + 1])
         rows += range(first, first + len(row_drafts) + 1)
     return TokenBitmask(torch.cat(blocks), rows)
+
+
+def step_token_bitmask(grammars: Sequence[GrammarState | None], drafts: Sequence[Sequence[int]],
+                       known: Sequence[torch.Tensor | None], vocab_size: int) -> TokenBitmask | None:
+    """A step's masks over its sampling rows (each with its grammar or None, its drafts and the masks the
+    proposer computed for them): rows follow the verified positions, one per row and draft; None when no row
+    has a grammar."""
+    rows = [i for i, grammar in enumerate(grammars) if grammar is not None]
+    if not rows:
+        return None
+    if not any(drafts):
+        return token_bitmask([grammars[i] for i in rows], rows, vocab_size)
+    starts = [0, *itertools.accumulate(len(d) + 1 for d in drafts)]
+    return draft_token_bitmask([grammars[i] for i in rows], [drafts[i] for i in rows], [starts[i] for i in rows],
+                               vocab_size, [known[i] if drafts[i] else None for i in rows])
