@@ -99,9 +99,11 @@ def main() -> None:
         raise SystemExit("the fused CPU kernels could not be built here (see the warning above)")
     baseline = load_baseline(args.baseline) if args.baseline else None
     dtype = getattr(torch, args.dtype)
+    amx = "amx_bf16" in Path("/proc/cpuinfo").read_text()
     print(f"CPU: {cpu_features().describe()}; get_cpu_capability() {torch.backends.cpu.get_cpu_capability()}; "
-          f"threads {torch.get_num_threads()}; torch {torch.__version__}; {args.dtype}, KV heads {args.kv_heads}, "
-          f"group {args.group}, head dim {args.head_dim}; {'thread' if args.thread_time else 'wall'} time; load average {Path('/proc/loadavg').read_text()[:14]}")
+          f"amx_bf16 {'yes' if amx else 'no'}; threads {torch.get_num_threads()}; torch {torch.__version__}; "
+          f"{args.dtype}, KV heads {args.kv_heads}, group {args.group}, head dim {args.head_dim}; "
+          f"{'thread' if args.thread_time else 'wall'} time; load average {Path('/proc/loadavg').read_text()[:14]}")
     names = (["torch"] if not args.no_torch else []) + (["baseline"] if baseline else []) + ["fused"]
     print(f"{'B':>4} {'context':>8} " + " ".join(f"{n + ' ms':>12} {n + ' GF/s':>12}" for n in names)
           + (f" {'fused/baseline':>15}" if baseline else ""))

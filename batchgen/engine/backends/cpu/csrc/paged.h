@@ -82,10 +82,6 @@ inline void prefetch(const void* p, int64_t bytes) {
   for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(c + b);
 }
 
-inline float sum_of(Vec v) {
-  return at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, v);
-}
-
 // Partial results, one slot per (item, query head): `dim` output values, max and sum.
 struct Partials {
   int64_t heads, dim;
@@ -205,9 +201,11 @@ inline void score_tile(const float* q, int64_t W, const float* const* rows, floa
       for (int kb = 0; kb < KB; ++kb) acc[hb][kb] = at::vec::fmadd(qv, k[kb], acc[hb][kb]);
     }
   }
+  float sums[HB * KB];
+  sums_of<HB * KB>(&acc[0][0], sums);
   for (int hb = 0; hb < HB; ++hb)
     for (int kb = 0; kb < KB; ++kb) {
-      float sum = sum_of(acc[hb][kb]);
+      float sum = sums[hb * KB + kb];
       for (int64_t t = d; t < W; ++t) sum += q[hb * W + t] * rows[kb][t];
       s[hb * kChunk + kb] = sum;
     }
@@ -221,12 +219,14 @@ inline void chunk_scores(const Heads& h, const float* q32, const float* const* r
       score_tile<heads, keys>(q32 + g * W, W, rows + c, s + g * kChunk + c);
     });
   });
-  for (int64_t g = 0; g < h.count; ++g)
-    for (int64_t c = 0; c < n; ++c) {
-      float& x = s[g * kChunk + c];
-      x *= h.scale;
-      if (h.softcap > 0.f) x = h.softcap * std::tanh(x / h.softcap);
-    }
+  const float scale = h.scale, cap = h.softcap;
+  for (int64_t g = 0; g < h.count; ++g) {
+    float* row = s + g * kChunk;
+    if (cap > 0.f)
+      at::vec::map([scale, cap](Vec x) { return Vec(cap) * (x * Vec(scale / cap)).tanh(); }, row, row, n);
+    else
+      at::vec::map([scale](Vec x) { return x * Vec(scale); }, row, row, n);
+  }
 }
 
 // Folds chunk scores s (H, n) into each head's running max m and sum l: s becomes p = e^(s - m_new), and
