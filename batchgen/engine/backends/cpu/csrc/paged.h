@@ -1,5 +1,6 @@
 // Pieces the paged decode ops share (decode.cpp: per-head K/V; latent_decode.cpp: MLA's latent rows): work
-// items of fixed key splits with their checks, the walk over a row's blocks, and the merge of a row's splits.
+// items of fixed key splits with their checks, the walk over a row's blocks, the chunked pass over a split's
+// rows with its register tiles and online softmax, and the merge of a row's splits.
 //
 // A split is a fixed run of `split_keys` keys (flash-decoding), so long contexts spread over the threads and
 // short ones cost one item. Each item writes its partial result (unnormalised fp32 output, running max, sum)
