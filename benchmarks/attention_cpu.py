@@ -59,6 +59,21 @@ def median_seconds(fn, repeats: int, clock=time.perf_counter) -> float:
     return statistics.median(times)
 
 
+def add_timing_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--thread-time", action="store_true",
+                    help="with --threads 1 on a shared machine: time the CPU this thread used, not wall time")
+
+
+def timing_clock(args: argparse.Namespace):
+    """Sets torch's thread count from ``--threads``; returns the clock ``--thread-time`` asks for."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.thread_time and torch.get_num_threads() != 1:
+        raise SystemExit("--thread-time needs --threads 1 (other threads' work would not be counted)")
+    return time.thread_time if args.thread_time else time.perf_counter
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lens", type=int, nargs="+", default=[128, 512, 1024, 2048])
@@ -67,15 +82,9 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=9, help="query heads")
     ap.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
     ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--thread-time", action="store_true",
-                    help="with --threads 1 on a shared machine: time the CPU this thread used, not wall time")
+    add_timing_args(ap)
     args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    if args.thread_time and torch.get_num_threads() != 1:
-        raise SystemExit("--thread-time needs --threads 1 (other threads' work would not be counted)")
-    clock = time.thread_time if args.thread_time else time.perf_counter
+    clock = timing_clock(args)
     if not load_kernels():
         raise SystemExit("the fused CPU kernels could not be built here (see the warning above)")
     print(f"CPU: {cpu_features().describe()}; threads {torch.get_num_threads()}; torch {torch.__version__}")

@@ -121,6 +121,26 @@ def test_windows_and_soft_caps(kernels, window, softcap, head_dim):
                             F32)
 
 
+# Around the op's edges: chunks of 16 rows (paged.h's kChunk), blocks of 16, splits of 256.
+EDGE_CONTEXTS = [1, 3, 4, 5, 15, 16, 17, 31, 32, 33, 47, 48, 49, 255, 256, 257, 4095, 4096]
+
+
+@pytest.mark.parametrize("dtype, group, head_dim, window, softcap", [
+    (F32, 2, 40, None, None),  # one score tile of 2 heads, a value tile of 2; 40: a vector step past whole pairs
+    (BF16, 4, 128, None, None),  # tiles filled exactly
+    (F32, 5, 72, 21, None),  # 2 + 2 + 1 score heads, 4 + 1 value heads; windows that start inside a chunk
+    (BF16, 7, 20, 37, 3.0),  # 2 + 2 + 2 + 1 and 4 + 3; 20: less than a pair of vectors, then a scalar tail
+], ids=["g2-d40", "g4-d128-bf16", "g5-d72-window", "g7-d20-bf16-window-softcap"])
+def test_tile_and_chunk_edges(kernels, dtype, group, head_dim, window, softcap):
+    """Group sizes that do not fill a register tile, head dims that are no multiple of one, context lengths
+    (and window starts) on either side of chunk, block and split edges."""
+    step = decode_step(dtype, group, head_dim, contexts=EDGE_CONTEXTS, seed=4, kv_heads=2, freed_before=window)
+    scale = head_dim ** -0.5
+    ours = fused(kernels, step, scale, window, softcap)
+    assert_as_good_as_torch(ours, torch_path(step, scale, window, softcap), fp64_decode(step, scale, window, softcap),
+                            dtype)
+
+
 def test_split_size_changes_nothing_but_rounding(kernels):
     step = decode_step(F32, 3, 64, seed=2)
     exact, theirs = fp64_decode(step, 0.125), torch_path(step, 0.125)
@@ -169,7 +189,7 @@ def test_backend_sends_decode_steps_to_the_op_and_others_to_torch(kernels, monke
 
 # Shapes for the determinism tests: GQA groups, head dims, windows and caps, a long context over many splits.
 STRESS = [(F32, 1, 64, None, None), (F32, 3, 64, 100, None), (F32, 8, 128, None, 4.0), (BF16, 3, 64, None, None),
-          (F32, 3, 24, 37, 2.0)]
+          (F32, 3, 24, 37, 2.0), (BF16, 5, 72, 21, 3.0), (F32, 7, 20, None, None)]
 
 
 def stress_runs(kernels, threads: int, repeats: int) -> list[list[torch.Tensor]]:

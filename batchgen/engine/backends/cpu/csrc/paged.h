@@ -1,5 +1,6 @@
 // Pieces the paged decode ops share (decode.cpp: per-head K/V; latent_decode.cpp: MLA's latent rows): work
-// items of fixed key splits with their checks, the walk over a row's blocks, and the merge of a row's splits.
+// items of fixed key splits with their checks, the walk over a row's blocks, the chunked pass over a split's
+// rows with its register tiles and online softmax, and the merge of a row's splits.
 //
 // A split is a fixed run of `split_keys` keys (flash-decoding), so long contexts spread over the threads and
 // short ones cost one item. Each item writes its partial result (unnormalised fp32 output, running max, sum)
@@ -16,6 +17,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace batchgen_cpu {
@@ -27,7 +29,9 @@ struct Item {
 };
 
 struct DecodePlan {
-  std::vector<Item> items;  // row b's: [first_item[b], first_item[b + 1]), KV head after KV head
+  // Row b's: [first_item[b], first_item[b + 1]), split after split and the KV heads within each, so the items
+  // one thread runs in turn read the same blocks (each row of a block holds every KV head).
+  std::vector<Item> items;
   std::vector<int64_t> first_item;
 };
 
@@ -53,8 +57,8 @@ DecodePlan plan_decode(const at::Tensor& context_lens, const at::Tensor& tables,
       TORCH_CHECK(id >= 0 && id < num_blocks, "row ", b, " reads block ", id, " outside the cache");
     }
     plan.first_item[b] = plan.items.size();
-    for (int64_t h = 0; h < kv_heads; ++h)
-      for (int64_t s = first; s < len; s += split_keys) plan.items.push_back({b, h, s, std::min(len, s + split_keys)});
+    for (int64_t s = first; s < len; s += split_keys)
+      for (int64_t h = 0; h < kv_heads; ++h) plan.items.push_back({b, h, s, std::min(len, s + split_keys)});
   }
   plan.first_item[B] = plan.items.size();
   return plan;
@@ -72,24 +76,11 @@ inline void for_each_row(const int32_t* table, int64_t block_size, int64_t cache
   }
 }
 
-inline float sum_of(Vec v) {
-  return at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, v);
-}
-
-// q . k over n values, fp32 q and k of either dtype.
-template <typename T>
-inline float dot(const float* q, const T* k, int64_t n) {
-  Vec acc0(0.f), acc1(0.f);
-  int64_t d = 0;
-  for (; d + kStep <= n; d += kStep) {
-    Vec k0, k1;
-    load2(k + d, k0, k1);
-    acc0 = at::vec::fmadd(Vec::loadu(q + d), k0, acc0);
-    acc1 = at::vec::fmadd(Vec::loadu(q + d + Vec::size()), k1, acc1);
-  }
-  float tail = 0.f;
-  for (; d < n; ++d) tail += q[d] * static_cast<float>(k[d]);
-  return sum_of(acc0 + acc1) + tail;
+// Asks for the cache lines of `bytes` bytes at p: a chunk's rows are fetched while the one before is computed
+// (the blocks lie anywhere in the cache, so the hardware prefetchers cannot guess the next one).
+inline void prefetch(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(c + b);
 }
 
 // Partial results, one slot per (item, query head): `dim` output values, max and sum.
@@ -103,18 +94,18 @@ struct Partials {
   float* l_of(int64_t item) { return l.data() + item * heads; }
 };
 
-// Combines items [i0, i0 + splits) in split order, out = sum_s e^(m_s - M) o_s / sum_s e^(m_s - M) l_s, into
-// dst (heads rows of dim). acc: dim floats of scratch.
+// Combines the items i0 + s * stride for s in [0, splits) in split order, out = sum_s e^(m_s - M) o_s /
+// sum_s e^(m_s - M) l_s, into dst (heads rows of dim). acc: dim floats of scratch.
 template <typename T>
-void merge_splits(const Partials& p, int64_t i0, int64_t splits, T* dst, float* acc) {
+void merge_splits(const Partials& p, int64_t i0, int64_t stride, int64_t splits, T* dst, float* acc) {
   const int64_t D = p.dim;
   for (int64_t g = 0; g < p.heads; ++g) {
     float mx = kNegInf;
-    for (int64_t s = 0; s < splits; ++s) mx = std::max(mx, p.m[(i0 + s) * p.heads + g]);
+    for (int64_t s = 0; s < splits; ++s) mx = std::max(mx, p.m[(i0 + s * stride) * p.heads + g]);
     float denom = 0.f;
     std::fill(acc, acc + D, 0.f);
     for (int64_t s = 0; s < splits; ++s) {
-      const int64_t slot = (i0 + s) * p.heads + g;
+      const int64_t slot = (i0 + s * stride) * p.heads + g;
       const float w = std::exp(p.m[slot] - mx);
       denom += w * p.l[slot];
       at::vec::map2([w](Vec x, Vec y) { return at::vec::fmadd(Vec(w), y, x); }, acc, acc, p.o.data() + slot * D, D);
@@ -125,6 +116,186 @@ void merge_splits(const Partials& p, int64_t i0, int64_t splits, T* dst, float* 
     for (; d + kStep <= D; d += kStep)
       store2(row + d, Vec::loadu(acc + d) * Vec(inv), Vec::loadu(acc + d + Vec::size()) * Vec(inv));
     for (; d < D; ++d) row[d] = static_cast<T>(acc[d] * inv);
+  }
+}
+
+// ---- One split walked in chunks of kChunk rows (both ops) ----
+// Each chunk's rows are loaded (from bf16, converted) once and serve the chunk's scores and then its values
+// while still in cache, with an online softmax across the chunks. Scores run in register tiles of heads x rows
+// and values in tiles of heads x 16 dims, so each vector loaded feeds several FMAs. Which tile a score or an
+// output lands in changes no rounding: every one sums its products in the same order whatever the tile.
+
+constexpr int64_t kChunk = 16;  // rows a chunk holds: 16 x 576 fp32 (MLA) is 36 KiB
+
+// The query heads of an item and how they attend: keys key_width wide, values value_width.
+struct Heads {
+  int64_t count, key_width, value_width;
+  float scale, softcap;  // softcap 0: none
+};
+
+// A thread's scratch, overwritten by each item before it is read: fp32 queries, a chunk's converted key and
+// value rows (bf16 caches only), its scores (heads, kChunk) and each head's rescale factor.
+struct Scratch {
+  std::vector<float> q32, keys, values, scores, rescale;
+  Scratch(const Heads& h, bool separate_values)
+      : q32(h.count * h.key_width), keys(kChunk * h.key_width), values(separate_values ? kChunk * h.value_width : 0),
+        scores(h.count * kChunk), rescale(h.count) {}
+};
+
+// q32 (heads, key_width) from `heads` rows of q, head_stride apart.
+template <typename T>
+inline void load_queries(const T* q, int64_t head_stride, const Heads& h, float* q32) {
+  for (int64_t g = 0; g < h.count; ++g)
+    for (int64_t d = 0; d < h.key_width; ++d) q32[g * h.key_width + d] = static_cast<float>(q[g * head_stride + d]);
+}
+
+// The row as fp32: itself for an fp32 cache, else converted into buf.
+template <typename T>
+inline const float* as_float(const T* row, float* buf, int64_t n) {
+  if constexpr (std::is_same_v<T, float>) {
+    return row;
+  } else {
+    int64_t d = 0;
+    for (; d + kStep <= n; d += kStep) {
+      Vec lo, hi;
+      load2(row + d, lo, hi);
+      lo.store(buf + d);
+      hi.store(buf + d + Vec::size());
+    }
+    for (; d < n; ++d) buf[d] = static_cast<float>(row[d]);
+    return buf;
+  }
+}
+
+// f(std::integral_constant<int, n>{}) for the run-time n in 1..N: a tile size as a compile-time constant.
+template <int N, typename F>
+inline void with_constant(int64_t n, F&& f) {
+  if constexpr (N >= 1) {
+    if (n == N) f(std::integral_constant<int, N>{});
+    else with_constant<N - 1>(n, f);
+  }
+}
+
+// f(tile size as a constant, first) over [0, count) in tiles of Max, the last one smaller.
+template <int Max, typename F>
+inline void in_tiles(int64_t count, F&& f) {
+  int64_t i = 0;
+  for (; i + Max <= count; i += Max) f(std::integral_constant<int, Max>{}, i);
+  if (i < count) with_constant<Max - 1>(count - i, [&](auto size) { f(size, i); });
+}
+
+// Register tiles: scores of 2 heads x 4 rows, values of 4 heads x 16 dims (AVX2 has 16 vector registers).
+constexpr int kScoreHeads = 2, kScoreRows = 4, kValueHeads = 4;
+
+// s[h][c] = q_h . row_c for HB heads of q (W apart) and KB rows.
+template <int HB, int KB>
+inline void score_tile(const float* q, int64_t W, const float* const* rows, float* s) {
+  Vec acc[HB][KB];
+  for (int hb = 0; hb < HB; ++hb)
+    for (int kb = 0; kb < KB; ++kb) acc[hb][kb] = Vec(0.f);
+  int64_t d = 0;
+  for (; d + Vec::size() <= W; d += Vec::size()) {
+    Vec k[KB];
+    for (int kb = 0; kb < KB; ++kb) k[kb] = Vec::loadu(rows[kb] + d);
+    for (int hb = 0; hb < HB; ++hb) {
+      const Vec qv = Vec::loadu(q + hb * W + d);
+      for (int kb = 0; kb < KB; ++kb) acc[hb][kb] = at::vec::fmadd(qv, k[kb], acc[hb][kb]);
+    }
+  }
+  float sums[HB * KB];
+  sums_of<HB * KB>(&acc[0][0], sums);
+  for (int hb = 0; hb < HB; ++hb)
+    for (int kb = 0; kb < KB; ++kb) {
+      float sum = sums[hb * KB + kb];
+      for (int64_t t = d; t < W; ++t) sum += q[hb * W + t] * rows[kb][t];
+      s[hb * kChunk + kb] = sum;
+    }
+}
+
+// scores (heads, kChunk) of the chunk's n rows, scaled and (with a softcap) capped.
+inline void chunk_scores(const Heads& h, const float* q32, const float* const* rows, int64_t n, float* s) {
+  const int64_t W = h.key_width;
+  in_tiles<kScoreHeads>(h.count, [&](auto heads, int64_t g) {
+    in_tiles<kScoreRows>(n, [&](auto keys, int64_t c) {
+      score_tile<heads, keys>(q32 + g * W, W, rows + c, s + g * kChunk + c);
+    });
+  });
+  const float scale = h.scale, cap = h.softcap;
+  for (int64_t g = 0; g < h.count; ++g) {
+    float* row = s + g * kChunk;
+    if (cap > 0.f)
+      at::vec::map([scale, cap](Vec x) { return Vec(cap) * (x * Vec(scale / cap)).tanh(); }, row, row, n);
+    else
+      at::vec::map([scale](Vec x) { return x * Vec(scale); }, row, row, n);
+  }
+}
+
+// Folds chunk scores s (H, n) into each head's running max m and sum l: s becomes p = e^(s - m_new), and
+// rescale[h] = e^(m_old - m_new) is what the head's output so far must be multiplied by.
+inline void online_softmax(float* s, int64_t n, int64_t heads, float* m, float* l, float* rescale) {
+  for (int64_t h = 0; h < heads; ++h) {
+    float* row = s + h * kChunk;
+    const float mx = std::max(m[h], *std::max_element(row, row + n));
+    at::vec::map([mx](Vec x) { return (x - Vec(mx)).exp(); }, row, row, n);
+    rescale[h] = std::exp(m[h] - mx);  // 0 for the first chunk (m = -inf)
+    l[h] = l[h] * rescale[h] + at::vec::reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, row, n);
+    m[h] = mx;
+  }
+}
+
+// o[h] = rescale[h] o[h] + sum_c p[h][c] row_c[:V] for HB heads, 16 dims of each held in registers at a time.
+template <int HB>
+inline void value_tile(float* o, int64_t V, const float* p, const float* rescale, const float* const* rows,
+                       int64_t n) {
+  int64_t d = 0;
+  for (; d + kStep <= V; d += kStep) {
+    Vec acc[HB][2];
+    for (int hb = 0; hb < HB; ++hb) {
+      acc[hb][0] = Vec::loadu(o + hb * V + d) * Vec(rescale[hb]);
+      acc[hb][1] = Vec::loadu(o + hb * V + d + Vec::size()) * Vec(rescale[hb]);
+    }
+    for (int64_t c = 0; c < n; ++c) {
+      const Vec v0 = Vec::loadu(rows[c] + d), v1 = Vec::loadu(rows[c] + d + Vec::size());
+      for (int hb = 0; hb < HB; ++hb) {
+        const Vec pc(p[hb * kChunk + c]);
+        acc[hb][0] = at::vec::fmadd(pc, v0, acc[hb][0]);
+        acc[hb][1] = at::vec::fmadd(pc, v1, acc[hb][1]);
+      }
+    }
+    for (int hb = 0; hb < HB; ++hb) {
+      acc[hb][0].store(o + hb * V + d);
+      acc[hb][1].store(o + hb * V + d + Vec::size());
+    }
+  }
+  for (; d < V; ++d)
+    for (int hb = 0; hb < HB; ++hb) {
+      float acc = o[hb * V + d] * rescale[hb];
+      for (int64_t c = 0; c < n; ++c) acc += p[hb * kChunk + c] * rows[c][d];
+      o[hb * V + d] = acc;
+    }
+}
+
+// The rows [first, last) of one split: o (heads, value_width) unnormalised, with each head's max m and sum l.
+// chunk(first, last, keys, values) points keys[c] and values[c] at the fp32 rows of position first + c;
+// ahead(first, last) prefetches those rows.
+template <typename Chunk, typename Ahead>
+void attend_rows(const Heads& h, Scratch& w, int64_t first, int64_t last, Chunk&& chunk, Ahead&& ahead, float* o,
+                 float* m, float* l) {
+  const int64_t V = h.value_width;
+  std::fill(o, o + h.count * V, 0.f);
+  std::fill(m, m + h.count, kNegInf);
+  std::fill(l, l + h.count, 0.f);
+  const float* keys[kChunk];
+  const float* values[kChunk];
+  for (int64_t c0 = first; c0 < last; c0 += kChunk) {
+    const int64_t c1 = std::min(last, c0 + kChunk), n = c1 - c0;
+    chunk(c0, c1, keys, values);
+    if (c1 < last) ahead(c1, std::min(last, c1 + kChunk));
+    chunk_scores(h, w.q32.data(), keys, n, w.scores.data());
+    online_softmax(w.scores.data(), n, h.count, m, l, w.rescale.data());
+    in_tiles<kValueHeads>(h.count, [&](auto heads, int64_t g) {
+      value_tile<heads>(o + g * V, V, w.scores.data() + g * kChunk, w.rescale.data() + g, values, n);
+    });
   }
 }
 

@@ -10,7 +10,7 @@
 #include <tuple>
 #include <type_traits>
 
-#if defined(CPU_CAPABILITY_AVX512)
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
 #include <immintrin.h>
 #endif
 
@@ -54,6 +54,39 @@ inline void store2(T* p, const Vec& lo, const Vec& hi) {
 #endif
   }
 }
+
+// out[i] = the sum of v[i]'s lanes, for N vectors. On AVX2 all sums add in one order (pairs, pairs of pairs,
+// then the two halves), eight (or four) vectors' at once, so a vector's sum rounds alike however many are
+// summed with it.
+#if defined(CPU_CAPABILITY_AVX2) && !defined(CPU_CAPABILITY_AVX512)
+inline __m128 sums_of4(const Vec* v) {  // [sum v0, sum v1, sum v2, sum v3]
+  const __m256 quads = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  return _mm_add_ps(_mm256_castps256_ps128(quads), _mm256_extractf128_ps(quads, 1));
+}
+
+inline __m256 sums_of8(const Vec* v) {  // [sum v0, ..., sum v7]
+  const __m256 lo = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 hi = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31));
+}
+
+template <int N>
+inline void sums_of(const Vec* v, float* out) {
+  int i = 0;
+  for (; i + 8 <= N; i += 8) _mm256_storeu_ps(out + i, sums_of8(v + i));
+  for (; i + 4 <= N; i += 4) _mm_storeu_ps(out + i, sums_of4(v + i));
+  for (; i < N; ++i) {
+    const __m256 pairs = _mm256_hadd_ps(v[i], v[i]);
+    const __m256 quads = _mm256_hadd_ps(pairs, pairs);
+    out[i] = _mm_cvtss_f32(_mm_add_ps(_mm256_castps256_ps128(quads), _mm256_extractf128_ps(quads, 1)));
+  }
+}
+#else
+template <int N>
+inline void sums_of(const Vec* v, float* out) {
+  for (int i = 0; i < N; ++i) out[i] = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, v[i]);
+}
+#endif
 
 #if defined(CPU_CAPABILITY_AVX512)
 // 2^f for f in [-0.5, 0.5] as a polynomial: degree 6 Taylor in f ln2 (~1e-7 relative, as fp32 needs), or a

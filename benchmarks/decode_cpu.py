@@ -1,0 +1,135 @@
+"""The fused CPU paged decode attention alone: batchgen's op against torch's path (``paged_decode``: K/V gathered
+into a padded batch, SDPA with a mask) and, with ``--baseline REF``, against the op as it was at a git revision.
+
+Prints milliseconds per call (medians of ``--repeats`` runs, the variants interleaved run by run, so a shared
+machine's load falls on all of them alike) and GFLOP/s (QK^T and PV: 4 B Hq context D), for each batch and
+context, every row at the same context, the rows' blocks shuffled through the cache. The baseline's sources
+(``decode.cpp``, ``paged.h``, ``vec.h`` at REF) are built once under another op namespace into the batchgen
+cache; nothing of it is kept in the tree.
+
+    python benchmarks/decode_cpu.py                                      # B 1 8 64, context 128 512 2048
+    python benchmarks/decode_cpu.py --baseline main --threads 1 --repeats 15
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+from attention_cpu import add_timing_args, timing_clock
+
+from batchgen.engine.backends.cpu import build
+from batchgen.engine.backends.cpu.features import cpu_features
+from batchgen.engine.backends.cpu.ops import SPLIT_KEYS
+from batchgen.engine.backends.torch.attention import paged_decode
+
+BLOCK = 16
+CSRC = "batchgen/engine/backends/cpu/csrc"
+BASELINE_SOURCES = ("decode.cpp", "paged.h", "vec.h")
+
+
+def case(batch: int, context: int, kv_heads: int, group: int, head_dim: int, dtype: torch.dtype):
+    """q (B, Hq, D) as a view of a fused qkv, shuffled paged caches, block tables and context lengths."""
+    gen = torch.Generator().manual_seed(0)
+    heads = kv_heads * group
+    qkv = torch.randn(batch, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
+    q = qkv[:, :heads * head_dim].view(batch, heads, head_dim)
+    per_row = -(-context // BLOCK)
+    k_cache, v_cache = (torch.randn(batch * per_row, BLOCK, kv_heads, head_dim, generator=gen).to(dtype)
+                        for _ in range(2))
+    tables = torch.randperm(batch * per_row, generator=gen).to(torch.int32).view(batch, per_row)
+    return q, k_cache, v_cache, tables, torch.full((batch,), context, dtype=torch.int32)
+
+
+def load_baseline(ref: str) -> str:
+    """Builds the decode op of git revision ``ref`` as ``torch.ops.batchgen_cpu_<sha>``; returns that namespace."""
+    root = Path(__file__).resolve().parents[1]
+    sha = subprocess.run(["git", "-C", str(root), "rev-parse", "--short=12", ref], check=True, capture_output=True,
+                         text=True).stdout.strip()
+    namespace = f"batchgen_cpu_{sha}"
+    from batchgen.engine.loading.hub import cache_dir
+
+    folder = cache_dir() / "cpu" / f"baseline-{sha}"
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in BASELINE_SOURCES:
+        text = subprocess.run(["git", "-C", str(root), "show", f"{sha}:{CSRC}/{name}"], check=True,
+                              capture_output=True, text=True).stdout
+        (folder / name).write_text(text.replace("batchgen_cpu", namespace))
+    from torch.utils import cpp_extension
+
+    features = cpu_features()
+    with build._ninja_on_path():
+        cpp_extension.load(name=namespace, sources=[str(folder / "decode.cpp")],
+                           extra_cflags=[*build.COMMON_FLAGS, *build.ISA_FLAGS[features.isa]],
+                           extra_ldflags=["-fopenmp"], build_directory=str(folder), is_python_module=False)
+    return namespace
+
+
+def op_call(namespace: str, q, k_cache, v_cache, tables, context_lens, scale: float):
+    """A call of ``torch.ops.<namespace>.paged_decode_attention`` into an output allocated here, once."""
+    op, out = getattr(torch.ops, namespace).paged_decode_attention, torch.empty_like(q)
+    return lambda: op(q, k_cache, v_cache, tables, context_lens, scale, 0, 0.0, SPLIT_KEYS, out)
+
+
+def interleaved_medians(fns: dict, repeats: int, clock=time.perf_counter) -> dict[str, float]:
+    """Seconds per call of each function, median of ``repeats`` rounds that run each once, in turn; the order
+    turns round by round, so no function always follows the same other one (whose data filled the caches)."""
+    for fn in fns.values():
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    names = list(fns)
+    for r in range(repeats):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            start = clock()
+            fns[name]()
+            times[name].append(clock() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
+    ap.add_argument("--contexts", type=int, nargs="+", default=[128, 512, 2048])
+    ap.add_argument("--kv-heads", type=int, default=3)
+    ap.add_argument("--group", type=int, default=3, help="query heads per KV head")
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--baseline", default=None, help="a git revision whose decode op to time too (e.g. main)")
+    ap.add_argument("--no-torch", action="store_true", help="leave torch's path out")
+    add_timing_args(ap)
+    args = ap.parse_args()
+    clock = timing_clock(args)
+    if not build.load_kernels():
+        raise SystemExit("the fused CPU kernels could not be built here (see the warning above)")
+    baseline = load_baseline(args.baseline) if args.baseline else None
+    dtype = getattr(torch, args.dtype)
+    amx = "amx_bf16" in Path("/proc/cpuinfo").read_text()
+    print(f"CPU: {cpu_features().describe()}; get_cpu_capability() {torch.backends.cpu.get_cpu_capability()}; "
+          f"amx_bf16 {'yes' if amx else 'no'}; threads {torch.get_num_threads()}; torch {torch.__version__}; "
+          f"{args.dtype}, KV heads {args.kv_heads}, group {args.group}, head dim {args.head_dim}; "
+          f"{'thread' if args.thread_time else 'wall'} time; load average {Path('/proc/loadavg').read_text()[:14]}")
+    names = (["torch"] if not args.no_torch else []) + (["baseline"] if baseline else []) + ["fused"]
+    print(f"{'B':>4} {'context':>8} " + " ".join(f"{n + ' ms':>12} {n + ' GF/s':>12}" for n in names)
+          + (f" {'fused/baseline':>15}" if baseline else ""))
+    scale = args.head_dim ** -0.5
+    for context in args.contexts:
+        for batch in args.batches:
+            q, k, v, tables, ctx = case(batch, context, args.kv_heads, args.group, args.head_dim, dtype)
+            # Both ops write into a tensor made once (the wrapper's allocation would cost the fused op alone).
+            fns = {name: op_call(namespace, q, k, v, tables, ctx, scale)
+                   for name, namespace in (("fused", "batchgen_cpu"), ("baseline", baseline)) if namespace}
+            if not args.no_torch:
+                fns["torch"] = lambda: paged_decode(q, k, v, tables, ctx, context, scale)
+            seconds = interleaved_medians(fns, args.repeats, clock)
+            flops = 4 * batch * q.shape[1] * context * args.head_dim
+            row = " ".join(f"{seconds[n] * 1e3:>12.3f} {flops / seconds[n] / 1e9:>12.1f}" for n in names)
+            ratio = f" {seconds['baseline'] / seconds['fused']:>15.2f}" if baseline else ""
+            print(f"{batch:>4} {context:>8} {row}{ratio}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
