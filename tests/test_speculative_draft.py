@@ -232,7 +232,7 @@ def test_probes_bring_drafting_back_after_one_slow_verification(tiny_model, monk
             speculator.cost.observe(1, 0.01)
         speculator.cost.observe(5, 5.0)  # the busy machine's verification
         # This machine's own timings would be noise: every decode step costs 10 ms and 0.1 ms per token.
-        monkeypatch.setattr(speculator, "step_done", lambda prefill, tokens, seconds: prefill or
+        monkeypatch.setattr(speculator, "step_done", lambda prefill, tokens, seconds, verifying=False: prefill or
                             speculator.cost.observe(tokens, 0.01 + 1e-4 * tokens))
         outs = run(llm, speculator, prompts, params)
         figures = llm.metrics()["speculative"]["ngram"]

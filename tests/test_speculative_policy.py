@@ -121,3 +121,28 @@ def test_ngram_matches_the_spelled_out_rule():
         assert proposer.propose(0, tokens, 5) == naive_lookup(tokens, 2, 4, 5), tokens
     assert proposer.propose(0, [1, 2, 3, 9, 1, 2, 3, 7, 1, 2, 3], 3) == [9, 1, 2]  # earliest of the longest
     assert proposer.propose(0, [1, 2, 3, 4], 3) == []
+
+
+def test_the_fit_separates_what_verifying_costs_beyond_its_tokens():
+    """Verifying steps that cost 8 ms more than decode steps of as many tokens: the fit finds the 8 ms, and
+    the drafts that a fit without it would hand out do not pay once it is counted."""
+    model = StepCostModel()
+    for _ in range(3):
+        for n in (8, 6, 4):
+            model.observe(n, 0.010 + 0.001 * n)
+        for n in (12, 20, 28, 40):
+            model.observe(n, 0.018 + 0.001 * n, verifying=True)
+    a, b = model.coefficients()
+    assert a == pytest.approx(0.010, rel=0.1) and b == pytest.approx(0.001, rel=0.1)
+    assert model.verify_overhead() == pytest.approx(0.008, rel=0.25)  # the ridge prior shrinks it a little
+    rates, caps = [0.6] * 8, [4] * 8
+    assert any(choose_draft_lengths(rates, caps, a, b))
+    assert choose_draft_lengths(rates, caps, a, b, verify_s=model.verify_overhead()) == [0] * 8
+    assert any(choose_draft_lengths([0.95] * 8, caps, a, b, verify_s=model.verify_overhead()))  # it still pays here
+
+
+def test_no_verifying_step_means_no_overhead():
+    model = StepCostModel()
+    for n in (1, 2, 4, 8):
+        model.observe(n, 0.010 + 0.001 * n)
+    assert model.verify_overhead() == 0.0

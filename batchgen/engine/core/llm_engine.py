@@ -371,7 +371,7 @@ class LLMEngine:
         if self.speculator is not None:
             # A grammar row's masks are computed per verified position: drafting pays for them too.
             self.speculator.step_done(record.prefill_tokens, record.num_tokens,
-                                      elapsed + launched.host_s + launched.mask_s)
+                                      elapsed + launched.host_s + launched.mask_s, record.spec_draft_rows > 0)
             self.metrics.spec_policy = self.speculator.figures()
         for listener in self.step_listeners:
             listener(record)

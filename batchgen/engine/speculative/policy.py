@@ -1,8 +1,11 @@
 """The cost model that decides, per step and sequence, how many draft tokens to verify (0 .. num_speculative_tokens).
 
-A step's time is fitted as ``a + b * tokens`` from the engine's own decode steps: at small batches ``a``
-(reading the weights) dominates and extra query positions are nearly free; at large batches the step is
-compute-bound and every extra position costs about as much as a plain decode token. A sequence's draft
+A step's time is fitted as ``a + b * tokens`` from the engine's own decode steps, plus ``c`` for a step that
+verifies drafts: at small batches ``a`` (reading the weights) dominates and extra query positions are nearly
+free; at large batches the step is compute-bound and every extra position costs about as much as a plain decode
+token. ``c`` is what turning a decode step into a verifying one costs beyond its tokens (attention over several
+query positions per sequence, the sampler's extra rows, the host work that can no longer overlap the device):
+the first draft of a step pays it. A sequence's draft
 tokens are accepted one after another with probability ``alpha`` (its running estimate), so its j-th draft
 adds ``alpha ** j`` expected tokens for ``b`` more seconds, plus what proposing it costs: the proposer's measured
 seconds per draft step over the batch (a draft model's forward passes; about zero for prompt lookup). Drafts are handed out, best first, while
@@ -29,27 +32,29 @@ MIN_GAIN = 1.03  # drafting must beat plain decode's tokens per second by 3 %: p
 
 @dataclass
 class StepCostModel:
-    """Ridge regression of step seconds on tokens computed, over the median of each step size's recent timings
-    (one slow step on a shared machine moves nothing once its size has been timed three times), pulled towards
-    a prior (a0, b0) set from the first step. The prior is a penalty on the coefficients, not pseudo-steps: with
-    steps of one size only, the slope stays the prior's; two sizes fix it."""
+    """Ridge regression of step seconds on tokens computed and whether the step verified drafts, over the
+    median of each (kind, size)'s recent timings (one slow step on a shared machine moves nothing once its size
+    has been timed three times), pulled towards a prior (a0, b0, c = 0) set from the first step. The prior is a
+    penalty on the coefficients, not pseudo-steps: with steps of one size only, the slope stays the prior's;
+    two sizes fix it."""
 
     knee_tokens: float = PRIOR_KNEE_TOKENS
     prior_weight: float = PRIOR_WEIGHT
     window: int = SIZE_WINDOW
-    _timings: dict[int, deque[float]] = field(default_factory=dict)  # step size -> its latest seconds
+    _timings: dict[tuple[bool, int], deque[float]] = field(default_factory=dict)  # (verifying, size) -> seconds
     _prior: tuple[float, float, float] | None = None  # a0, b0, the first step's tokens
-    _fit: tuple[float, float] | None = None  # cached until the next observation
+    _fit: tuple[float, float, float] | None = None  # a, b, c; cached until the next observation
 
-    def observe(self, tokens: int, seconds: float) -> None:
+    def observe(self, tokens: int, seconds: float, verifying: bool = False) -> None:
         if tokens <= 0 or seconds <= 0:
             return
         if self._prior is None:
             a0 = seconds / (1 + tokens / self.knee_tokens)
             self._prior = (a0, a0 / self.knee_tokens, float(tokens))
-        if tokens not in self._timings and len(self._timings) >= MAX_STEP_SIZES:
-            del self._timings[min(self._timings, key=lambda n: len(self._timings[n]))]  # the least timed size
-        self._timings.setdefault(tokens, deque(maxlen=self.window)).append(seconds)
+        key = (verifying, tokens)
+        if key not in self._timings and len(self._timings) >= MAX_STEP_SIZES:
+            del self._timings[min(self._timings, key=lambda k: len(self._timings[k]))]  # the least timed size
+        self._timings.setdefault(key, deque(maxlen=self.window)).append(seconds)
         self._fit = None
 
     @property
@@ -58,22 +63,40 @@ class StepCostModel:
 
     def coefficients(self) -> tuple[float, float]:
         """(a seconds, b seconds per token); before any step, the prior's shape at a = 1."""
+        return self._coefficients()[:2]
+
+    def verify_overhead(self) -> float:
+        """c: the seconds a verifying step takes beyond a decode step of as many tokens (0 before any data)."""
+        return self._coefficients()[2]
+
+    def _coefficients(self) -> tuple[float, float, float]:
         if self._prior is None:
-            return 1.0, 1.0 / self.knee_tokens
+            return 1.0, 1.0 / self.knee_tokens, 0.0
         if self._fit is None:
             self._fit = self._solve()
         return self._fit
 
-    def _solve(self) -> tuple[float, float]:
+    def _solve(self) -> tuple[float, float, float]:
         a0, b0, scale = self._prior
-        la, lb = self.prior_weight, self.prior_weight * scale ** 2
-        w = sx = sy = sxx = sxy = 0.0
-        for x, times in self._timings.items():
-            n, y = len(times), statistics.median(times)
-            w, sx, sy, sxx, sxy = w + n, sx + n * x, sy + n * y, sxx + n * x * x, sxy + n * x * y
-        # Normal equations of sum n (y - a - b x)^2 + la (a - a0)^2 + lb (b - b0)^2.
-        m00, m01, m11 = w + la, sx, sxx + lb
-        r0, r1 = sy + la * a0, sxy + lb * b0
+        la, lb, lc = self.prior_weight, self.prior_weight * scale ** 2, self.prior_weight
+        # Normal equations of sum n (y - a - b x - c v)^2 + la (a - a0)^2 + lb (b - b0)^2 + lc c^2.
+        m = [[la, 0.0, 0.0], [0.0, lb, 0.0], [0.0, 0.0, lc]]
+        r = [la * a0, lb * b0, 0.0]
+        for (verifying, x), times in self._timings.items():
+            n, y, f = len(times), statistics.median(times), (1.0, float(x), float(verifying))
+            for i in range(3):
+                r[i] += n * f[i] * y
+                for j in range(3):
+                    m[i][j] += n * f[i] * f[j]
+        a, b, c = _solve3(m, r)
+        if a >= 0 and b >= 0 and c >= 0:
+            return a, b, c
+        return (*self._solve_without_overhead(m, r), 0.0)
+
+    @staticmethod
+    def _solve_without_overhead(m: list[list[float]], r: list[float]) -> tuple[float, float]:
+        """The fit with c = 0 (a verification costing no more than its tokens), a and b kept >= 0."""
+        m00, m01, m11, r0, r1 = m[0][0], m[0][1], m[1][1], r[0], r[1]
         det = m00 * m11 - m01 * m01
         a, b = (r0 * m11 - m01 * r1) / det, (m00 * r1 - m01 * r0) / det
         if b < 0:
@@ -81,6 +104,17 @@ class StepCostModel:
         if a < 0:
             return 0.0, r1 / m11
         return a, b
+
+
+def _solve3(m: list[list[float]], r: list[float]) -> tuple[float, float, float]:
+    """x with m x = r for a symmetric positive definite 3 x 3 m (Cramer's rule)."""
+    def det(q: list[list[float]]) -> float:
+        return (q[0][0] * (q[1][1] * q[2][2] - q[1][2] * q[2][1]) - q[0][1] * (q[1][0] * q[2][2] - q[1][2] * q[2][0])
+                + q[0][2] * (q[1][0] * q[2][1] - q[1][1] * q[2][0]))
+
+    d = det(m)
+    return tuple(det([[r[i] if j == col else m[i][j] for j in range(3)] for i in range(3)]) / d
+                 for col in range(3))
 
 
 @dataclass
@@ -169,21 +203,23 @@ class DraftCost:
 
 
 def choose_draft_lengths(rates: list[float], caps: list[int], a: float, b: float,
-                         draft_s: float = 0.0) -> list[int]:
+                         draft_s: float = 0.0, verify_s: float = 0.0) -> list[int]:
     """Draft tokens per decoding sequence that maximise expected tokens per second for a step of
     ``len(rates)`` decodes costing ``a + b * tokens``, each draft token also costing ``draft_s`` seconds to
-    propose; all zeros where no draft pays (compute-bound steps, slow proposers)."""
+    propose and the step ``verify_s`` more once it verifies any; all zeros where no draft pays (compute-bound
+    steps, slow proposers, costly verification)."""
     ks = [0] * len(rates)
     per_draft = b + draft_s
     expected, seconds = float(len(rates)), a + b * len(rates)
     if seconds <= 0:  # no decoding sequence, or no measured cost to weigh drafts against
         return ks
     plain = expected / seconds
+    seconds += verify_s  # the plan below is a verifying step's
     heap = [(-r, i) for i, (r, cap) in enumerate(zip(rates, caps)) if cap > 0 and r > 0]
     heapq.heapify(heap)
     while heap:
         gain, i = -heap[0][0], heap[0][1]
-        if (expected + gain) * seconds <= expected * (seconds + per_draft):  # (E + g) / (T + c) <= E / T
+        if any(ks) and (expected + gain) * seconds <= expected * (seconds + per_draft):  # (E + g) / (T + c) <= E / T
             break
         heapq.heappop(heap)
         ks[i] += 1

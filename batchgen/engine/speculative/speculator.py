@@ -141,7 +141,8 @@ class Speculator:
         decoding = [s for s in running if s.status == SequenceStatus.RUNNING and s.num_computed_tokens == s.num_tokens - 1]
         a, b = self.cost.coefficients()
         rates, caps = [self.acceptance.rate(s.seq_id) for s in decoding], [self._cap(s) for s in decoding]
-        ks = choose_draft_lengths(rates, caps, a, b, self.draft_cost.per_token(len(decoding)))
+        ks = choose_draft_lengths(rates, caps, a, b, self.draft_cost.per_token(len(decoding)),
+                                  self.cost.verify_overhead())
         c = self.counts
         if any(ks):
             self.probes.drafted()
@@ -196,10 +197,10 @@ class Speculator:
         counts, self.counts = self.counts, SpecCounts()
         return counts.as_dict()
 
-    def step_done(self, prefill_tokens: int, tokens: int, seconds: float) -> None:
+    def step_done(self, prefill_tokens: int, tokens: int, seconds: float, verifying: bool = False) -> None:
         """Fits the cost model on steps that computed no prompt tokens (decodes and verifications)."""
         if prefill_tokens == 0:
-            self.cost.observe(tokens, seconds)
+            self.cost.observe(tokens, seconds, verifying)
 
     def close(self) -> None:
         """Stops what the proposer runs (a draft model's engine)."""
@@ -212,5 +213,6 @@ class Speculator:
         a, b = self.cost.coefficients()
         return {"cost_fitted": self.cost.fitted, "cost_base_ms": round(a * 1e3, 4),
                 "cost_ms_per_token": round(b * 1e3, 5),
+                "cost_verify_ms": round(self.cost.verify_overhead() * 1e3, 4),
                 "draft_ms_per_step": round(self.draft_cost.seconds_per_step * 1e3, 5),
                 "method_acceptance_rate": round(self.acceptance.method_rate, 4)}

@@ -2,9 +2,11 @@
 that run steps of a few rows through the fused small-row op.
 
 torch's CPU linear reorders a bf16 weight on every call; packing it once measured 1.0-1.3x in prefill-sized
-matmuls and 1.3-2.7x in decode-sized ones with AMX. For fp32, prepacking gained nothing, but at a few rows a
-BLAS GEMM's per-call packing costs as much as the multiply, while the step is bound by streaming the weight:
-``small_linear`` streams it once (1.1-1.9x at 1-8 rows on AVX2), and leaves the weight as it is.
+matmuls and 1.3-2.7x in decode-sized ones with AMX. For fp32, prepacking gained nothing, but a step of a few
+rows is bound by streaming the weight, and ``F.linear`` streams it at well under the memory's rate there (on
+AVX2 with 2 threads: one row on one thread; 2 rows take twice one row's time). ``small_linear`` streams it once
+for up to 64 rows, on every thread (1.05-4x ``F.linear`` at 1-64 rows, benchmarks/small_linear_cpu.py), and
+leaves the weight as it is.
 """
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ class PrepackedLinear(nn.Module):
         return out.view(*x.shape[:-1], self.out_features)
 
 
-SMALL_ROWS = 16  # rows up to which fp32 layers run the small-row op (measured 1.1x F.linear at 16 on AVX2)
+SMALL_ROWS = 64  # rows up to which fp32 layers run the small-row op (1.05-4x F.linear at 1-64 rows, AVX2, 2 threads)
 
 
 class SmallRowsLinear(nn.Module):
