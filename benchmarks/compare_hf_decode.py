@@ -22,7 +22,7 @@ import torch
 from batchgen.engine import LLM, SamplingParams
 from batchgen.engine.loading.hub import resolve_model_path
 from compare_hf import hf_model
-from decode_workload import (amx_bf16_in_cpuinfo, decode_flops_per_token, linear_weights, random_prompts,
+from decode_workload import (amx_bf16_in_cpuinfo, decode_flops_per_token, linear_shapes, random_prompts,
                              rows_matmul_rate)
 
 
@@ -86,8 +86,8 @@ def main() -> None:
     path = resolve_model_path(args.model)
     probe = LLM(path, dtype=args.dtype, device="cpu", max_num_seqs=1, kv_cache_memory=64 << 20)
     dtype = probe.config.dtype_choice
-    weights = linear_weights(probe)
-    flops_per_token = decode_flops_per_token(weights)
+    shapes = linear_shapes(probe)
+    flops_per_token = decode_flops_per_token(shapes)
     hf = hf_model(path, dtype.torch_dtype)
     vocab = probe.tokenizer.vocab_size
     del probe
@@ -109,7 +109,7 @@ def main() -> None:
         agree = sum(a == b for a, b in zip(ours_tokens, hf_tokens))
         del llm
         decoded = count * (args.new_tokens - 1)
-        rate = rows_matmul_rate(weights, batch, dtype.torch_dtype)
+        rate = rows_matmul_rate(shapes, batch, dtype.torch_dtype)
         roof = rate / flops_per_token
         hf_dec = decoded / (hf_full - hf_prefill)
         rows.append(dict(batch=batch, prompts=count, batchgen_decode_tok_s=round(ours_dec, 1),

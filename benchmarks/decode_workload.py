@@ -8,6 +8,8 @@ import time
 
 import torch
 from batchgen.engine import LLM
+from batchgen.engine.backends.cpu.build import load_kernels
+from batchgen.engine.backends.cpu.prepack import SMALL_ROWS, PrepackedLinear, SmallRowsLinear
 from batchgen.engine.layers.linear import LinearBase, ParallelLMHead
 
 
@@ -17,35 +19,42 @@ def random_prompts(vocab_size: int, count: int, length: int, seed: int = 0) -> l
     return torch.randint(3, vocab_size, (count, length), generator=gen).tolist()
 
 
-def linear_weights(llm: LLM) -> list[torch.Tensor]:
-    """The weights of the model's linear layers and its lm_head, before any prepacking (a tied lm_head once)."""
+def linear_shapes(llm: LLM) -> list[tuple[int, int]]:
+    """(out, in) of the model's linear layers and its lm_head (a tied lm_head once), also where the CPU kernel
+    set replaced them (prepacked bf16, small-row fp32)."""
     model = llm.engine.executor.runner.model
-    return [m.weight for m in model.modules() if isinstance(m, (LinearBase, ParallelLMHead)) and m.weight.dim() == 2]
+    ours = (LinearBase, ParallelLMHead, PrepackedLinear, SmallRowsLinear)
+    return [(m.out_features, m.in_features) if not hasattr(m, "weight") else tuple(m.weight.shape)
+            for m in model.modules() if isinstance(m, ours) and (not hasattr(m, "weight") or m.weight.dim() == 2)]
 
 
-def rows_matmul_rate(weights: list[torch.Tensor], rows: int, dtype: torch.dtype, seconds: float = 1.0) -> float:
+def rows_matmul_rate(shapes: list[tuple[int, int]], rows: int, dtype: torch.dtype, seconds: float = 1.0) -> float:
     """FLOP/s of ``x @ W^T`` with ``rows`` rows over the model's distinct linear shapes, weighted as the
-    model runs them (each layer once): the rate a decode step of ``rows`` sequences could reach."""
-    shapes = [tuple(w.shape) for w in weights]
+    model runs them (each layer once): the rate a decode step of ``rows`` sequences could reach, by the faster
+    of ``F.linear`` and, where the engine would use it, the fused small-row op."""
     mats = {s: torch.randn(*s).to(dtype) for s in set(shapes)}
     inputs = {s: torch.randn(rows, s[1]).to(dtype) for s in set(shapes)}
     flops = sum(2 * rows * n * k for n, k in shapes)
+    paths = [lambda s: torch.nn.functional.linear(inputs[s], mats[s])]
+    if dtype == torch.float32 and rows <= SMALL_ROWS and load_kernels():
+        outs = {s: torch.empty(rows, s[0]) for s in set(shapes)}
+        paths.append(lambda s: torch.ops.batchgen_cpu.small_linear(inputs[s], mats[s], None, outs[s]))
 
-    def one_pass() -> None:
-        for s in shapes:
-            torch.nn.functional.linear(inputs[s], mats[s])
+    def rate(path) -> float:
+        path(shapes[0])
+        passes, start = 0, time.perf_counter()
+        while passes < 3 or time.perf_counter() - start < seconds:
+            for s in shapes:
+                path(s)
+            passes += 1
+        return flops * passes / (time.perf_counter() - start)
 
-    one_pass()
-    passes, start = 0, time.perf_counter()
-    while passes < 3 or time.perf_counter() - start < seconds:
-        one_pass()
-        passes += 1
-    return flops * passes / (time.perf_counter() - start)
+    return max(rate(path) for path in paths)
 
 
-def decode_flops_per_token(weights: list[torch.Tensor]) -> int:
+def decode_flops_per_token(shapes: list[tuple[int, int]]) -> int:
     """Linear-layer FLOPs of one decoded token (lm_head included: every decode row samples)."""
-    return sum(2 * n * k for n, k in (w.shape for w in weights))
+    return sum(2 * n * k for n, k in shapes)
 
 
 def amx_bf16_in_cpuinfo() -> bool:

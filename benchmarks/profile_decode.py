@@ -21,7 +21,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from batchgen.engine import LLM, SamplingParams
 from batchgen.engine.loading.hub import resolve_model_path
-from decode_workload import decode_flops_per_token, linear_weights, random_prompts, rows_matmul_rate
+from decode_workload import decode_flops_per_token, linear_shapes, random_prompts, rows_matmul_rate
 
 # Profiler op names -> kind of work; the first pattern an op's name contains wins, unmatched aten ops are "other ops".
 KINDS = (
@@ -83,10 +83,10 @@ def main() -> None:
     by_kind["host (Python, no op)"] = max(0.0, decode_s - sum(by_kind.values()))
 
     dtype = llm.config.dtype_choice
-    weights = linear_weights(llm)
-    rate = rows_matmul_rate(weights, args.batch, dtype.torch_dtype)
+    shapes = linear_shapes(llm)
+    rate = rows_matmul_rate(shapes, args.batch, dtype.torch_dtype)
     tokens = args.batch * args.steps
-    linear = decode_flops_per_token(weights) * tokens
+    linear = decode_flops_per_token(shapes) * tokens
     print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}, threads {torch.get_num_threads()}, "
           f"dtype {dtype.name}, attention backend {llm.engine.executor.runner.kernels.attention.name}; "
           f"{args.batch} prompts of {args.prompt_len} tokens, {args.steps} decode steps")

@@ -146,3 +146,17 @@ def test_no_verifying_step_means_no_overhead():
     for n in (1, 2, 4, 8):
         model.observe(n, 0.010 + 0.001 * n)
     assert model.verify_overhead() == 0.0
+
+
+def test_drafts_a_proposer_does_not_deliver_stop_being_planned():
+    """Prompt lookup finds nothing for some sequences: their planned drafts never come, and a verifying step
+    planned for them would pay for nothing, so their expected gain shrinks with what was delivered."""
+    tracker = AcceptanceTracker()
+    for _ in range(10):
+        tracker.offered(1, 4, 0)
+        tracker.offered(2, 4, 4)
+    assert tracker.supply(1) < 0.2 and tracker.supply(2) == 1.0
+    supplies = [tracker.supply(1), tracker.supply(2)]
+    assert choose_draft_lengths([0.8, 0.8], [4, 4], 0.010, 0.002) == [3, 3]  # both, were every draft delivered
+    ks = choose_draft_lengths([0.8, 0.8], [4, 4], 0.010, 0.002, supplies=supplies)
+    assert ks[0] == 0 and ks[1] > 0

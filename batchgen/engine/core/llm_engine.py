@@ -209,7 +209,9 @@ class LLMEngine:
         """Writes the replicas' steps down, advances their sequences' computed tokens and submits the step."""
         mask_start = time.perf_counter()
         bitmasks = [self._token_bitmask(step.seqs) for step in steps]
-        mask_s = time.perf_counter() - mask_start
+        launch_mask_s = time.perf_counter() - mask_start
+        # The drafted positions' masks were computed while proposing (before ``start``): they count as masks.
+        mask_s = launch_mask_s + (self.speculator.take_mask_seconds() if self.speculator is not None else 0.0)
         inputs = self._step_inputs(steps, bitmasks)
         if self.prefix_tiers is not None:
             for step, step_input in zip(steps, inputs):
@@ -222,7 +224,7 @@ class LLMEngine:
             s.seq.num_computed_tokens += s.num_new_tokens
         submitted_at = time.perf_counter()
         return InFlightStep(steps, inputs, self.executor.submit(inputs), submitted_at,
-                            host_s=submitted_at - start - mask_s, mask_s=mask_s, prefill_tokens=prefill)
+                            host_s=submitted_at - start - launch_mask_s, mask_s=mask_s, prefill_tokens=prefill)
 
     def _defer_sampled_tokens(self, launched: "InFlightStep") -> None:
         """Gives each sequence sampled in the launched step a placeholder for its token until it arrives."""

@@ -156,6 +156,7 @@ class AcceptanceTracker:
     accepted: float = 0.0
     trials: float = 0.0
     _seqs: dict[int, tuple[float, float]] = field(default_factory=dict)
+    _supply: dict[int, tuple[float, float]] = field(default_factory=dict)  # drafts given, drafts planned
 
     def observe(self, seq_id: int, proposed: int, accepted: int) -> None:
         if proposed <= 0:
@@ -174,8 +175,21 @@ class AcceptanceTracker:
         s, n = self._seqs.get(seq_id, (0.0, 0.0))
         return min(0.99, (s + self.method_rate * SEQ_PRIOR_TRIALS) / (n + SEQ_PRIOR_TRIALS))
 
+    def offered(self, seq_id: int, planned: int, proposed: int) -> None:
+        """The proposer gave ``proposed`` of the ``planned`` drafts (prompt lookup finds no match at times)."""
+        if planned <= 0:
+            return
+        s, n = self._supply.get(seq_id, (0.0, 0.0))
+        self._supply[seq_id] = (s * SEQ_DECAY + min(proposed, planned), n * SEQ_DECAY + planned)
+
+    def supply(self, seq_id: int) -> float:
+        """The share of planned drafts the proposer is expected to give the sequence (1 before any plan)."""
+        s, n = self._supply.get(seq_id, (0.0, 0.0))
+        return (s + SEQ_PRIOR_TRIALS) / (n + SEQ_PRIOR_TRIALS)
+
     def drop(self, seq_id: int) -> None:
         self._seqs.pop(seq_id, None)
+        self._supply.pop(seq_id, None)
 
 
 @dataclass
@@ -203,11 +217,13 @@ class DraftCost:
 
 
 def choose_draft_lengths(rates: list[float], caps: list[int], a: float, b: float,
-                         draft_s: float = 0.0, verify_s: float = 0.0) -> list[int]:
+                         draft_s: float = 0.0, verify_s: float = 0.0,
+                         supplies: list[float] | None = None) -> list[int]:
     """Draft tokens per decoding sequence that maximise expected tokens per second for a step of
     ``len(rates)`` decodes costing ``a + b * tokens``, each draft token also costing ``draft_s`` seconds to
     propose and the step ``verify_s`` more once it verifies any; all zeros where no draft pays (compute-bound
-    steps, slow proposers, costly verification)."""
+    steps, slow proposers, costly verification). ``supplies[i]`` (default 1) scales sequence i's expected
+    gains: the share of its planned drafts its proposer is expected to deliver."""
     ks = [0] * len(rates)
     per_draft = b + draft_s
     expected, seconds = float(len(rates)), a + b * len(rates)
@@ -215,7 +231,9 @@ def choose_draft_lengths(rates: list[float], caps: list[int], a: float, b: float
         return ks
     plain = expected / seconds
     seconds += verify_s  # the plan below is a verifying step's
-    heap = [(-r, i) for i, (r, cap) in enumerate(zip(rates, caps)) if cap > 0 and r > 0]
+    supplies = supplies if supplies is not None else [1.0] * len(rates)
+    heap = [(-r * w, i) for i, (r, cap, w) in enumerate(zip(rates, caps, supplies, strict=True))
+            if cap > 0 and r > 0 and w > 0]
     heapq.heapify(heap)
     while heap:
         gain, i = -heap[0][0], heap[0][1]

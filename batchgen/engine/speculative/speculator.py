@@ -92,6 +92,7 @@ class Speculator:
         self.probes = ProbeSchedule()
         self._plan: dict[int, int] = {}
         self.grammar_masks: dict[int, torch.Tensor] = {}  # the latest proposals' masks, by seq_id (see propose)
+        self._mask_s = 0.0  # seconds spent computing them, not yet handed to a step (take_mask_seconds)
         self.counts = SpecCounts()
         self.draft_probs: dict[int, Any] = {}  # the latest drafts' distributions, by seq_id, where sampled
 
@@ -142,7 +143,7 @@ class Speculator:
         a, b = self.cost.coefficients()
         rates, caps = [self.acceptance.rate(s.seq_id) for s in decoding], [self._cap(s) for s in decoding]
         ks = choose_draft_lengths(rates, caps, a, b, self.draft_cost.per_token(len(decoding)),
-                                  self.cost.verify_overhead())
+                                  self.cost.verify_overhead(), [self.acceptance.supply(s.seq_id) for s in decoding])
         c = self.counts
         if any(ks):
             self.probes.drafted()
@@ -176,15 +177,24 @@ class Speculator:
         for (seq, k), proposed in zip(drafting, batch, strict=True):
             proposed = proposed[:k]
             if proposed and seq.grammar is not None:  # keep what the grammar allows
+                mask_start = time.perf_counter()
                 bits, kept = draft_bitmask_rows(seq.grammar, proposed, self.vocab_size)
+                self._mask_s += time.perf_counter() - mask_start
                 proposed = proposed[:kept]
                 if proposed:
                     self.grammar_masks[seq.seq_id] = bits
+            self.acceptance.offered(seq.seq_id, k, len(proposed))
             if proposed:
                 drafts[seq.seq_id] = proposed
                 if seq.seq_id in sampled:
                     self.draft_probs[seq.seq_id] = sampled[seq.seq_id][:len(proposed)]
         return drafts
+
+    def take_mask_seconds(self) -> float:
+        """The seconds the latest proposals spent on grammar masks (the verifying step's masks: its cost, not the
+        proposer's), handed over once."""
+        seconds, self._mask_s = self._mask_s, 0.0
+        return seconds
 
     def verified(self, seq_id: int, proposed: int, accepted: int) -> None:
         self.acceptance.observe(seq_id, proposed, accepted)
