@@ -9,7 +9,7 @@ import time
 import torch
 from batchgen.engine import LLM
 from batchgen.engine.backends.cpu.build import load_kernels
-from batchgen.engine.backends.cpu.prepack import SMALL_ROWS, PrepackedLinear, SmallRowsLinear
+from batchgen.engine.backends.cpu.prepack import SMALL_ROWS, PrepackedLinear
 from batchgen.engine.layers.linear import LinearBase, ParallelLMHead
 
 
@@ -21,9 +21,9 @@ def random_prompts(vocab_size: int, count: int, length: int, seed: int = 0) -> l
 
 def linear_shapes(llm: LLM) -> list[tuple[int, int]]:
     """(out, in) of the model's linear layers and its lm_head (a tied lm_head once), also where the CPU kernel
-    set replaced them (prepacked bf16, small-row fp32)."""
+    set replaced them by prepacked bf16 layers."""
     model = llm.engine.executor.runner.model
-    ours = (LinearBase, ParallelLMHead, PrepackedLinear, SmallRowsLinear)
+    ours = (LinearBase, ParallelLMHead, PrepackedLinear)
     return [(m.out_features, m.in_features) if not hasattr(m, "weight") else tuple(m.weight.shape)
             for m in model.modules() if isinstance(m, ours) and (not hasattr(m, "weight") or m.weight.dim() == 2)]
 

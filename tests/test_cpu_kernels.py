@@ -301,7 +301,7 @@ def test_other_cpu_kinds(kernels, env, isa, dtypes, auto):
 
 
 def test_prepacked_bf16_linears(kernels, tiny_model):
-    from batchgen.engine.backends.cpu.prepack import PrepackedLinear, SmallRowsLinear, prepack_linears, prepacking_works
+    from batchgen.engine.backends.cpu.prepack import SMALL_ROWS_METHOD, PrepackedLinear, prepack_linears, prepacking_works
     from batchgen.engine.layers.linear import ColumnParallelLinear, ReplicatedLinear
     from batchgen.engine.layers.moe import TopKRouter
 
@@ -315,8 +315,9 @@ def test_prepacked_bf16_linears(kernels, tiny_model):
     bf16_layer, fp32_layer = ReplicatedLinear(8, 8, params_dtype=BF16), ColumnParallelLinear(8, 8)
     router = TopKRouter(8, 4, 2, renormalize=True, params_dtype=BF16)  # its forward also picks experts
     model = torch.nn.Sequential(bf16_layer, fp32_layer, torch.nn.Sequential(torch.nn.Linear(8, 8)), router)
-    assert prepack_linears(model) == 2  # fp32: the small-row layer (prepacking gains nothing there); not our layers
-    assert isinstance(model[0], PrepackedLinear) and isinstance(model[1], SmallRowsLinear) and model[3] is router
+    assert prepack_linears(model) == 2  # fp32: the small-row method (prepacking gains nothing there); not our layers
+    assert isinstance(model[0], PrepackedLinear) and model[1] is fp32_layer and model[3] is router
+    assert fp32_layer.quant_method is SMALL_ROWS_METHOD
     kw = dict(dtype="bfloat16", device="cpu", max_num_batched_tokens=64, kv_cache_memory=8 << 20)
     fused, plain = LLM(str(tiny_model), **kw), LLM(str(tiny_model), attention_backend="torch", **kw)
     assert sum(isinstance(m, PrepackedLinear) for m in model_runner(fused).model.modules()) > 2

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from batchgen.engine.backends.cpu import build
 from batchgen.engine.backends.cpu.features import cpu_features
-from batchgen.engine.backends.cpu.prepack import SMALL_ROWS, SmallRowsLinear, prepack_linears
+from batchgen.engine.backends.cpu.prepack import SMALL_ROWS, SMALL_ROWS_METHOD, prepack_linears
 
 
 @pytest.fixture(scope="module")
@@ -86,20 +86,21 @@ def test_strided_rows_and_bad_input(op):
         small_linear(op, x, weight, torch.randn(19))
 
 
-def test_the_layer_routes_small_steps_to_the_op_and_shares_its_weight(op, monkeypatch):
-    from batchgen.engine.layers.linear import ColumnParallelLinear
+def test_layers_route_small_steps_to_the_op_and_stay_themselves(op, monkeypatch):
+    from batchgen.engine.layers.linear import ColumnParallelLinear, ParallelLMHead
 
     layer = ColumnParallelLinear(40, 24, bias=True)
-    torch.nn.init.normal_(layer.weight)
-    torch.nn.init.normal_(layer.bias)
-    model = torch.nn.Sequential(layer, torch.nn.Linear(8, 8))
-    assert prepack_linears(model) == 1  # our projection; torch's own Linear is not ours to replace
-    small = model[0]
-    assert isinstance(small, SmallRowsLinear) and small.weight.data_ptr() == layer.weight.data_ptr()
+    head = ParallelLMHead(50, 40)
+    for t in (layer.weight, layer.bias, head.weight):
+        torch.nn.init.normal_(t)
+    model = torch.nn.Sequential(layer, head, torch.nn.Linear(8, 8))
+    assert prepack_linears(model) == 2  # our projection and LM head; torch's own Linear is not ours
+    assert model[0] is layer and model[1] is head  # same modules, weights and attributes: only the method changed
+    assert layer.quant_method is SMALL_ROWS_METHOD and head.quant_method is SMALL_ROWS_METHOD
     calls = []
     monkeypatch.setattr(torch.ops.batchgen_cpu, "small_linear", lambda *a: (calls.append(a[0].shape[0]), op(*a)))
     for rows in (1, SMALL_ROWS, SMALL_ROWS + 1):
-        x = torch.randn(rows, 40)
-        torch.testing.assert_close(small(x.view(1, rows, 40)), F.linear(x, layer.weight, layer.bias).view(1, rows, 24),
-                                   rtol=1e-5, atol=1e-4)
-    assert calls == [1, SMALL_ROWS]
+        x = torch.randn(1, rows, 40)
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(head(x), F.linear(x, head.weight), rtol=1e-5, atol=1e-4)
+    assert calls == [1, 1, SMALL_ROWS, SMALL_ROWS]

@@ -330,8 +330,11 @@ class VocabParallelEmbedding(nn.Module):
 
 class ParallelLMHead(VocabParallelEmbedding):
     """Logits over the vocabulary; each rank computes its vocabulary slice and the first rank, which
-    samples, gathers them (the other ranks get their own slice back)."""
+    samples, gathers them (the other ranks get their own slice back). Its ``quant_method`` multiplies, as a
+    linear layer's does (a kernel set may give it another)."""
+
+    quant_method: LinearMethod = UNQUANTIZED
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = self.tp.gather_last_dim(F.linear(x, self.weight))
+        logits = self.tp.gather_last_dim(self.quant_method.apply(self, x, None))
         return logits[..., : self.num_embeddings]

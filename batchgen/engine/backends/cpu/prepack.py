@@ -1,12 +1,12 @@
 """The CPU kernel set's linear layers: bf16 weights prepacked once into oneDNN's blocked layout, and fp32 layers
-that run steps of a few rows through the fused small-row op.
+that multiply steps of a few rows with the fused small-row op.
 
 torch's CPU linear reorders a bf16 weight on every call; packing it once measured 1.0-1.3x in prefill-sized
 matmuls and 1.3-2.7x in decode-sized ones with AMX. For fp32, prepacking gained nothing, but a step of a few
 rows is bound by streaming the weight, and ``F.linear`` streams it at well under the memory's rate there (on
 AVX2 with 2 threads: one row on one thread; 2 rows take twice one row's time). ``small_linear`` streams it once
-for up to 64 rows, on every thread (1.05-4x ``F.linear`` at 1-64 rows, benchmarks/small_linear_cpu.py), and
-leaves the weight as it is.
+for up to 64 rows, on every thread (1.05-4x ``F.linear`` at 1-64 rows, benchmarks/small_linear_cpu.py); the
+layer keeps its weight and only its ``quant_method`` changes.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from batchgen.engine.layers.linear import UNQUANTIZED, LinearBase, ParallelLMHead, RowParallelLinear
+from batchgen.engine.layers.linear import UNQUANTIZED, LinearBase, LinearMethod, ParallelLMHead, RowParallelLinear
 
 log = logging.getLogger(__name__)
 
@@ -41,22 +41,21 @@ class PrepackedLinear(nn.Module):
 SMALL_ROWS = 64  # rows up to which fp32 layers run the small-row op (1.05-4x F.linear at 1-64 rows, AVX2, 2 threads)
 
 
-class SmallRowsLinear(nn.Module):
-    """``y = x W^T (+ b)`` over a layer's own fp32 weight: steps of at most ``SMALL_ROWS`` rows run
-    ``batchgen_cpu.small_linear``, larger ones ``F.linear``. The weight is shared, not copied."""
+class SmallRowsMethod(LinearMethod):
+    """An fp32 layer's multiply on CPU: steps of at most ``SMALL_ROWS`` rows run ``batchgen_cpu.small_linear``,
+    larger ones ``F.linear``. The layer keeps its weight, its type and its attributes; only its method changes."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
-        super().__init__()
-        self.out_features, self.in_features = weight.shape
-        self.weight, self.bias = weight.detach(), None if bias is None else bias.detach()
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        weight = layer.weight
+        rows = x.reshape(-1, weight.shape[1])
+        if rows.shape[0] > SMALL_ROWS or rows.stride(-1) != 1 or x.dtype != torch.float32:
+            return super().apply(layer, x, bias)
+        out = torch.empty(rows.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
+        torch.ops.batchgen_cpu.small_linear(rows, weight, bias, out)
+        return out.view(*x.shape[:-1], weight.shape[0])
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
-        if rows.shape[0] > SMALL_ROWS or rows.stride(-1) != 1:
-            return F.linear(x, self.weight, self.bias)
-        out = torch.empty(rows.shape[0], self.out_features, dtype=x.dtype, device=x.device)
-        torch.ops.batchgen_cpu.small_linear(rows, self.weight, self.bias, out)
-        return out.view(*x.shape[:-1], self.out_features)
+
+SMALL_ROWS_METHOD = SmallRowsMethod()
 
 
 @lru_cache(maxsize=1)
@@ -89,17 +88,20 @@ def plain_projection(module: nn.Module) -> bool:
     return weight.dim() == 2 and weight.device.type == "cpu" and weight.is_contiguous()
 
 
-_REPLACEMENTS = {torch.bfloat16: PrepackedLinear, torch.float32: SmallRowsLinear}
-
-
 def prepack_linears(model: nn.Module) -> int:
-    """Replaces the plain projections of a loaded ``model``: bf16 ones by prepacked layers (where this torch
-    build packs them), fp32 ones by small-row layers; returns how many."""
+    """Readies the plain projections of a loaded ``model``: bf16 ones become prepacked layers (where this torch
+    build packs them), fp32 ones multiply with the small-row method; returns how many."""
     targets = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
-               if plain_projection(child) and child.weight.dtype in _REPLACEMENTS]
-    if any(child.weight.dtype == torch.bfloat16 for _, _, child in targets) and not prepacking_works():
-        targets = [t for t in targets if t[2].weight.dtype != torch.bfloat16]
+               if plain_projection(child) and child.weight.dtype in (torch.bfloat16, torch.float32)]
+    packing = prepacking_works() if any(c.weight.dtype == torch.bfloat16 for _, _, c in targets) else False
+    count = 0
     with torch.inference_mode():
         for parent, name, child in targets:
-            setattr(parent, name, _REPLACEMENTS[child.weight.dtype](child.weight, getattr(child, "bias", None)))
-    return len(targets)
+            if child.weight.dtype == torch.float32:
+                child.quant_method = SMALL_ROWS_METHOD
+            elif packing:
+                setattr(parent, name, PrepackedLinear(child.weight, getattr(child, "bias", None)))
+            else:
+                continue
+            count += 1
+    return count
