@@ -187,6 +187,67 @@ def test_backend_sends_decode_steps_to_the_op_and_others_to_torch(kernels, monke
     assert torch.equal(got, expected)
 
 
+def verify_meta(step: DecodeStep, counts: list[int]) -> AttentionMetadata:
+    """The step's rows as sequences of several new tokens each: sequence i owns the next counts[i] rows of
+    step.q and its context is the context length of its last row (the rows' lengths count up by one)."""
+    assert sum(counts) == len(step.context_lens)
+    ends = torch.tensor(counts).cumsum(0)
+    ctx = [int(step.context_lens[e - 1]) for e in ends]
+    tables = step.tables[ends - 1]
+    cu_q = torch.tensor([0, *ends.tolist()], dtype=torch.int32)
+    cu_k = torch.tensor([0, *torch.tensor(ctx).cumsum(0).tolist()], dtype=torch.int32)
+    return AttentionMetadata(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, context_lens=torch.tensor(ctx, dtype=torch.int32),
+                             max_seqlen_q=max(counts), max_seqlen_k=max(ctx),
+                             slot_mapping=torch.zeros(sum(counts), dtype=torch.int64), block_tables=tables,
+                             query_lens=counts, context_lens_list=ctx)
+
+
+def verify_step(counts: list[int], last_contexts: list[int], window=None, dtype=F32) -> DecodeStep:
+    """Rows whose contexts count up to each sequence's last one, every row of a sequence on one block table."""
+    contexts = [c - n + 1 + j for n, c in zip(counts, last_contexts, strict=True) for j in range(n)]
+    step = decode_step(dtype, 3, 64, contexts=contexts, seed=5)
+    ends = torch.tensor(counts).cumsum(0)
+    tables = step.tables[ends - 1].repeat_interleave(torch.tensor(counts), 0)
+    if window is not None:  # blocks wholly before the first new token's window are freed (the block manager's rule)
+        firsts = [c - n + 1 for n, c in zip(counts, last_contexts)]
+        for row, first in enumerate(torch.tensor(firsts).repeat_interleave(torch.tensor(counts)).tolist()):
+            tables[row, :max(0, first - window) // BLOCK] = -1
+    return DecodeStep(step.q, step.k_cache, step.v_cache, tables, step.context_lens)
+
+
+@pytest.mark.parametrize("window, softcap", [(None, None), (40, 3.0)], ids=["plain", "window+softcap"])
+def test_verification_steps_run_the_decode_op_row_by_row(kernels, window, softcap):
+    """A step of a few new tokens per sequence (a speculative verification, a short prompt: the 5-token one
+    has no cached prefix) runs in the decode op: each row attends causally, and computes bit for bit what a
+    decode step at its position computes."""
+    counts, last = [1, 5, 3, 8, 5], [70, 300, 257, 1000, 5]
+    step = verify_step(counts, last, window)
+    meta = verify_meta(step, counts)
+    got = CpuAttentionBackend().forward(step.q, None, None, step.k_cache, step.v_cache, meta, 0.125,
+                                        sliding_window=window, softcap=softcap)
+    assert torch.equal(got, fused(kernels, step, 0.125, window, softcap))
+    for row in (0, 3, 12, 21):  # one row alone as its own decode step
+        alone = DecodeStep(step.q[row:row + 1], step.k_cache, step.v_cache, step.tables[row:row + 1],
+                           step.context_lens[row:row + 1])
+        assert torch.equal(got[row:row + 1], fused(kernels, alone, 0.125, window, softcap))
+    assert_as_good_as_torch(got, torch_path(step, 0.125, window, softcap),
+                            fp64_decode(step, 0.125, window, softcap), F32)
+
+
+def test_steps_of_more_queries_run_the_prefill_op(kernels, monkeypatch):
+    from batchgen.engine.backends.cpu.attention import MAX_DECODE_QUERIES
+
+    counts = [2, MAX_DECODE_QUERIES + 1]
+    step = verify_step(counts, [50, 90])
+    meta = verify_meta(step, counts)
+    assert ops.usable_dtypes(), "the prefill op does not run here"  # tried once, before it is replaced
+    calls = []
+    monkeypatch.setattr(ops, "varlen_causal_attention", lambda *a, **k: calls.append(a) or torch.zeros(1))
+    monkeypatch.setattr(ops, "paged_decode_attention", lambda *a, **k: pytest.fail("the decode op ran"))
+    CpuAttentionBackend().forward(step.q, None, None, step.k_cache, step.v_cache, meta, 0.125)
+    assert len(calls) == 1
+
+
 # Shapes for the determinism tests: GQA groups, head dims, windows and caps, a long context over many splits.
 STRESS = [(F32, 1, 64, None, None), (F32, 3, 64, 100, None), (F32, 8, 128, None, 4.0), (BF16, 3, 64, None, None),
           (F32, 3, 24, 37, 2.0), (BF16, 5, 72, 21, 3.0), (F32, 7, 20, None, None)]

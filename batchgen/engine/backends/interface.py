@@ -33,6 +33,7 @@ class AttentionMetadata:
     # Triton's decode slots of a mixed step (sequence, query row), built with prefill_work, which then
     # leaves those sequences out; None: the prefill kernel computes every row.
     decode_rows: torch.Tensor | None = None
+    memo: dict[str, Any] = field(default_factory=dict)  # per-step data a backend derives once, for every layer
 
     def __post_init__(self) -> None:
         if self.decode_only is None:

@@ -1,4 +1,5 @@
-"""The CPU attention backend: prefill and mixed steps in the fused C++ op, decode-only steps in the paged decode op."""
+"""The CPU attention backend: steps of a few queries per sequence in the paged decode op, the others in the
+fused varlen prefill op."""
 from __future__ import annotations
 
 import torch
@@ -7,12 +8,21 @@ from batchgen.engine.backends.cpu import ops
 from batchgen.engine.backends.interface import AttentionMetadata
 from batchgen.engine.backends.torch.attention import TorchAttentionBackend
 
+# The most new tokens per sequence a step may have to run in the decode op, one query row at a time: each
+# row reads its context again, which beats the prefill op's one pass up to about 8 rows (verification steps
+# of speculative decoding have num_speculative_tokens + 1).
+MAX_DECODE_QUERIES = 8
+
 
 class CpuAttentionBackend(TorchAttentionBackend):
-    """One fused call per layer for a whole step, keys and values read in place from the paged cache:
-    decode-only steps (sliding windows and soft caps included) in the paged decode op, the others in the
-    varlen prefill op. In prefill, dtypes or head sizes the op does not take, sliding windows (whose freed
-    blocks the op would read) and soft-capped scores go through the torch backend."""
+    """One fused call per layer for a whole step, keys and values read in place from the paged cache.
+
+    Steps of at most ``MAX_DECODE_QUERIES`` new tokens per sequence (decode, and verification) run in the paged
+    decode op, sliding windows and soft caps included: the keys are stored first, and query j of a sequence's
+    n attends to its context less the n - 1 - j tokens after it. So a verified row computes exactly what plain
+    decode computes at its position. The others run in the varlen prefill op; dtypes or head sizes it does
+    not take, sliding windows (whose freed blocks the op would read) and soft-capped scores go through the
+    torch backend."""
 
     name = "cpu"
 
@@ -23,11 +33,25 @@ class CpuAttentionBackend(TorchAttentionBackend):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                 sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
-        if meta.decode_only and q.dtype == k_cache.dtype and ops.supports_decode(q.dtype, q.shape[-1]):
-            return ops.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
-                                              sliding_window, softcap)
+        if (meta.max_seqlen_q <= MAX_DECODE_QUERIES and q.dtype == k_cache.dtype
+                and ops.supports_decode(q.dtype, q.shape[-1])):
+            tables, lens = query_rows(meta)
+            return ops.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, sliding_window, softcap)
         if (meta.decode_only or sliding_window is not None or softcap is not None
                 or not ops.supports_attention(q.dtype, q.shape[-1])):
             return super().forward(q, k, v, k_cache, v_cache, meta, scale, sliding_window, softcap)
         return ops.varlen_causal_attention(q, k, v, k_cache, v_cache, meta.cu_seqlens_q, meta.context_lens,
                                            meta.block_tables, scale)
+
+
+def query_rows(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """The block table and context length of each query row of the step: sequence i's j-th of n new tokens
+    sees its first context_lens[i] - n + 1 + j keys. Built once per step."""
+    if meta.decode_only:
+        return meta.block_tables, meta.context_lens
+    if "query_rows" not in meta.memo:
+        counts = meta.query_lens
+        lens = [c - n + 1 + j for c, n in zip(meta.context_lens_list, counts, strict=True) for j in range(n)]
+        tables = meta.block_tables.repeat_interleave(torch.tensor(counts, device=meta.block_tables.device), dim=0)
+        meta.memo["query_rows"] = tables, torch.tensor(lens, dtype=torch.int32, device=tables.device)
+    return meta.memo["query_rows"]
