@@ -7,7 +7,8 @@ max_num_seqs = batch, HF ``generate`` on batches of that size (equal lengths: no
 dtype (default "auto"). "decode tok/s" leaves prefill out: batchgen's from its decode-only steps' own timers,
 HF's as the difference to a run with 1 token out; "end-to-end" keeps prefill in. The roofline counts the linear layers'
 FLOPs per decoded token (lm_head included) at the rate this machine reaches with ``batch`` rows on the model's
-own shapes. Medians over --repeats. vLLM's CPU build is not compared here (compare_vllm.py, where installed).
+own shapes, and the time to read their weights once per step at this machine's memory bandwidth; the slower of the
+two bounds a step (at small batches the weights' reads). Medians over --repeats. vLLM's CPU build is not compared here (compare_vllm.py, where installed).
 """
 from __future__ import annotations
 
@@ -22,8 +23,7 @@ import torch
 from batchgen.engine import LLM, SamplingParams
 from batchgen.engine.loading.hub import resolve_model_path
 from compare_hf import hf_model
-from decode_workload import (amx_bf16_in_cpuinfo, decode_flops_per_token, linear_shapes, random_prompts,
-                             rows_matmul_rate)
+from decode_workload import amx_bf16_in_cpuinfo, linear_shapes, random_prompts, read_bandwidth, roofline
 
 
 def median_seconds(fn, repeats: int) -> float:
@@ -87,13 +87,14 @@ def main() -> None:
     probe = LLM(path, dtype=args.dtype, device="cpu", max_num_seqs=1, kv_cache_memory=64 << 20)
     dtype = probe.config.dtype_choice
     shapes = linear_shapes(probe)
-    flops_per_token = decode_flops_per_token(shapes)
+    bandwidth = read_bandwidth()
     hf = hf_model(path, dtype.torch_dtype)
     vocab = probe.tokenizer.vocab_size
     del probe
     print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}, amx_bf16 in /proc/cpuinfo: "
           f"{amx_bf16_in_cpuinfo()}, threads {torch.get_num_threads()}, dtype {dtype.name} ({dtype.reason}); "
-          f"prompts of {args.prompt_len} tokens, {args.new_tokens} out; medians of {args.repeats}")
+          f"prompts of {args.prompt_len} tokens, {args.new_tokens} out; medians of {args.repeats}; "
+          f"memory read {bandwidth / 1e9:.1f} GB/s")
     rows = []
     for batch in args.batches:
         count = args.prompts if batch >= max(args.batches) else min(args.prompts, 2 * batch)
@@ -109,25 +110,26 @@ def main() -> None:
         agree = sum(a == b for a, b in zip(ours_tokens, hf_tokens))
         del llm
         decoded = count * (args.new_tokens - 1)
-        rate = rows_matmul_rate(shapes, batch, dtype.torch_dtype)
-        roof = rate / flops_per_token
+        roof = roofline(shapes, batch, dtype.torch_dtype, bandwidth)
         hf_dec = decoded / (hf_full - hf_prefill)
         rows.append(dict(batch=batch, prompts=count, batchgen_decode_tok_s=round(ours_dec, 1),
                          hf_decode_tok_s=round(hf_dec, 1), ratio_decode=round(ours_dec / hf_dec, 2),
                          batchgen_end_to_end_tok_s=round(count * args.new_tokens / ours_full, 1),
                          hf_end_to_end_tok_s=round(count * args.new_tokens / hf_full, 1),
                          ratio_end_to_end=round(hf_full / ours_full, 2),
-                         rows_matmul_gflops=round(rate / 1e9, 1), roofline_tok_s=round(roof, 1),
-                         batchgen_over_roofline=round(ours_dec / roof, 3),
+                         rows_matmul_gflops=round(roof.matmul_rate / 1e9, 1),
+                         flop_bound_tok_s=round(roof.compute_tok_s, 1), read_bound_tok_s=round(roof.memory_tok_s, 1),
+                         roofline_tok_s=round(roof.tok_s, 1), batchgen_over_roofline=round(ours_dec / roof.tok_s, 3),
                          greedy_rows_agreeing_with_hf=f"{agree}/{batch}"))
         print(" ".join(f"{k}={v}" for k, v in rows[-1].items()), flush=True)
     header = ("batch", "batchgen decode tok/s", "HF decode tok/s", "ratio", "batchgen e2e", "HF e2e", "ratio",
-              "M-row GFLOP/s", "roofline tok/s", "of roofline")
+              "M-row GFLOP/s", "FLOP bound tok/s", "weight-read bound tok/s", "of roofline")
     print("\n| " + " | ".join(header) + " |\n|" + "---|" * len(header))
     for r in rows:
         print(f"| {r['batch']} | {r['batchgen_decode_tok_s']:,.0f} | {r['hf_decode_tok_s']:,.0f} | "
               f"{r['ratio_decode']:.2f}x | {r['batchgen_end_to_end_tok_s']:,.0f} | {r['hf_end_to_end_tok_s']:,.0f} | "
-              f"{r['ratio_end_to_end']:.2f}x | {r['rows_matmul_gflops']:,.0f} | {r['roofline_tok_s']:,.0f} | "
+              f"{r['ratio_end_to_end']:.2f}x | {r['rows_matmul_gflops']:,.0f} | {r['flop_bound_tok_s']:,.0f} | "
+              f"{r['read_bound_tok_s']:,.0f} | "
               f"{r['batchgen_over_roofline']:.0%} |")
     if args.output_json:
         Path(args.output_json).write_text(json.dumps({"dtype": dtype.name, "rows": rows}, indent=2) + "\n")

@@ -5,6 +5,7 @@ Used by profile_decode.py and compare_hf_decode.py (scripts in this folder impor
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 from batchgen.engine import LLM
@@ -55,6 +56,48 @@ def rows_matmul_rate(shapes: list[tuple[int, int]], rows: int, dtype: torch.dtyp
 def decode_flops_per_token(shapes: list[tuple[int, int]]) -> int:
     """Linear-layer FLOPs of one decoded token (lm_head included: every decode row samples)."""
     return sum(2 * n * k for n, k in shapes)
+
+
+def read_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
+    """Bytes/s at which this machine's threads read a buffer far larger than its caches (a sum over it):
+    the rate a decode step streams weights that do not stay cached from one step to the next."""
+    x = torch.ones(megabytes << 18)  # fp32: megabytes << 20 bytes
+    x.sum()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        x.sum()
+        times.append(time.perf_counter() - start)
+    return x.numel() * 4 / sorted(times)[repeats // 2]
+
+
+@dataclass
+class Roofline:
+    """The fastest decode the linear layers allow with ``batch`` rows: a step takes at least their FLOPs at the
+    M-row matmul rate and at least the time to read their weights from memory; tok/s is the lower bound."""
+
+    batch: int
+    matmul_rate: float  # FLOP/s
+    bandwidth: float  # bytes/s
+    flops_per_token: int
+    weight_bytes: int
+
+    @property
+    def compute_tok_s(self) -> float:
+        return self.matmul_rate / self.flops_per_token
+
+    @property
+    def memory_tok_s(self) -> float:
+        return self.batch * self.bandwidth / self.weight_bytes
+
+    @property
+    def tok_s(self) -> float:
+        return min(self.compute_tok_s, self.memory_tok_s)
+
+
+def roofline(shapes: list[tuple[int, int]], batch: int, dtype: torch.dtype, bandwidth: float) -> Roofline:
+    return Roofline(batch, rows_matmul_rate(shapes, batch, dtype), bandwidth, decode_flops_per_token(shapes),
+                    sum(n * k for n, k in shapes) * dtype.itemsize)
 
 
 def amx_bf16_in_cpuinfo() -> bool:

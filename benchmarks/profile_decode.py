@@ -21,11 +21,11 @@ from torch.profiler import ProfilerActivity, profile
 
 from batchgen.engine import LLM, SamplingParams
 from batchgen.engine.loading.hub import resolve_model_path
-from decode_workload import decode_flops_per_token, linear_shapes, random_prompts, rows_matmul_rate
+from decode_workload import linear_shapes, random_prompts, read_bandwidth, roofline
 
 # Profiler op names -> kind of work; the first pattern an op's name contains wins, unmatched aten ops are "other ops".
 KINDS = (
-    ("linear layers", ("_linear_pointwise", "aten::addmm", "aten::mm", "aten::bmm", "aten::matmul",
+    ("linear layers", ("small_linear", "_linear_pointwise", "aten::addmm", "aten::mm", "aten::bmm", "aten::matmul",
                        "aten::linear", "_weight_int8pack_mm")),
     ("attention", ("decode_attention", "varlen_causal_attention", "scaled_dot_product", "flash_attention",
                    "aten::index_select", "aten::gather")),
@@ -84,9 +84,9 @@ def main() -> None:
 
     dtype = llm.config.dtype_choice
     shapes = linear_shapes(llm)
-    rate = rows_matmul_rate(shapes, args.batch, dtype.torch_dtype)
+    roof = roofline(shapes, args.batch, dtype.torch_dtype, read_bandwidth())
     tokens = args.batch * args.steps
-    linear = decode_flops_per_token(shapes) * tokens
+    linear = roof.flops_per_token * tokens
     print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}, threads {torch.get_num_threads()}, "
           f"dtype {dtype.name}, attention backend {llm.engine.executor.runner.kernels.attention.name}; "
           f"{args.batch} prompts of {args.prompt_len} tokens, {args.steps} decode steps")
@@ -95,9 +95,10 @@ def main() -> None:
     for kind, seconds in sorted(by_kind.items(), key=lambda kv: -kv[1]):
         flop_rate = f"{linear / seconds / 1e9:8.0f}" if kind == "linear layers" and seconds > 0 else f"{'':>8}"
         print(f"{kind:>32} {seconds / args.steps * 1e3:8.2f} {seconds / decode_s:6.1%} {flop_rate}")
-    roof = linear / rate
-    print(f"{args.batch}-row matmul rate over the model's shapes (the roofline's): {rate / 1e9:,.0f} GFLOP/s; "
-          f"roofline {tokens / roof:,.0f} tok/s, measured (profiled) {roof / decode_s:.0%} of it")
+    print(f"{args.batch}-row matmul rate over the model's shapes: {roof.matmul_rate / 1e9:,.0f} GFLOP/s "
+          f"({roof.compute_tok_s:,.0f} tok/s); weights read at {roof.bandwidth / 1e9:.1f} GB/s "
+          f"({roof.memory_tok_s:,.0f} tok/s); roofline {roof.tok_s:,.0f} tok/s, measured (profiled) "
+          f"{tokens / decode_s / roof.tok_s:.0%} of it")
     print(f"\ntop {args.top} ops by self time in the decode steps:")
     for name, (seconds, calls) in sorted(ops.items(), key=lambda kv: -kv[1][0])[:args.top]:
         print(f"  {seconds / args.steps * 1e3:8.3f} ms/step {calls / args.steps:7.1f} calls/step  {name}")
@@ -105,7 +106,8 @@ def main() -> None:
         Path(args.output_json).write_text(json.dumps({
             "decode_tok_s_profiled": tokens / decode_s, "ms_per_step_by_kind":
                 {k: v / args.steps * 1e3 for k, v in by_kind.items()},
-            "rows_matmul_gflops": rate / 1e9, "roofline_tok_s": tokens / roof}, indent=2) + "\n")
+            "rows_matmul_gflops": roof.matmul_rate / 1e9, "roofline_tok_s": roof.tok_s,
+            "flop_bound_tok_s": roof.compute_tok_s, "read_bound_tok_s": roof.memory_tok_s}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -104,3 +104,26 @@ def test_layers_route_small_steps_to_the_op_and_stay_themselves(op, monkeypatch)
         torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-4)
         torch.testing.assert_close(head(x), F.linear(x, head.weight), rtol=1e-5, atol=1e-4)
     assert calls == [1, 1, SMALL_ROWS, SMALL_ROWS]
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_wide_layers_multiply_larger_steps_slice_by_slice(op, bias, monkeypatch):
+    """Past SMALL_ROWS rows a layer of WIDE_OUTPUTS or more outputs (the vocabulary head) multiplies slice by
+    slice of COLUMN_SLICE outputs, the last one partial: the product of F.linear, to fp32 rounding."""
+    from batchgen.engine.backends.cpu.prepack import COLUMN_SLICE, WIDE_OUTPUTS
+    from batchgen.engine.layers.linear import ColumnParallelLinear
+
+    outputs = WIDE_OUTPUTS + COLUMN_SLICE // 2 + 3
+    layer = ColumnParallelLinear(24, outputs, bias=bias)
+    for t in layer.parameters():
+        torch.nn.init.normal_(t)
+    assert prepack_linears(torch.nn.Sequential(layer)) == 1 and layer.quant_method is SMALL_ROWS_METHOD
+    x = torch.randn(2, SMALL_ROWS, 24, dtype=torch.float64)
+    name = "addmm" if bias else "mm"
+    slices, multiply = [], getattr(torch, name)
+    monkeypatch.setattr(torch, name, lambda *a, out: (slices.append(out.shape[1]), multiply(*a, out=out)))
+    got = layer(x[:, :SMALL_ROWS // 2 + 3].float())  # 70 rows
+    assert slices == [COLUMN_SLICE] * (outputs // COLUMN_SLICE) + [outputs % COLUMN_SLICE]
+    exact = F.linear(x[:, :SMALL_ROWS // 2 + 3], layer.weight.double(), None if not bias else layer.bias.double())
+    assert got.shape == exact.shape
+    torch.testing.assert_close(got.double(), exact, rtol=1e-5, atol=1e-4)

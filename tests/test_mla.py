@@ -9,7 +9,7 @@ from batchgen.engine.backends.interface import AttentionMetadata, LatentPrefill
 from batchgen.engine.backends.select import make_kernel_set
 from batchgen.engine.backends.torch.mla import TorchMLABackend
 from batchgen.engine.config import ModelConfig
-from batchgen.engine.layers.mla import MLAAttention, MLAMetadata
+from batchgen.engine.layers.mla import MAX_ABSORBED_QUERIES, MLAAttention, MLAMetadata
 from batchgen.engine.layers.rotary import cos_sin_cache
 from batchgen.engine.models.registry import model_config
 
@@ -143,14 +143,21 @@ def check_both_forms(layer: MLAAttention) -> None:
         meta = step_metadata([1, 1], [13, 9], tables, slots[last])
         absorbed = layer.attend(rows[last], meta)
         torch.testing.assert_close(absorbed, expanded[last], rtol=1e-5, atol=1e-5)
-        # A mixed step: a decodes its last token while b prefills its last 4 over a cached prefix of 5.
-        mixed_rows = torch.cat((rows[12:13], rows[13 + 5:]))
-        meta = step_metadata([1, 4], [13, 9], tables, torch.cat((slots[12:13], slots[13 + 5:])))
+        # A mixed step: a decodes its last token while b prefills its 9 (more than the absorbed path takes).
+        assert 9 > MAX_ABSORBED_QUERIES
+        meta = step_metadata([1, 9], [13, 9], tables, torch.cat((slots[12:13], slots[13:])))
         planned = MLAMetadata.for_step(meta, block)
         assert planned.decode is not None and planned.prefill is not None
         assert planned.prefill.context_slots.tolist() == slots[13:].tolist()
-        mixed = layer.attend(mixed_rows, planned)
-        torch.testing.assert_close(mixed, torch.cat((expanded[12:13], expanded[13 + 5:])), rtol=1e-5, atol=1e-5)
+        mixed = layer.attend(torch.cat((rows[12:13], rows[13:])), planned)
+        torch.testing.assert_close(mixed, torch.cat((expanded[12:13], expanded[13:])), rtol=1e-5, atol=1e-5)
+        # A verification-shaped step: a's last token, b's last 4 over a cached prefix of 5, all absorbed, each
+        # row over its context up to itself.
+        meta = step_metadata([1, 4], [13, 9], tables, torch.cat((slots[12:13], slots[13 + 5:])))
+        planned = MLAMetadata.for_step(meta, block)
+        assert planned.prefill is None and planned.decode.context_lens.tolist() == [13, 6, 7, 8, 9]
+        few = layer.attend(torch.cat((rows[12:13], rows[13 + 5:])), planned)
+        torch.testing.assert_close(few, torch.cat((expanded[12:13], expanded[13 + 5:])), rtol=1e-5, atol=1e-5)
 
 
 def test_prefill_kernel_key_offsets_past_int32():

@@ -9,7 +9,9 @@ Prefill expands: the K/V of each prefilling sequence's cached prefix and new tok
 from their latent rows, then a varlen causal attention runs over them (q/k head dim nope + rope,
 v head dim ``v_head_dim``). Decode absorbs: ``q_nope W_UK[h]`` is a query in latent space, so the
 attention is MQA directly over the cached rows (one KV head of width ``kv_lora_rank + rope``, values
-its first ``kv_lora_rank`` dims), and ``W_UV[h]`` maps the result back per head.
+its first ``kv_lora_rank`` dims), and ``W_UV[h]`` maps the result back per head. A sequence with a few new
+tokens (a speculative verification: drafts after the last token) decodes too, row by row, each row over its
+context up to itself: expanding its whole context's K/V would cost far more than its few queries.
 """
 from __future__ import annotations
 
@@ -29,11 +31,13 @@ from batchgen.engine.parallel.group import SINGLE, CommGroup
 from batchgen.engine.transfer import to_device
 
 LATENT_NORM_EPS = 1e-6  # transformers builds q_a_layernorm and kv_a_layernorm with the default eps
+MAX_ABSORBED_QUERIES = 8  # new tokens of a sequence up to which its rows take the absorbed (decode) path
 
 
 @dataclass
 class LatentDecode:
-    """The sequences of a mixed step with one new token: they take the absorbed path."""
+    """The rows of a mixed step that take the absorbed path: every new token of the sequences with at most
+    ``MAX_ABSORBED_QUERIES``, each with its sequence's block table and its own context length."""
 
     tokens: torch.Tensor  # rows in the step
     block_tables: torch.Tensor
@@ -58,14 +62,17 @@ class MLAMetadata(AttentionMetadata):
         starts = [0]
         for n in q_lens:
             starts.append(starts[-1] + n)
-        decodes = [i for i, n in enumerate(q_lens) if n == 1]
-        prefills = [i for i, n in enumerate(q_lens) if n > 1]
+        decodes = [i for i, n in enumerate(q_lens) if n <= MAX_ABSORBED_QUERIES]
+        prefills = [i for i, n in enumerate(q_lens) if n > MAX_ABSORBED_QUERIES]
         dev = meta.block_tables.device
         if decodes:
-            rows = to_device(decodes, dev, torch.int64)
-            planned.decode = LatentDecode(to_device([starts[i] for i in decodes], dev, torch.int64),
-                                          meta.block_tables[rows], meta.context_lens[rows],
-                                          max(ctx_lens[i] for i in decodes))
+            # Row j of a sequence's n new tokens sees its context less the n - 1 - j tokens after it.
+            seq_of_row = [i for i in decodes for _ in range(q_lens[i])]
+            lens = [ctx_lens[i] - q_lens[i] + 1 + j for i in decodes for j in range(q_lens[i])]
+            planned.decode = LatentDecode(
+                to_device([starts[i] + j for i in decodes for j in range(q_lens[i])], dev, torch.int64),
+                meta.block_tables[to_device(seq_of_row, dev, torch.int64)], to_device(lens, dev, torch.int32),
+                max(lens))
         if prefills:
             planned.prefill = _plan_prefill(meta, prefills, starts, block_size, whole_step=not decodes)
         return planned
