@@ -298,3 +298,39 @@ def test_preemption_under_a_small_kv_budget(random_mtp, random_llm, always_draft
     same_outputs(off, on)
     assert small.llm.metrics()["preemptions"] > 0 and small.figures()["proposed_tokens"] > 0
     small.llm.close()
+
+
+# ---- (f) CUDA graphs: the hidden states are outputs of the replayed decode steps --------------------------------
+def drafting_every_other_step(monkeypatch) -> None:
+    """The cost model out of the way: all decoding sequences draft all they may on odd steps, none on even ones."""
+    calls = iter(range(10**6))
+    monkeypatch.setattr(speculator_module, "choose_draft_lengths",
+                        lambda rates, caps, *costs: list(caps) if next(calls) % 2 else [0] * len(caps))
+
+
+def drafts_and_outputs(llm: LLM, prompts) -> tuple[list[list[int]], list]:
+    """The MTP layer's argmax tokens, call by call, and the outputs."""
+    model, drafts = model_runner(llm).model, []
+    logits = model.mtp_logits
+    model.mtp_logits = lambda hidden: drafts.append((out := logits(hidden)).argmax(-1).tolist()) or out
+    return drafts, llm.generate(prompts, GREEDY)
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:overflow encountered")  # padded rows hold uninitialized values
+def test_decode_steps_replay_their_graphs_and_feed_the_mtp_layer(random_mtp, monkeypatch):
+    """With CUDA graphs (emulated: the padded fixed-shape steps, run here without capture on the Triton kernel
+    set), steps without drafts replay the decode graphs, and the hidden states the MTP layer catches up on come
+    out of them: every other step drafts, and the drafts and outputs are those of the eager engine."""
+    pytest.importorskip("triton")
+    kw = dict(attention_backend="triton", max_num_seqs=4)
+    runs = []
+    for graphs in ("off", "emulate"):
+        drafting_every_other_step(monkeypatch)
+        with make_llm(random_mtp, cuda_graphs=graphs, **kw) as llm:
+            runs.append(drafts_and_outputs(llm, mixed_prompts(llm, repeats=(1, 2))))
+            replays = model_runner(llm).graphs.replays if graphs == "emulate" else None
+    (eager_drafts, eager_outs), (graphed_drafts, graphed_outs) = runs
+    same_outputs(eager_outs, graphed_outs)
+    assert len(eager_drafts) > 4 and graphed_drafts == eager_drafts
+    assert sum(n for (kind, _), n in replays.items() if kind == "decode") > 0, replays

@@ -40,10 +40,13 @@ def verify_graph_sizes(max_num_seqs: int, num_speculative_tokens: int, max_num_b
     return sorted({1 << i for i in range(3, 15) if 1 << i < top} | {top})
 
 
+Outputs = tuple[torch.Tensor, torch.Tensor | None]  # a forward's logits and the hidden states its model kept
+
+
 class _Replay:
     """A captured CUDA graph; elsewhere the same padded forward re-run eagerly, so tests can check it."""
 
-    def __init__(self, forward: Callable[[], torch.Tensor], capture: bool, pool=None):
+    def __init__(self, forward: Callable[[], Outputs], capture: bool, pool=None):
         self.forward = forward
         self.graph: torch.cuda.CUDAGraph | None = None
         if capture:
@@ -53,7 +56,7 @@ class _Replay:
             with torch.cuda.graph(self.graph, pool=pool):
                 self.output = forward()
 
-    def __call__(self) -> torch.Tensor:
+    def __call__(self) -> Outputs:
         if self.graph is None:
             return self.forward()
         self.graph.replay()
@@ -144,11 +147,14 @@ class GraphRunner:
             prefill_work=None if kind == "decode" else b.prefill_work[: prefill_tile_capacity(size, seqs)],
             decode_rows=None if kind == "decode" else b.decode_rows)
 
-    def _forward(self, kind: str, size: int) -> Callable[[], torch.Tensor]:
+    def _forward(self, kind: str, size: int) -> Callable[[], Outputs]:
         meta = self._metadata("mixed" if kind == "verify" else kind, size)
         rows = self.buf.logits_rows if kind == "mixed" else self.decode_rows[:size]
         ids, positions = self.buf.input_ids[:size], self.buf.positions[:size]
-        return lambda: self.model(ids, positions, meta, rows)
+        if not getattr(self.model, "keep_hidden_states", False):
+            return lambda: (self.model(ids, positions, meta, rows), None)
+        # The hidden states a model keeps for a proposer (MTP) are outputs of the graph like its logits.
+        return lambda: (self.model(ids, positions, meta, rows), self.model.take_hidden_states())
 
     def pick(self, meta: AttentionMetadata, num_tokens: int, num_logits_rows: int | None = None,
              verify: bool = False) -> tuple[str, int] | None:
@@ -167,8 +173,9 @@ class GraphRunner:
         return kind, next(s for s in sizes if s >= need)
 
     def run(self, key: tuple[str, int], input_ids: torch.Tensor, positions: torch.Tensor,
-            meta: AttentionMetadata, logits_rows: torch.Tensor) -> torch.Tensor:
-        """Copies the step into the static buffers, replays the graph, returns the real logits rows."""
+            meta: AttentionMetadata, logits_rows: torch.Tensor) -> Outputs:
+        """Copies the step into the static buffers, replays the graph, returns the real logits rows and, where
+        the model keeps them, the real tokens' hidden states (copied: the next replay overwrites the graph's)."""
         kind, size = key
         b, n, s = self.buf, input_ids.shape[0], meta.num_seqs
         b.input_ids[:n] = input_ids
@@ -192,4 +199,5 @@ class GraphRunner:
             b.prefill_work[:capacity] = to_device(work, b.prefill_work.device)
             b.decode_rows[:] = to_device(decode_rows(meta.query_lens, capacity=self.max_num_seqs), b.decode_rows.device)
         self.replays[key] += 1
-        return self.graphs[key]()[: len(logits_rows)]
+        logits, hidden = self.graphs[key]()
+        return logits[: len(logits_rows)], None if hidden is None else hidden[:n].clone()

@@ -105,9 +105,6 @@ class ModelRunner:
         if self.parallel.exchanges_tokens:
             log.info("CUDA graphs off: the expert exchange between replicas changes shape every step")
             return None
-        if self.model.keep_hidden_states:
-            log.info("CUDA graphs off: the speculative proposer reads every step's hidden states")
-            return None
         from batchgen.engine.executor.cuda_graphs import GraphRunner  # imports triton
 
         with torch.inference_mode():
@@ -184,10 +181,10 @@ class ModelRunner:
             if self.graphs is not None else None
         padded = graph[1] - len(input_ids) if graph is not None else 0
         if graph is not None:
-            logits = self.graphs.run(graph, input_ids, positions, meta, logits_rows)
+            logits, hidden = self.graphs.run(graph, input_ids, positions, meta, logits_rows)
         else:
             logits = self.model(input_ids, positions, meta, logits_rows)
-        hidden = self.model.take_hidden_states()
+            hidden = self.model.take_hidden_states()
         saved = gather_blocks(self.kv_cache, step.save_blocks) if step.save_blocks else None
         if len(logits_rows) == 0 or not self.samples:  # only non-final prompt chunks, or not the sampling rank
             return LaunchedStep(self, start, prepare_s, padded=padded, saved_kv=saved, hidden=hidden)
