@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Iterable, Protocol
 
 import torch
 from torch import nn
@@ -44,6 +44,11 @@ class AttentionMetadata:
     @property
     def num_seqs(self) -> int:
         return len(self.query_lens)
+
+    def row_context_lens(self, seqs: Iterable[int]) -> list[int]:
+        """The keys each new token of ``seqs`` attends to, row by row: the j-th of a sequence's n new tokens
+        sees its context less the n - 1 - j tokens after it (causal within the step)."""
+        return [self.context_lens_list[i] - self.query_lens[i] + 1 + j for i in seqs for j in range(self.query_lens[i])]
 
 
 class AttentionBackend(Protocol):

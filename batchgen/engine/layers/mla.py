@@ -58,7 +58,7 @@ class MLAMetadata(AttentionMetadata):
         planned = cls(**{f.name: getattr(meta, f.name) for f in fields(meta)})
         if meta.decode_only:
             return planned
-        q_lens, ctx_lens = meta.query_lens, meta.context_lens_list
+        q_lens = meta.query_lens
         starts = [0]
         for n in q_lens:
             starts.append(starts[-1] + n)
@@ -66,9 +66,8 @@ class MLAMetadata(AttentionMetadata):
         prefills = [i for i, n in enumerate(q_lens) if n > MAX_ABSORBED_QUERIES]
         dev = meta.block_tables.device
         if decodes:
-            # Row j of a sequence's n new tokens sees its context less the n - 1 - j tokens after it.
             seq_of_row = [i for i in decodes for _ in range(q_lens[i])]
-            lens = [ctx_lens[i] - q_lens[i] + 1 + j for i in decodes for j in range(q_lens[i])]
+            lens = meta.row_context_lens(decodes)
             planned.decode = LatentDecode(
                 to_device([starts[i] + j for i in decodes for j in range(q_lens[i])], dev, torch.int64),
                 meta.block_tables[to_device(seq_of_row, dev, torch.int64)], to_device(lens, dev, torch.int32),

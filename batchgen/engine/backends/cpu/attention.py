@@ -45,13 +45,13 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
 
 def query_rows(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-    """The block table and context length of each query row of the step: sequence i's j-th of n new tokens
-    sees its first context_lens[i] - n + 1 + j keys. Built once per step."""
+    """The block table and context length of each query row of the step (``meta.row_context_lens``). Built once
+    per step."""
     if meta.decode_only:
         return meta.block_tables, meta.context_lens
     if "query_rows" not in meta.memo:
-        counts = meta.query_lens
-        lens = [c - n + 1 + j for c, n in zip(meta.context_lens_list, counts, strict=True) for j in range(n)]
-        tables = meta.block_tables.repeat_interleave(torch.tensor(counts, device=meta.block_tables.device), dim=0)
+        lens = meta.row_context_lens(range(meta.num_seqs))
+        counts = torch.tensor(meta.query_lens, device=meta.block_tables.device)
+        tables = meta.block_tables.repeat_interleave(counts, dim=0)
         meta.memo["query_rows"] = tables, torch.tensor(lens, dtype=torch.int32, device=tables.device)
     return meta.memo["query_rows"]
