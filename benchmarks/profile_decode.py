@@ -2,11 +2,11 @@
 
     python benchmarks/profile_decode.py [--model smollm2-135m-instruct] [--batch 64] [--prompt-len 128] [--steps 32]
 
-Runs ``--batch`` random prompts of ``--prompt-len`` tokens twice under the profiler: with max_tokens=1 (prefill
-only) and with max_tokens=1+steps, all in one step batch (max_num_seqs = batch). The difference of the two is the
-decode steps alone, per op and in wall time. It prints each kind of work's share: the linear layers (with their
-FLOP rate beside the M-row rate the roofline uses), attention, the elementwise kernels, the sampler, the rest of
-torch's ops, and the host (Python: scheduling, metadata), the wall time no op accounts for.
+Queues ``--batch`` random prompts of ``--prompt-len`` tokens (max_num_seqs = batch), runs the prefill step and
+two decode steps unprofiled, then ``--steps`` decode steps under the profiler, so only decode steps are measured.
+It prints each kind of work's share: the linear layers (with their FLOP rate beside the M-row rate the roofline
+uses), attention, the elementwise kernels, the sampler, the rest of torch's ops, and the host (Python:
+scheduling, metadata), the wall time no op accounts for.
 """
 from __future__ import annotations
 
@@ -42,13 +42,22 @@ def kind_of(name: str) -> str:
     return "other ops"
 
 
-def profiled(llm: LLM, prompts, max_tokens: int) -> tuple[float, dict[str, tuple[float, int]]]:
-    """Wall seconds of one generate under the profiler, and each op's (self seconds, calls)."""
-    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+def profiled_decode(llm: LLM, prompts, steps: int) -> tuple[float, dict[str, tuple[float, int]]]:
+    """Wall seconds of ``steps`` decode steps under the profiler, and each op's (self seconds, calls)."""
+    engine = llm.engine
+    params = SamplingParams(max_tokens=steps + 4, temperature=0, ignore_eos=True)
+    seqs = [engine.add_request(p, params) for p in prompts]
+    for _ in range(3):  # the prefill step, then two decode steps
+        engine.step()
+    if any(s.num_completion_tokens < 2 for s in seqs):
+        raise SystemExit("prompts did not all prefill in one step: raise --max-batch-tokens")
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         start = time.perf_counter()
-        llm.generate(prompts, params)
+        for _ in range(steps):
+            engine.step()
         wall = time.perf_counter() - start
+    while engine.has_unfinished():
+        engine.step()
     return wall, {e.key: (e.self_cpu_time_total / 1e6, e.count) for e in prof.key_averages()}
 
 
@@ -72,11 +81,8 @@ def main() -> None:
               attention_backend=args.attention_backend)
     prompts = random_prompts(llm.tokenizer.vocab_size, args.batch, args.prompt_len)
     llm.generate(prompts[:8], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))  # warm-up
-    prefill_s, prefill_ops = profiled(llm, prompts, 1)
-    total_s, total_ops = profiled(llm, prompts, 1 + args.steps)
-    decode_s = total_s - prefill_s
-    ops = {k: (s - prefill_ops.get(k, (0.0, 0))[0], n - prefill_ops.get(k, (0.0, 0))[1])
-           for k, (s, n) in total_ops.items()}
+    decode_s, ops = profiled_decode(llm, prompts, args.steps)
+    ops = {k: (sec, n) for k, (sec, n) in ops.items() if n}
     by_kind: dict[str, float] = defaultdict(float)
     for name, (seconds, _) in ops.items():
         by_kind[kind_of(name)] += seconds
