@@ -79,7 +79,8 @@ def vllm_columns(args, folder: Path, dtype: str, prompts, batch: int, ours_dec: 
         "runs": [{"max_tokens": args.new_tokens, "repeats": args.repeats}, {"max_tokens": 1, "repeats": 1}]})
     full, prefill = (run["seconds"] for run in theirs["runs"])
     vllm_dec = len(prompts) * (args.new_tokens - 1) / (full - prefill)
-    agree = sum(a == b[:len(a)] for a, b in zip(ours_tokens, theirs["runs"][0]["tokens"]))
+    theirs_first = theirs["runs"][0]["tokens"][:len(ours_tokens)]  # ours: the first batch's prompts, 8 tokens
+    agree = sum(a == b[:len(a)] for a, b in zip(ours_tokens, theirs_first, strict=True))
     return dict(vllm_version=theirs["version"], vllm_decode_tok_s=round(vllm_dec, 1),
                 ratio_over_vllm=round(ours_dec / vllm_dec, 2),
                 vllm_end_to_end_tok_s=round(len(prompts) * args.new_tokens / full, 1),
