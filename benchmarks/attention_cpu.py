@@ -1,4 +1,5 @@
-"""Causal prefill attention on CPU: batchgen's fused op against torch's SDPA (its CPU flash kernel).
+"""Causal prefill attention on CPU: batchgen's fused op against torch's SDPA (its CPU flash kernel), and on CPUs
+with AMX the op's AMX tiles against its brgemm path.
 
 Prints GFLOP/s (causal QK^T and PV of the positions computed) of both and their ratio, medians of
 ``--repeats`` runs, for each sequence length, head dim, GQA group and dtype. Rows marked "packed" run several
@@ -18,7 +19,7 @@ import torch
 
 from batchgen.engine.backends.cpu.build import load_kernels
 from batchgen.engine.backends.cpu.features import cpu_features
-from batchgen.engine.backends.cpu.ops import varlen_causal_attention
+from batchgen.engine.backends.cpu.ops import amx_attention, varlen_causal_attention
 from batchgen.engine.backends.interface import AttentionMetadata
 from batchgen.engine.backends.torch.attention import TorchAttentionBackend
 
@@ -90,7 +91,9 @@ def main() -> None:
     print(f"CPU: {cpu_features().describe()}; threads {torch.get_num_threads()}; torch {torch.__version__}")
     shapes = [([n], 0) for n in args.lens] + [([256] * 8, 0), ([512], 1536)]
     torch_backend = TorchAttentionBackend()
-    print(f"{'dtype':>8} {'D':>4} {'G':>2} {'case':>16} {'torch GFLOP/s':>14} {'fused GFLOP/s':>14} {'ratio':>6}")
+    tiles = amx_attention()
+    print(f"{'dtype':>8} {'D':>4} {'G':>2} {'case':>16} {'torch GFLOP/s':>14} {'fused GFLOP/s':>14} {'ratio':>6}"
+          + (f" {'brgemm GFLOP/s':>15} {'AMX / brgemm':>12}" if tiles else ""))
     for dtype_name in args.dtypes:
         dtype = getattr(torch, dtype_name)
         for head_dim in args.head_dims:
@@ -102,13 +105,18 @@ def main() -> None:
                     scale = head_dim ** -0.5
                     ref = median_seconds(lambda: torch_backend.forward(q, k, v, kc, vc, meta, scale), args.repeats,
                                          clock)
-                    fused = median_seconds(lambda: varlen_causal_attention(
-                        q, k, v, kc, vc, meta.cu_seqlens_q, meta.context_lens, meta.block_tables, scale),
-                        args.repeats, clock)
+                    def fused_op(amx: bool = True):
+                        return varlen_causal_attention(q, k, v, kc, vc, meta.cu_seqlens_q, meta.context_lens,
+                                                       meta.block_tables, scale, amx=amx)
+                    fused = median_seconds(fused_op, args.repeats, clock)
                     name = (f"{len(lens)}x{lens[0]} packed" if len(lens) > 1
                             else f"{lens[0]}" + (f" +{prefix} cached" if prefix else ""))
-                    print(f"{dtype_name:>8} {head_dim:>4} {group:>2} {name:>16} {flops / ref / 1e9:>14.1f} "
-                          f"{flops / fused / 1e9:>14.1f} {ref / fused:>6.2f}", flush=True)
+                    line = (f"{dtype_name:>8} {head_dim:>4} {group:>2} {name:>16} {flops / ref / 1e9:>14.1f} "
+                            f"{flops / fused / 1e9:>14.1f} {ref / fused:>6.2f}")
+                    if tiles:  # the fused op's brgemm path on the same step (fp32 runs it either way)
+                        brgemm = median_seconds(lambda: fused_op(False), args.repeats, clock)
+                        line += f" {flops / brgemm / 1e9:>15.1f} {brgemm / fused:>12.2f}"
+                    print(line, flush=True)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ torch attention backend) and falls back to it for dtypes the kernels do not run 
 from __future__ import annotations
 
 import logging
+import os
 from functools import lru_cache
 
 import torch
@@ -24,21 +25,23 @@ MAX_HEAD_DIM = 256
 @lru_cache(maxsize=1)
 def usable_dtypes() -> frozenset[torch.dtype]:
     """The dtypes the loaded kernels compute correctly on this machine: each is tried once on a small
-    step against torch (bf16 needs oneDNN's AVX-512 or AMX micro-kernels, which a CPU may lack)."""
+    step against torch, through brgemm and, for bf16 on AMX CPUs, the AMX tiles (bf16 needs oneDNN's AVX-512
+    or AMX micro-kernels, which a CPU may lack)."""
     usable = set()
     gen = torch.Generator().manual_seed(0)
     for dtype in KERNEL_DTYPES:
-        q, k, v = (torch.randn(40, h, 16, generator=gen).to(dtype) for h in (4, 2, 2))
-        cache = torch.zeros(1, 16, 2, 16, dtype=dtype)
+        q, k, v = (torch.randn(40, h, 32, generator=gen).to(dtype) for h in (4, 2, 2))
+        cache = torch.zeros(1, 16, 2, 32, dtype=dtype)
         seqs = torch.tensor([0, 7, 40], dtype=torch.int32)
+        expected = torch.cat([_reference(q[a:b], k[a:b], v[a:b]) for a, b in ((0, 7), (7, 40))])
         try:
-            out = varlen_causal_attention(q, k, v, cache, cache, seqs, seqs.diff(),
-                                          torch.zeros(2, 1, dtype=torch.int32), 0.25)
+            outs = [varlen_causal_attention(q, k, v, cache, cache, seqs, seqs.diff(),
+                                            torch.zeros(2, 1, dtype=torch.int32), 0.25, amx=amx)
+                    for amx in (False, None)]
         except RuntimeError as e:
             log.info("fused CPU attention does not run %s here: %s", dtype, str(e).splitlines()[0])
             continue
-        expected = torch.cat([_reference(q[a:b], k[a:b], v[a:b]) for a, b in ((0, 7), (7, 40))])
-        if torch.allclose(out.float(), expected, atol=3e-2 if dtype == torch.bfloat16 else 1e-4):
+        if all(torch.allclose(out.float(), expected, atol=3e-2 if dtype == torch.bfloat16 else 1e-4) for out in outs):
             usable.add(dtype)
         else:
             log.warning("fused CPU attention gives wrong results in %s here; using torch's", dtype)
@@ -58,17 +61,29 @@ def supports_attention(dtype: torch.dtype, head_dim: int) -> bool:
 def varlen_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                             v_cache: torch.Tensor, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
                             block_tables: torch.Tensor, scale: float, kv_block: int = KV_BLOCK,
-                            q_rows: int = Q_ROWS) -> torch.Tensor:
+                            q_rows: int = Q_ROWS, amx: bool | None = None) -> torch.Tensor:
     """Causal attention of a packed step: q (T, Hq, D); k, v (T, Hkv, D) the step's new keys and values.
 
     Sequence i owns rows ``cu_seqlens_q[i]:cu_seqlens_q[i+1]`` and attends to ``context_lens[i]`` keys: the
     first ``context_lens[i] - query_len`` from the paged caches (blocks ``block_tables[i]``), then its own
     new rows. fp32 scores and accumulation; q, k, v, caches and the output share one dtype (fp32 or bf16).
+    bf16 steps run in AMX tiles where the CPU has them (``amx`` None: :func:`amx_attention`), unless ``amx`` is
+    False: then, as everywhere else, in oneDNN's brgemm micro-kernels.
     """
+    amx = amx_attention() if amx is None else amx
     out = torch.empty(q.shape, dtype=q.dtype)
     torch.ops.batchgen_cpu.varlen_causal_attention(q, k, v, k_cache, v_cache, cu_seqlens_q, context_lens,
-                                                   block_tables, scale, kv_block, q_rows, out)
+                                                   block_tables, scale, kv_block, q_rows, amx, out)
     return out
+
+
+@lru_cache(maxsize=1)
+def amx_attention() -> bool:
+    """Whether bf16 prefill attention runs in AMX tiles here: the kernels were built for a CPU with amx_bf16, the
+    OS grants the tile state, and oneDNN's ISA cap (``ONEDNN_MAX_CPU_ISA``, with which the tests simulate other
+    CPUs) does not leave AMX out."""
+    cap = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "ALL").upper()
+    return (cap == "ALL" or "AMX" in cap) and bool(torch.ops.batchgen_cpu.amx_attention())
 
 
 # Keys per decode work item (flash-decoding split): fixed, so results do not depend on the thread count.

@@ -7,7 +7,8 @@
 // blocks wholly above the causal diagonal are never computed. The GEMMs are oneDNN's brgemm micro-kernels
 // behind at::native::cpublas (AMX or AVX512-BF16 for bf16, AVX-512/AVX2 FMA for fp32), the same entry
 // points torch's own CPU flash attention uses; they are internal API, so this file is compiled against
-// the installed torch's headers and the build is keyed by its version.
+// the installed torch's headers and the build is keyed by its version. On CPUs with amx_bf16, bf16 steps
+// run in attention_amx.h's AMX tiles instead (the same work items), unless the caller asks for brgemm.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
@@ -15,6 +16,8 @@
 #include <ATen/native/CPUBlas.h>
 #include <torch/library.h>
 
+#include "attention_amx.h"
+#include "varlen.h"
 #include "vec.h"
 
 #include <algorithm>
@@ -22,6 +25,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <vector>
 
 
@@ -36,37 +40,6 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 template <typename T>
 constexpr bool kVnni = !std::is_same_v<T, float>;  // 16-bit operands go in pairs along the reduced dim
-
-// Where a step's tensors live; strides in elements.
-template <typename T>
-struct Step {
-  const T* q; int64_t q_row, q_head;
-  const T* k; const T* v; int64_t k_row, v_row, k_head, v_head;
-  const T* k_cache; const T* v_cache; int64_t cache_block, cache_row, block_size;
-  const int32_t* block_tables; int64_t tables_row;
-  T* out; int64_t out_row, out_head;
-  int64_t num_kv_heads, group, head_dim;
-  float scale;
-};
-
-// One sequence of the step. Its keys are packed in blocks of `kv_block` (a multiple of 32, no more than
-// its context needs) starting at element `packed` of each KV head's packed buffer.
-struct Seq {
-  int64_t index, q_start, q_len, prefix, kv_block, num_kv_blocks, packed;
-};
-
-// Row `pos` of the keys (or values) of sequence `s` for KV head `h`: prefix rows from the paged cache,
-// the rest from this step's new rows.
-template <typename T>
-inline const T* kv_row(const Step<T>& a, const Seq& s, int64_t h, int64_t pos, bool value) {
-  if (pos >= s.prefix) {
-    int64_t row = s.q_start + pos - s.prefix;
-    return value ? a.v + row * a.v_row + h * a.v_head : a.k + row * a.k_row + h * a.k_head;
-  }
-  int64_t block = a.block_tables[s.index * a.tables_row + pos / a.block_size];
-  int64_t offset = block * a.cache_block + (pos % a.block_size) * a.cache_row + h * a.head_dim;
-  return (value ? a.v_cache : a.k_cache) + offset;
-}
 
 // K block -> B of S = Q K^T: [D][N] (fp32) or [D/2][N][2] (bf16 VNNI). Keys past the context are zero.
 // Either way a transpose of 32-bit words (a bf16 pair or one fp32): word w of key n goes to [w][n].
@@ -120,12 +93,6 @@ void pack_values(const Step<T>& a, const Seq& s, int64_t h, int64_t first, int64
   }
 }
 
-// Scores are kept in log2 units (scale * log2(e) folded into one multiply) so the exponential is exp2.
-// A row's running max only moves when a block's max exceeds it by more than this many doublings: the
-// accumulators need rescaling far less often, and p = 2^(x - m) stays below 2^8 (exact enough in fp32 sums
-// and in bf16, which keeps 8 exponent bits).
-constexpr float kRescaleLog2 = 8.f;
-constexpr float kLog2e = 1.4426950408889634f;
 
 #if defined(CPU_CAPABILITY_AVX512)
 // p = 2^(s * scale2 - shift) over the first `valid` columns of a score row, zero from there to the next
@@ -277,14 +244,49 @@ void attend_block(const Step<T>& a, const Seq& s, int64_t h, int64_t t0, int64_t
   }
 }
 
+// The brgemm path's pieces: block b of (s, h) packed for the GEMMs (K^T and V, VNNI pairs for bf16) at its
+// place in the (sequence, KV head)'s area, and a thread's worker over the fp32 score blocks.
 template <typename T>
-void run(const Step<T>& a, const std::vector<Seq>& seqs, int64_t q_block) {
-  const int64_t H = a.num_kv_heads, D = a.head_dim;
-  int64_t per_head = 0, width = 32;
-  for (const Seq& s : seqs) {
-    per_head = std::max(per_head, s.packed + s.num_kv_blocks * s.kv_block * D);
-    width = std::max(width, s.kv_block);
+void pack_for_brgemm(const Step<T>& a, const Seq& s, int64_t h, int64_t b, T* keys, T* values) {
+  const int64_t first = b * s.kv_block, count = std::min(s.kv_block, s.prefix + s.q_len - first);
+  const int64_t offset = b * s.kv_block * a.head_dim;
+  pack_keys(a, s, h, first, count, keys + offset);
+  pack_values(a, s, h, first, count, values + offset);
+}
+
+template <typename T>
+struct BrgemmWorker {
+  Scratch<T> scratch;
+  BrgemmWorker(int64_t rows, int64_t D, int64_t width) : scratch(rows, D, width) {}
+  ~BrgemmWorker() {
+    if constexpr (kVnni<T>) at::native::cpublas::brgemm_release(true);
   }
+  void operator()(const Step<T>& a, const Seq& s, int64_t h, int64_t t0, int64_t t1, const T* keys, const T* values) {
+    attend_block(a, s, h, t0, t1, keys, values, scratch);
+  }
+};
+
+#if defined(BATCHGEN_AMX)
+// The AMX path's worker: its tiles configured for the thread's items, released after them (and torch's brgemm
+// told so: it keeps the last palette it set per thread and would not set it again).
+struct AmxWorker {
+  std::unique_ptr<amx::Scratch> scratch = std::make_unique<amx::Scratch>();
+  AmxWorker() { amx::configure_tiles(); }
+  ~AmxWorker() { at::native::cpublas::brgemm_release(true); }
+  void operator()(const Step<at::BFloat16>& a, const Seq& s, int64_t h, int64_t t0, int64_t t1,
+                  const at::BFloat16* keys, const at::BFloat16* values) {
+    amx::attend_item(a, s, h, t0, t1, keys, values, *scratch);
+  }
+};
+#endif
+
+// Packs every (sequence, KV head)'s keys and values with pack(a, s, h, block, keys, values), then runs the
+// query blocks' work items on workers made by make_worker() (one a thread, living through its items).
+template <typename T, typename Pack, typename MakeWorker>
+void run(const Step<T>& a, const std::vector<Seq>& seqs, int64_t q_block, Pack&& pack, MakeWorker&& make_worker) {
+  const int64_t H = a.num_kv_heads, D = a.head_dim;
+  int64_t per_head = 0;
+  for (const Seq& s : seqs) per_head = std::max(per_head, s.packed + s.num_kv_blocks * s.kv_block * D);
   // Packed keys and values: [KV head][per_head], each sequence's blocks at its `packed` offset. The
   // buffers live on between calls (every layer of a step needs the same sizes): fresh pages each call
   // cost the kernel's page zeroing. Every element a call reads is written first.
@@ -302,13 +304,10 @@ void run(const Step<T>& a, const std::vector<Seq>& seqs, int64_t q_block) {
   const int64_t num_pack = pack_items.size();
   at::parallel_for(0, H * num_pack, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
-      int64_t h = item / num_pack;
+      const int64_t h = item / num_pack;
       auto [i, b] = pack_items[item % num_pack];
-      const Seq& s = seqs[i];
-      int64_t first = b * s.kv_block, count = std::min(s.kv_block, s.prefix + s.q_len - first);
-      int64_t offset = h * per_head + s.packed + b * s.kv_block * D;
-      pack_keys(a, s, h, first, count, packed_keys + offset);
-      pack_values(a, s, h, first, count, packed_values + offset);
+      const int64_t offset = h * per_head + seqs[i].packed;
+      pack(a, seqs[i], h, b, packed_keys + offset, packed_values + offset);
     }
   });
 
@@ -329,14 +328,13 @@ void run(const Step<T>& a, const std::vector<Seq>& seqs, int64_t q_block) {
   std::atomic<int64_t> next{0};
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), items.size());
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    Scratch<T> scratch(a.group * q_block, D, width);
+    auto attend = make_worker();
     for (int64_t k = next.fetch_add(1); k < (int64_t)items.size(); k = next.fetch_add(1)) {
       const Item& it = items[k];
       const Seq& s = seqs[it.seq];
-      int64_t offset = it.h * per_head + s.packed;
-      attend_block(a, s, it.h, it.t0, it.t1, packed_keys + offset, packed_values + offset, scratch);
+      const int64_t offset = it.h * per_head + s.packed;
+      attend(a, s, it.h, it.t0, it.t1, packed_keys + offset, packed_values + offset);
     }
-    if constexpr (kVnni<T>) at::native::cpublas::brgemm_release(true);
   });
 }
 
@@ -356,7 +354,7 @@ int64_t pick_q_block(const std::vector<Seq>& seqs, int64_t q_rows, int64_t group
 void varlen_causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                              const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& cu_seqlens_q,
                              const at::Tensor& context_lens, const at::Tensor& block_tables, double scale,
-                             int64_t kv_block, int64_t q_rows, const at::Tensor& out) {
+                             int64_t kv_block, int64_t q_rows, bool tiles, const at::Tensor& out) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && out.sizes() == q.sizes(), "q/k/v/out must be (T, H, D)");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes(),
               "caches must be contiguous (blocks, block_size, Hkv, D)");
@@ -399,9 +397,29 @@ void varlen_causal_attention(const at::Tensor& q, const at::Tensor& k, const at:
               k_cache.size(1), tables.const_data_ptr<int32_t>(), tables.size(1),
               out.data_ptr<T>(), out.stride(0), out.stride(1),
               Hkv, group, D, static_cast<float>(scale)};
-    run(a, seqs, q_block);
+#if defined(BATCHGEN_AMX)
+    if constexpr (std::is_same_v<T, at::BFloat16>) {
+      if (tiles && amx::supports(D)) {
+        run(a, seqs, q_block, amx::pack_block, [] { return AmxWorker(); });
+        return;
+      }
+    }
+#endif
+    int64_t width = 32;
+    for (const Seq& s : seqs) width = std::max(width, s.kv_block);
+    run(a, seqs, q_block, pack_for_brgemm<T>, [&] { return BrgemmWorker<T>(group * q_block, D, width); });
   };
   dispatch(scalar, "varlen_causal_attention", launch);
+}
+
+// Whether bf16 steps run in AMX tiles here (attention_amx.h): built for a CPU with amx_bf16, and the tile state
+// granted by the OS.
+bool amx_attention() {
+#if defined(BATCHGEN_AMX)
+  return amx::tiles_permitted();
+#else
+  return false;
+#endif
 }
 
 }  // namespace
@@ -409,9 +427,14 @@ void varlen_causal_attention(const at::Tensor& q, const at::Tensor& k, const at:
 
 TORCH_LIBRARY_FRAGMENT(batchgen_cpu, m) {
   m.def("varlen_causal_attention(Tensor q, Tensor k, Tensor v, Tensor k_cache, Tensor v_cache, Tensor cu_seqlens_q, "
-        "Tensor context_lens, Tensor block_tables, float scale, int kv_block, int q_rows, Tensor(a!) out) -> ()");
+        "Tensor context_lens, Tensor block_tables, float scale, int kv_block, int q_rows, bool tiles, Tensor(a!) out) -> ()");
+  m.def("amx_attention() -> bool");
 }
 
 TORCH_LIBRARY_IMPL(batchgen_cpu, CPU, m) {
   m.impl("varlen_causal_attention", &batchgen_cpu::varlen_causal_attention);
+}
+
+TORCH_LIBRARY_IMPL(batchgen_cpu, CompositeExplicitAutograd, m) {
+  m.impl("amx_attention", &batchgen_cpu::amx_attention);
 }

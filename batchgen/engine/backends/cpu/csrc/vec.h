@@ -121,6 +121,13 @@ inline __m512 reciprocal_ps(__m512 x) {
 }
 #endif
 
+// The prefill attention paths keep scores in log2 units (scale * log2(e) folded into one multiply) so the
+// exponential is exp2. A row's running max only moves when a block's max exceeds it by more than kRescaleLog2
+// doublings: the accumulators need rescaling far less often, and p = 2^(x - m) stays below 2^8 (exact enough in
+// fp32 sums and in bf16, which keeps 8 exponent bits).
+constexpr float kRescaleLog2 = 8.f;
+constexpr float kLog2e = 1.4426950408889634f;
+
 // Runs f(T* tag) with the tensors' element type, float or at::BFloat16; any other type is an error of `name`.
 template <typename F>
 void dispatch(at::ScalarType type, const char* name, F&& f) {

@@ -1,0 +1,99 @@
+"""Prefill attention in AMX tiles (bf16, CPUs with amx_bf16): against fp64 and the op's brgemm path, the running
+max's rescaling, head dims whose output does and does not fit the tiles, and bit-identical results."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from batchgen.engine.backends.cpu import build, ops
+from batchgen.engine.backends.cpu.features import cpu_features
+from tests.test_cpu_kernels import LENGTHS, PREFIXES, ROOT, attention_step, checked_rows, fp64_attention
+
+BF16 = torch.bfloat16
+
+
+@pytest.fixture(scope="module")
+def amx():
+    if "amx_bf16" not in cpu_features().flags:
+        pytest.skip("no amx_bf16 on this CPU: bf16 attention runs in brgemm (test_cpu_kernels covers it)")
+    assert build.load_kernels(), "the fused CPU kernels failed to build; see the warning above"
+    assert ops.amx_attention(), "built for an AMX CPU, but the AMX path is off"
+    return ops
+
+
+def run(q, k, v, k_cache, v_cache, meta, scale, use_amx: bool) -> torch.Tensor:
+    return ops.varlen_causal_attention(q, k, v, k_cache, v_cache, meta.cu_seqlens_q, meta.context_lens,
+                                       meta.block_tables, scale, amx=use_amx)
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 96, 128])  # output in 2 or 4 tiles (32, 64), or in L1 (96, 128)
+@pytest.mark.parametrize("group", [1, 3, 8])
+@pytest.mark.parametrize("cached", [False, True], ids=["fresh", "cached-prefix"])
+def test_amx_against_fp64_and_brgemm(amx, head_dim, group, cached):
+    prefixes = PREFIXES if cached else [0] * len(LENGTHS)
+    q, k, v, k_cache, v_cache, meta = attention_step(BF16, group, head_dim, prefixes)
+    scale = head_dim ** -0.5
+    tiles, brgemm = (run(q, k, v, k_cache, v_cache, meta, scale, use) for use in (True, False))
+    rows = checked_rows(meta)
+    exact = fp64_attention(q, k_cache, v_cache, meta, scale, rows)
+    assert tiles.shape == brgemm.shape == q.shape and tiles.dtype == BF16 and exact.shape[0] == len(rows)
+    tiles_err, brgemm_err = (tiles[rows].double() - exact).abs(), (brgemm[rows].double() - exact).abs()
+    # The same arithmetic as the brgemm path but for the exponential's polynomial form and sums in another
+    # order: its worst error up to a bf16 rounding step, and its mean within 10 %.
+    ulp = torch.finfo(BF16).eps * exact.abs().max().item()
+    assert tiles_err.max() <= brgemm_err.max() + ulp, (tiles_err.max(), brgemm_err.max())
+    assert tiles_err.mean() <= 1.1 * brgemm_err.mean(), (tiles_err.mean(), brgemm_err.mean())
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])  # the output rescaled in the tiles, and in L1
+def test_rising_scores_rescale_the_output(amx, head_dim):
+    """Keys whose scores climb along the sequence (about 16 doublings every 64 keys, twice kRescaleLog2 per 32-key
+    step) move every row's running max again and again: the output so far is rescaled each time."""
+    q, k, v, k_cache, v_cache, meta = attention_step(BF16, 3, head_dim, PREFIXES, seed=1)
+    q.fill_(16 / head_dim)  # every query alike: a key's score is the mean of its dims times 16 * scale
+    flat = k_cache.view(-1, *k_cache.shape[2:])
+    gen = torch.Generator().manual_seed(2)
+    for i, (ctx, prefix) in enumerate(zip(meta.context_lens_list, PREFIXES)):
+        pos = torch.arange(ctx)
+        climb = pos[:, None, None] / 64 * 0.6875 * head_dim ** 0.5  # scores climb 11 nats every 64 keys
+        keys = (climb + 0.01 * torch.randn(ctx, *flat.shape[1:], generator=gen)).to(BF16)
+        flat[meta.block_tables[i].long()[pos // 16] * 16 + pos % 16] = keys
+        k[meta.cu_seqlens_q[i]:meta.cu_seqlens_q[i + 1]] = keys[prefix:]  # the step's own rows, as stored
+    scale = head_dim ** -0.5
+    tiles, brgemm = (run(q, k, v, k_cache, v_cache, meta, scale, use) for use in (True, False))
+    rows = checked_rows(meta)
+    exact = fp64_attention(q, k_cache, v_cache, meta, scale, rows)
+    ulp = torch.finfo(BF16).eps * exact.abs().max().item()
+    assert not tiles.isnan().any()
+    assert (tiles[rows].double() - exact).abs().max() <= (brgemm[rows].double() - exact).abs().max() + ulp
+
+
+def test_bit_identical_across_runs_and_thread_counts(amx):
+    """An item runs on one thread from start to end, so neither the thread count nor the run changes a bit."""
+    q, k, v, k_cache, v_cache, meta = attention_step(BF16, 3, 64, PREFIXES)
+    scale = 0.125
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for n in (1, 2, 3, 1, 2):
+            torch.set_num_threads(n)
+            outs.append(run(q, k, v, k_cache, v_cache, meta, scale, True))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(outs[0], out) for out in outs[1:])
+
+
+def test_onednn_isa_cap_below_amx_turns_the_tiles_off(amx):
+    """The tests simulate CPUs without AMX by capping oneDNN's ISA; the AMX path follows that cap."""
+    script = ("from batchgen.engine.backends.cpu import build, ops\n"
+              "assert build.load_kernels()\n"
+              "print('amx', ops.amx_attention())\n")
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16", "PYTHONPATH": str(ROOT)}
+    result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, env=env,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().endswith("amx False")
