@@ -399,7 +399,7 @@ void varlen_causal_attention(const at::Tensor& q, const at::Tensor& k, const at:
               Hkv, group, D, static_cast<float>(scale)};
 #if defined(BATCHGEN_AMX)
     if constexpr (std::is_same_v<T, at::BFloat16>) {
-      if (tiles && amx::supports(D)) {
+      if (tiles && amx::supports(D, q.size(0) * q.stride(0) * q.element_size())) {
         run(a, seqs, q_block, amx::pack_block, [] { return AmxWorker(); });
         return;
       }

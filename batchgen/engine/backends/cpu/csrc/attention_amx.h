@@ -52,8 +52,11 @@ inline bool tiles_permitted() {
   return ok;
 }
 
-// Whether a step of this head dim runs here: bf16 pairs of 32 dims per A tile.
-inline bool supports(int64_t head_dim) { return head_dim % 32 == 0 && head_dim <= kMaxDim && tiles_permitted(); }
+// Whether a step runs here: bf16 pairs of 32 dims per A tile, and q's rows within 32-bit byte offsets of its
+// start (the query rows are gathered by them).
+inline bool supports(int64_t head_dim, int64_t q_bytes) {
+  return head_dim % 32 == 0 && head_dim <= kMaxDim && q_bytes < (int64_t{1} << 31) && tiles_permitted();
+}
 
 // All eight tiles 16 rows of 64 bytes: an fp32 16 x 16 block, or a bf16 16 x 32 one. Tiles 0-3 hold O^T (or
 // tile 0 one 16-dim slice of it), 4-5 the scores, 6 the B operand (Q^T, then P^T), 7 the A operand (K, V^T).
@@ -229,21 +232,19 @@ template <int OutTiles>
 void attend_tile(const Step<bf16>& a, const Seq& s, int64_t h, int64_t t0, int64_t r0, int64_t rows,
                  const bf16* keys, const bf16* vt, Scratch& w) {
   const int64_t G = a.group, D = a.head_dim;
-  alignas(64) int64_t q_rows[kRows];
+  alignas(64) int32_t q_rows[kRows];  // byte offsets from a.q
   alignas(64) int32_t limit[kRows];
   for (int r = 0; r < kRows; ++r) {
     const int64_t row = r0 + std::min<int64_t>(r, rows - 1), t = t0 + row / G;
-    q_rows[r] = reinterpret_cast<int64_t>(r < rows ? a.q + (s.q_start + t) * a.q_row + (h * G + row % G) * a.q_head
-                                                   : zero_row());
+    q_rows[r] = static_cast<int32_t>(((s.q_start + t) * a.q_row + (h * G + row % G) * a.q_head) * 2);
     limit[r] = static_cast<int32_t>(s.prefix + t + 1);  // the keys the row sees; padding rows copy the last
   }
-  {  // Q^T: word i (dims 2i, 2i + 1) of the 16 rows at qt[i * 16]
-    __m512i lo = _mm512_load_si512(q_rows), hi = _mm512_load_si512(q_rows + 8);
-    const __m512i word = _mm512_set1_epi64(4);
+  {  // Q^T: word i (dims 2i, 2i + 1) of the 16 rows at qt[i * 16]; padding rows zero
+    const __mmask16 real = static_cast<__mmask16>((1u << rows) - 1);
+    __m512i offsets = _mm512_load_si512(q_rows);
     for (int64_t i = 0; i < D / 2; ++i) {
-      _mm512_store_si512(w.qt + i * kRows, gather16(lo, hi));
-      lo = _mm512_add_epi64(lo, word);
-      hi = _mm512_add_epi64(hi, word);
+      _mm512_store_si512(w.qt + i * kRows, _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), real, offsets, a.q, 1));
+      offsets = _mm512_add_epi32(offsets, _mm512_set1_epi32(4));
     }
   }
   const __m512i lanes_limit = _mm512_load_si512(limit);
