@@ -4,7 +4,7 @@ into a padded batch, SDPA with a mask) and, with ``--baseline REF``, against the
 Prints milliseconds per call (medians of ``--repeats`` runs, the variants interleaved run by run, so a shared
 machine's load falls on all of them alike) and GFLOP/s (QK^T and PV: 4 B Hq context D), for each batch and
 context, every row at the same context, the rows' blocks shuffled through the cache. The baseline's sources
-(``decode.cpp``, ``paged.h``, ``vec.h`` at REF) are built once under another op namespace into the batchgen
+(``decode.cpp`` and the headers at REF) are built once under another op namespace into the batchgen
 cache; nothing of it is kept in the tree.
 
     python benchmarks/decode_cpu.py                                      # B 1 8 64, context 128 512 2048
@@ -23,12 +23,12 @@ from attention_cpu import add_timing_args, timing_clock
 
 from batchgen.engine.backends.cpu import build
 from batchgen.engine.backends.cpu.features import cpu_features
-from batchgen.engine.backends.cpu.ops import SPLIT_KEYS
+from batchgen.engine.backends.cpu.ops import SPLIT_KEYS, amx_attention
 from batchgen.engine.backends.torch.attention import paged_decode
 
 BLOCK = 16
 CSRC = "batchgen/engine/backends/cpu/csrc"
-BASELINE_SOURCES = ("decode.cpp", "paged.h", "vec.h")
+BASELINE_SOURCE = "decode.cpp"  # built with every header of its revision
 
 
 def case(batch: int, context: int, kv_heads: int, group: int, head_dim: int, dtype: torch.dtype):
@@ -54,7 +54,9 @@ def load_baseline(ref: str) -> str:
 
     folder = cache_dir() / "cpu" / f"baseline-{sha}"
     folder.mkdir(parents=True, exist_ok=True)
-    for name in BASELINE_SOURCES:
+    listed = subprocess.run(["git", "-C", str(root), "ls-tree", "--name-only", f"{sha}:{CSRC}"], check=True,
+                            capture_output=True, text=True).stdout.split()
+    for name in [BASELINE_SOURCE] + [n for n in listed if n.endswith(".h")]:
         text = subprocess.run(["git", "-C", str(root), "show", f"{sha}:{CSRC}/{name}"], check=True,
                               capture_output=True, text=True).stdout
         (folder / name).write_text(text.replace("batchgen_cpu", namespace))
@@ -62,16 +64,22 @@ def load_baseline(ref: str) -> str:
 
     features = cpu_features()
     with build._ninja_on_path():
-        cpp_extension.load(name=namespace, sources=[str(folder / "decode.cpp")],
+        cpp_extension.load(name=namespace, sources=[str(folder / BASELINE_SOURCE)],
                            extra_cflags=[*build.COMMON_FLAGS, *build.ISA_FLAGS[features.isa]],
                            extra_ldflags=["-fopenmp"], build_directory=str(folder), is_python_module=False)
     return namespace
 
 
-def op_call(namespace: str, q, k_cache, v_cache, tables, context_lens, scale: float):
-    """A call of ``torch.ops.<namespace>.paged_decode_attention`` into an output allocated here, once."""
+def op_call(namespace: str, q, k_cache, v_cache, tables, context_lens, scale: float, tiles: bool | None = None):
+    """A call of ``torch.ops.<namespace>.paged_decode_attention`` into an output allocated here, once; ``tiles``
+    for an op that takes it (the AMX choice; a revision's op from before it does not)."""
     op, out = getattr(torch.ops, namespace).paged_decode_attention, torch.empty_like(q)
-    return lambda: op(q, k_cache, v_cache, tables, context_lens, scale, 0, 0.0, SPLIT_KEYS, out)
+    extra = () if tiles is None else (tiles,)
+    return lambda: op(q, k_cache, v_cache, tables, context_lens, scale, 0, 0.0, SPLIT_KEYS, *extra, out)
+
+
+def takes_tiles(namespace: str) -> bool:
+    return any(a.name == "tiles" for a in getattr(torch.ops, namespace).paged_decode_attention.default._schema.arguments)
 
 
 def interleaved_medians(fns: dict, repeats: int, clock=time.perf_counter) -> dict[str, float]:
@@ -112,7 +120,9 @@ def main() -> None:
           f"amx_bf16 {'yes' if amx else 'no'}; threads {torch.get_num_threads()}; torch {torch.__version__}; "
           f"{args.dtype}, KV heads {args.kv_heads}, group {args.group}, head dim {args.head_dim}; "
           f"{'thread' if args.thread_time else 'wall'} time; load average {Path('/proc/loadavg').read_text()[:14]}")
-    names = (["torch"] if not args.no_torch else []) + (["baseline"] if baseline else []) + ["fused"]
+    tiles = amx_attention() and dtype == torch.bfloat16  # then also the op without its AMX scores
+    names = (["torch"] if not args.no_torch else []) + (["baseline"] if baseline else []) + \
+        (["no AMX"] if tiles else []) + ["fused"]
     print(f"{'B':>4} {'context':>8} " + " ".join(f"{n + ' ms':>12} {n + ' GF/s':>12}" for n in names)
           + (f" {'fused/baseline':>15}" if baseline else ""))
     scale = args.head_dim ** -0.5
@@ -120,8 +130,12 @@ def main() -> None:
         for batch in args.batches:
             q, k, v, tables, ctx = case(batch, context, args.kv_heads, args.group, args.head_dim, dtype)
             # Both ops write into a tensor made once (the wrapper's allocation would cost the fused op alone).
-            fns = {name: op_call(namespace, q, k, v, tables, ctx, scale)
-                   for name, namespace in (("fused", "batchgen_cpu"), ("baseline", baseline)) if namespace}
+            fns = {"fused": op_call("batchgen_cpu", q, k, v, tables, ctx, scale, tiles=True)}
+            if baseline:
+                fns["baseline"] = op_call(baseline, q, k, v, tables, ctx, scale,
+                                          tiles=True if takes_tiles(baseline) else None)
+            if tiles:
+                fns["no AMX"] = op_call("batchgen_cpu", q, k, v, tables, ctx, scale, tiles=False)
             if not args.no_torch:
                 fns["torch"] = lambda: paged_decode(q, k, v, tables, ctx, context, scale)
             seconds = interleaved_medians(fns, args.repeats, clock)

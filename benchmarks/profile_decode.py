@@ -31,7 +31,7 @@ KINDS = (
                    "aten::index_select", "aten::gather")),
     ("norm/rotary/activation/kv store", ("batchgen_cpu::", "rms_norm", "silu", "aten::mul", "aten::add",
                                          "aten::rsqrt", "aten::pow", "aten::mean", "aten::index_copy")),
-    ("sampler", ("aten::argmax", "aten::logsumexp", "aten::softmax", "aten::sort", "aten::topk")),
+    ("sampler", ("aten::argmax", "aten::max", "aten::logsumexp", "aten::softmax", "aten::sort", "aten::topk")),
 )
 
 

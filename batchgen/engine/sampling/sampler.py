@@ -73,7 +73,7 @@ class SampledRows:
     tokens: torch.Tensor  # int64 (R,)
     logprobs: torch.Tensor | None  # float32 (R,): raw log-probabilities of ``tokens``, when a row asked
     probs: torch.Tensor | None  # float32 (R, V): each row's sampling distribution; None when every row is greedy
-    logits: torch.Tensor  # float32 (R, V), the grammar's disallowed tokens at -inf
+    logits: torch.Tensor  # float32 (R, V), the grammar's disallowed tokens at -inf; a greedy step's raw logits
     raw_logsumexp: torch.Tensor | None  # float32 (R,), of the unmasked logits, when a row asked for logprobs
 
     def logprobs_of(self, rows: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -90,11 +90,14 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, to
 
 def sample_rows(logits: torch.Tensor, batch: SamplingBatch) -> SampledRows:
     """Samples every row (see :func:`sample`) and keeps the distributions it sampled from."""
+    if batch.all_greedy and batch.bitmask is None and not batch.want_logprobs:
+        # Nothing here needs fp32 logits: the argmax of the raw ones (a 64 x 49K fp32 copy cost more than it).
+        return SampledRows(row_argmax(logits), None, None, logits, None)
     logits = logits.float()
     raw_logsumexp = logits.logsumexp(dim=-1) if batch.want_logprobs else None
     if batch.bitmask is not None:
         apply_token_bitmask(logits, batch.bitmask)
-    greedy_tokens = logits.argmax(dim=-1)
+    greedy_tokens = row_argmax(logits)
     probs = None
     if batch.all_greedy:
         tokens = greedy_tokens
@@ -102,13 +105,19 @@ def sample_rows(logits: torch.Tensor, batch: SamplingBatch) -> SampledRows:
         probs = sampling_probs(logits, batch)
         race = seeded_uniform(batch.seeds, batch.steps, logits.shape[-1]).log_().neg_()
         # Exponential race: argmax(p / E) with E ~ Exp(1) draws a token with probability p (probs stay kept).
-        sampled = torch.div(probs, race, out=race).argmax(dim=-1)
+        sampled = row_argmax(torch.div(probs, race, out=race))
         tokens = torch.where(batch.temperatures == 0, greedy_tokens, sampled)
     logprobs = None
     if raw_logsumexp is not None:
         # A sampled token is never masked, so its logit is still the raw one.
         logprobs = logits.gather(1, tokens[:, None]).squeeze(1) - raw_logsumexp
     return SampledRows(tokens, logprobs, probs, logits, raw_logsumexp)
+
+
+def row_argmax(x: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax (the first index on ties), by ``max`` with indices: 2.7x faster than ``argmax`` over
+    64 rows of a 49K vocabulary on CPU (0.9 against 2.5 ms, 2 threads)."""
+    return x.max(dim=-1).indices
 
 
 def sampling_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

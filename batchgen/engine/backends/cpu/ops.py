@@ -103,13 +103,15 @@ def supports_latent_decode(dtype: torch.dtype) -> bool:
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            sliding_window: int | None = None, softcap: float | None = None,
-                           split_keys: int = SPLIT_KEYS) -> torch.Tensor:
+                           split_keys: int = SPLIT_KEYS, amx: bool | None = None) -> torch.Tensor:
     """Attention of one query per sequence, q (B, Hq, D), over its ``context_lens[i]`` cached keys, read in
     place from the paged caches through ``block_tables``; the signature of the torch backend's
-    ``paged_decode`` (less its max context). fp32 scores and accumulation, output in q's dtype."""
+    ``paged_decode`` (less its max context). fp32 scores and accumulation, output in q's dtype. bf16 scores
+    are multiplied in AMX tiles where the CPU has them (``amx`` as in :func:`varlen_causal_attention`)."""
     out = torch.empty(q.shape, dtype=q.dtype)
+    amx = amx_attention() if amx is None else amx
     torch.ops.batchgen_cpu.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale,
-                                                  sliding_window or 0, softcap or 0.0, split_keys, out)
+                                                  sliding_window or 0, softcap or 0.0, split_keys, amx, out)
     return out
 
 

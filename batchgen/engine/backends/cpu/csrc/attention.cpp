@@ -267,12 +267,10 @@ struct BrgemmWorker {
 };
 
 #if defined(BATCHGEN_AMX)
-// The AMX path's worker: its tiles configured for the thread's items, released after them (and torch's brgemm
-// told so: it keeps the last palette it set per thread and would not set it again).
+// The AMX path's worker: its tiles configured for the thread's items.
 struct AmxWorker {
+  amx::TileSession tiles;
   std::unique_ptr<amx::Scratch> scratch = std::make_unique<amx::Scratch>();
-  AmxWorker() { amx::configure_tiles(); }
-  ~AmxWorker() { at::native::cpublas::brgemm_release(true); }
   void operator()(const Step<at::BFloat16>& a, const Seq& s, int64_t h, int64_t t0, int64_t t1,
                   const at::BFloat16* keys, const at::BFloat16* values) {
     amx::attend_item(a, s, h, t0, t1, keys, values, *scratch);

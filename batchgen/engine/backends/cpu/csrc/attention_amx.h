@@ -19,13 +19,12 @@
 // exponential's integer-exponent form (exp2_fast) and lane-wise reductions keep short.
 #pragma once
 
-#if defined(CPU_CAPABILITY_AVX512) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-#define BATCHGEN_AMX 1
+#include "amx.h"
+
+#if defined(BATCHGEN_AMX)
 
 #include <ATen/ATen.h>
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cstring>
@@ -39,38 +38,13 @@ namespace amx {
 
 using bf16 = at::BFloat16;
 
-constexpr int kRows = 16;  // query rows per tile: the lanes of one fp32 vector
 constexpr int kKeys = 32;  // keys per P^T tile (a bf16 pair per row) and per packed run of V^T
 constexpr int kMaxDim = 256;
-
-// Linux hands a process the AMX tile state only once it asks for it (arch_prctl ARCH_REQ_XCOMP_PERM).
-inline bool tiles_permitted() {
-  static const bool ok = [] {
-    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return ok;
-}
 
 // Whether a step runs here: bf16 pairs of 32 dims per A tile, and q's rows within 32-bit byte offsets of its
 // start (the query rows are gathered by them).
 inline bool supports(int64_t head_dim, int64_t q_bytes) {
   return head_dim % 32 == 0 && head_dim <= kMaxDim && q_bytes < (int64_t{1} << 31) && tiles_permitted();
-}
-
-// All eight tiles 16 rows of 64 bytes: an fp32 16 x 16 block, or a bf16 16 x 32 one. Tiles 0-3 hold O^T (or
-// tile 0 one 16-dim slice of it), 4-5 the scores, 6 the B operand (Q^T, then P^T), 7 the A operand (K, V^T).
-inline void configure_tiles() {
-  struct alignas(64) {
-    uint8_t palette = 1, start_row = 0, reserved[14] = {};
-    uint16_t colsb[16] = {};
-    uint8_t rows[16] = {};
-  } config;
-  for (int t = 0; t < 8; ++t) {
-    config.colsb[t] = 64;
-    config.rows[t] = kRows;
-  }
-  _tile_loadconfig(&config);
 }
 
 inline const bf16* zero_row() {  // what rows past the context read
@@ -128,22 +102,6 @@ struct alignas(64) Scratch {
   float o[kMaxDim * kRows];
   float slice[kRows * kRows];
 };
-
-// 2^x for x <= 127, about 0 from -126 down: the integer part added to the exponent bits, 2^f (|f| <= 1/2) by
-// exp2_ps's degree-3 polynomial. Plain adds, FMAs and one shift instead of exp2_ps's rounding and scaling
-// instructions: the softmax alone ran 1.2x faster with it here.
-inline __m512 exp2_fast(__m512 x) {
-  const __m512 magic = _mm512_set1_ps(12582912.f);  // 1.5 * 2^23: adding it rounds x to an integer in the low bits
-  x = _mm512_max_ps(x, _mm512_set1_ps(-126.f));
-  const __m512 shifted = _mm512_add_ps(x, magic);
-  const __m512 f = _mm512_sub_ps(x, _mm512_sub_ps(shifted, magic));
-  constexpr const float* c = Exp2Poly<3>::c;
-  __m512 poly = _mm512_fmadd_ps(_mm512_set1_ps(c[3]), f, _mm512_set1_ps(c[2]));
-  poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(c[1]));
-  poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(c[0]));
-  return _mm512_castsi512_ps(
-      _mm512_add_epi32(_mm512_castps_si512(poly), _mm512_slli_epi32(_mm512_castps_si512(shifted), 23)));
-}
 
 // The lanes (query rows) that see key `pos`.
 inline __mmask16 sees(__m512i lanes_limit, int64_t pos) {
@@ -225,6 +183,8 @@ inline void rescale_output(Scratch& w, int64_t D, __m512 alpha) {
   for (int t = 0; t < OutTiles; ++t) load_out(t, w.o + t * 16 * kRows);
 }
 
+// Tiles: 0-3 O^T (or tile 0 one 16-dim slice of it), 4-5 the scores, 6 the B operand (Q^T, then P^T), 7 the A
+// operand (K, then V^T).
 // Rows r0 .. r0 + 15 of a work item (rows past `rows` are padding): query head h * G + (r0 + r) % G of token
 // t0 + (r0 + r) / G, over the keys and transposed values packed for (s, h). OutTiles: D / 16 where O^T lives in
 // tiles 0-3 (D <= 64), else 0 (O^T in w.o).

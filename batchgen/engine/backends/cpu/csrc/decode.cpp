@@ -4,18 +4,21 @@
 // Work items are (sequence, KV head, split) (paged.h); every query head of the GQA group runs in the same pass
 // over its KV head's keys and values, walked in chunks of rows with an online softmax and register tiles of
 // several heads (paged.h's attend_rows, shared with the latent op). Scores, softmax and accumulation are fp32;
-// the output is bit-identical for any thread count.
+// the output is bit-identical for any thread count. On CPUs with amx_bf16, bf16 caches' items take
+// decode_amx.h's path instead: the scores in AMX tiles, the heads in vector lanes (the same partials and merge).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
+#include "decode_amx.h"
 #include "paged.h"
 #include "vec.h"
 
 #include <algorithm>
 #include <cmath>
+#include <memory>
 #include <vector>
 
 namespace batchgen_cpu {
@@ -52,9 +55,25 @@ void attend_split(const Decode<T>& a, const Item& it, Scratch& w, float* o, floa
   attend_rows(a.group, w, it.first, it.last, chunk, ahead, o, m, l);
 }
 
+#if defined(BATCHGEN_AMX)
+// One split of one KV head with the scores in AMX tiles (decode_amx.h), into item i's partial.
+void attend_split_in_tiles(const Decode<at::BFloat16>& a, const Item& it, amx::DecodeScratch& w, Partials& partials,
+                           int64_t i) {
+  const int64_t G = a.group.count, D = a.group.key_width;
+  const int32_t* table = a.tables + it.seq * a.tables_row;
+  auto rows_at = [&](int64_t pos, bool value) {  // position pos's row for this KV head
+    const int64_t offset = table[pos / a.block_size] * a.cache_block + (pos % a.block_size) * a.cache_row + it.head * D;
+    return (value ? a.v_cache : a.k_cache) + offset;
+  };
+  amx::decode_item(a.q + it.seq * a.q_row + it.head * G * a.q_head, a.q_head, G, D, a.group.scale, it.first, it.last,
+                   a.cache_row, rows_at, w, partials.o_of(i), partials.m_of(i), partials.l_of(i));
+}
+#endif
+
 void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
-                            int64_t sliding_window, double softcap, int64_t split_keys, const at::Tensor& out) {
+                            int64_t sliding_window, double softcap, int64_t split_keys, bool tiles,
+                            const at::Tensor& out) {
   TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes() && q.stride(2) == 1 && out.is_contiguous(),
               "q must be (B, Hq, D) with contiguous head dims, out contiguous and of q's shape");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
@@ -80,12 +99,25 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
                       v_cache.const_data_ptr<T>(), k_cache.stride(0), k_cache.stride(1), block_size,
                       tables.const_data_ptr<int32_t>(), tables.size(1),
                       Heads{G, D, D, static_cast<float>(scale), static_cast<float>(softcap)}};
-    at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
-      // Scratch a call's items overwrite before reading: private to this call, its contents never carried over.
-      Scratch scratch(a.group, true);
-      for (int64_t i = begin; i < end; ++i)
-        attend_split(a, plan.items[i], scratch, partials.o_of(i), partials.m_of(i), partials.l_of(i));
-    });
+    bool in_tiles = false;
+#if defined(BATCHGEN_AMX)
+    if constexpr (std::is_same_v<T, at::BFloat16>) {
+      in_tiles = tiles && amx::supports_decode(D, block_size, G, softcap);
+      if (in_tiles)
+        at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
+          amx::TileSession session;
+          auto scratch = std::make_unique<amx::DecodeScratch>();
+          for (int64_t i = begin; i < end; ++i) attend_split_in_tiles(a, plan.items[i], *scratch, partials, i);
+        });
+    }
+#endif
+    if (!in_tiles)
+      at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
+        // Scratch a call's items overwrite before reading: private to this call, its contents never carried over.
+        Scratch scratch(a.group, true);
+        for (int64_t i = begin; i < end; ++i)
+          attend_split(a, plan.items[i], scratch, partials.o_of(i), partials.m_of(i), partials.l_of(i));
+      });
     // Combine each (row, KV head)'s splits in split order.
     T* out_p = out.data_ptr<T>();
     at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
@@ -105,7 +137,7 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
 
 TORCH_LIBRARY_FRAGMENT(batchgen_cpu, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens, "
-        "float scale, int sliding_window, float softcap, int split_keys, Tensor(a!) out) -> ()");
+        "float scale, int sliding_window, float softcap, int split_keys, bool tiles, Tensor(a!) out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(batchgen_cpu, CPU, m) {

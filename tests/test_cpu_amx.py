@@ -1,5 +1,6 @@
-"""Prefill attention in AMX tiles (bf16, CPUs with amx_bf16): against fp64 and the op's brgemm path, the running
-max's rescaling, head dims whose output does and does not fit the tiles, and bit-identical results."""
+"""Attention in AMX tiles (bf16, CPUs with amx_bf16). Prefill: against fp64 and the op's brgemm path, the running
+max's rescaling, head dims whose output does and does not fit the tiles, bit-identical results. Decode (scores in
+tiles): against fp64, the torch path and the op's portable path, windows, chunk and split edges, fallbacks."""
 from __future__ import annotations
 
 import os
@@ -11,6 +12,7 @@ import torch
 
 from batchgen.engine.backends.cpu import build, ops
 from batchgen.engine.backends.cpu.features import cpu_features
+from tests.test_cpu_decode import EDGE_CONTEXTS, assert_as_good_as_torch, decode_step, fp64_decode, torch_path
 from tests.test_cpu_kernels import LENGTHS, PREFIXES, ROOT, attention_step, checked_rows, fp64_attention
 
 BF16 = torch.bfloat16
@@ -97,3 +99,51 @@ def test_onednn_isa_cap_below_amx_turns_the_tiles_off(amx):
                             timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip().endswith("amx False")
+
+
+def decode(step, scale: float, use_amx: bool, window=None, softcap=None, split_keys=ops.SPLIT_KEYS):
+    return ops.paged_decode_attention(step.q, step.k_cache, step.v_cache, step.tables, step.context_lens, scale,
+                                      window, softcap, split_keys, amx=use_amx)
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+@pytest.mark.parametrize("group", [1, 3, 8, 16])
+@pytest.mark.parametrize("window", [None, 37, 100], ids=["full", "window-37", "window-100"])
+def test_decode_scores_in_tiles_against_fp64_and_torch(amx, head_dim, group, window):
+    """Contexts on either side of chunk (16), block and split (256) edges; windows that start inside a chunk,
+    with the blocks before them freed (-1): never read."""
+    step = decode_step(BF16, group, head_dim, contexts=EDGE_CONTEXTS, seed=5, kv_heads=2 if group < 8 else 1,
+                       freed_before=window)
+    scale = head_dim ** -0.5
+    tiles, portable = decode(step, scale, True, window), decode(step, scale, False, window)
+    exact, theirs = fp64_decode(step, scale, window), torch_path(step, scale, window)
+    assert tiles.shape == step.q.shape and tiles.dtype == BF16
+    assert_as_good_as_torch(tiles, theirs, exact, BF16)
+    assert_as_good_as_torch(tiles, portable, exact, BF16)
+
+
+def test_decode_splits_that_start_inside_a_chunk(amx):
+    step = decode_step(BF16, 3, 64, seed=6)
+    exact, theirs = fp64_decode(step, 0.125), torch_path(step, 0.125)
+    for split_keys in (7, 40, 1000):
+        assert_as_good_as_torch(decode(step, 0.125, True, split_keys=split_keys), theirs, exact, BF16)
+
+
+def test_decode_in_tiles_is_bit_identical_across_runs_and_thread_counts(amx):
+    step = decode_step(BF16, 3, 64, seed=7)
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for n in (1, 2, 3, 1, 2):
+            torch.set_num_threads(n)
+            outs.append(decode(step, 0.125, True))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(outs[0], out) for out in outs[1:])
+
+
+@pytest.mark.parametrize("softcap, head_dim", [(5.0, 64), (None, 48)], ids=["softcap", "head-dim-48"])
+def test_decode_outside_the_tiles_runs_the_portable_path(amx, softcap, head_dim):
+    """Soft caps and head dims that are no multiple of 32 run the portable path, whatever ``amx`` says."""
+    step = decode_step(BF16, 3, head_dim, seed=8)
+    assert torch.equal(decode(step, 0.2, True, softcap=softcap), decode(step, 0.2, False, softcap=softcap))
