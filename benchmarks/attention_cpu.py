@@ -19,7 +19,7 @@ import torch
 
 from batchgen.engine.backends.cpu.build import load_kernels
 from batchgen.engine.backends.cpu.features import cpu_features
-from batchgen.engine.backends.cpu.ops import amx_attention, varlen_causal_attention
+from batchgen.engine.backends.cpu.ops import amx_tiles, varlen_causal_attention
 from batchgen.engine.backends.interface import AttentionMetadata
 from batchgen.engine.backends.torch.attention import TorchAttentionBackend
 
@@ -91,7 +91,7 @@ def main() -> None:
     print(f"CPU: {cpu_features().describe()}; threads {torch.get_num_threads()}; torch {torch.__version__}")
     shapes = [([n], 0) for n in args.lens] + [([256] * 8, 0), ([512], 1536)]
     torch_backend = TorchAttentionBackend()
-    tiles = amx_attention()
+    tiles = amx_tiles()
     print(f"{'dtype':>8} {'D':>4} {'G':>2} {'case':>16} {'torch GFLOP/s':>14} {'fused GFLOP/s':>14} {'ratio':>6}"
           + (f" {'brgemm GFLOP/s':>15} {'AMX / brgemm':>12}" if tiles else ""))
     for dtype_name in args.dtypes:

@@ -23,7 +23,7 @@ from attention_cpu import add_timing_args, timing_clock
 
 from batchgen.engine.backends.cpu import build
 from batchgen.engine.backends.cpu.features import cpu_features
-from batchgen.engine.backends.cpu.ops import SPLIT_KEYS, amx_attention
+from batchgen.engine.backends.cpu.ops import SPLIT_KEYS, amx_tiles
 from batchgen.engine.backends.torch.attention import paged_decode
 
 BLOCK = 16
@@ -120,7 +120,7 @@ def main() -> None:
           f"amx_bf16 {'yes' if amx else 'no'}; threads {torch.get_num_threads()}; torch {torch.__version__}; "
           f"{args.dtype}, KV heads {args.kv_heads}, group {args.group}, head dim {args.head_dim}; "
           f"{'thread' if args.thread_time else 'wall'} time; load average {Path('/proc/loadavg').read_text()[:14]}")
-    tiles = amx_attention() and dtype == torch.bfloat16  # then also the op without its AMX scores
+    tiles = amx_tiles() and dtype == torch.bfloat16  # then also the op without its AMX scores
     names = (["torch"] if not args.no_torch else []) + (["baseline"] if baseline else []) + \
         (["no AMX"] if tiles else []) + ["fused"]
     print(f"{'B':>4} {'context':>8} " + " ".join(f"{n + ' ms':>12} {n + ' GF/s':>12}" for n in names)

@@ -25,7 +25,7 @@ from decode_workload import linear_shapes, random_prompts, read_bandwidth, roofl
 
 # Profiler op names -> kind of work; the first pattern an op's name contains wins, unmatched aten ops are "other ops".
 KINDS = (
-    ("linear layers", ("small_linear", "_linear_pointwise", "aten::addmm", "aten::mm", "aten::bmm", "aten::matmul",
+    ("linear layers", ("small_linear", "amx_linear", "_linear_pointwise", "aten::addmm", "aten::mm", "aten::bmm", "aten::matmul",
                        "aten::linear", "_weight_int8pack_mm")),
     ("attention", ("decode_attention", "varlen_causal_attention", "scaled_dot_product", "flash_attention",
                    "aten::index_select", "aten::gather")),

@@ -1,6 +1,7 @@
-"""Attention in AMX tiles (bf16, CPUs with amx_bf16). Prefill: against fp64 and the op's brgemm path, the running
-max's rescaling, head dims whose output does and does not fit the tiles, bit-identical results. Decode (scores in
-tiles): against fp64, the torch path and the op's portable path, windows, chunk and split edges, fallbacks."""
+"""The AMX kernels (bf16, CPUs with amx_bf16). Prefill attention: against fp64 and the op's brgemm path, the
+running max's rescaling, head dims whose output does and does not fit the tiles, bit-identical results. Decode
+(scores in tiles): against fp64, the torch path and the op's portable path, windows, chunk and split edges,
+fallbacks. Small-row linears: against fp64 and F.linear, batch invariance, threads, bad input, the routing."""
 from __future__ import annotations
 
 import os
@@ -23,7 +24,7 @@ def amx():
     if "amx_bf16" not in cpu_features().flags:
         pytest.skip("no amx_bf16 on this CPU: bf16 attention runs in brgemm (test_cpu_kernels covers it)")
     assert build.load_kernels(), "the fused CPU kernels failed to build; see the warning above"
-    assert ops.amx_attention(), "built for an AMX CPU, but the AMX path is off"
+    assert ops.amx_tiles(), "built for an AMX CPU, but the AMX path is off"
     return ops
 
 
@@ -93,7 +94,7 @@ def test_onednn_isa_cap_below_amx_turns_the_tiles_off(amx):
     """The tests simulate CPUs without AMX by capping oneDNN's ISA; the AMX path follows that cap."""
     script = ("from batchgen.engine.backends.cpu import build, ops\n"
               "assert build.load_kernels()\n"
-              "print('amx', ops.amx_attention())\n")
+              "print('amx', ops.amx_tiles())\n")
     env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16", "PYTHONPATH": str(ROOT)}
     result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, env=env,
                             timeout=300)
@@ -147,3 +148,76 @@ def test_decode_outside_the_tiles_runs_the_portable_path(amx, softcap, head_dim)
     """Soft caps and head dims that are no multiple of 32 run the portable path, whatever ``amx`` says."""
     step = decode_step(BF16, 3, head_dim, seed=8)
     assert torch.equal(decode(step, 0.2, True, softcap=softcap), decode(step, 0.2, False, softcap=softcap))
+
+
+# Rows around the linear's tiles (16 rows a group, 1, 2 or 4 groups) and outputs around its blocks (16, 4 a unit).
+LINEAR_ROWS = [1, 2, 15, 16, 17, 31, 32, 33, 48, 63, 64]
+
+
+@pytest.mark.parametrize("out_features, in_features", [(16, 32), (48, 96), (960, 576), (576, 1536), (4112, 64)])
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
+def test_amx_linear_against_fp64_and_f_linear(amx, out_features, in_features, with_bias):
+    gen = torch.Generator().manual_seed(out_features)
+    weight = torch.randn(out_features, in_features, generator=gen).to(BF16)
+    bias = torch.randn(out_features, generator=gen).to(BF16) if with_bias else None
+    x = torch.randn(max(LINEAR_ROWS), in_features, generator=gen).to(BF16)
+    for rows in LINEAR_ROWS:
+        out = torch.empty(rows, out_features, dtype=BF16)
+        torch.ops.batchgen_cpu.amx_linear(x[:rows], weight, bias, out)
+        exact = x[:rows].double() @ weight.double().T + (bias.double() if with_bias else 0)
+        reference = torch.nn.functional.linear(x[:rows], weight, bias)
+        # fp32 sums of exact bf16 products, rounded once to bf16 (as oneDNN does): at most its worst error
+        # (a different summation order moves a rounding boundary by an ulp at most).
+        ulp = torch.finfo(BF16).eps * exact.abs().max().item()
+        assert (out.double() - exact).abs().max() <= (reference.double() - exact).abs().max() + ulp, rows
+        # A row's result does not depend on the rows beside it (verification steps get decode's numbers).
+        alone = torch.empty(1, out_features, dtype=BF16)
+        torch.ops.batchgen_cpu.amx_linear(x[rows - 1:rows], weight, bias, alone)
+        assert torch.equal(out[rows - 1], alone[0]), rows
+
+
+def test_amx_linear_is_bit_identical_across_thread_counts(amx):
+    gen = torch.Generator().manual_seed(3)
+    weight, x = torch.randn(960, 576, generator=gen).to(BF16), torch.randn(40, 576, generator=gen).to(BF16)
+    threads = torch.get_num_threads()
+    outs = []
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            outs.append(torch.empty(40, 960, dtype=BF16))
+            torch.ops.batchgen_cpu.amx_linear(x, weight, None, outs[-1])
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(outs[0], out) for out in outs[1:])
+
+
+def test_amx_linear_rejects_what_it_does_not_take(amx):
+    weight, x = torch.randn(48, 64).to(BF16), torch.randn(65, 64).to(BF16)
+    with pytest.raises(RuntimeError, match="at most 64 rows"):
+        torch.ops.batchgen_cpu.amx_linear(x, weight, None, torch.empty(65, 48, dtype=BF16))
+    with pytest.raises(RuntimeError, match="N of 16"):
+        torch.ops.batchgen_cpu.amx_linear(x[:4], weight[:40], None, torch.empty(4, 40, dtype=BF16))
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        torch.ops.batchgen_cpu.amx_linear(x[:4].float(), weight.float(), None, torch.empty(4, 48))
+
+
+def test_amx_rows_method_routes_by_step_size(amx, monkeypatch):
+    """Steps of up to SMALL_ROWS rows take amx_linear; larger ones (prefill) F.linear on the same weight."""
+    from batchgen.engine.backends.cpu import prepack
+    from batchgen.engine.layers.linear import ReplicatedLinear
+
+    layer = ReplicatedLinear(96, 48, bias=True, params_dtype=BF16)
+    with torch.no_grad():
+        layer.weight.normal_()
+        layer.bias.normal_()
+    assert prepack.prepack_linears(torch.nn.Sequential(layer)) == 1 and layer.quant_method is prepack.AMX_ROWS_METHOD
+    calls = []
+    real = torch.ops.batchgen_cpu.amx_linear
+    monkeypatch.setattr(prepack.torch.ops.batchgen_cpu, "amx_linear", lambda *a: calls.append(a[0].shape) or real(*a),
+                        raising=False)
+    for rows in (1, prepack.SMALL_ROWS, prepack.SMALL_ROWS + 1):
+        x = torch.randn(rows, 96).to(BF16)
+        out = layer(x)
+        ulp = torch.finfo(BF16).eps * out.abs().max().item()
+        assert (out.float() - torch.nn.functional.linear(x, layer.weight, layer.bias).float()).abs().max() <= ulp
+    assert calls == [(1, 96), (prepack.SMALL_ROWS, 96)]

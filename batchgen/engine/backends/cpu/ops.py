@@ -67,10 +67,10 @@ def varlen_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
     Sequence i owns rows ``cu_seqlens_q[i]:cu_seqlens_q[i+1]`` and attends to ``context_lens[i]`` keys: the
     first ``context_lens[i] - query_len`` from the paged caches (blocks ``block_tables[i]``), then its own
     new rows. fp32 scores and accumulation; q, k, v, caches and the output share one dtype (fp32 or bf16).
-    bf16 steps run in AMX tiles where the CPU has them (``amx`` None: :func:`amx_attention`), unless ``amx`` is
+    bf16 steps run in AMX tiles where the CPU has them (``amx`` None: :func:`amx_tiles`), unless ``amx`` is
     False: then, as everywhere else, in oneDNN's brgemm micro-kernels.
     """
-    amx = amx_attention() if amx is None else amx
+    amx = amx_tiles() if amx is None else amx
     out = torch.empty(q.shape, dtype=q.dtype)
     torch.ops.batchgen_cpu.varlen_causal_attention(q, k, v, k_cache, v_cache, cu_seqlens_q, context_lens,
                                                    block_tables, scale, kv_block, q_rows, amx, out)
@@ -78,12 +78,12 @@ def varlen_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
 
 
 @lru_cache(maxsize=1)
-def amx_attention() -> bool:
-    """Whether bf16 prefill attention runs in AMX tiles here: the kernels were built for a CPU with amx_bf16, the
-    OS grants the tile state, and oneDNN's ISA cap (``ONEDNN_MAX_CPU_ISA``, with which the tests simulate other
-    CPUs) does not leave AMX out."""
+def amx_tiles() -> bool:
+    """Whether the kernels' AMX paths run here (bf16 attention and small-row linears): they were built for a CPU
+    with amx_bf16, the OS grants the tile state, and oneDNN's ISA cap (``ONEDNN_MAX_CPU_ISA``, with which the
+    tests simulate other CPUs) does not leave AMX out."""
     cap = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "ALL").upper()
-    return (cap == "ALL" or "AMX" in cap) and bool(torch.ops.batchgen_cpu.amx_attention())
+    return (cap == "ALL" or "AMX" in cap) and bool(torch.ops.batchgen_cpu.amx_tiles())
 
 
 # Keys per decode work item (flash-decoding split): fixed, so results do not depend on the thread count.
@@ -109,7 +109,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     ``paged_decode`` (less its max context). fp32 scores and accumulation, output in q's dtype. bf16 scores
     are multiplied in AMX tiles where the CPU has them (``amx`` as in :func:`varlen_causal_attention`)."""
     out = torch.empty(q.shape, dtype=q.dtype)
-    amx = amx_attention() if amx is None else amx
+    amx = amx_tiles() if amx is None else amx
     torch.ops.batchgen_cpu.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale,
                                                   sliding_window or 0, softcap or 0.0, split_keys, amx, out)
     return out

@@ -410,29 +410,14 @@ void varlen_causal_attention(const at::Tensor& q, const at::Tensor& k, const at:
   dispatch(scalar, "varlen_causal_attention", launch);
 }
 
-// Whether bf16 steps run in AMX tiles here (attention_amx.h): built for a CPU with amx_bf16, and the tile state
-// granted by the OS.
-bool amx_attention() {
-#if defined(BATCHGEN_AMX)
-  return amx::tiles_permitted();
-#else
-  return false;
-#endif
-}
-
 }  // namespace
 }  // namespace batchgen_cpu
 
 TORCH_LIBRARY_FRAGMENT(batchgen_cpu, m) {
   m.def("varlen_causal_attention(Tensor q, Tensor k, Tensor v, Tensor k_cache, Tensor v_cache, Tensor cu_seqlens_q, "
         "Tensor context_lens, Tensor block_tables, float scale, int kv_block, int q_rows, bool tiles, Tensor(a!) out) -> ()");
-  m.def("amx_attention() -> bool");
 }
 
 TORCH_LIBRARY_IMPL(batchgen_cpu, CPU, m) {
   m.impl("varlen_causal_attention", &batchgen_cpu::varlen_causal_attention);
-}
-
-TORCH_LIBRARY_IMPL(batchgen_cpu, CompositeExplicitAutograd, m) {
-  m.impl("amx_attention", &batchgen_cpu::amx_attention);
 }
