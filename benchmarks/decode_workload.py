@@ -10,7 +10,8 @@ from dataclasses import dataclass
 import torch
 from batchgen.engine import LLM
 from batchgen.engine.backends.cpu.build import load_kernels
-from batchgen.engine.backends.cpu.prepack import SMALL_ROWS, PrepackedLinear
+from batchgen.engine.backends.cpu.ops import amx_tiles
+from batchgen.engine.backends.cpu.prepack import SMALL_ROWS, PrepackedLinear, amx_rows_fit
 from batchgen.engine.layers.linear import LinearBase, ParallelLMHead
 
 
@@ -33,16 +34,19 @@ def rows_matmul_rate(shapes: list[tuple[int, int]], rows: int, dtype: torch.dtyp
                      seconds: float = 0.15) -> float:
     """FLOP/s of ``x @ W^T`` with ``rows`` rows over the model's distinct linear shapes, weighted as the
     model runs them (each layer once): the rate a decode step of ``rows`` sequences could reach, by the faster
-    of ``F.linear`` and, where the engine would use it, the fused small-row op. A bound is the best the machine
+    of ``F.linear`` and, where the engine would use it, the fused small-row op (fp32) or the AMX one (bf16). A bound is the best the machine
     reaches, so each path's rate is its best of ``windows`` timed windows (a shared machine's slow spells,
     which move a 1-second average by 30-60 % here, would otherwise lower the bound)."""
     mats = {s: torch.randn(*s).to(dtype) for s in set(shapes)}
     inputs = {s: torch.randn(rows, s[1]).to(dtype) for s in set(shapes)}
     flops = sum(2 * rows * n * k for n, k in shapes)
     paths = [lambda s: torch.nn.functional.linear(inputs[s], mats[s])]
-    if dtype == torch.float32 and rows <= SMALL_ROWS and load_kernels():
-        outs = {s: torch.empty(rows, s[0]) for s in set(shapes)}
-        paths.append(lambda s: torch.ops.batchgen_cpu.small_linear(inputs[s], mats[s], None, outs[s]))
+    if rows <= SMALL_ROWS and load_kernels():
+        outs = {s: torch.empty(rows, s[0], dtype=dtype) for s in set(shapes)}
+        if dtype == torch.float32:
+            paths.append(lambda s: torch.ops.batchgen_cpu.small_linear(inputs[s], mats[s], None, outs[s]))
+        elif dtype == torch.bfloat16 and amx_tiles() and all(amx_rows_fit(w, None) for w in mats.values()):
+            paths.append(lambda s: torch.ops.batchgen_cpu.amx_linear(inputs[s], mats[s], None, outs[s]))
 
     def window(path) -> float:
         passes, start = 0, time.perf_counter()

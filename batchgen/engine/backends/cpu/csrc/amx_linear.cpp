@@ -39,18 +39,14 @@ using bf16 = at::BFloat16;
 // or 2 groups and 1 or 2 blocks) in up to 4 accumulator tiles (tile b * groups + g), so that several multiplies are in flight; writes each C^T (16 outputs x
 // 16 rows) to c + 256 * (b * groups + g). A tiles: W's blocks; B tiles: X^T's groups from xt (group_words apart).
 inline void output_blocks(const bf16* w, int64_t K, int64_t n0, const uint32_t* xt, int64_t group_words, int blocks,
-                          int groups, float* c, const char* next, int64_t next_bytes) {
+                          int groups, float* c) {
   const int tiles = blocks * groups;
   _tile_zero(0);
   if (tiles > 1) _tile_zero(1);
   if (tiles > 2) _tile_zero(2);
   if (tiles > 3) _tile_zero(3);
   const int64_t stride = K * 2;
-  const int64_t steps = K / 32, slice = (next_bytes / steps + 63) / 64 * 64;
-  for (int64_t kk = 0; kk < steps; ++kk) {
-    // The next blocks' rows, a slice a step: W's tiles read 16 rows a cache line apart each, which the hardware
-    // prefetchers do not follow.
-    for (int64_t byte = kk * slice; byte < std::min(next_bytes, (kk + 1) * slice); byte += 64) __builtin_prefetch(next + byte);
+  for (int64_t kk = 0; kk < K / 32; ++kk) {
     const bf16* a = w + n0 * K + kk * 32;
     const uint32_t* b = xt + kk * 16 * 16;
     if (groups == 1) {  // up to 4 blocks share X^T's tile (6); their W tiles rotate through 4, 5, 7
@@ -138,10 +134,7 @@ void amx_linear(const at::Tensor& x, const at::Tensor& weight, const std::option
       const int64_t n0 = u < units ? u * 16 * blocks : (units * blocks + (u - units)) * 16;
       for (int64_t g0 = 0; g0 < groups; g0 += 2) {
         const int pass = static_cast<int>(std::min<int64_t>(2, groups - g0));
-        // While the first pass streams these blocks, the next unit's are fetched (a later pass reads these again).
-        const int64_t next_n0 = n0 + 16 * here, next_bytes = g0 == 0 && u + 1 < end ? std::min<int64_t>(16 * blocks, N - next_n0) * K * 2 : 0;
-        output_blocks(w, K, n0, xt.data() + g0 * group_words, group_words, here, pass, c,
-                      reinterpret_cast<const char*>(w + next_n0 * K), next_bytes);
+        output_blocks(w, K, n0, xt.data() + g0 * group_words, group_words, here, pass, c);
         for (int blk = 0; blk < here; ++blk) {
           const __m512 bias16 = b ? bf16x16_to_ps(b + n0 + 16 * blk) : _mm512_setzero_ps();
           for (int64_t row = g0 * 16; row < std::min<int64_t>(M, (g0 + pass) * 16); ++row) {
