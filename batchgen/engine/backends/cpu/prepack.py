@@ -76,9 +76,9 @@ SMALL_ROWS_METHOD = SmallRowsMethod()
 
 class AmxRowsMethod(LinearMethod):
     """A bf16 layer's multiply on a CPU with AMX: steps of at most ``SMALL_ROWS`` rows run ``batchgen_cpu.amx_linear``
-    (the weight's own rows as AMX tiles, streamed once: 1.1-1.8x oneDNN's prepacked linear at 1-64 rows on
-    SmolLM2's shapes), larger ones ``F.linear``, which on these CPUs runs prefill-sized steps as fast as a
-    prepacked copy (0.8-1.0x its time at 2,048 and 7,000 rows), so the layer keeps only its own weight."""
+    (the weight's own rows as AMX tiles, streamed once: 1.1-1.9x oneDNN's prepacked linear at 1-8 rows on
+    SmolLM2's shapes, 0.95-1.2x at 64), larger ones ``F.linear``, which on these CPUs runs prefill-sized steps as
+    fast as a prepacked copy (0.8-1.0x its time at 2,048 and 7,000 rows), so the layer keeps only its own weight."""
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         weight = layer.weight
