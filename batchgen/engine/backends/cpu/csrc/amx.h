@@ -19,6 +19,7 @@ namespace batchgen_cpu {
 namespace amx {
 
 constexpr int kRows = 16;  // rows of a tile, lanes of an fp32 vector
+constexpr int kMaxDim = 256;  // the widest head either attention kernel takes (ops.MAX_HEAD_DIM)
 
 // Linux hands a process the AMX tile state only once it asks for it (arch_prctl ARCH_REQ_XCOMP_PERM).
 inline bool tiles_permitted() {

@@ -39,7 +39,6 @@ namespace amx {
 using bf16 = at::BFloat16;
 
 constexpr int kKeys = 32;  // keys per P^T tile (a bf16 pair per row) and per packed run of V^T
-constexpr int kMaxDim = 256;
 
 // Whether a step runs here: bf16 pairs of 32 dims per A tile, and q's rows within 32-bit byte offsets of its
 // start (the query rows are gathered by them).

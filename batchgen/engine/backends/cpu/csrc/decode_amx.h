@@ -27,22 +27,20 @@
 namespace batchgen_cpu {
 namespace amx {
 
-constexpr int kDecodeMaxDim = 256;
-
 // Whether a decode step runs here: 32 dims per A tile, a chunk of 16 keys within one block, at most 16 heads per
 // KV head (the lanes), and no soft cap (the portable path applies it).
 inline bool supports_decode(int64_t head_dim, int64_t block_size, int64_t group, double softcap) {
-  return head_dim % 32 == 0 && head_dim <= kDecodeMaxDim && block_size % kRows == 0 && group <= kRows &&
+  return head_dim % 32 == 0 && head_dim <= kMaxDim && block_size % kRows == 0 && group <= kRows &&
          softcap == 0.0 && tiles_permitted();
 }
 
 // A thread's scratch: Q^T words (lanes past the group stay zero), a chunk's scores and probabilities (a key per
 // row, a head per lane), and the item's output, a head per row.
 struct alignas(64) DecodeScratch {
-  uint32_t qt[kDecodeMaxDim / 2 * kRows] = {};
+  uint32_t qt[kMaxDim / 2 * kRows] = {};
   float s[kRows * kRows];
   float p[kRows * kRows];
-  float o[kRows * kDecodeMaxDim];
+  float o[kRows * kMaxDim];
 };
 
 // o[g] += sum over keys i in [lo, hi) of p[i][g0 + g] * row_i, for HB heads and V = 16 * DV dims from `dim`.
