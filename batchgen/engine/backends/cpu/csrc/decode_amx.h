@@ -35,12 +35,11 @@ inline bool supports_decode(int64_t head_dim, int64_t block_size, int64_t group,
 }
 
 // A thread's scratch: Q^T words (lanes past the group stay zero), a chunk's scores and probabilities (a key per
-// row, a head per lane), and the item's output, a head per row.
+// row, a head per lane). The output goes straight to the item's partial.
 struct alignas(64) DecodeScratch {
   uint32_t qt[kMaxDim / 2 * kRows] = {};
   float s[kRows * kRows];
   float p[kRows * kRows];
-  float o[kRows * kMaxDim];
 };
 
 // o[g] += sum over keys i in [lo, hi) of p[i][g0 + g] * row_i, for HB heads and V = 16 * DV dims from `dim`.
