@@ -132,21 +132,20 @@ def scoped_ids(out: Path, prefix: str = "") -> list[str]:
             for i in json.loads((folder / f"part-{p.key}.json").read_text())["row_ids"]]
 
 
-def on_job_progress(monkeypatch, condition: Callable[[], bool], then: Callable[[], None]) -> list[bool]:
-    """Runs ``then`` once, at the first of the job's own progress updates (the driver's board reads, while the
-    job runs) at which ``condition`` holds: the job cannot finish before ``then`` acts, and ``then`` never acts
-    on a job that is over. Returns a list that holds True once ``then`` ran."""
-    fired: list[bool] = []
+def on_job_progress(monkeypatch, act: Callable[[], bool]) -> list[bool]:
+    """Calls ``act`` at each of the job's own progress updates (the driver's board reads, while the job runs) until
+    it returns True, that is, until it acted: the job cannot finish before ``act`` had its chances, and ``act``
+    never acts on a job that is over. Returns a list that holds True once ``act`` acted."""
+    acted: list[bool] = []
     real = Progress.advance
 
     def advance(self: Progress, rows: int, prompt_tokens: int, completion_tokens: int) -> None:
         real(self, rows, prompt_tokens, completion_tokens)
-        if not fired and condition():
-            fired.append(True)
-            then()
+        if not acted and act():
+            acted.append(True)
 
     monkeypatch.setattr(Progress, "advance", advance)
-    return fired
+    return acted
 
 
 def close(a: Any, b: Any, tol: float = 1e-4) -> bool:
@@ -269,13 +268,16 @@ def test_a_killed_replica_loses_and_repeats_no_row(ray_cluster, tmp_path, tiny_m
         busy = set(snapshot.running.values())
         return next((r.info.pid for r in snapshot.replicas if r.replica in busy), None)
 
-    def kill_it() -> None:
+    def kill_a_busy_replica() -> bool:
+        """Kills the replica the board names as running a window, if any: one snapshot, so the pid found is the
+        pid killed (a second read could find the window done and nothing to kill)."""
         pid = busy_replica()
         if pid is not None:
             os.kill(pid, signal.SIGKILL)
             killed.append(pid)
+        return pid is not None
 
-    on_job_progress(monkeypatch, lambda: busy_replica() is not None, kill_it)
+    on_job_progress(monkeypatch, kill_a_busy_replica)  # a fast engine can leave no window running at an update
     stats = run_job(spec, quiet=True)
     assert killed, "no replica process to kill"
     rows = check_output(out, stats, ids)
@@ -299,8 +301,13 @@ def test_an_interrupted_ray_job_resumes_under_ray_and_locally(ray_cluster, tmp_p
     out = tmp_path / "out"
     for sig, code in ((signal.SIGTERM, 143), (signal.SIGINT, 130)):
         before = set(scoped_ids(out))
-        sent = on_job_progress(monkeypatch, lambda: bool(set(scoped_ids(out, "r")) - before),
-                               lambda: os.kill(os.getpid(), sig))
+        def stop_once_a_ray_part_lands(sig: int = sig) -> bool:
+            if not set(scoped_ids(out, "r")) - before:
+                return False
+            os.kill(os.getpid(), sig)
+            return True
+
+        sent = on_job_progress(monkeypatch, stop_once_a_ray_part_lands)
         with pytest.raises(JobInterrupted) as e:
             run_job(spec_from_dict(job(tiny_model, files, out, **slow)), quiet=True)
         assert sent and e.value.exit_code == code
