@@ -3,12 +3,16 @@ into a padded batch, SDPA with a mask) and, with ``--baseline REF``, against the
 
 Prints milliseconds per call (medians of ``--repeats`` runs, the variants interleaved run by run, so a shared
 machine's load falls on all of them alike) and GFLOP/s (QK^T and PV: 4 B Hq context D), for each batch and
-context, every row at the same context, the rows' blocks shuffled through the cache. The baseline's sources
+context, every row at the same context, the rows' blocks shuffled through the cache. With ``--layers N``
+each timed call runs the op over N caches in turn and the figures are per cache: as in a model's decode step,
+where each layer reads its own cache, cold (N = 30 at batch 64 holds more than the CPU's caches). The
+baseline's sources
 (``decode.cpp`` and the headers at REF) are built once under another op namespace into the batchgen
 cache; nothing of it is kept in the tree.
 
     python benchmarks/decode_cpu.py                                      # B 1 8 64, context 128 512 2048
     python benchmarks/decode_cpu.py --baseline main --threads 1 --repeats 15
+    python benchmarks/decode_cpu.py --baseline main --batches 64 --contexts 160 --layers 30 --no-torch
 """
 from __future__ import annotations
 
@@ -31,17 +35,18 @@ CSRC = "batchgen/engine/backends/cpu/csrc"
 BASELINE_SOURCE = "decode.cpp"  # built with every header of its revision
 
 
-def case(batch: int, context: int, kv_heads: int, group: int, head_dim: int, dtype: torch.dtype):
-    """q (B, Hq, D) as a view of a fused qkv, shuffled paged caches, block tables and context lengths."""
+def case(batch: int, context: int, kv_heads: int, group: int, head_dim: int, dtype: torch.dtype, layers: int = 1):
+    """q (B, Hq, D) as a view of a fused qkv, ``layers`` pairs of shuffled paged K and V caches (one block
+    table for all), the block tables and context lengths."""
     gen = torch.Generator().manual_seed(0)
     heads = kv_heads * group
     qkv = torch.randn(batch, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
     q = qkv[:, :heads * head_dim].view(batch, heads, head_dim)
     per_row = -(-context // BLOCK)
-    k_cache, v_cache = (torch.randn(batch * per_row, BLOCK, kv_heads, head_dim, generator=gen).to(dtype)
-                        for _ in range(2))
+    caches = [tuple(torch.randn(batch * per_row, BLOCK, kv_heads, head_dim, generator=gen).to(dtype)
+                    for _ in range(2)) for _ in range(layers)]
     tables = torch.randperm(batch * per_row, generator=gen).to(torch.int32).view(batch, per_row)
-    return q, k_cache, v_cache, tables, torch.full((batch,), context, dtype=torch.int32)
+    return q, caches, tables, torch.full((batch,), context, dtype=torch.int32)
 
 
 def load_baseline(ref: str) -> str:
@@ -70,12 +75,17 @@ def load_baseline(ref: str) -> str:
     return namespace
 
 
-def op_call(namespace: str, q, k_cache, v_cache, tables, context_lens, scale: float, tiles: bool | None = None):
-    """A call of ``torch.ops.<namespace>.paged_decode_attention`` into an output allocated here, once; ``tiles``
-    for an op that takes it (the AMX choice; a revision's op from before it does not)."""
+def op_call(namespace: str, q, caches, tables, context_lens, scale: float, tiles: bool | None = None):
+    """Calls of ``torch.ops.<namespace>.paged_decode_attention``, one per (K, V) pair of ``caches``, into an
+    output allocated here, once; ``tiles`` for an op that takes it (the AMX choice; a revision's op from before
+    it does not)."""
     op, out = getattr(torch.ops, namespace).paged_decode_attention, torch.empty_like(q)
     extra = () if tiles is None else (tiles,)
-    return lambda: op(q, k_cache, v_cache, tables, context_lens, scale, 0, 0.0, SPLIT_KEYS, *extra, out)
+
+    def run() -> None:
+        for k_cache, v_cache in caches:
+            op(q, k_cache, v_cache, tables, context_lens, scale, 0, 0.0, SPLIT_KEYS, *extra, out)
+    return run
 
 
 def takes_tiles(namespace: str) -> bool:
@@ -108,6 +118,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--baseline", default=None, help="a git revision whose decode op to time too (e.g. main)")
     ap.add_argument("--no-torch", action="store_true", help="leave torch's path out")
+    ap.add_argument("--layers", type=int, default=1, help="caches each timed call runs over, in turn (cold)")
     add_timing_args(ap)
     args = ap.parse_args()
     clock = timing_clock(args)
@@ -118,7 +129,8 @@ def main() -> None:
     amx = "amx_bf16" in Path("/proc/cpuinfo").read_text()
     print(f"CPU: {cpu_features().describe()}; get_cpu_capability() {torch.backends.cpu.get_cpu_capability()}; "
           f"amx_bf16 {'yes' if amx else 'no'}; threads {torch.get_num_threads()}; torch {torch.__version__}; "
-          f"{args.dtype}, KV heads {args.kv_heads}, group {args.group}, head dim {args.head_dim}; "
+          f"{args.dtype}, KV heads {args.kv_heads}, group {args.group}, head dim {args.head_dim}, "
+          f"{args.layers} cache(s) in turn; "
           f"{'thread' if args.thread_time else 'wall'} time; load average {Path('/proc/loadavg').read_text()[:14]}")
     tiles = amx_tiles() and dtype == torch.bfloat16  # then also the op without its AMX scores
     names = (["torch"] if not args.no_torch else []) + (["baseline"] if baseline else []) + \
@@ -128,17 +140,18 @@ def main() -> None:
     scale = args.head_dim ** -0.5
     for context in args.contexts:
         for batch in args.batches:
-            q, k, v, tables, ctx = case(batch, context, args.kv_heads, args.group, args.head_dim, dtype)
+            q, caches, tables, ctx = case(batch, context, args.kv_heads, args.group, args.head_dim, dtype,
+                                          args.layers)
             # Both ops write into a tensor made once (the wrapper's allocation would cost the fused op alone).
-            fns = {"fused": op_call("batchgen_cpu", q, k, v, tables, ctx, scale, tiles=True)}
+            fns = {"fused": op_call("batchgen_cpu", q, caches, tables, ctx, scale, tiles=True)}
             if baseline:
-                fns["baseline"] = op_call(baseline, q, k, v, tables, ctx, scale,
+                fns["baseline"] = op_call(baseline, q, caches, tables, ctx, scale,
                                           tiles=True if takes_tiles(baseline) else None)
             if tiles:
-                fns["no AMX"] = op_call("batchgen_cpu", q, k, v, tables, ctx, scale, tiles=False)
+                fns["no AMX"] = op_call("batchgen_cpu", q, caches, tables, ctx, scale, tiles=False)
             if not args.no_torch:
-                fns["torch"] = lambda: paged_decode(q, k, v, tables, ctx, context, scale)
-            seconds = interleaved_medians(fns, args.repeats, clock)
+                fns["torch"] = lambda: [paged_decode(q, k, v, tables, ctx, context, scale) for k, v in caches]
+            seconds = {n: t / args.layers for n, t in interleaved_medians(fns, args.repeats, clock).items()}
             flops = 4 * batch * q.shape[1] * context * args.head_dim
             row = " ".join(f"{seconds[n] * 1e3:>12.3f} {flops / seconds[n] / 1e9:>12.1f}" for n in names)
             ratio = f" {seconds['baseline'] / seconds['fused']:>15.2f}" if baseline else ""

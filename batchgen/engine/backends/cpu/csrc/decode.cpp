@@ -1,11 +1,13 @@
 // Fused paged decode attention on CPU: one query token per sequence, keys and values read in place from the
 // paged cache through the block tables (no gather into contiguous tensors).
 //
-// Work items are (sequence, KV head, split) (paged.h); every query head of the GQA group runs in the same pass
-// over its KV head's keys and values, walked in chunks of rows with an online softmax and register tiles of
-// several heads (paged.h's attend_rows, shared with the latent op). Scores, softmax and accumulation are fp32;
-// the output is bit-identical for any thread count. On CPUs with amx_bf16, bf16 caches' items take
-// decode_amx.h's path instead: the scores in AMX tiles, the heads in vector lanes (the same partials and merge).
+// Work items are (sequence, KV head, split) (paged.h). A thread takes a split of a row with all its KV heads
+// and walks it in chunks of positions: each chunk's cache rows (every KV head side by side) are read once, and
+// for each KV head its GQA group's query heads attend them together, with an online softmax and register tiles
+// of several heads (paged.h's attend_chunk, shared with the latent op). Scores, softmax and accumulation are
+// fp32; the output is bit-identical for any thread count. On CPUs with amx_bf16, bf16 caches' items take
+// decode_amx.h's path instead, one item at a time: the scores in AMX tiles, the heads in vector lanes (the same
+// partials and merge).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
@@ -32,27 +34,51 @@ struct Decode {
   Heads group;  // the G query heads of a KV head, keys and values head_dim wide
 };
 
-// One split of one KV head, the group's G heads in one pass: o (G, D) unnormalised, with each head's max m
-// and sum l.
+// One split of a row, every KV head (items it[0..kv_heads), the plan's consecutive items of one split): each
+// chunk's positions are read once for all heads, a row of the cache holding them side by side, so the cache
+// is streamed in its own order rather than one head's slice of every row at a time. Head h's group of G query
+// heads goes into item i0 + h's partial.
 template <typename T>
-void attend_split(const Decode<T>& a, const Item& it, Scratch& w, float* o, float* m, float* l) {
-  const int64_t G = a.group.count, D = a.group.key_width, offset = it.head * D;
-  load_queries(a.q + it.seq * a.q_row + it.head * G * a.q_head, a.q_head, a.group, w.q32.data());
-  const int32_t* table = a.tables + it.seq * a.tables_row;
-  auto chunk = [&](int64_t first, int64_t last, const float** keys, const float** values) {
-    for_each_row(table, a.block_size, a.cache_block, a.cache_row, first, last, [&](int64_t pos, int64_t row) {
-      const int64_t c = pos - first;
-      keys[c] = as_float(a.k_cache + row + offset, w.keys.data() + c * D, D);
-      values[c] = as_float(a.v_cache + row + offset, w.values.data() + c * D, D);
-    });
+void attend_split(const Decode<T>& a, const Item* it, const Item* after, int64_t kv_heads, Scratch& w,
+                  Partials& partials, int64_t i0) {
+  const int64_t G = a.group.count, D = a.group.key_width, first = it[0].first, last = it[0].last;
+  const int64_t row_bytes = kv_heads * D * sizeof(T);
+  Heads all = a.group;
+  all.count = kv_heads * G;
+  load_queries(a.q + it[0].seq * a.q_row, a.q_head, all, w.q32.data());
+  for (int64_t h = 0; h < kv_heads; ++h) start_split(a.group, partials.o_of(i0 + h), partials.m_of(i0 + h),
+                                                    partials.l_of(i0 + h));
+  // The cache offsets of this chunk's rows and of the next chunk's, whose lines are asked for a head's share at
+  // a time: spread over the chunk's work, so the fetches overlap it rather than queue up at its start.
+  // The last chunk asks for the first of the item `after` (the thread's next split; null: none).
+  int64_t rows[kChunk], next[kChunk];
+  auto offsets = [&](const Item& item, int64_t c0, int64_t* out) {
+    const int64_t c1 = std::min(item.last, c0 + kChunk);
+    for_each_row(a.tables + item.seq * a.tables_row, a.block_size, a.cache_block, a.cache_row, c0, c1,
+                 [&](int64_t pos, int64_t row) { out[pos - c0] = row; });
+    return c1 - c0;
   };
-  auto ahead = [&](int64_t first, int64_t last) {
-    for_each_row(table, a.block_size, a.cache_block, a.cache_row, first, last, [&](int64_t, int64_t row) {
-      prefetch(a.k_cache + row + offset, D * sizeof(T));
-      prefetch(a.v_cache + row + offset, D * sizeof(T));
-    });
-  };
-  attend_rows(a.group, w, it.first, it.last, chunk, ahead, o, m, l);
+  offsets(it[0], first, next);
+  const float* keys[kChunk];
+  const float* values[kChunk];
+  for (int64_t c0 = first; c0 < last; c0 += kChunk) {
+    const int64_t c1 = std::min(last, c0 + kChunk), n = c1 - c0;
+    std::copy(next, next + n, rows);
+    const int64_t n_next = c1 < last ? offsets(it[0], c1, next) : after ? offsets(*after, after->first, next) : 0;
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      const int64_t share0 = h * n_next / kv_heads, share1 = (h + 1) * n_next / kv_heads;
+      for (int64_t c = share0; c < share1; ++c) {
+        prefetch(a.k_cache + next[c], row_bytes);
+        prefetch(a.v_cache + next[c], row_bytes);
+      }
+      for (int64_t c = 0; c < n; ++c) {
+        keys[c] = as_float(a.k_cache + rows[c] + h * D, w.keys.data() + c * D, D);
+        values[c] = as_float(a.v_cache + rows[c] + h * D, w.values.data() + c * D, D);
+      }
+      attend_chunk(a.group, w.q32.data() + h * G * D, w, keys, values, n, partials.o_of(i0 + h),
+                   partials.m_of(i0 + h), partials.l_of(i0 + h));
+    }
+  }
 }
 
 #if defined(BATCHGEN_AMX)
@@ -112,11 +138,12 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
     }
 #endif
     if (!in_tiles)
-      at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
+      at::parallel_for(0, num_items / Hkv, 1, [&](int64_t begin, int64_t end) {
         // Scratch a call's items overwrite before reading: private to this call, its contents never carried over.
-        Scratch scratch(a.group, true);
-        for (int64_t i = begin; i < end; ++i)
-          attend_split(a, plan.items[i], scratch, partials.o_of(i), partials.m_of(i), partials.l_of(i));
+        Scratch scratch(a.group, true, Hkv);
+        for (int64_t s = begin; s < end; ++s)
+          attend_split(a, &plan.items[s * Hkv], s + 1 < end ? &plan.items[(s + 1) * Hkv] : nullptr, Hkv, scratch,
+                       partials, s * Hkv);
       });
     // Combine each (row, KV head)'s splits in split order.
     T* out_p = out.data_ptr<T>();

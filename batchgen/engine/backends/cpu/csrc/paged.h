@@ -133,13 +133,13 @@ struct Heads {
   float scale, softcap;  // softcap 0: none
 };
 
-// A thread's scratch, overwritten by each item before it is read: fp32 queries, a chunk's converted key and
-// value rows (bf16 caches only), its scores (heads, kChunk) and each head's rescale factor.
+// A thread's scratch, overwritten by each item before it is read: fp32 queries (of `groups` sets of heads), a
+// chunk's converted key and value rows (bf16 caches only), its scores (heads, kChunk) and each head's rescale.
 struct Scratch {
   std::vector<float> q32, keys, values, scores, rescale;
-  Scratch(const Heads& h, bool separate_values)
-      : q32(h.count * h.key_width), keys(kChunk * h.key_width), values(separate_values ? kChunk * h.value_width : 0),
-        scores(h.count * kChunk), rescale(h.count) {}
+  Scratch(const Heads& h, bool separate_values, int64_t groups = 1)
+      : q32(groups * h.count * h.key_width), keys(kChunk * h.key_width),
+        values(separate_values ? kChunk * h.value_width : 0), scores(h.count * kChunk), rescale(h.count) {}
 };
 
 // q32 (heads, key_width) from `heads` rows of q, head_stride apart.
@@ -235,7 +235,8 @@ inline void chunk_scores(const Heads& h, const float* q32, const float* const* r
 inline void online_softmax(float* s, int64_t n, int64_t heads, float* m, float* l, float* rescale) {
   for (int64_t h = 0; h < heads; ++h) {
     float* row = s + h * kChunk;
-    const float mx = std::max(m[h], *std::max_element(row, row + n));
+    const float mx = std::max(m[h], at::vec::reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); },
+                                                               row, n));
     at::vec::map([mx](Vec x) { return (x - Vec(mx)).exp(); }, row, row, n);
     rescale[h] = std::exp(m[h] - mx);  // 0 for the first chunk (m = -inf)
     l[h] = l[h] * rescale[h] + at::vec::reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, row, n);
@@ -275,27 +276,38 @@ inline void value_tile(float* o, int64_t V, const float* p, const float* rescale
     }
 }
 
+// Starts one split's o (heads, value_width), max m and sum l: nothing attended yet.
+inline void start_split(const Heads& h, float* o, float* m, float* l) {
+  std::fill(o, o + h.count * h.value_width, 0.f);
+  std::fill(m, m + h.count, kNegInf);
+  std::fill(l, l + h.count, 0.f);
+}
+
+// Folds a chunk's n rows (keys[c], values[c]: fp32) into o, m and l; q32 holds the heads' fp32 queries.
+inline void attend_chunk(const Heads& h, const float* q32, Scratch& w, const float* const* keys,
+                         const float* const* values, int64_t n, float* o, float* m, float* l) {
+  const int64_t V = h.value_width;
+  chunk_scores(h, q32, keys, n, w.scores.data());
+  online_softmax(w.scores.data(), n, h.count, m, l, w.rescale.data());
+  in_tiles<kValueHeads>(h.count, [&](auto heads, int64_t g) {
+    value_tile<heads>(o + g * V, V, w.scores.data() + g * kChunk, w.rescale.data() + g, values, n);
+  });
+}
+
 // The rows [first, last) of one split: o (heads, value_width) unnormalised, with each head's max m and sum l.
 // chunk(first, last, keys, values) points keys[c] and values[c] at the fp32 rows of position first + c;
 // ahead(first, last) prefetches those rows.
 template <typename Chunk, typename Ahead>
 void attend_rows(const Heads& h, Scratch& w, int64_t first, int64_t last, Chunk&& chunk, Ahead&& ahead, float* o,
                  float* m, float* l) {
-  const int64_t V = h.value_width;
-  std::fill(o, o + h.count * V, 0.f);
-  std::fill(m, m + h.count, kNegInf);
-  std::fill(l, l + h.count, 0.f);
+  start_split(h, o, m, l);
   const float* keys[kChunk];
   const float* values[kChunk];
   for (int64_t c0 = first; c0 < last; c0 += kChunk) {
     const int64_t c1 = std::min(last, c0 + kChunk), n = c1 - c0;
     chunk(c0, c1, keys, values);
     if (c1 < last) ahead(c1, std::min(last, c1 + kChunk));
-    chunk_scores(h, w.q32.data(), keys, n, w.scores.data());
-    online_softmax(w.scores.data(), n, h.count, m, l, w.rescale.data());
-    in_tiles<kValueHeads>(h.count, [&](auto heads, int64_t g) {
-      value_tile<heads>(o + g * V, V, w.scores.data() + g * kChunk, w.rescale.data() + g, values, n);
-    });
+    attend_chunk(h, w.q32.data(), w, keys, values, n, o, m, l);
   }
 }
 
