@@ -2,12 +2,12 @@
 // paged cache through the block tables (no gather into contiguous tensors).
 //
 // Work items are (sequence, KV head, split) (paged.h). A thread takes a split of a row with all its KV heads
-// and walks it in chunks of positions: each chunk's cache rows (every KV head side by side) are read once, and
-// for each KV head its GQA group's query heads attend them together, with an online softmax and register tiles
-// of several heads (paged.h's attend_chunk, shared with the latent op). Scores, softmax and accumulation are
-// fp32; the output is bit-identical for any thread count. On CPUs with amx_bf16, bf16 caches' items take
-// decode_amx.h's path instead, one item at a time: the scores in AMX tiles, the heads in vector lanes (the same
-// partials and merge).
+// (one KV head at a time where rows are too few to keep every thread busy) and walks it in chunks of
+// positions: each chunk's cache rows (every KV head side by side) are read once, and for each KV head its GQA
+// group's query heads attend them together, with an online softmax and register tiles of several heads
+// (paged.h's attend_chunk, shared with the latent op). Scores, softmax and accumulation are fp32; the output is
+// bit-identical for any thread count. On CPUs with amx_bf16, bf16 caches' items take decode_amx.h's path
+// instead, one item at a time: the scores in AMX tiles, the heads in vector lanes (the same partials and merge).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
@@ -34,28 +34,28 @@ struct Decode {
   Heads group;  // the G query heads of a KV head, keys and values head_dim wide
 };
 
-// One split of a row, every KV head (items it[0..kv_heads), the plan's consecutive items of one split): each
-// chunk's positions are read once for all heads, a row of the cache holding them side by side, so the cache
-// is streamed in its own order rather than one head's slice of every row at a time. Head h's group of G query
-// heads goes into item i0 + h's partial.
+// One split of a row for `span` consecutive KV heads (items it[0..span), consecutive in the plan: the same row
+// and keys, heads it[0].head onwards), walked in chunks of positions: each chunk's cache rows are read once for
+// all those heads, which sit side by side in a row of the cache, so the cache streams in its own order. KV head
+// it[h].head's group of G query heads goes into item i0 + h's partial, computed as it would be alone: how the
+// heads are grouped changes no rounding. The next chunk's lines are asked for a head's share at a time, spread
+// over the chunk's work so the fetches overlap it rather than queue up at its start; the last chunk asks for
+// the first of `after` (the thread's next task; null: none).
 template <typename T>
-void attend_split(const Decode<T>& a, const Item* it, const Item* after, int64_t kv_heads, Scratch& w,
+void attend_split(const Decode<T>& a, const Item* it, const Item* after, int64_t span, Scratch& w,
                   Partials& partials, int64_t i0) {
   const int64_t G = a.group.count, D = a.group.key_width, first = it[0].first, last = it[0].last;
-  const int64_t row_bytes = kv_heads * D * sizeof(T);
-  Heads all = a.group;
-  all.count = kv_heads * G;
-  load_queries(a.q + it[0].seq * a.q_row, a.q_head, all, w.q32.data());
-  for (int64_t h = 0; h < kv_heads; ++h) start_split(a.group, partials.o_of(i0 + h), partials.m_of(i0 + h),
-                                                    partials.l_of(i0 + h));
-  // The cache offsets of this chunk's rows and of the next chunk's, whose lines are asked for a head's share at
-  // a time: spread over the chunk's work, so the fetches overlap it rather than queue up at its start.
-  // The last chunk asks for the first of the item `after` (the thread's next split; null: none).
-  int64_t rows[kChunk], next[kChunk];
+  const int64_t row_bytes = span * D * sizeof(T);
+  Heads heads = a.group;
+  heads.count = span * G;
+  load_queries(a.q + it[0].seq * a.q_row + it[0].head * G * a.q_head, a.q_head, heads, w.q32.data());
+  for (int64_t h = 0; h < span; ++h)
+    start_split(a.group, partials.o_of(i0 + h), partials.m_of(i0 + h), partials.l_of(i0 + h));
+  int64_t rows[kChunk], next[kChunk];  // where the chunk's and the next chunk's rows start (at the first head)
   auto offsets = [&](const Item& item, int64_t c0, int64_t* out) {
     const int64_t c1 = std::min(item.last, c0 + kChunk);
     for_each_row(a.tables + item.seq * a.tables_row, a.block_size, a.cache_block, a.cache_row, c0, c1,
-                 [&](int64_t pos, int64_t row) { out[pos - c0] = row; });
+                 [&](int64_t pos, int64_t row) { out[pos - c0] = row + item.head * D; });
     return c1 - c0;
   };
   offsets(it[0], first, next);
@@ -65,9 +65,8 @@ void attend_split(const Decode<T>& a, const Item* it, const Item* after, int64_t
     const int64_t c1 = std::min(last, c0 + kChunk), n = c1 - c0;
     std::copy(next, next + n, rows);
     const int64_t n_next = c1 < last ? offsets(it[0], c1, next) : after ? offsets(*after, after->first, next) : 0;
-    for (int64_t h = 0; h < kv_heads; ++h) {
-      const int64_t share0 = h * n_next / kv_heads, share1 = (h + 1) * n_next / kv_heads;
-      for (int64_t c = share0; c < share1; ++c) {
+    for (int64_t h = 0; h < span; ++h) {
+      for (int64_t c = h * n_next / span; c < (h + 1) * n_next / span; ++c) {
         prefetch(a.k_cache + next[c], row_bytes);
         prefetch(a.v_cache + next[c], row_bytes);
       }
@@ -137,14 +136,17 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
         });
     }
 #endif
-    if (!in_tiles)
-      at::parallel_for(0, num_items / Hkv, 1, [&](int64_t begin, int64_t end) {
+    if (!in_tiles) {
+      // A task: a split of a row with all its KV heads, or one head where that leaves threads idle (few rows).
+      const int64_t span = num_items / Hkv >= 2 * at::get_num_threads() ? Hkv : 1;
+      at::parallel_for(0, num_items / span, 1, [&](int64_t begin, int64_t end) {
         // Scratch a call's items overwrite before reading: private to this call, its contents never carried over.
-        Scratch scratch(a.group, true, Hkv);
-        for (int64_t s = begin; s < end; ++s)
-          attend_split(a, &plan.items[s * Hkv], s + 1 < end ? &plan.items[(s + 1) * Hkv] : nullptr, Hkv, scratch,
-                       partials, s * Hkv);
+        Scratch scratch(a.group, true, span);
+        for (int64_t t = begin; t < end; ++t)
+          attend_split(a, &plan.items[t * span], t + 1 < end ? &plan.items[(t + 1) * span] : nullptr, span, scratch,
+                       partials, t * span);
       });
+    }
     // Combine each (row, KV head)'s splits in split order.
     T* out_p = out.data_ptr<T>();
     at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
