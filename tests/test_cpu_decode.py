@@ -269,6 +269,19 @@ def stress_runs(kernels, threads: int, repeats: int) -> list[list[torch.Tensor]]
         torch.set_num_threads(previous)
 
 
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_a_row_alone_equals_the_row_among_many(kernels, dtype):
+    """Few rows take one KV head per task, many rows all KV heads of a split per task (and prefetch the next
+    task's rows): either way each head's sums run in one order, so a row's output is bit for bit the same."""
+    contexts = [5, 300, 17, 64, 1, 700, 33, 129] * 2
+    step = decode_step(dtype, 3, 64, contexts=contexts, seed=11, kv_heads=4)
+    together = fused(kernels, step, 0.125, window=200, softcap=3.0)
+    for i in (0, 1, 5, 15):
+        alone = DecodeStep(step.q[i:i + 1], step.k_cache, step.v_cache, step.tables[i:i + 1],
+                           step.context_lens[i:i + 1])
+        assert torch.equal(fused(kernels, alone, 0.125, window=200, softcap=3.0)[0], together[i])
+
+
 def test_bit_identical_across_thread_counts_and_runs(kernels):
     if torch.get_num_threads() < 2:
         pytest.skip("one thread: nothing to compare against")
