@@ -12,10 +12,12 @@ import os
 import re
 import shutil
 import signal
+import threading
 import time
 from collections import Counter
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import pytest
 
@@ -24,7 +26,6 @@ from batchgen.io.manifest import PartId, entry_ids
 from batchgen.pipeline.errors import JobError, JobInterrupted
 from batchgen.pipeline.executors.ray_extra import RAY_EXTRA_HINT
 from batchgen.pipeline.plan import plan_job
-from batchgen.pipeline.progress import Progress
 from batchgen.pipeline.runner import run_job
 from batchgen.pipeline.spec import spec_from_dict
 from batchgen.report.data import load_report_data
@@ -132,20 +133,29 @@ def scoped_ids(out: Path, prefix: str = "") -> list[str]:
             for i in json.loads((folder / f"part-{p.key}.json").read_text())["row_ids"]]
 
 
-def on_job_progress(monkeypatch, act: Callable[[], bool]) -> list[bool]:
-    """Calls ``act`` at each of the job's own progress updates (the driver's board reads, while the job runs) until
-    it returns True, that is, until it acted: the job cannot finish before ``act`` had its chances, and ``act``
-    never acts on a job that is over. Returns a list that holds True once ``act`` acted."""
+@contextmanager
+def acting_while_it_runs(act: Callable[[], bool]) -> Iterator[list[bool]]:
+    """Calls ``act`` every 10 ms, in a thread of its own, while the block runs, until it returns True (it acted).
+    Looking that often, rather than at the driver's 0.5-second progress updates, ``act`` finds the job mid-way
+    even where a fast engine runs every window between two updates. Yields a list that holds True once ``act``
+    acted."""
     acted: list[bool] = []
-    real = Progress.advance
+    done = threading.Event()
 
-    def advance(self: Progress, rows: int, prompt_tokens: int, completion_tokens: int) -> None:
-        real(self, rows, prompt_tokens, completion_tokens)
-        if not acted and act():
-            acted.append(True)
+    def watch() -> None:
+        while not done.is_set():
+            if act():
+                acted.append(True)
+                return
+            done.wait(0.01)
 
-    monkeypatch.setattr(Progress, "advance", advance)
-    return acted
+    watcher = threading.Thread(target=watch, name="test-watcher", daemon=True)
+    watcher.start()
+    try:
+        yield acted
+    finally:
+        done.set()
+        watcher.join(timeout=30)
 
 
 def close(a: Any, b: Any, tol: float = 1e-4) -> bool:
@@ -228,8 +238,11 @@ def test_two_replicas_give_the_local_rows(ray_cluster, tmp_path, tiny_model, tin
     assert by_id(rows)["r3#dup1"]["error"]["code"] == "duplicate_id"
     ex = stats["executor"]
     assert ex["kind"] == "ray" and ex["num_replicas"] == 2 and ex["retried_windows"] == 0
+    # Which replica takes which window is Ray's choice: a fast engine lets the one ready first take them all
+    # (the other may not even have registered, its model still loading, when the last window ends).
+    assert 1 <= len(ex["replicas"]) <= 2, ex["replicas"]
     working = [r for r in ex["replicas"] if r["rows"]]
-    assert len(working) == 2, ex["replicas"]  # both replicas did work
+    assert working, ex["replicas"]
     assert sum(r["rows"] for r in ex["replicas"]) == stats["rows"] == stats["this_run"]["rows"] == len(ids)
     assert sum(r["completion_tokens"] for r in ex["replicas"]) == stats["completion_tokens"]
     assert all(r["rows_per_s"] > 0 and r["generated_tokens_per_s"] > 0 for r in working)
@@ -248,7 +261,7 @@ def test_two_replicas_give_the_local_rows(ray_cluster, tmp_path, tiny_model, tin
 
 
 @pytest.mark.timeout(400)
-def test_a_killed_replica_loses_and_repeats_no_row(ray_cluster, tmp_path, tiny_model, tiny_llm, monkeypatch):
+def test_a_killed_replica_loses_and_repeats_no_row(ray_cluster, tmp_path, tiny_model, tiny_llm):
     files, ids = job_inputs(tmp_path)
     reference = tmp_path / "reference"
     slow = {"batching": {"sort_window": 2}, "engine": {"max_num_seqs": 2, "kv_cache_memory": 64 << 20},
@@ -257,29 +270,37 @@ def test_a_killed_replica_loses_and_repeats_no_row(ray_cluster, tmp_path, tiny_m
     out = tmp_path / "out"
     spec = spec_from_dict(job(tiny_model, files, out, **slow))
     killed: list[int] = []
+    seen: Counter[str] = Counter()  # what the watcher found at each look, for the failure message
 
     def busy_replica() -> int | None:
         """The pid of a replica running a window, read from the job's board once a part is committed."""
         manifest = out / "_manifest"
         runs = {p.scope.split("-")[0] for p in entry_ids(os.listdir(manifest))} if manifest.exists() else set()
         if not runs:
+            seen["no part committed yet"] += 1
             return None
         snapshot = ray.get(ray.get_actor(board_name(runs.pop())).snapshot.remote())
         busy = set(snapshot.running.values())
-        return next((r.info.pid for r in snapshot.replicas if r.replica in busy), None)
+        pid = next((r.info.pid for r in snapshot.replicas if r.replica in busy), None)
+        seen["no window running" if pid is None else "a window running"] += 1
+        return pid
 
     def kill_a_busy_replica() -> bool:
-        """Kills the replica the board names as running a window, if any: one snapshot, so the pid found is the
-        pid killed (a second read could find the window done and nothing to kill)."""
-        pid = busy_replica()
+        """Kills the first replica the board names as running a window: one read, so the pid found is the pid
+        killed."""
+        try:
+            pid = busy_replica()
+        except (ValueError, ray.exceptions.RayError) as e:  # the board not up yet, or gone with the job
+            seen[type(e).__name__] += 1
+            return False
         if pid is not None:
             os.kill(pid, signal.SIGKILL)
             killed.append(pid)
         return pid is not None
 
-    on_job_progress(monkeypatch, kill_a_busy_replica)  # a fast engine can leave no window running at an update
-    stats = run_job(spec, quiet=True)
-    assert killed, "no replica process to kill"
+    with acting_while_it_runs(kill_a_busy_replica):
+        stats = run_job(spec, quiet=True)
+    assert killed, f"no replica process to kill; the watcher saw: {dict(seen)}"
     rows = check_output(out, stats, ids)
     same_rows(rows, read_output(str(reference)))
     assert Counter(scoped_ids(out)).most_common(1)[0][1] == 1  # each row in one committed part
@@ -292,7 +313,7 @@ def test_a_killed_replica_loses_and_repeats_no_row(ray_cluster, tmp_path, tiny_m
 
 @pytest.mark.timeout(500)
 def test_an_interrupted_ray_job_resumes_under_ray_and_locally(ray_cluster, tmp_path, tiny_model, tiny_llm,
-                                                             engine_calls, monkeypatch):
+                                                             engine_calls):
     # after a stop, the windows already running finish: up to 2 replicas x WINDOWS_AT_ONCE + 1 windows in flight,
     # each 2 rows; three times the rows leave each interrupted run more than that to do
     files, ids = job_inputs(tmp_path, scale=3)
@@ -307,8 +328,7 @@ def test_an_interrupted_ray_job_resumes_under_ray_and_locally(ray_cluster, tmp_p
             os.kill(os.getpid(), sig)
             return True
 
-        sent = on_job_progress(monkeypatch, stop_once_a_ray_part_lands)
-        with pytest.raises(JobInterrupted) as e:
+        with acting_while_it_runs(stop_once_a_ray_part_lands) as sent, pytest.raises(JobInterrupted) as e:
             run_job(spec_from_dict(job(tiny_model, files, out, **slow)), quiet=True)
         assert sent and e.value.exit_code == code
         committed = scoped_ids(out)
