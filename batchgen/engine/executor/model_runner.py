@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 import torch
 
+from batchgen.engine.backends.cpu.memory import keep_freed_memory
 from batchgen.engine.backends.interface import AttentionMetadata
 from batchgen.engine.backends.select import default_backend, make_kernel_set
 from batchgen.engine.backends.torch.ops import fused_moe
@@ -47,6 +48,8 @@ class ModelRunner:
         self.engine, self.model_cfg, self.parallel = engine, model_cfg, parallel
         self.device, self.dtype = device or engine.torch_device(), engine.torch_dtype
         self.block_size, self.max_model_len = engine.block_size, max_model_len
+        if self.device.type == "cpu":
+            keep_freed_memory()
         self.backend = engine.attention_backend or default_backend(self.device)
         self.kernels = make_kernel_set(self.backend)
         spec = SpeculativeConfig.from_dict(engine.speculative_config)
