@@ -190,6 +190,26 @@ def test_elementwise_ops_against_torch(kernels, dtype):
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
 
 
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["fp32", "bf16"])
+def test_row_argmax_matches_torch_max_with_ties_nans_and_tails(kernels, dtype):
+    if dtype not in kernels.usable_dtypes():
+        pytest.skip(f"{dtype} runs through torch on this CPU")
+    gen = torch.Generator().manual_seed(2)
+    for rows, width in ((1, 49152), (64, 49152), (5, 1), (7, 37), (3, 33)):
+        x = torch.randn(rows, width, generator=gen).to(dtype)
+        assert torch.equal(kernels.row_argmax(x), x.max(dim=-1).indices), (rows, width)
+    x = torch.randn(6, 1000, generator=gen).round().to(dtype)  # many ties: the first index wins
+    x[1, 500], x[1, 900] = 9.0, 9.0
+    x[2, 999] = 9.0  # in the tail past the last full vector of 32
+    x[3, 40], x[3, 10] = float("nan"), float("nan")
+    x[4, :] = float("-inf")
+    x[5, 3], x[5, 998] = float("inf"), float("nan")
+    ours, ref = kernels.row_argmax(x), x.max(dim=-1).indices
+    assert ours.tolist() == ref.tolist() and ours[1] == 500 and ours[3] == 10 and ours[5] == 998
+    wide = torch.randn(4, 3000, generator=gen).to(dtype)
+    assert torch.equal(kernels.row_argmax(wide[:, 7:2000]), wide[:, 7:2000].max(dim=-1).indices)  # strided rows
+
+
 def test_engine_runs_the_fused_kernels_and_matches_the_torch_backend(kernels, tiny_model, monkeypatch):
     """Chunked prefill, mixed prefill/decode steps and prefix-cache hits all go through the fused op, the
     decode-only steps through the decode op (all their rows in one call per layer)."""

@@ -130,6 +130,7 @@ class KernelSet:
     mla: MLABackend  # latent attention
     accept_drafts: Callable  # speculative verification: the tokens each row keeps (see torch.ops.accept_drafts)
     reject_drafts: Callable  # the same with sampled drafts: rejection sampling (see torch.ops.reject_drafts)
+    row_argmax: Callable  # each row's first largest value, for sampling (see sampling.sampler.row_argmax)
     prepare_model: Callable[[nn.Module], None] = keep_weights
     # y = x @ dequant(weight)^T (+ bias) with FP8 weights and scales; None: the set has no FP8 GEMM.
     fp8_linear: Callable | None = None

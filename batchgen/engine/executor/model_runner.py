@@ -193,7 +193,7 @@ class ModelRunner:
             return LaunchedStep(self, start, prepare_s, padded=padded, saved_kv=saved, hidden=hidden)
         if step.has_drafts:
             return self._verify(step, logits, start, prepare_s, saved, hidden)
-        sampled = sample_rows(logits, step.sampling.to_batch(self.device, step.bitmask))
+        sampled = sample_rows(logits, step.sampling.to_batch(self.device, step.bitmask), self.kernels.row_argmax)
         self._last_tokens = sampled.tokens
         launched = LaunchedStep(self, start, prepare_s, self._to_host(sampled.tokens),
                                 self._to_host(sampled.logprobs), padded, saved_kv=saved, hidden=hidden,

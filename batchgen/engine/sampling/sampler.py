@@ -3,6 +3,7 @@ depend on the batch."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -88,16 +89,19 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, to
     return sampled.tokens, sampled.logprobs
 
 
-def sample_rows(logits: torch.Tensor, batch: SamplingBatch) -> SampledRows:
-    """Samples every row (see :func:`sample`) and keeps the distributions it sampled from."""
+def sample_rows(logits: torch.Tensor, batch: SamplingBatch,
+                argmax: Callable[[torch.Tensor], torch.Tensor] | None = None) -> SampledRows:
+    """Samples every row (see :func:`sample`) and keeps the distributions it sampled from; ``argmax`` (the
+    kernel set's ``row_argmax``; :func:`row_argmax` by default) finds each row's first largest value."""
+    argmax = argmax or row_argmax
     if batch.all_greedy and batch.bitmask is None and not batch.want_logprobs:
         # Nothing here needs fp32 logits: the argmax of the raw ones (a 64 x 49K fp32 copy cost more than it).
-        return SampledRows(row_argmax(logits), None, None, logits, None)
+        return SampledRows(argmax(logits), None, None, logits, None)
     logits = logits.float()
     raw_logsumexp = logits.logsumexp(dim=-1) if batch.want_logprobs else None
     if batch.bitmask is not None:
         apply_token_bitmask(logits, batch.bitmask)
-    greedy_tokens = row_argmax(logits)
+    greedy_tokens = argmax(logits)
     probs = None
     if batch.all_greedy:
         tokens = greedy_tokens
@@ -105,7 +109,7 @@ def sample_rows(logits: torch.Tensor, batch: SamplingBatch) -> SampledRows:
         probs = sampling_probs(logits, batch)
         race = seeded_uniform(batch.seeds, batch.steps, logits.shape[-1]).log_().neg_()
         # Exponential race: argmax(p / E) with E ~ Exp(1) draws a token with probability p (probs stay kept).
-        sampled = row_argmax(torch.div(probs, race, out=race))
+        sampled = argmax(torch.div(probs, race, out=race))
         tokens = torch.where(batch.temperatures == 0, greedy_tokens, sampled)
     logprobs = None
     if raw_logsumexp is not None:

@@ -14,4 +14,5 @@ def cpu_kernels() -> dict[str, object] | None:
     if not load_kernels() or not ops.usable_dtypes():
         return None
     return dict(attention=CpuAttentionBackend(), rms_norm=ops.rms_norm, apply_rotary=ops.apply_rotary,
-                silu_and_mul=ops.silu_and_mul, mla=CpuMLABackend(), prepare_model=prepack_linears)
+                silu_and_mul=ops.silu_and_mul, mla=CpuMLABackend(), row_argmax=ops.row_argmax,
+                prepare_model=prepack_linears)

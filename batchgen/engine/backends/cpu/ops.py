@@ -12,6 +12,7 @@ from functools import lru_cache
 import torch
 
 from batchgen.engine.backends.torch import ops as torch_ops
+from batchgen.engine.sampling.sampler import row_argmax as torch_row_argmax
 
 log = logging.getLogger(__name__)
 
@@ -150,6 +151,15 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         return torch_ops.silu_and_mul(x)
     out = x.new_empty(x.shape[0], x.shape[1] // 2)
     torch.ops.batchgen_cpu.silu_and_mul(x, out)
+    return out
+
+
+def row_argmax(x: torch.Tensor) -> torch.Tensor:
+    """Each row's first largest value's index (a row holding NaN: its first NaN), as ``x.max(-1).indices``."""
+    if x.dtype not in usable_dtypes() or x.dim() != 2 or x.stride(1) != 1:
+        return torch_row_argmax(x)
+    out = torch.empty(x.shape[0], dtype=torch.long)
+    torch.ops.batchgen_cpu.row_argmax(x, out)
     return out
 
 

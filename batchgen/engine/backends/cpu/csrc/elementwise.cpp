@@ -1,6 +1,6 @@
 // One-pass CPU versions of the decoder's elementwise work: RMSNorm (with the residual add), neox rotary,
-// SiLU-and-mul, and the paged KV store. Each reads and writes its tensors once and computes in fp32,
-// rounding to the tensor's dtype once at the end (torch's ops round after every step in bf16).
+// SiLU-and-mul, the paged KV store, and greedy sampling's row argmax. Each reads and writes its tensors once
+// and computes in fp32, rounding to the tensor's dtype once at the end (torch's ops round after every step in bf16).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 
 namespace batchgen_cpu {
 namespace {
@@ -197,6 +198,53 @@ void silu_and_mul(const at::Tensor& x, const at::Tensor& out) {
   });
 }
 
+// First index of the largest value of each row of x (R, V) into out (R,), int64; a row holding NaN gives its first
+// NaN, as torch's max does. Two passes over the row: a lane-wise max, then the first lane equal to it.
+template <typename T>
+int64_t argmax_row(const T* x, int64_t n) {
+  Vec best(-std::numeric_limits<float>::infinity());
+  int64_t j = 0;
+  for (; j + W <= n; j += W) {
+    Vec a0, a1;
+    load2(x + j, a0, a1);
+    best = at::vec::maximum(best, at::vec::maximum(a0, a1));
+  }
+  float m = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, best);
+  for (int64_t t = j; t < n; ++t) {
+    const float v = static_cast<float>(x[t]);
+    m = std::isnan(v) || std::isnan(m) ? std::numeric_limits<float>::quiet_NaN() : std::max(m, v);
+  }
+  if (std::isnan(m)) {
+    for (int64_t t = 0; t < n; ++t)
+      if (std::isnan(static_cast<float>(x[t]))) return t;
+  }
+  const Vec target(m);
+  for (j = 0; j + W <= n; j += W) {
+    Vec a0, a1;
+    load2(x + j, a0, a1);
+    const int lo = (a0 != target).zero_mask(), hi = (a1 != target).zero_mask();  // lanes equal to m
+    if (lo | hi) return j + (lo ? __builtin_ctz(lo) : Vec::size() + __builtin_ctz(hi));
+  }
+  for (; j < n; ++j)
+    if (static_cast<float>(x[j]) == m) return j;
+  return 0;  // an empty row
+}
+
+void row_argmax(const at::Tensor& x, const at::Tensor& out) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be (rows, values) with contiguous rows");
+  TORCH_CHECK(out.dim() == 1 && out.size(0) == x.size(0) && out.scalar_type() == at::kLong && out.is_contiguous(),
+              "out must be int64 (rows,)");
+  const int64_t n = x.size(1);
+  dispatch(x.scalar_type(), "row_argmax", [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const T* xp = x.const_data_ptr<T>();
+    int64_t* op = out.data_ptr<int64_t>();
+    at::parallel_for(0, x.size(0), grain(n), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) op[r] = argmax_row(xp + r * x.stride(0), n);
+    });
+  });
+}
+
 // k, v (T, Hkv, D) into the paged caches (blocks, block_size, Hkv, D) at flat slots; slot -1 is skipped.
 void store_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache, const at::Tensor& v_cache,
               const at::Tensor& slot_mapping) {
@@ -234,6 +282,7 @@ TORCH_LIBRARY_FRAGMENT(batchgen_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor? residual, Tensor weight, float eps, Tensor(a!) out, Tensor(b!)? residual_out) -> ()");
   m.def("apply_rotary(Tensor(a!) q, Tensor(b!) k, Tensor positions, Tensor cos_sin_cache) -> ()");
   m.def("silu_and_mul(Tensor x, Tensor(a!) out) -> ()");
+  m.def("row_argmax(Tensor x, Tensor(a!) out) -> ()");
   m.def("store_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
 }
 
@@ -241,5 +290,6 @@ TORCH_LIBRARY_IMPL(batchgen_cpu, CPU, m) {
   m.impl("rms_norm", &batchgen_cpu::rms_norm);
   m.impl("apply_rotary", &batchgen_cpu::apply_rotary);
   m.impl("silu_and_mul", &batchgen_cpu::silu_and_mul);
+  m.impl("row_argmax", &batchgen_cpu::row_argmax);
   m.impl("store_kv", &batchgen_cpu::store_kv);
 }
