@@ -29,9 +29,10 @@ KINDS = (
                        "aten::linear", "_weight_int8pack_mm")),
     ("attention", ("decode_attention", "varlen_causal_attention", "scaled_dot_product", "flash_attention",
                    "aten::index_select", "aten::gather")),
+    ("sampler", ("row_argmax", "aten::argmax", "aten::max", "aten::logsumexp", "aten::softmax", "aten::sort",
+                 "aten::topk")),
     ("norm/rotary/activation/kv store", ("batchgen_cpu::", "rms_norm", "silu", "aten::mul", "aten::add",
                                          "aten::rsqrt", "aten::pow", "aten::mean", "aten::index_copy")),
-    ("sampler", ("aten::argmax", "aten::max", "aten::logsumexp", "aten::softmax", "aten::sort", "aten::topk")),
 )
 
 
