@@ -25,7 +25,7 @@ import torch
 from batchgen.engine.backends.interface import KernelSet
 from batchgen.engine.backends.torch.ops import accept_drafts
 from batchgen.engine.executor.step import SamplingRows
-from batchgen.engine.sampling.sampler import SamplingBatch, sample, sample_rows, seeded_uniform
+from batchgen.engine.sampling.sampler import SamplingBatch, sample_rows, seeded_uniform
 from batchgen.engine.transfer import to_device
 
 # Salts on a request's seed for the noise of rejection sampling, apart from the plain sampler's own (the
@@ -99,10 +99,9 @@ def verify(logits: torch.Tensor, batch: SamplingBatch, drafts: Sequence[Sequence
            draft_probs: Sequence[torch.Tensor | None], kernels: KernelSet) -> AcceptedTokens:
     """Samples every verified position (``batch``: one row each) and keeps each row's accepted drafts: by the
     deterministic rule, or by rejection sampling for the rows whose drafts were sampled (``draft_probs``)."""
+    sampled = sample_rows(logits, batch, kernels.row_argmax)
     if all(q is None for q in draft_probs):
-        tokens, logprobs = sample(logits, batch)
-        return accept(tokens, logprobs, drafts, kernels.accept_drafts)
-    sampled = sample_rows(logits, batch)
+        return accept(sampled.tokens, sampled.logprobs, drafts, kernels.accept_drafts)
     device = sampled.tokens.device
     q_starts, at = [], 0
     for d, q in zip(drafts, draft_probs, strict=True):
