@@ -2,8 +2,9 @@
 against batchgen's fused latent decode op (rows read in place from the paged latent cache).
 
 Prints milliseconds per call of both (medians of ``--repeats``), their ratio and the fused op's GFLOP/s (QK^T
-over the R + P wide rows and PV over their first R dims), for each batch and context, every row at the
-same context, the rows' blocks shuffled through the cache.
+over the R + P wide rows and PV over their first R dims) and the rate at which it reads the cache (GB/s), for
+each batch and context, every row at the same context, the rows' blocks shuffled through the cache. bf16 on
+CPUs with AMX also times the op's portable path (``amx=False``) against its tiles.
 
     python benchmarks/mla_decode_cpu.py                                  # B 1 8 64, context 512 2048, fp32
     python benchmarks/mla_decode_cpu.py --batches 64 --contexts 4096 --threads 1
@@ -17,7 +18,7 @@ from attention_cpu import median_seconds
 
 from batchgen.engine.backends.cpu.build import load_kernels
 from batchgen.engine.backends.cpu.features import cpu_features
-from batchgen.engine.backends.cpu.ops import latent_decode_attention
+from batchgen.engine.backends.cpu.ops import amx_tiles, latent_decode_attention
 from batchgen.engine.backends.torch.mla import TorchMLABackend
 
 BLOCK = 16
@@ -52,7 +53,9 @@ def main() -> None:
     print(f"CPU: {cpu_features().describe()}; get_cpu_capability() {torch.backends.cpu.get_cpu_capability()}; "
           f"threads {torch.get_num_threads()}; torch {torch.__version__}; {args.dtype}, H {args.heads}, "
           f"R {args.rank}, P {args.rope}")
-    print(f"{'B':>4} {'context':>8} {'torch ms':>10} {'fused ms':>10} {'ratio':>6} {'fused GFLOP/s':>14}")
+    tiles = dtype == torch.bfloat16 and amx_tiles()
+    print(f"{'B':>4} {'context':>8} {'torch ms':>10} {'fused ms':>10} {'ratio':>6} {'fused GFLOP/s':>14} "
+          f"{'cache GB/s':>10}" + (f" {'portable ms':>12} {'AMX / portable':>15}" if tiles else ""))
     torch_backend, scale = TorchMLABackend(), 192 ** -0.5
     for context in args.contexts:
         for batch in args.batches:
@@ -62,8 +65,14 @@ def main() -> None:
             fused = median_seconds(lambda: latent_decode_attention(q, cache, tables, ctx, args.rank, scale),
                                    args.repeats)
             flops = 2 * batch * args.heads * context * (2 * args.rank + args.rope)
-            print(f"{batch:>4} {context:>8} {ref * 1e3:>10.2f} {fused * 1e3:>10.2f} {ref / fused:>6.2f} "
-                  f"{flops / fused / 1e9:>14.1f}", flush=True)
+            cache_bytes = batch * context * (args.rank + args.rope) * cache.element_size()
+            line = (f"{batch:>4} {context:>8} {ref * 1e3:>10.2f} {fused * 1e3:>10.2f} {ref / fused:>6.2f} "
+                    f"{flops / fused / 1e9:>14.1f} {cache_bytes / fused / 1e9:>10.1f}")
+            if tiles:
+                portable = median_seconds(
+                    lambda: latent_decode_attention(q, cache, tables, ctx, args.rank, scale, amx=False), args.repeats)
+                line += f" {portable * 1e3:>12.2f} {portable / fused:>15.2f}"
+            print(line, flush=True)
 
 
 if __name__ == "__main__":

@@ -118,13 +118,15 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 def latent_decode_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
                             context_lens: torch.Tensor, value_dim: int, scale: float,
-                            split_keys: int = SPLIT_KEYS) -> torch.Tensor:
+                            split_keys: int = SPLIT_KEYS, amx: bool | None = None) -> torch.Tensor:
     """MLA's absorbed decode: q (B, H, R + P), all heads over one latent head, the rows of the paged latent
     cache (num_blocks, block_size, R + P) read in place; the values are the rows' first ``value_dim`` dims.
-    Returns (B, H, value_dim) in q's dtype; fp32 scores and accumulation."""
+    Returns (B, H, value_dim) in q's dtype; fp32 scores and accumulation. bf16 steps multiply in AMX tiles
+    where the CPU has them (``amx`` as in :func:`varlen_causal_attention`)."""
     out = q.new_empty(q.shape[0], q.shape[1], value_dim)
+    amx = amx_tiles() if amx is None else amx
     torch.ops.batchgen_cpu.latent_decode_attention(q, cache, block_tables, context_lens, value_dim, scale,
-                                                   split_keys, out)
+                                                   split_keys, amx, out)
     return out
 
 

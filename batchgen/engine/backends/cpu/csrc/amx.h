@@ -69,6 +69,25 @@ inline __m512 exp2_fast(__m512 x) {
       _mm512_add_epi32(_mm512_castps_si512(poly), _mm512_slli_epi32(_mm512_castps_si512(shifted), 23)));
 }
 
+// The lazy rescale both decode kernels share: where a head's (lane's) new max `top` passes its running max m by
+// kRescaleLog2 doublings, m moves there and that head's output so far, row h of o (`width` floats, rows `stride`
+// apart, the first `heads` lanes), is scaled by 2^(old m - new m). Returns the factors (1 where m stayed).
+inline __m512 raise_max(__m512& m, __m512 top, float* o, int64_t heads, int64_t width, int64_t stride) {
+  const __m512 ones = _mm512_set1_ps(1.f);
+  const __mmask16 grow = _mm512_cmp_ps_mask(top, _mm512_add_ps(m, _mm512_set1_ps(kRescaleLog2)), _CMP_GT_OQ);
+  if (!grow) return ones;
+  const __m512 m_new = _mm512_mask_mov_ps(m, grow, top);
+  const __m512 alpha = _mm512_mask_mov_ps(ones, grow, exp2_ps<6>(_mm512_sub_ps(m, m_new)));
+  alignas(64) float factor[kRows];
+  _mm512_store_ps(factor, alpha);
+  for (int64_t h = 0; h < heads; ++h)
+    if (factor[h] != 1.f)
+      for (int64_t d = 0; d < width; d += 16)
+        _mm512_storeu_ps(o + h * stride + d, _mm512_mul_ps(_mm512_loadu_ps(o + h * stride + d), _mm512_set1_ps(factor[h])));
+  m = m_new;
+  return alpha;
+}
+
 }  // namespace amx
 }  // namespace batchgen_cpu
 

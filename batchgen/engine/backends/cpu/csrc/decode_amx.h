@@ -115,25 +115,10 @@ void decode_item(const at::BFloat16* q, int64_t head_stride, int64_t G, int64_t 
     __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
     for (int i = lo; i < hi; ++i) top = _mm512_max_ps(top, _mm512_load_ps(w.s + i * kRows));
     top = _mm512_mul_ps(top, scale2);
-    __m512 alpha = ones;
-    if (c0 <= first) {  // the item's first chunk sets every head's max
-      m = top;
-    } else {
-      // A head's max moves only when the chunk passes it by kRescaleLog2 doublings (then its output so far is
-      // rescaled), so p stays below 2^8 and the rescaling is rare.
-      const __mmask16 grow = _mm512_cmp_ps_mask(top, _mm512_add_ps(m, _mm512_set1_ps(kRescaleLog2)), _CMP_GT_OQ);
-      if (grow) {
-        const __m512 m_new = _mm512_mask_mov_ps(m, grow, top);
-        alpha = _mm512_mask_mov_ps(ones, grow, exp2_ps<6>(_mm512_sub_ps(m, m_new)));
-        alignas(64) float factor[kRows];
-        _mm512_store_ps(factor, alpha);
-        for (int64_t g = 0; g < G; ++g)
-          if (factor[g] != 1.f)
-            for (int64_t d = 0; d < D; d += 16)
-              _mm512_storeu_ps(o + g * D + d, _mm512_mul_ps(_mm512_loadu_ps(o + g * D + d), _mm512_set1_ps(factor[g])));
-        m = m_new;
-      }
-    }
+    // A head's max moves only when the chunk passes it by kRescaleLog2 doublings (then its output so far is
+    // rescaled), so p stays below 2^8 and the rescaling is rare. The item's first chunk sets every head's max.
+    const __m512 alpha = c0 <= first ? ones : raise_max(m, top, o, G, D, D);
+    if (c0 <= first) m = top;
     __m512 sum = _mm512_setzero_ps();
     for (int i = lo; i < hi; ++i) {
       const __m512 p = exp2_fast(_mm512_fmsub_ps(_mm512_load_ps(w.s + i * kRows), scale2, m));

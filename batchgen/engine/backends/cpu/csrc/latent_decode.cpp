@@ -7,13 +7,15 @@
 // from bf16, converted) once, and serves the chunk's scores and then its values while still in cache, with an
 // online softmax across chunks; scores and values run in register tiles of several heads. Scores, softmax
 // and accumulation are fp32; the merge of a sequence's splits runs in split order, so the output is
-// bit-identical for any thread count.
+// bit-identical for any thread count. On CPUs with amx_bf16, bf16 caches' items run both products in tiles
+// (latent_amx.h).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
+#include "latent_amx.h"
 #include "paged.h"
 #include "vec.h"
 
@@ -52,9 +54,22 @@ void attend_split(const Latent<T>& a, const Item& it, Scratch& w, float* o, floa
   attend_rows(a.heads, w, it.first, it.last, chunk, ahead, o, m, l);
 }
 
+#if defined(BATCHGEN_AMX)
+// One split of one sequence in AMX tiles (latent_amx.h), all heads.
+void attend_split_in_tiles(const Latent<at::BFloat16>& a, const Item& it, amx::LatentScratch& w, float* o, float* m,
+                           float* l) {
+  const int32_t* table = a.tables + it.seq * a.tables_row;
+  auto row_at = [&](int64_t pos) {
+    return a.cache + table[pos / a.block_size] * a.cache_block + (pos % a.block_size) * a.cache_row;
+  };
+  amx::latent_item(a.q + it.seq * a.q_row, a.q_head, a.heads.count, a.heads.key_width, a.heads.value_width,
+                   a.heads.scale, it.first, it.last, a.cache_row, row_at, w, o, m, l);
+}
+#endif
+
 void latent_decode_attention(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& block_tables,
                              const at::Tensor& context_lens, int64_t value_dim, double scale, int64_t split_keys,
-                             const at::Tensor& out) {
+                             bool tiles, const at::Tensor& out) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be (B, H, R + P) with contiguous rows");
   TORCH_CHECK(cache.dim() == 3 && cache.is_contiguous() && cache.size(2) == q.size(2),
               "the latent cache must be contiguous (blocks, block_size, R + P), rows as wide as q's");
@@ -77,11 +92,25 @@ void latent_decode_attention(const at::Tensor& q, const at::Tensor& cache, const
     const Latent<T> a{q.const_data_ptr<T>(), q.stride(0), q.stride(1), cache.const_data_ptr<T>(), cache.stride(0),
                       cache.stride(1), cache.size(1), tables.const_data_ptr<int32_t>(), tables.size(1),
                       Heads{H, W, value_dim, static_cast<float>(scale), 0.f}};
-    at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
-      Scratch scratch(a.heads, false);
-      for (int64_t i = begin; i < end; ++i)
-        attend_split(a, plan.items[i], scratch, partials.o_of(i), partials.m_of(i), partials.l_of(i));
-    });
+    bool in_tiles = false;
+#if defined(BATCHGEN_AMX)
+    if constexpr (std::is_same_v<T, at::BFloat16>) {
+      in_tiles = tiles && amx::supports_latent(W, value_dim, a.block_size);
+      if (in_tiles)
+        at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
+          amx::TileSession session;
+          auto scratch = std::make_unique<amx::LatentScratch>(H, W, value_dim);
+          for (int64_t i = begin; i < end; ++i)
+            attend_split_in_tiles(a, plan.items[i], *scratch, partials.o_of(i), partials.m_of(i), partials.l_of(i));
+        });
+    }
+#endif
+    if (!in_tiles)
+      at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
+        Scratch scratch(a.heads, false);
+        for (int64_t i = begin; i < end; ++i)
+          attend_split(a, plan.items[i], scratch, partials.o_of(i), partials.m_of(i), partials.l_of(i));
+      });
     T* out_p = out.data_ptr<T>();
     at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> acc(value_dim);
@@ -97,7 +126,7 @@ void latent_decode_attention(const at::Tensor& q, const at::Tensor& cache, const
 
 TORCH_LIBRARY_FRAGMENT(batchgen_cpu, m) {
   m.def("latent_decode_attention(Tensor q, Tensor cache, Tensor block_tables, Tensor context_lens, int value_dim, "
-        "float scale, int split_keys, Tensor(a!) out) -> ()");
+        "float scale, int split_keys, bool tiles, Tensor(a!) out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(batchgen_cpu, CPU, m) {

@@ -1,0 +1,281 @@
+// MLA's absorbed decode in AMX tiles (bf16 latent caches, CPUs with amx_bf16): latent_decode.cpp's work items
+// (sequence, split), every query head over the one latent head, both products in tiles.
+//
+// An item walks its keys in blocks of up to 256, and each block in two passes, per group of 16 heads:
+//   scores: S^T (16 keys x 16 heads a tile, four tiles in flight) = K . Q^T, K's A tiles read in place from the
+//   paged cache (16 rows of a block, the cache's row stride apart), Q^T packed once per item in VNNI words with
+//   the heads in the lanes. Stored and read back a key at a time, the scores' softmax is lane-wise (no
+//   horizontal reductions), against the block's exact max; the probabilities, bf16 word pairs of keys, are
+//   transposed into P tiles (16 heads x 32 keys);
+//   values: O (16 heads x R, fp32) += P . V, 64 value dims at a time held in four tiles over the whole block
+//   (loaded and stored once a block, not once per 32 keys), V's B tiles packed per 32 keys from the rows' dims
+//   in a 4 KiB buffer that stays in L1 (rows outside the item packed as zeros, so a stale cache row never meets
+//   a zero probability). The packing interleaves two rows' dims within 128-bit lanes (one instruction per 32
+//   dims, not a cross-lane permute), so O's columns are those dims in lane order; the item's output puts them
+//   back in order.
+// A head's max moves only when a block passes it by kRescaleLog2 doublings, as in the other paths. Scores,
+// softmax and accumulation are fp32; probabilities are rounded to bf16 for P.V, as the prefill tiles do. The
+// result is the portable path's partial (unnormalised output, max in natural-log units, sum).
+#pragma once
+
+#include "amx.h"
+
+#if defined(BATCHGEN_AMX)
+
+#include <ATen/ATen.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <memory>
+
+namespace batchgen_cpu {
+namespace amx {
+
+constexpr int64_t kBlockKeys = 256;  // keys a block: their scores (16 KiB) and P tiles (8 KiB) stay in L1
+constexpr int64_t kMaxLatentValue = 1024;  // the widest value (kv_lora_rank) taken: rows outside read zeros
+
+// Whether an item runs here: rows of whole 32-dim A tiles, values of whole 32-dim packing steps, 16-row
+// sub-blocks within one cache block.
+inline bool supports_latent(int64_t row_width, int64_t value_dim, int64_t block_size) {
+  return row_width % 32 == 0 && value_dim % 32 == 0 && value_dim <= kMaxLatentValue &&
+         block_size % kRows == 0 && tiles_permitted();
+}
+
+// A thread's scratch, sized for the call's heads and widths; every item overwrites what it reads.
+class LatentScratch {
+ public:
+  LatentScratch(int64_t heads, int64_t row_width, int64_t value_dim)
+      : groups_((heads + kRows - 1) / kRows),
+        qt_(alloc<uint32_t>(groups_ * row_width / 2 * kRows)),
+        o_(alloc<float>(groups_ * kRows * value_dim)),
+        m_(alloc<float>(groups_ * kRows)),
+        l_(alloc<float>(groups_ * kRows)) {}
+
+  int64_t groups() const { return groups_; }
+  uint32_t* qt(int64_t g, int64_t words) { return qt_.get() + g * words * kRows; }  // group g's Q^T words
+  float* o(int64_t g, int64_t R) { return o_.get() + g * kRows * R; }  // group g's O (16 heads x R)
+  float* m(int64_t g) { return m_.get() + g * kRows; }
+  float* l(int64_t g) { return l_.get() + g * kRows; }
+  alignas(64) float s[kBlockKeys * kRows];  // a block's S^T, a key per row
+  alignas(64) uint32_t p[kBlockKeys / 32 * kRows * kRows];  // its P tiles: a head per row, 16 words of key pairs
+  alignas(64) uint16_t v[4 * 32 * kRows];  // B tiles of 32 keys x 16 dims, four of them
+
+ private:
+  struct Free {
+    void operator()(void* p) const { std::free(p); }
+  };
+  template <typename T>
+  static std::unique_ptr<T[], Free> alloc(int64_t n) {
+    const size_t bytes = (static_cast<size_t>(n) * sizeof(T) + 63) / 64 * 64;
+    void* p = std::aligned_alloc(64, bytes);
+    TORCH_CHECK(p != nullptr, "out of memory for the latent decode's scratch");
+    return std::unique_ptr<T[], Free>(static_cast<T*>(p));
+  }
+  int64_t groups_;
+  std::unique_ptr<uint32_t[], Free> qt_;
+  std::unique_ptr<float[], Free> o_, m_, l_;
+};
+
+// Rows of 16 words in r[0..15] transposed in place: r[i] word j <- r[j] word i.
+inline void transpose16x16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  // r[4k + j]'s 128-bit lane L now holds rows 4k..4k+3 of column 4L + j: a 4 x 4 transpose of lanes is left.
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
+    t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+    r[i + 4] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0x88);
+    r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+    r[i + 12] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0xdd);
+  }
+}
+
+// S^T for N sub-blocks of 16 keys (rows at k[u], stride apart) into tiles 0..N-1, stored to s: tile 4 holds Q^T
+// and 5-7 the K tiles (5 again for the fourth, once the first multiply has read it).
+template <int N>
+inline void block_scores(const uint32_t* qt, int64_t W, const at::BFloat16* const* k, int64_t stride, float* s) {
+  _tile_zero(0);
+  if constexpr (N > 1) _tile_zero(1);
+  if constexpr (N > 2) _tile_zero(2);
+  if constexpr (N > 3) _tile_zero(3);
+  for (int64_t kk = 0; kk < W / 32; ++kk) {
+    _tile_loadd(4, qt + kk * kRows * kRows, 64);
+    _tile_loadd(5, k[0] + kk * 32, stride);
+    _tile_dpbf16ps(0, 5, 4);
+    if constexpr (N > 1) {
+      _tile_loadd(6, k[1] + kk * 32, stride);
+      _tile_dpbf16ps(1, 6, 4);
+    }
+    if constexpr (N > 2) {
+      _tile_loadd(7, k[2] + kk * 32, stride);
+      _tile_dpbf16ps(2, 7, 4);
+    }
+    if constexpr (N > 3) {
+      _tile_loadd(5, k[3] + kk * 32, stride);
+      _tile_dpbf16ps(3, 5, 4);
+    }
+  }
+  _tile_stored(0, s, 64);
+  if constexpr (N > 1) _tile_stored(1, s + kRows * kRows, 64);
+  if constexpr (N > 2) _tile_stored(2, s + 2 * kRows * kRows, 64);
+  if constexpr (N > 3) _tile_stored(3, s + 3 * kRows * kRows, 64);
+}
+
+// O's dims [d0, d0 + 16 N) (tiles 0..N-1, N 2 or 4, loaded from and stored to o) += P . V over a block's
+// chunks of 32 keys: P tile c at p + c * 256 (tile 4), V packed per chunk into v (tiles 5-7, 5 again).
+// row(k): key k's row, or zeros where the key is outside the item.
+template <int N, typename Row>
+inline void block_values(float* o, int64_t R, int64_t d0, const uint32_t* p, int64_t chunks, Row&& row,
+                         uint16_t* v) {
+  _tile_loadd(0, o + d0, R * 4);
+  _tile_loadd(1, o + d0 + 16, R * 4);
+  if constexpr (N > 2) {
+    _tile_loadd(2, o + d0 + 32, R * 4);
+    _tile_loadd(3, o + d0 + 48, R * 4);
+  }
+  for (int64_t c = 0; c < chunks; ++c) {
+    for (int i = 0; i < kRows; ++i) {  // row i of the B tiles: keys 32c + 2i and + 1, their dims in pairs
+      const auto* a = reinterpret_cast<const uint16_t*>(row(32 * c + 2 * i)) + d0;
+      const auto* b = reinterpret_cast<const uint16_t*>(row(32 * c + 2 * i + 1)) + d0;
+      for (int h = 0; h < N / 2; ++h) {
+        const __m512i x = _mm512_loadu_si512(a + 32 * h), y = _mm512_loadu_si512(b + 32 * h);
+        _mm512_store_si512(v + (2 * h) * 512 + i * 32, _mm512_unpacklo_epi16(x, y));
+        _mm512_store_si512(v + (2 * h + 1) * 512 + i * 32, _mm512_unpackhi_epi16(x, y));
+      }
+    }
+    _tile_loadd(4, p + c * kRows * kRows, 64);
+    _tile_loadd(5, v, 64);
+    _tile_dpbf16ps(0, 4, 5);
+    _tile_loadd(6, v + 512, 64);
+    _tile_dpbf16ps(1, 4, 6);
+    if constexpr (N > 2) {
+      _tile_loadd(7, v + 1024, 64);
+      _tile_dpbf16ps(2, 4, 7);
+      _tile_loadd(5, v + 1536, 64);
+      _tile_dpbf16ps(3, 4, 5);
+    }
+  }
+  _tile_stored(0, o + d0, R * 4);
+  _tile_stored(1, o + d0 + 16, R * 4);
+  if constexpr (N > 2) {
+    _tile_stored(2, o + d0 + 32, R * 4);
+    _tile_stored(3, o + d0 + 48, R * 4);
+  }
+}
+
+// One item: keys [first, last) of one sequence, its H heads' queries at q (head_stride apart), the rows at
+// row_at(pos) (row_stride elements apart within a block). Writes o (H, R) unnormalised, m (natural log), l.
+template <typename RowAt>
+void latent_item(const at::BFloat16* q, int64_t head_stride, int64_t H, int64_t W, int64_t R, float scale,
+                 int64_t first, int64_t last, int64_t row_stride, RowAt&& row_at, LatentScratch& w, float* o,
+                 float* m_out, float* l_out) {
+  const int64_t words = W / 2, G = w.groups();
+  for (int64_t g = 0; g < G; ++g) {  // Q^T: word i of head g * 16 + h at qt[i * 16 + h]; lanes past H zero
+    uint32_t* qt = w.qt(g, words);
+    for (int64_t h = 0; h < kRows; ++h) {
+      const int64_t head = g * kRows + h;
+      const auto* src = reinterpret_cast<const uint32_t*>(q + head * head_stride);
+      for (int64_t i = 0; i < words; ++i) qt[i * kRows + h] = head < H ? src[i] : 0u;
+    }
+    std::memset(w.o(g, R), 0, sizeof(float) * kRows * R);
+  }
+  const __m512 scale2 = _mm512_set1_ps(scale * kLog2e), ones = _mm512_set1_ps(1.f);
+  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                              23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  alignas(64) static const at::BFloat16 zeros[kMaxLatentValue] = {};
+  const int64_t start = first / kRows * kRows;
+  for (int64_t b0 = start; b0 < last; b0 += kBlockKeys) {
+    const int64_t lo = std::max(first, b0) - b0, hi = std::min(last, b0 + kBlockKeys) - b0;  // keys in the item
+    const int64_t subs = (hi + kRows - 1) / kRows, chunks = (hi + 31) / 32;
+    const at::BFloat16* k_rows[kBlockKeys / kRows];
+    for (int64_t t = 0; t < subs; ++t) k_rows[t] = row_at(b0 + t * kRows);
+    auto row = [&](int64_t k) {
+      return k >= lo && k < hi ? k_rows[k / kRows] + (k % kRows) * row_stride : zeros;
+    };
+    for (int64_t g = 0; g < G; ++g) {
+      const uint32_t* qt = w.qt(g, words);
+      for (int64_t t = 0; t < subs; t += 4) {
+        float* s = w.s + t * kRows * kRows;
+        switch (std::min<int64_t>(4, subs - t)) {
+          case 1: block_scores<1>(qt, W, k_rows + t, row_stride * 2, s); break;
+          case 2: block_scores<2>(qt, W, k_rows + t, row_stride * 2, s); break;
+          case 3: block_scores<3>(qt, W, k_rows + t, row_stride * 2, s); break;
+          default: block_scores<4>(qt, W, k_rows + t, row_stride * 2, s);
+        }
+      }
+
+      // The softmax against the block's max, lane-wise (a head per lane).
+      __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+      for (int64_t i = lo; i < hi; ++i) top = _mm512_max_ps(top, _mm512_load_ps(w.s + i * kRows));
+      top = _mm512_mul_ps(top, scale2);
+      __m512 m = _mm512_load_ps(w.m(g));
+      float* og = w.o(g, R);
+      const __m512 alpha = b0 == start ? ones : raise_max(m, top, og, kRows, R, R);  // the first block sets m
+      if (b0 == start) m = top;
+      auto prob = [&](int64_t k) {
+        return k >= lo && k < hi ? exp2_fast(_mm512_fmsub_ps(_mm512_load_ps(w.s + k * kRows), scale2, m))
+                                 : _mm512_setzero_ps();
+      };
+      __m512 sum = _mm512_setzero_ps();
+      for (int64_t c = 0; c < chunks; ++c) {
+        __m512i pairs[kRows];  // word h of pairs[i]: (p[2i][h], p[2i + 1][h]); transposed, P's rows
+        for (int i = 0; i < kRows; ++i) {
+          const __m512 p0 = prob(32 * c + 2 * i), p1 = prob(32 * c + 2 * i + 1);
+          sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
+          pairs[i] = _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+        }
+        transpose16x16(pairs);
+        for (int h = 0; h < kRows; ++h) _mm512_store_si512(w.p + c * kRows * kRows + h * kRows, pairs[h]);
+      }
+      _mm512_store_ps(w.m(g), m);
+      _mm512_store_ps(w.l(g), b0 == start ? sum : _mm512_fmadd_ps(_mm512_load_ps(w.l(g)), alpha, sum));
+
+      int64_t d0 = 0;
+      for (; d0 + 64 <= R; d0 += 64) block_values<4>(og, R, d0, w.p, chunks, row, w.v);
+      if (d0 < R) block_values<2>(og, R, d0, w.p, chunks, row, w.v);
+    }
+  }
+
+  // Each 32 dims of O hold, by the packing's lane order, dims 0-3, 8-11, 16-19, 24-27, then 4-7, 12-15, 20-23,
+  // 28-31.
+  const __m512i first16 = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
+  const __m512i last16 = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
+  for (int64_t g = 0; g < G; ++g) {
+    alignas(64) float mv[kRows], lv[kRows];
+    _mm512_store_ps(mv, _mm512_div_ps(_mm512_load_ps(w.m(g)), _mm512_set1_ps(kLog2e)));
+    _mm512_store_ps(lv, _mm512_load_ps(w.l(g)));
+    for (int64_t h = 0; h < kRows && g * kRows + h < H; ++h) {
+      const int64_t head = g * kRows + h;
+      const float* src = w.o(g, R) + h * R;
+      for (int64_t d = 0; d < R; d += 32) {
+        const __m512 x = _mm512_load_ps(src + d), y = _mm512_load_ps(src + d + 16);
+        _mm512_storeu_ps(o + head * R + d, _mm512_permutex2var_ps(x, first16, y));
+        _mm512_storeu_ps(o + head * R + d + 16, _mm512_permutex2var_ps(x, last16, y));
+      }
+      m_out[head] = mv[h];
+      l_out[head] = lv[h];
+    }
+  }
+}
+
+}  // namespace amx
+}  // namespace batchgen_cpu
+
+#endif
