@@ -69,6 +69,34 @@ inline __m512 exp2_fast(__m512 x) {
       _mm512_add_epi32(_mm512_castps_si512(poly), _mm512_slli_epi32(_mm512_castps_si512(shifted), 23)));
 }
 
+// Rows of 16 words in r[0..15] transposed in place: r[i] word j <- r[j] word i.
+inline void transpose16x16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  // r[4k + j]'s 128-bit lane L now holds rows 4k..4k+3 of column 4L + j: a 4 x 4 transpose of lanes is left.
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
+    t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+    r[i + 4] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0x88);
+    r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+    r[i + 12] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0xdd);
+  }
+}
+
 // The lazy rescale both decode kernels share: where a head's (lane's) new max `top` passes its running max m by
 // kRescaleLog2 doublings, m moves there and that head's output so far, row h of o (`width` floats, rows `stride`
 // apart, the first `heads` lanes), is scaled by 2^(old m - new m). Returns the factors (1 where m stayed).
