@@ -161,10 +161,13 @@ void latent_item(const at::BFloat16* q, int64_t head_stride, int64_t H, int64_t 
   const int64_t words = W / 2, G = w.groups();
   for (int64_t g = 0; g < G; ++g) {  // Q^T: word i of head g * 16 + h at qt[i * 16 + h]; lanes past H zero
     uint32_t* qt = w.qt(g, words);
-    for (int64_t h = 0; h < kRows; ++h) {
-      const int64_t head = g * kRows + h;
-      const auto* src = reinterpret_cast<const uint32_t*>(q + head * head_stride);
-      for (int64_t i = 0; i < words; ++i) qt[i * kRows + h] = head < H ? src[i] : 0u;
+    for (int64_t i0 = 0; i0 < words; i0 += kRows) {  // 16 words of the 16 heads, transposed
+      __m512i rows[kRows];
+      for (int h = 0; h < kRows; ++h)
+        rows[h] = g * kRows + h < H ? _mm512_loadu_si512(q + (g * kRows + h) * head_stride + 2 * i0)
+                                    : _mm512_setzero_si512();
+      transpose16x16(rows);
+      for (int j = 0; j < kRows; ++j) _mm512_store_si512(qt + (i0 + j) * kRows, rows[j]);
     }
     std::memset(w.o(g, R), 0, sizeof(float) * kRows * R);
   }
