@@ -34,8 +34,9 @@ def test_latent_in_tiles_against_fp64_torch_and_portable(amx, heads, dims):
 
 
 def test_splits_that_start_inside_a_chunk_and_span_blocks(amx):
-    """Splits of 7 and 40 keys start inside 16-row sub-blocks; one of 1000 walks several 256-key blocks."""
-    step = latent_step(BF16, 16, DEEPSEEK, [5, 77, 600, 1000], seed=11)
+    """Splits of 7 and 40 keys start inside 16-row sub-blocks; one of 1000 walks several 256-key blocks; the
+    longest contexts split into many items."""
+    step = latent_step(BF16, 16, DEEPSEEK, [5, 77, 600, 1000, 4095, 4096], seed=11)
     exact, theirs = fp64_latent(step, 0.1), torch_path(step, 0.1)
     for split_keys in (7, 40, 1000):
         assert_as_good_as_torch(latent(amx, step, 0.1, True, split_keys), theirs, exact, BF16)
