@@ -1,6 +1,7 @@
-// What the AMX kernels share (attention_amx.h's prefill, decode_amx.h's decode; bf16, CPUs with amx_bf16): the
-// build test that defines BATCHGEN_AMX, the OS's permission, the one tile shape, and an exponential for the
-// vector work between the tiles' multiplies.
+// What the AMX kernels share (attention_amx.h's prefill, decode_amx.h's decode, latent_amx.h's MLA decode; bf16,
+// CPUs with amx_bf16): the build test that defines BATCHGEN_AMX, the OS's permission, the one tile shape, an
+// exponential for the vector work between the tiles' multiplies, a 16 x 16 word transpose, and the decode
+// kernels' lazy rescale.
 #pragma once
 
 #if defined(CPU_CAPABILITY_AVX512) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)

@@ -41,7 +41,7 @@ using bf16 = at::BFloat16;
 constexpr int kKeys = 32;  // keys per P^T tile (a bf16 pair per row) and per packed run of V^T
 
 // Whether a step runs here: bf16 pairs of 32 dims per A tile, and q's rows within 32-bit byte offsets of its
-// start (the query rows are gathered by them).
+// start (the query rows are addressed by them).
 inline bool supports(int64_t head_dim, int64_t q_bytes) {
   return head_dim % 32 == 0 && head_dim <= kMaxDim && q_bytes < (int64_t{1} << 31) && tiles_permitted();
 }
@@ -199,7 +199,7 @@ void attend_tile(const Step<bf16>& a, const Seq& s, int64_t h, int64_t t0, int64
     limit[r] = static_cast<int32_t>(s.prefix + t + 1);  // the keys the row sees; padding rows copy the last
   }
   // Q^T: word i (dims 2i, 2i + 1) of the 16 rows at qt[i * 16], padding rows zero; 32 dims of the 16 rows (a
-  // vector each) transposed at a time, which costs about half the gathers of one word of 16 rows each.
+  // vector each) transposed at a time, cheaper than gathering one word of the 16 rows at a time.
   for (int64_t i0 = 0; i0 < D / 2; i0 += kRows) {
     __m512i words[kRows];
     for (int r = 0; r < kRows; ++r)

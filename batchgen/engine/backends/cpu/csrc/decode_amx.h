@@ -117,8 +117,9 @@ void decode_item(const at::BFloat16* q, int64_t head_stride, int64_t G, int64_t 
     top = _mm512_mul_ps(top, scale2);
     // A head's max moves only when the chunk passes it by kRescaleLog2 doublings (then its output so far is
     // rescaled), so p stays below 2^8 and the rescaling is rare. The item's first chunk sets every head's max.
-    const __m512 alpha = c0 <= first ? ones : raise_max(m, top, o, G, D, D);
+    __m512 alpha = ones;
     if (c0 <= first) m = top;
+    else alpha = raise_max(m, top, o, G, D, D);
     __m512 sum = _mm512_setzero_ps();
     for (int i = lo; i < hi; ++i) {
       const __m512 p = exp2_fast(_mm512_fmsub_ps(_mm512_load_ps(w.s + i * kRows), scale2, m));

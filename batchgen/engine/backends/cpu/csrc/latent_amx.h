@@ -202,8 +202,9 @@ void latent_item(const at::BFloat16* q, int64_t head_stride, int64_t H, int64_t 
       top = _mm512_mul_ps(top, scale2);
       __m512 m = _mm512_load_ps(w.m(g));
       float* og = w.o(g, R);
-      const __m512 alpha = b0 == start ? ones : raise_max(m, top, og, kRows, R, R);  // the first block sets m
-      if (b0 == start) m = top;
+      __m512 alpha = ones;
+      if (b0 == start) m = top;  // the item's first block sets every head's max
+      else alpha = raise_max(m, top, og, kRows, R, R);
       auto prob = [&](int64_t k) {
         return k >= lo && k < hi ? exp2_fast(_mm512_fmsub_ps(_mm512_load_ps(w.s + k * kRows), scale2, m))
                                  : _mm512_setzero_ps();
