@@ -1,7 +1,7 @@
 // What the AMX kernels share (attention_amx.h's prefill, decode_amx.h's decode, latent_amx.h's MLA decode; bf16,
 // CPUs with amx_bf16): the build test that defines BATCHGEN_AMX, the OS's permission, the one tile shape, an
-// exponential for the vector work between the tiles' multiplies, a 16 x 16 word transpose, and the decode
-// kernels' lazy rescale.
+// exponential for the vector work between the tiles' multiplies, a zero row, a 16 x 16 word transpose, and the
+// decode kernels' lazy rescale.
 #pragma once
 
 #if defined(CPU_CAPABILITY_AVX512) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
@@ -12,6 +12,8 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <c10/util/BFloat16.h>
+
 #include <cstdint>
 
 #include "vec.h"
@@ -21,6 +23,14 @@ namespace amx {
 
 constexpr int kRows = 16;  // rows of a tile, lanes of an fp32 vector
 constexpr int kMaxDim = 256;  // the widest head either attention kernel takes (ops.MAX_HEAD_DIM)
+constexpr int64_t kZeroRowWidth = 1024;  // the widest row a kernel reads zeros for (a head, or MLA's latent)
+static_assert(kMaxDim <= kZeroRowWidth);
+
+// What rows outside a sequence's context read: zeros, so they add nothing where they meet a zero probability.
+inline const c10::BFloat16* zero_row() {
+  alignas(64) static const c10::BFloat16 zeros[kZeroRowWidth] = {};
+  return zeros;
+}
 
 // Linux hands a process the AMX tile state only once it asks for it (arch_prctl ARCH_REQ_XCOMP_PERM).
 inline bool tiles_permitted() {

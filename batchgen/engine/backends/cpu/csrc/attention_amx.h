@@ -46,11 +46,6 @@ inline bool supports(int64_t head_dim, int64_t q_bytes) {
   return head_dim % 32 == 0 && head_dim <= kMaxDim && q_bytes < (int64_t{1} << 31) && tiles_permitted();
 }
 
-inline const bf16* zero_row() {  // what rows past the context read
-  alignas(64) static const bf16 zeros[kMaxDim] = {};
-  return zeros;
-}
-
 // 16 words (32 bits) at the 16 addresses in lo (8) and hi (8).
 inline __m512i gather16(__m512i lo, __m512i hi) {
   const __m256i a = _mm512_i64gather_epi32(lo, nullptr, 1), b = _mm512_i64gather_epi32(hi, nullptr, 1);

@@ -35,7 +35,7 @@ namespace batchgen_cpu {
 namespace amx {
 
 constexpr int64_t kBlockKeys = 256;  // keys a block: their scores (16 KiB) and P tiles (8 KiB) stay in L1
-constexpr int64_t kMaxLatentValue = 1024;  // the widest value (kv_lora_rank) taken: rows outside read zeros
+constexpr int64_t kMaxLatentValue = kZeroRowWidth;  // the widest value (kv_lora_rank) taken: rows outside read zeros
 
 // Whether an item runs here: rows of whole 32-dim A tiles, values of whole 32-dim packing steps, 16-row
 // sub-blocks within one cache block.
@@ -174,7 +174,7 @@ void latent_item(const at::BFloat16* q, int64_t head_stride, int64_t H, int64_t 
   const __m512 scale2 = _mm512_set1_ps(scale * kLog2e), ones = _mm512_set1_ps(1.f);
   const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
                                               23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-  alignas(64) static const at::BFloat16 zeros[kMaxLatentValue] = {};
+  const at::BFloat16* const zeros = zero_row();
   const int64_t start = first / kRows * kRows;
   for (int64_t b0 = start; b0 < last; b0 += kBlockKeys) {
     const int64_t lo = std::max(first, b0) - b0, hi = std::min(last, b0 + kBlockKeys) - b0;  // keys in the item
