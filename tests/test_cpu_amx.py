@@ -143,6 +143,21 @@ def test_decode_in_tiles_is_bit_identical_across_runs_and_thread_counts(amx):
     assert all(torch.equal(outs[0], out) for out in outs[1:])
 
 
+@pytest.mark.parametrize("group, kv_heads, head_dim", [(3, 8, 64), (1, 20, 64), (4, 4, 128), (16, 2, 64)],
+                         ids=["tasks-of-5-and-3", "tasks-of-16-and-4", "one-full-task", "a-head-a-task"])
+def test_decode_rows_alone_and_in_a_batch_are_bit_identical(amx, group, kv_heads, head_dim):
+    """A large step puts several KV heads side by side in a task's lanes (as many as fill 16); a row alone runs
+    a head a task. Either way each head's output is the same to the bit, and as good as torch's."""
+    step = decode_step(BF16, group, head_dim, contexts=[1, 17, 100, 256, 300, 700] * 2, seed=9, kv_heads=kv_heads)
+    scale = head_dim ** -0.5
+    together = decode(step, scale, True)
+    assert_as_good_as_torch(together, torch_path(step, scale), fp64_decode(step, scale), BF16)
+    for r in range(step.q.shape[0]):
+        alone = ops.paged_decode_attention(step.q[r:r + 1], step.k_cache, step.v_cache, step.tables[r:r + 1],
+                                           step.context_lens[r:r + 1], scale, None, None, ops.SPLIT_KEYS, amx=True)
+        assert torch.equal(alone, together[r:r + 1]), f"row {r}"
+
+
 @pytest.mark.parametrize("softcap, head_dim", [(5.0, 64), (None, 48)], ids=["softcap", "head-dim-48"])
 def test_decode_outside_the_tiles_runs_the_portable_path(amx, softcap, head_dim):
     """Soft caps and head dims that are no multiple of 32 run the portable path, whatever ``amx`` says."""

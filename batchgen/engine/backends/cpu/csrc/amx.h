@@ -1,7 +1,6 @@
-// What the AMX kernels share (attention_amx.h's prefill, decode_amx.h's decode, latent_amx.h's MLA decode; bf16,
-// CPUs with amx_bf16): the build test that defines BATCHGEN_AMX, the OS's permission, the one tile shape, an
-// exponential for the vector work between the tiles' multiplies, a zero row, a 16 x 16 word transpose, and the
-// decode kernels' lazy rescale.
+// What the AMX kernels share (attention_amx.h's prefill, decode_tiles.h's decode of both decode ops; bf16, CPUs
+// with amx_bf16): the build test that defines BATCHGEN_AMX, the OS's permission, the one tile shape, an
+// exponential for the vector work between the tiles' multiplies, a zero row and a 16 x 16 word transpose.
 #pragma once
 
 #if defined(CPU_CAPABILITY_AVX512) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
@@ -106,25 +105,6 @@ inline void transpose16x16(__m512i r[16]) {
     r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
     r[i + 12] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0xdd);
   }
-}
-
-// The lazy rescale both decode kernels share: where a head's (lane's) new max `top` passes its running max m by
-// kRescaleLog2 doublings, m moves there and that head's output so far, row h of o (`width` floats, rows `stride`
-// apart, the first `heads` lanes), is scaled by 2^(old m - new m). Returns the factors (1 where m stayed).
-inline __m512 raise_max(__m512& m, __m512 top, float* o, int64_t heads, int64_t width, int64_t stride) {
-  const __m512 ones = _mm512_set1_ps(1.f);
-  const __mmask16 grow = _mm512_cmp_ps_mask(top, _mm512_add_ps(m, _mm512_set1_ps(kRescaleLog2)), _CMP_GT_OQ);
-  if (!grow) return ones;
-  const __m512 m_new = _mm512_mask_mov_ps(m, grow, top);
-  const __m512 alpha = _mm512_mask_mov_ps(ones, grow, exp2_ps<6>(_mm512_sub_ps(m, m_new)));
-  alignas(64) float factor[kRows];
-  _mm512_store_ps(factor, alpha);
-  for (int64_t h = 0; h < heads; ++h)
-    if (factor[h] != 1.f)
-      for (int64_t d = 0; d < width; d += 16)
-        _mm512_storeu_ps(o + h * stride + d, _mm512_mul_ps(_mm512_loadu_ps(o + h * stride + d), _mm512_set1_ps(factor[h])));
-  m = m_new;
-  return alpha;
 }
 
 }  // namespace amx

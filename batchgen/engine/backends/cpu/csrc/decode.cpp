@@ -6,15 +6,16 @@
 // positions: each chunk's cache rows (every KV head side by side) are read once, and for each KV head its GQA
 // group's query heads attend them together, with an online softmax and register tiles of several heads
 // (paged.h's attend_chunk, shared with the latent op). Scores, softmax and accumulation are fp32; the output is
-// bit-identical for any thread count. On CPUs with amx_bf16, bf16 caches' items take decode_amx.h's path
-// instead, one item at a time: the scores in AMX tiles, the heads in vector lanes (the same partials and merge).
+// bit-identical for any thread count. On CPUs with amx_bf16, bf16 caches' items take decode_tiles.h's path
+// instead (no soft cap): both products in AMX tiles, a task's KV heads side by side in the lanes (the same
+// partials and merge).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
-#include "decode_amx.h"
+#include "decode_tiles.h"
 #include "paged.h"
 #include "vec.h"
 
@@ -81,17 +82,19 @@ void attend_split(const Decode<T>& a, const Item* it, const Item* after, int64_t
 }
 
 #if defined(BATCHGEN_AMX)
-// One split of one KV head with the scores in AMX tiles (decode_amx.h), into item i's partial.
-void attend_split_in_tiles(const Decode<at::BFloat16>& a, const Item& it, amx::DecodeScratch& w, Partials& partials,
-                           int64_t i) {
-  const int64_t G = a.group.count, D = a.group.key_width;
-  const int32_t* table = a.tables + it.seq * a.tables_row;
-  auto rows_at = [&](int64_t pos, bool value) {  // position pos's row for this KV head
-    const int64_t offset = table[pos / a.block_size] * a.cache_block + (pos % a.block_size) * a.cache_row + it.head * D;
-    return (value ? a.v_cache : a.k_cache) + offset;
+// One split of KV heads [it[0].head, + heads.parts()) in AMX tiles (decode_tiles.h), a part per KV head, into the
+// partials of items i0 onwards (consecutive: their heads' slots follow one another).
+void attend_split_in_tiles(const Decode<at::BFloat16>& a, const amx::TileHeads& heads, const Item* it,
+                           amx::TileScratch& w, Partials& partials, int64_t i0) {
+  const int64_t G = a.group.count, D = a.group.key_width, h0 = it[0].head;
+  const int32_t* table = a.tables + it[0].seq * a.tables_row;
+  auto row_at = [&](const at::BFloat16* cache, int64_t pos) {  // position pos's row, from KV head h0
+    return cache + table[pos / a.block_size] * a.cache_block + (pos % a.block_size) * a.cache_row + h0 * D;
   };
-  amx::decode_item(a.q + it.seq * a.q_row + it.head * G * a.q_head, a.q_head, G, D, a.group.scale, it.first, it.last,
-                   a.cache_row, rows_at, w, partials.o_of(i), partials.m_of(i), partials.l_of(i));
+  amx::tile_item(a.q + it[0].seq * a.q_row + h0 * G * a.q_head, a.q_head, heads, a.group.scale, it[0].first,
+                 it[0].last, a.cache_row, [&](int64_t pos) { return row_at(a.k_cache, pos); },
+                 [&](int64_t pos) { return row_at(a.v_cache, pos); }, w, partials.o_of(i0), partials.m_of(i0),
+                 partials.l_of(i0));
 }
 #endif
 
@@ -127,12 +130,20 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
     bool in_tiles = false;
 #if defined(BATCHGEN_AMX)
     if constexpr (std::is_same_v<T, at::BFloat16>) {
-      in_tiles = tiles && amx::supports_decode(D, block_size, G, softcap);
+      // A task: a split of a row for as many KV heads as fill the lanes, or one where that leaves threads idle.
+      const int64_t per_task = num_items / Hkv >= 2 * at::get_num_threads() ? amx::kv_heads_per_item(G, D, Hkv) : 1;
+      const int64_t tasks_per_split = (Hkv + per_task - 1) / per_task;
+      const amx::TileHeads widest = amx::grouped_heads(G, D, per_task);
+      in_tiles = tiles && softcap == 0.0 && amx::supports_tiles(widest, block_size);
       if (in_tiles)
-        at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
+        at::parallel_for(0, num_items / Hkv * tasks_per_split, 1, [&](int64_t begin, int64_t end) {
           amx::TileSession session;
-          auto scratch = std::make_unique<amx::DecodeScratch>();
-          for (int64_t i = begin; i < end; ++i) attend_split_in_tiles(a, plan.items[i], *scratch, partials, i);
+          auto scratch = std::make_unique<amx::TileScratch>(widest);
+          for (int64_t t = begin; t < end; ++t) {
+            const int64_t h0 = t % tasks_per_split * per_task, i0 = t / tasks_per_split * Hkv + h0;
+            attend_split_in_tiles(a, amx::grouped_heads(G, D, std::min(per_task, Hkv - h0)), &plan.items[i0],
+                                  *scratch, partials, i0);
+          }
         });
     }
 #endif

@@ -8,14 +8,14 @@
 // online softmax across chunks; scores and values run in register tiles of several heads. Scores, softmax
 // and accumulation are fp32; the merge of a sequence's splits runs in split order, so the output is
 // bit-identical for any thread count. On CPUs with amx_bf16, bf16 caches' items run both products in tiles
-// (latent_amx.h).
+// (decode_tiles.h).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
-#include "latent_amx.h"
+#include "decode_tiles.h"
 #include "paged.h"
 #include "vec.h"
 
@@ -55,15 +55,16 @@ void attend_split(const Latent<T>& a, const Item& it, Scratch& w, float* o, floa
 }
 
 #if defined(BATCHGEN_AMX)
-// One split of one sequence in AMX tiles (latent_amx.h), all heads.
-void attend_split_in_tiles(const Latent<at::BFloat16>& a, const Item& it, amx::LatentScratch& w, float* o, float* m,
-                           float* l) {
+// One split of one sequence in AMX tiles (decode_tiles.h), all heads: one part, the latent row its keys and
+// the row's prefix its values.
+void attend_split_in_tiles(const Latent<at::BFloat16>& a, const amx::TileHeads& heads, const Item& it,
+                           amx::TileScratch& w, float* o, float* m, float* l) {
   const int32_t* table = a.tables + it.seq * a.tables_row;
   auto row_at = [&](int64_t pos) {
     return a.cache + table[pos / a.block_size] * a.cache_block + (pos % a.block_size) * a.cache_row;
   };
-  amx::latent_item(a.q + it.seq * a.q_row, a.q_head, a.heads.count, a.heads.key_width, a.heads.value_width,
-                   a.heads.scale, it.first, it.last, a.cache_row, row_at, w, o, m, l);
+  amx::tile_item(a.q + it.seq * a.q_row, a.q_head, heads, a.heads.scale, it.first, it.last, a.cache_row, row_at,
+                 row_at, w, o, m, l);
 }
 #endif
 
@@ -95,13 +96,15 @@ void latent_decode_attention(const at::Tensor& q, const at::Tensor& cache, const
     bool in_tiles = false;
 #if defined(BATCHGEN_AMX)
     if constexpr (std::is_same_v<T, at::BFloat16>) {
-      in_tiles = tiles && amx::supports_latent(W, value_dim, a.block_size);
+      const amx::TileHeads heads{H, H, W, value_dim};
+      in_tiles = tiles && amx::supports_tiles(heads, a.block_size);
       if (in_tiles)
         at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
           amx::TileSession session;
-          auto scratch = std::make_unique<amx::LatentScratch>(H, W, value_dim);
+          auto scratch = std::make_unique<amx::TileScratch>(heads);
           for (int64_t i = begin; i < end; ++i)
-            attend_split_in_tiles(a, plan.items[i], *scratch, partials.o_of(i), partials.m_of(i), partials.l_of(i));
+            attend_split_in_tiles(a, heads, plan.items[i], *scratch, partials.o_of(i), partials.m_of(i),
+                                  partials.l_of(i));
         });
     }
 #endif

@@ -1,5 +1,10 @@
-// MLA's absorbed decode in AMX tiles (bf16 latent caches, CPUs with amx_bf16): latent_decode.cpp's work items
-// (sequence, split), every query head over the one latent head, both products in tiles.
+// Both paged decode ops' items with both products in AMX tiles (bf16 caches, CPUs with amx_bf16): decode.cpp's
+// grouped-query items (a sequence's split for one or more KV heads) and latent_decode.cpp's MLA items (a split
+// for the one latent head). An item's query heads sit in the lanes of a tile, 16 a group, in parts: a part's
+// heads attend one span of the key rows and output one span of the value rows. MLA has one part (every head
+// on the whole latent row, the values its prefix); grouped-query attention one part per KV head of the item
+// (its GQA group; the rows hold every KV head side by side, so a part's Q^T is zero outside its head's dims and
+// the multiply sums exact zeros there: a head's result is the same alone or beside others).
 //
 // An item walks its keys in blocks of up to 256, and each block in two passes, per group of 16 heads:
 //   scores: S^T (16 keys x 16 heads a tile, four tiles in flight) = K . Q^T, K's A tiles read in place from the
@@ -35,26 +40,49 @@ namespace batchgen_cpu {
 namespace amx {
 
 constexpr int64_t kBlockKeys = 256;  // keys a block: their scores (16 KiB) and P tiles (8 KiB) stay in L1
-constexpr int64_t kMaxLatentValue = kZeroRowWidth;  // the widest value (kv_lora_rank) taken: rows outside read zeros
+constexpr int64_t kMaxValues = kZeroRowWidth;  // the widest value row taken: rows outside the item read zeros
+
+// An item's query heads: `count` of them in parts of `part_heads`; part p's heads meet dims
+// [p key_width, (p + 1) key_width) of the key rows and output dims [p value_width, (p + 1) value_width) of the
+// value rows (both multiples of 32).
+struct TileHeads {
+  int64_t count, part_heads, key_width, value_width;
+  int64_t parts() const { return (count + part_heads - 1) / part_heads; }
+  int64_t row_width() const { return parts() * key_width; }  // W: the key rows' dims the tiles read
+  int64_t values() const { return parts() * value_width; }  // R: the value rows' dims, O's width
+  int64_t groups() const { return (count + kRows - 1) / kRows; }  // lane groups of 16 heads
+};
 
 // Whether an item runs here: rows of whole 32-dim A tiles, values of whole 32-dim packing steps, 16-row
 // sub-blocks within one cache block.
-inline bool supports_latent(int64_t row_width, int64_t value_dim, int64_t block_size) {
-  return row_width % 32 == 0 && value_dim % 32 == 0 && value_dim <= kMaxLatentValue &&
+inline bool supports_tiles(const TileHeads& h, int64_t block_size) {
+  return h.key_width % 32 == 0 && h.value_width % 32 == 0 && h.values() <= kMaxValues &&
          block_size % kRows == 0 && tiles_permitted();
 }
 
+// Grouped-query decode: KV heads of `head_dim`, `group` query heads each, `kv_heads` of them an item; no soft cap
+// (the portable path applies it).
+inline TileHeads grouped_heads(int64_t group, int64_t head_dim, int64_t kv_heads) {
+  return {group * kv_heads, group, head_dim, head_dim};
+}
+
+// KV heads a grouped-query item can take: as many as fill the 16 lanes (at least one), and the value rows'
+// width allows.
+inline int64_t kv_heads_per_item(int64_t group, int64_t head_dim, int64_t kv_heads) {
+  const int64_t lanes = std::max<int64_t>(1, kRows / group), width = std::max<int64_t>(1, kMaxValues / head_dim);
+  return std::max<int64_t>(1, std::min({kv_heads, lanes, width}));
+}
+
 // A thread's scratch, sized for the call's heads and widths; every item overwrites what it reads.
-class LatentScratch {
+class TileScratch {
  public:
-  LatentScratch(int64_t heads, int64_t row_width, int64_t value_dim)
-      : groups_((heads + kRows - 1) / kRows),
-        qt_(alloc<uint32_t>(groups_ * row_width / 2 * kRows)),
-        o_(alloc<float>(groups_ * kRows * value_dim)),
+  explicit TileScratch(const TileHeads& h)
+      : groups_(h.groups()),
+        qt_(alloc<uint32_t>(groups_ * h.row_width() / 2 * kRows)),
+        o_(alloc<float>(groups_ * kRows * h.values())),
         m_(alloc<float>(groups_ * kRows)),
         l_(alloc<float>(groups_ * kRows)) {}
 
-  int64_t groups() const { return groups_; }
   uint32_t* qt(int64_t g, int64_t words) { return qt_.get() + g * words * kRows; }  // group g's Q^T words
   float* o(int64_t g, int64_t R) { return o_.get() + g * kRows * R; }  // group g's O (16 heads x R)
   float* m(int64_t g) { return m_.get() + g * kRows; }
@@ -71,13 +99,38 @@ class LatentScratch {
   static std::unique_ptr<T[], Free> alloc(int64_t n) {
     const size_t bytes = (static_cast<size_t>(n) * sizeof(T) + 63) / 64 * 64;
     void* p = std::aligned_alloc(64, bytes);
-    TORCH_CHECK(p != nullptr, "out of memory for the latent decode's scratch");
+    TORCH_CHECK(p != nullptr, "out of memory for the decode tiles' scratch");
     return std::unique_ptr<T[], Free>(static_cast<T*>(p));
   }
   int64_t groups_;
   std::unique_ptr<uint32_t[], Free> qt_;
   std::unique_ptr<float[], Free> o_, m_, l_;
 };
+
+// The lazy rescale between blocks: where a head's (lane's) new max `top` passes its running max m by
+// kRescaleLog2 doublings, m moves there and that head's output so far, row h of o (`width` floats, rows `stride`
+// apart, the first `heads` lanes), is scaled by 2^(old m - new m). Returns the factors (1 where m stayed).
+inline __m512 raise_max(__m512& m, __m512 top, float* o, int64_t heads, int64_t width, int64_t stride) {
+  const __m512 ones = _mm512_set1_ps(1.f);
+  const __mmask16 grow = _mm512_cmp_ps_mask(top, _mm512_add_ps(m, _mm512_set1_ps(kRescaleLog2)), _CMP_GT_OQ);
+  if (!grow) return ones;
+  const __m512 m_new = _mm512_mask_mov_ps(m, grow, top);
+  const __m512 alpha = _mm512_mask_mov_ps(ones, grow, exp2_ps<6>(_mm512_sub_ps(m, m_new)));
+  alignas(64) float factor[kRows];
+  _mm512_store_ps(factor, alpha);
+  for (int64_t h = 0; h < heads; ++h)
+    if (factor[h] != 1.f)
+      for (int64_t d = 0; d < width; d += 16)
+        _mm512_storeu_ps(o + h * stride + d, _mm512_mul_ps(_mm512_loadu_ps(o + h * stride + d), _mm512_set1_ps(factor[h])));
+  m = m_new;
+  return alpha;
+}
+
+// Asks for the cache lines of `n` values from p.
+inline void prefetch_row(const at::BFloat16* p, int64_t n) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t b = 0; b < n * 2; b += 64) _mm_prefetch(c + b, _MM_HINT_T0);
+}
 
 // S^T for N sub-blocks of 16 keys (rows at k[u], stride apart) into tiles 0..N-1, stored to s: tile 4 holds Q^T
 // and 5-7 the K tiles (5 again for the fourth, once the first multiply has read it).
@@ -112,7 +165,7 @@ inline void block_scores(const uint32_t* qt, int64_t W, const at::BFloat16* cons
 
 // O's dims [d0, d0 + 16 N) (tiles 0..N-1, N 2 or 4, loaded from and stored to o) += P . V over a block's
 // chunks of 32 keys: P tile c at p + c * 256 (tile 4), V packed per chunk into v (tiles 5-7, 5 again).
-// row(k): key k's row, or zeros where the key is outside the item.
+// row(k): key k's value row, or zeros where the key is outside the item.
 template <int N, typename Row>
 inline void block_values(float* o, int64_t R, int64_t d0, const uint32_t* p, int64_t chunks, Row&& row,
                          uint16_t* v) {
@@ -152,20 +205,26 @@ inline void block_values(float* o, int64_t R, int64_t d0, const uint32_t* p, int
   }
 }
 
-// One item: keys [first, last) of one sequence, its H heads' queries at q (head_stride apart), the rows at
-// row_at(pos) (row_stride elements apart within a block). Writes o (H, R) unnormalised, m (natural log), l.
-template <typename RowAt>
-void latent_item(const at::BFloat16* q, int64_t head_stride, int64_t H, int64_t W, int64_t R, float scale,
-                 int64_t first, int64_t last, int64_t row_stride, RowAt&& row_at, LatentScratch& w, float* o,
-                 float* m_out, float* l_out) {
-  const int64_t words = W / 2, G = w.groups();
-  for (int64_t g = 0; g < G; ++g) {  // Q^T: word i of head g * 16 + h at qt[i * 16 + h]; lanes past H zero
+// One item: keys [first, last) of one sequence; head j's query at q + j * head_stride (key_width values), the
+// key and value rows of 16 positions from a multiple of 16 at key_at(pos) and value_at(pos) (row_stride elements
+// apart). Writes head j's unnormalised output to o + j * value_width, its max (natural log) to m[j], sum to l[j].
+template <typename KeyAt, typename ValueAt>
+void tile_item(const at::BFloat16* q, int64_t head_stride, const TileHeads& heads, float scale, int64_t first,
+               int64_t last, int64_t row_stride, KeyAt&& key_at, ValueAt&& value_at, TileScratch& w, float* o,
+               float* m_out, float* l_out) {
+  const int64_t H = heads.count, W = heads.row_width(), R = heads.values(), words = W / 2, G = heads.groups();
+  const int64_t part_words = heads.key_width / 2;
+  for (int64_t g = 0; g < G; ++g) {  // Q^T: word i of head g * 16 + h at qt[i * 16 + h]; zero outside its part
     uint32_t* qt = w.qt(g, words);
-    for (int64_t i0 = 0; i0 < words; i0 += kRows) {  // 16 words of the 16 heads, transposed
+    for (int64_t i0 = 0; i0 < words; i0 += kRows) {  // 16 words (of one part) of the 16 heads, transposed
+      const int64_t part = i0 / part_words;
       __m512i rows[kRows];
-      for (int h = 0; h < kRows; ++h)
-        rows[h] = g * kRows + h < H ? _mm512_loadu_si512(q + (g * kRows + h) * head_stride + 2 * i0)
-                                    : _mm512_setzero_si512();
+      for (int h = 0; h < kRows; ++h) {
+        const int64_t head = g * kRows + h;
+        rows[h] = head < H && head / heads.part_heads == part
+                      ? _mm512_loadu_si512(q + head * head_stride + 2 * (i0 - part * part_words))
+                      : _mm512_setzero_si512();
+      }
       transpose16x16(rows);
       for (int j = 0; j < kRows; ++j) _mm512_store_si512(qt + (i0 + j) * kRows, rows[j]);
     }
@@ -180,9 +239,19 @@ void latent_item(const at::BFloat16* q, int64_t head_stride, int64_t H, int64_t 
     const int64_t lo = std::max(first, b0) - b0, hi = std::min(last, b0 + kBlockKeys) - b0;  // keys in the item
     const int64_t subs = (hi + kRows - 1) / kRows, chunks = (hi + 31) / 32;
     const at::BFloat16* k_rows[kBlockKeys / kRows];
-    for (int64_t t = 0; t < subs; ++t) k_rows[t] = row_at(b0 + t * kRows);
+    const at::BFloat16* v_rows[kBlockKeys / kRows];
+    for (int64_t t = 0; t < subs; ++t) {
+      k_rows[t] = key_at(b0 + t * kRows);
+      v_rows[t] = value_at(b0 + t * kRows);
+    }
+    // The block's rows asked for at once, so their misses overlap each other (1.07x in a cold step's op).
+    for (int64_t t = 0; t < subs; ++t)
+      for (int r = 0; r < kRows; ++r) {
+        prefetch_row(k_rows[t] + r * row_stride, W);
+        if (v_rows[t] != k_rows[t]) prefetch_row(v_rows[t] + r * row_stride, R);
+      }
     auto row = [&](int64_t k) {
-      return k >= lo && k < hi ? k_rows[k / kRows] + (k % kRows) * row_stride : zeros;
+      return k >= lo && k < hi ? v_rows[k / kRows] + (k % kRows) * row_stride : zeros;
     };
     for (int64_t g = 0; g < G; ++g) {
       const uint32_t* qt = w.qt(g, words);
@@ -230,20 +299,21 @@ void latent_item(const at::BFloat16* q, int64_t head_stride, int64_t H, int64_t 
   }
 
   // Each 32 dims of O hold, by the packing's lane order, dims 0-3, 8-11, 16-19, 24-27, then 4-7, 12-15, 20-23,
-  // 28-31.
+  // 28-31. A head's output is its part's dims of its row.
   const __m512i first16 = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
   const __m512i last16 = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
+  const int64_t V = heads.value_width;
   for (int64_t g = 0; g < G; ++g) {
     alignas(64) float mv[kRows], lv[kRows];
     _mm512_store_ps(mv, _mm512_div_ps(_mm512_load_ps(w.m(g)), _mm512_set1_ps(kLog2e)));
     _mm512_store_ps(lv, _mm512_load_ps(w.l(g)));
     for (int64_t h = 0; h < kRows && g * kRows + h < H; ++h) {
       const int64_t head = g * kRows + h;
-      const float* src = w.o(g, R) + h * R;
-      for (int64_t d = 0; d < R; d += 32) {
+      const float* src = w.o(g, R) + h * R + head / heads.part_heads * V;
+      for (int64_t d = 0; d < V; d += 32) {
         const __m512 x = _mm512_load_ps(src + d), y = _mm512_load_ps(src + d + 16);
-        _mm512_storeu_ps(o + head * R + d, _mm512_permutex2var_ps(x, first16, y));
-        _mm512_storeu_ps(o + head * R + d + 16, _mm512_permutex2var_ps(x, last16, y));
+        _mm512_storeu_ps(o + head * V + d, _mm512_permutex2var_ps(x, first16, y));
+        _mm512_storeu_ps(o + head * V + d + 16, _mm512_permutex2var_ps(x, last16, y));
       }
       m_out[head] = mv[h];
       l_out[head] = lv[h];
