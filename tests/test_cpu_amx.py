@@ -1,7 +1,7 @@
 """The AMX kernels (bf16, CPUs with amx_bf16). Prefill attention: against fp64 and the op's brgemm path, the
 running max's rescaling, head dims whose output does and does not fit the tiles, bit-identical results. Decode
-(scores in tiles): against fp64, the torch path and the op's portable path, windows, chunk and split edges,
-fallbacks. Small-row linears: against fp64 and F.linear, batch invariance, threads, bad input, the routing."""
+(both products in tiles): against fp64, the torch path and the op's portable path, windows, chunk and split
+edges, KV heads side by side in the lanes, fallbacks. Small-row linears: against fp64 and F.linear, batch invariance, threads, bad input, the routing."""
 from __future__ import annotations
 
 import os
