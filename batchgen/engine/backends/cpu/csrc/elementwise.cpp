@@ -154,14 +154,18 @@ void apply_rotary(const at::Tensor& q, const at::Tensor& k, const at::Tensor& po
   });
 }
 
-// x * sigmoid(x) in fp32: exp2 and a Newton reciprocal on AVX-512 (exponent clamped so 1 + 2^e stays finite).
+// x * sigmoid(x) in fp32 on AVX-512: exp2, and 1 / (1 + 2^e) by the 14-bit reciprocal estimate for bf16 (5 bits
+// finer than its rounding; 2^e overflowing to inf gives 0, as the limit) or with a Newton step for fp32 (whose
+// exponent is clamped so 1 + 2^e stays finite).
 template <typename T>
 inline Vec silu(const Vec& x) {
 #if defined(CPU_CAPABILITY_AVX512)
-  __m512 e = _mm512_mul_ps(x, _mm512_set1_ps(-1.4426950408889634f));
-  e = _mm512_min_ps(_mm512_max_ps(e, _mm512_set1_ps(-126.f)), _mm512_set1_ps(126.f));
-  __m512 denom = _mm512_add_ps(_mm512_set1_ps(1.f), exp2_ps<kExpDegree<T>>(e));
-  return Vec(_mm512_mul_ps(x, reciprocal_ps(denom)));
+  __m512 e = _mm512_max_ps(_mm512_mul_ps(x, _mm512_set1_ps(-kLog2e)), _mm512_set1_ps(-126.f));
+  if constexpr (std::is_same_v<T, float>) {
+    e = _mm512_min_ps(e, _mm512_set1_ps(126.f));
+    return Vec(_mm512_mul_ps(x, reciprocal_ps(_mm512_add_ps(_mm512_set1_ps(1.f), exp2_ps<6>(e)))));
+  }
+  return Vec(_mm512_mul_ps(x, _mm512_rcp14_ps(_mm512_add_ps(_mm512_set1_ps(1.f), exp2_ps<3>(e)))));
 #else
   if constexpr (std::is_same_v<T, float>) return x / (Vec(1.f) + x.neg().exp());
   return x / (Vec(1.f) + x.neg().exp_u20());
