@@ -127,11 +127,13 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
                       v_cache.const_data_ptr<T>(), k_cache.stride(0), k_cache.stride(1), block_size,
                       tables.const_data_ptr<int32_t>(), tables.size(1),
                       Heads{G, D, D, static_cast<float>(scale), static_cast<float>(softcap)}};
+    // Rows enough to keep every thread busy with tasks of several KV heads; else a task takes one KV head.
+    const bool wide_tasks = num_items / Hkv >= 2 * at::get_num_threads();
     bool in_tiles = false;
 #if defined(BATCHGEN_AMX)
     if constexpr (std::is_same_v<T, at::BFloat16>) {
-      // A task: a split of a row for as many KV heads as fill the lanes, or one where that leaves threads idle.
-      const int64_t per_task = num_items / Hkv >= 2 * at::get_num_threads() ? amx::kv_heads_per_item(G, D, Hkv) : 1;
+      // A task: a split of a row for as many KV heads as fill the lanes.
+      const int64_t per_task = wide_tasks ? amx::kv_heads_per_item(G, D, Hkv) : 1;
       const int64_t tasks_per_split = (Hkv + per_task - 1) / per_task;
       const amx::TileHeads widest = amx::grouped_heads(G, D, per_task);
       in_tiles = tiles && softcap == 0.0 && amx::supports_tiles(widest, block_size);
@@ -148,8 +150,8 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
     }
 #endif
     if (!in_tiles) {
-      // A task: a split of a row with all its KV heads, or one head where that leaves threads idle (few rows).
-      const int64_t span = num_items / Hkv >= 2 * at::get_num_threads() ? Hkv : 1;
+      // A task: a split of a row with all its KV heads.
+      const int64_t span = wide_tasks ? Hkv : 1;
       at::parallel_for(0, num_items / span, 1, [&](int64_t begin, int64_t end) {
         // Scratch a call's items overwrite before reading: private to this call, its contents never carried over.
         Scratch scratch(a.group, true, span);

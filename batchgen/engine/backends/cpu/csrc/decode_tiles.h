@@ -108,9 +108,9 @@ class TileScratch {
 };
 
 // The lazy rescale between blocks: where a head's (lane's) new max `top` passes its running max m by
-// kRescaleLog2 doublings, m moves there and that head's output so far, row h of o (`width` floats, rows `stride`
-// apart, the first `heads` lanes), is scaled by 2^(old m - new m). Returns the factors (1 where m stayed).
-inline __m512 raise_max(__m512& m, __m512 top, float* o, int64_t heads, int64_t width, int64_t stride) {
+// kRescaleLog2 doublings, m moves there and that head's output so far, row h of o (16 rows of `width` floats),
+// is scaled by 2^(old m - new m). Returns the factors (1 where m stayed).
+inline __m512 raise_max(__m512& m, __m512 top, float* o, int64_t width) {
   const __m512 ones = _mm512_set1_ps(1.f);
   const __mmask16 grow = _mm512_cmp_ps_mask(top, _mm512_add_ps(m, _mm512_set1_ps(kRescaleLog2)), _CMP_GT_OQ);
   if (!grow) return ones;
@@ -118,10 +118,10 @@ inline __m512 raise_max(__m512& m, __m512 top, float* o, int64_t heads, int64_t 
   const __m512 alpha = _mm512_mask_mov_ps(ones, grow, exp2_ps<6>(_mm512_sub_ps(m, m_new)));
   alignas(64) float factor[kRows];
   _mm512_store_ps(factor, alpha);
-  for (int64_t h = 0; h < heads; ++h)
+  for (int h = 0; h < kRows; ++h)
     if (factor[h] != 1.f)
       for (int64_t d = 0; d < width; d += 16)
-        _mm512_storeu_ps(o + h * stride + d, _mm512_mul_ps(_mm512_loadu_ps(o + h * stride + d), _mm512_set1_ps(factor[h])));
+        _mm512_storeu_ps(o + h * width + d, _mm512_mul_ps(_mm512_loadu_ps(o + h * width + d), _mm512_set1_ps(factor[h])));
   m = m_new;
   return alpha;
 }
@@ -273,7 +273,7 @@ void tile_item(const at::BFloat16* q, int64_t head_stride, const TileHeads& head
       float* og = w.o(g, R);
       __m512 alpha = ones;
       if (b0 == start) m = top;  // the item's first block sets every head's max
-      else alpha = raise_max(m, top, og, kRows, R, R);
+      else alpha = raise_max(m, top, og, R);
       auto prob = [&](int64_t k) {
         return k >= lo && k < hi ? exp2_fast(_mm512_fmsub_ps(_mm512_load_ps(w.s + k * kRows), scale2, m))
                                  : _mm512_setzero_ps();
