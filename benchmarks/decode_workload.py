@@ -4,6 +4,7 @@ Used by profile_decode.py and compare_hf_decode.py (scripts in this folder impor
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -63,6 +64,14 @@ def rows_matmul_rate(shapes: list[tuple[int, int]], rows: int, dtype: torch.dtyp
     return max(rate(path) for path in paths)
 
 
+def kv_bytes_per_token(llm: LLM) -> int:
+    """Bytes one token's K/V rows take in the paged cache, over all layers (MLA's latent row where it has one)."""
+    model = llm.engine.executor.runner.model
+    itemsize = llm.config.dtype_choice.torch_dtype.itemsize
+    return sum(math.prod(shape) * itemsize for m in model.modules() if hasattr(m, "cache_token_shapes")
+               for shape in m.cache_token_shapes())
+
+
 def decode_flops_per_token(shapes: list[tuple[int, int]]) -> int:
     """Linear-layer FLOPs of one decoded token (lm_head included: every decode row samples)."""
     return sum(2 * n * k for n, k in shapes)
@@ -84,13 +93,16 @@ def read_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
 @dataclass
 class Roofline:
     """The fastest decode the linear layers allow with ``batch`` rows: a step takes at least their FLOPs at the
-    M-row matmul rate and at least the time to read their weights from memory; tok/s is the lower bound."""
+    M-row matmul rate and at least the time to read their weights from memory; tok/s is the lower bound.
+    ``with_cache_tok_s`` also reads each row's cached K/V once a step (``cache_bytes_per_row``: its mean context's
+    rows): what a step must stream from memory besides the weights, which this roofline leaves out."""
 
     batch: int
     matmul_rate: float  # FLOP/s
     bandwidth: float  # bytes/s
     flops_per_token: int
     weight_bytes: int
+    cache_bytes_per_row: int = 0
 
     @property
     def compute_tok_s(self) -> float:
@@ -104,10 +116,21 @@ class Roofline:
     def tok_s(self) -> float:
         return min(self.compute_tok_s, self.memory_tok_s)
 
+    @property
+    def with_cache_tok_s(self) -> float:
+        step_bytes = self.weight_bytes + self.batch * self.cache_bytes_per_row
+        return min(self.compute_tok_s, self.batch * self.bandwidth / step_bytes)
 
-def roofline(shapes: list[tuple[int, int]], batch: int, dtype: torch.dtype, bandwidth: float) -> Roofline:
+
+def roofline(shapes: list[tuple[int, int]], batch: int, dtype: torch.dtype, bandwidth: float,
+             cache_bytes_per_row: int = 0) -> Roofline:
     return Roofline(batch, rows_matmul_rate(shapes, batch, dtype), bandwidth, decode_flops_per_token(shapes),
-                    sum(n * k for n, k in shapes) * dtype.itemsize)
+                    sum(n * k for n, k in shapes) * dtype.itemsize, cache_bytes_per_row)
+
+
+def mean_context(first: int, steps: int) -> float:
+    """The mean number of cached tokens a row's decode steps read: ``first`` at the first step, one more each step."""
+    return first + (steps - 1) / 2
 
 
 def amx_bf16_in_cpuinfo() -> bool:

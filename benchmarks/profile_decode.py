@@ -21,7 +21,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from batchgen.engine import LLM, SamplingParams
 from batchgen.engine.loading.hub import resolve_model_path
-from decode_workload import linear_shapes, random_prompts, read_bandwidth, roofline
+from decode_workload import kv_bytes_per_token, linear_shapes, mean_context, random_prompts, read_bandwidth, roofline
 
 # Profiler op names -> kind of work; the first pattern an op's name contains wins, unmatched aten ops are "other ops".
 KINDS = (
@@ -91,7 +91,9 @@ def main() -> None:
 
     dtype = llm.config.dtype_choice
     shapes = linear_shapes(llm)
-    roof = roofline(shapes, args.batch, dtype.torch_dtype, read_bandwidth())
+    # The profiled steps follow the prefill and two decode steps: the first reads the prompt and 3 new tokens.
+    cache_bytes_per_row = round(kv_bytes_per_token(llm) * mean_context(args.prompt_len + 3, args.steps))
+    roof = roofline(shapes, args.batch, dtype.torch_dtype, read_bandwidth(), cache_bytes_per_row)
     tokens = args.batch * args.steps
     linear = roof.flops_per_token * tokens
     print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}, threads {torch.get_num_threads()}, "
@@ -105,7 +107,8 @@ def main() -> None:
     print(f"{args.batch}-row matmul rate over the model's shapes: {roof.matmul_rate / 1e9:,.0f} GFLOP/s "
           f"({roof.compute_tok_s:,.0f} tok/s); weights read at {roof.bandwidth / 1e9:.1f} GB/s "
           f"({roof.memory_tok_s:,.0f} tok/s); roofline {roof.tok_s:,.0f} tok/s, measured (profiled) "
-          f"{tokens / decode_s / roof.tok_s:.0%} of it")
+          f"{tokens / decode_s / roof.tok_s:.0%} of it; with each row's K/V read too, "
+          f"{roof.with_cache_tok_s:,.0f} tok/s ({tokens / decode_s / roof.with_cache_tok_s:.0%})")
     print(f"\ntop {args.top} ops by self time in the decode steps:")
     for name, (seconds, calls) in sorted(ops.items(), key=lambda kv: -kv[1][0])[:args.top]:
         print(f"  {seconds / args.steps * 1e3:8.3f} ms/step {calls / args.steps:7.1f} calls/step  {name}")
@@ -114,7 +117,8 @@ def main() -> None:
             "decode_tok_s_profiled": tokens / decode_s, "ms_per_step_by_kind":
                 {k: v / args.steps * 1e3 for k, v in by_kind.items()},
             "rows_matmul_gflops": roof.matmul_rate / 1e9, "roofline_tok_s": roof.tok_s,
-            "flop_bound_tok_s": roof.compute_tok_s, "read_bound_tok_s": roof.memory_tok_s}, indent=2) + "\n")
+            "flop_bound_tok_s": roof.compute_tok_s, "read_bound_tok_s": roof.memory_tok_s,
+            "with_cache_bound_tok_s": roof.with_cache_tok_s}, indent=2) + "\n")
 
 
 if __name__ == "__main__":
