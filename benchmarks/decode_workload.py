@@ -95,7 +95,8 @@ class Roofline:
     """The fastest decode the linear layers allow with ``batch`` rows: a step takes at least their FLOPs at the
     M-row matmul rate and at least the time to read their weights from memory; tok/s is the lower bound.
     ``with_cache_tok_s`` also reads each row's cached K/V once a step (``cache_bytes_per_row``: its mean context's
-    rows): what a step must stream from memory besides the weights, which this roofline leaves out."""
+    rows, all of them: a sliding window reads fewer): what a step must stream from memory besides the weights,
+    which this roofline leaves out."""
 
     batch: int
     matmul_rate: float  # FLOP/s
