@@ -46,7 +46,7 @@ class LlamaAttention(nn.Module):
         return self.q_size + 2 * self.kv_size
 
     def split_heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = qkv.split_with_sizes([self.q_size, self.kv_size, self.kv_size], -1)
         return (q.view(-1, self.num_heads, self.head_dim), k.view(-1, self.num_kv_heads, self.head_dim),
                 v.view(-1, self.num_kv_heads, self.head_dim))
 

@@ -168,7 +168,7 @@ def row_argmax(x: torch.Tensor) -> torch.Tensor:
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> bool:
     """Writes k, v into the caches; False (nothing written) where the kernel does not take these tensors."""
-    heads_contiguous = all(x.stride(2) == 1 and x.stride(1) == x.shape[2] for x in (k, v))
+    heads_contiguous = k.stride(2) == v.stride(2) == 1 and k.stride(1) == v.stride(1) == k.shape[2] == v.shape[2]
     if k.dtype not in usable_dtypes() or k.dtype != k_cache.dtype or not heads_contiguous:
         return False
     torch.ops.batchgen_cpu.store_kv(k, v, k_cache, v_cache, slot_mapping)

@@ -82,12 +82,12 @@ class AmxRowsMethod(LinearMethod):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         weight = layer.weight
-        rows = x.reshape(-1, weight.shape[1])
+        rows = x if x.dim() == 2 else x.reshape(-1, weight.shape[1])
         if x.dtype != torch.bfloat16 or rows.shape[0] > SMALL_ROWS or rows.stride(-1) != 1:
             return super().apply(layer, x, bias)
-        out = torch.empty(rows.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
+        out = rows.new_empty((rows.shape[0], weight.shape[0]))
         torch.ops.batchgen_cpu.amx_linear(rows, weight, bias, out)
-        return out.view(*x.shape[:-1], weight.shape[0])
+        return out if x.dim() == 2 else out.view(*x.shape[:-1], weight.shape[0])
 
 
 AMX_ROWS_METHOD = AmxRowsMethod()
