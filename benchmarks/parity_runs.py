@@ -56,6 +56,20 @@ def hf_logprobs(model: str, prompts: list[list[int]], tokens: list[list[int]]) -
     return out
 
 
+def where_different(got: dict, first: dict) -> str:
+    """Where a run first parts from the first one: each differing prompt's first differing token position
+    (a step of prefill is position 0), so that a difference can be traced to the step that made it."""
+    parts = []
+    for i, (a, b) in enumerate(zip(got["logprobs"], first["logprobs"], strict=True)):
+        if len(a) != len(b):
+            parts.append(f"prompt {i}: {len(a)} vs {len(b)} tokens")
+            continue
+        position = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        if position is not None:
+            parts.append(f"prompt {i} from token {position}")
+    return f"; differs at {', '.join(parts)}" if parts else ""
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=5)
@@ -84,7 +98,7 @@ def main() -> None:
         to_hf = max((a - b).abs().max().item() for a, b in zip(logprobs, reference, strict=True)) \
             if same_tokens else float("nan")
         print(f"run {run + 1}: tokens {'same as' if same_tokens else 'DIFFER from'} run 1; max |logprob diff| "
-              f"to run 1 {to_first:.2e}, to HF {to_hf:.2e}", flush=True)
+              f"to run 1 {to_first:.2e}, to HF {to_hf:.2e}{where_different(got, first)}", flush=True)
 
 
 if __name__ == "__main__":
