@@ -368,3 +368,30 @@ def test_windowed_and_soft_capped_layers_match_the_torch_backend(kernels, tiny_m
     for a, b in zip(got, expected, strict=True):
         assert a.token_ids == b.token_ids
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) <= 1e-4
+
+
+ROTARY_AFTER_LOAD = textwrap.dedent("""
+    import numpy as np, torch
+    torch.set_num_threads(2)
+    from batchgen.engine.backends.cpu import build
+    from batchgen.engine.layers.rotary import cos_sin_cache, rope_inv_freq
+    assert build.load_kernels()
+    table = cos_sin_cache(64, 100000.0, None, 8192).numpy()
+    angles = np.outer(np.arange(8192, dtype=np.float32), rope_inv_freq(64, 100000.0, None).numpy()).astype(np.float64)
+    expected = np.concatenate((np.cos(angles), np.sin(angles)), axis=-1).astype(np.float32)
+    print(int((table != expected).sum()), float(np.abs(table - expected).max()))
+""")
+
+
+@pytest.mark.timeout(300)
+def test_rotary_table_is_right_when_built_just_after_the_kernels_load(kernels):
+    """The rotary table is a model's one long-lived transcendental result, built once as the model is made,
+    after the CPU kernels load. On an AMX machine torch's threaded fp32 cos, as the first such call after the
+    load, returned one thread's half of it up to 1.5e-4 off in 1 of 5-15 fresh processes; the table comes from
+    float64 instead: each fresh process's table must be the float64 values rounded once, bit for bit."""
+    for _ in range(6):
+        done = subprocess.run([sys.executable, "-c", ROTARY_AFTER_LOAD], capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert done.returncode == 0, done.stderr
+        differing, largest = done.stdout.strip().splitlines()[-1].split()
+        assert int(differing) == 0, f"{differing} entries differ, by up to {largest}"

@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
 import torch
 
 # (unscaled inverse frequencies, rotary dims, base, scaling dict, context length) -> scaled ones
@@ -145,7 +146,12 @@ def cos_sin_cache(head_dim: int, theta: float, scaling: dict | None, max_positio
                   device: torch.device | None = None) -> torch.Tensor:
     """Rows ``[cos | sin]`` (head_dim / 2 each) for positions 0..max_positions-1, float32."""
     inv_freq = rope_inv_freq(head_dim, theta, scaling, max_positions)
-    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
-    table = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)  # rounded as HF's are
+    # cos and sin in float64 by numpy, rounded once to float32. On an AMX machine torch's threaded float32 cos,
+    # as the table's first transcendental call after the CPU kernels load, returned one thread's half of the
+    # table up to 1.5e-4 off in about 1 of 5-15 fresh processes (recomputing it at once was right), enough to
+    # move greedy logprobs by 1e-3 from run to run.
+    angles = freqs.double().numpy()
+    table = torch.from_numpy(np.concatenate((np.cos(angles), np.sin(angles)), axis=-1)).float()
     factor = rope_attention_factor(scaling)
     return (table if factor == 1.0 else table * factor).to(device)
