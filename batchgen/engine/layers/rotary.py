@@ -144,9 +144,12 @@ def pairwise_to_half_order(rotary_dim: int) -> torch.Tensor:
 
 def cos_sin_cache(head_dim: int, theta: float, scaling: dict | None, max_positions: int,
                   device: torch.device | None = None) -> torch.Tensor:
-    """Rows ``[cos | sin]`` (head_dim / 2 each) for positions 0..max_positions-1, float32."""
-    inv_freq = rope_inv_freq(head_dim, theta, scaling, max_positions)
-    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)  # rounded as HF's are
+    """Rows ``[cos | sin]`` (head_dim / 2 each) for positions 0..max_positions-1, float32, on ``device`` (default:
+    torch's current one, e.g. a model's while it is being built)."""
+    target = device if device is not None else torch.get_default_device()
+    with torch.device("cpu"):
+        inv_freq = rope_inv_freq(head_dim, theta, scaling, max_positions)
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)  # rounded as HF's are
     # cos and sin in float64 by numpy, rounded once to float32. On an AMX machine torch's threaded float32 cos,
     # as the table's first transcendental call after the CPU kernels load, returned one thread's half of the
     # table up to 1.5e-4 off in about 1 of 5-15 fresh processes (recomputing it at once was right), enough to
@@ -154,4 +157,4 @@ def cos_sin_cache(head_dim: int, theta: float, scaling: dict | None, max_positio
     angles = freqs.double().numpy()
     table = torch.from_numpy(np.concatenate((np.cos(angles), np.sin(angles)), axis=-1)).float()
     factor = rope_attention_factor(scaling)
-    return (table if factor == 1.0 else table * factor).to(device)
+    return (table if factor == 1.0 else table * factor).to(target)
