@@ -3,7 +3,8 @@ into a padded batch, SDPA with a mask) and, with ``--baseline REF``, against the
 
 Prints milliseconds per call (medians of ``--repeats`` runs, the variants interleaved run by run, so a shared
 machine's load falls on all of them alike) and GFLOP/s (QK^T and PV: 4 B Hq context D), for each batch and
-context, every row at the same context, the rows' blocks shuffled through the cache. With ``--layers N``
+context; for the fused op also the rate it reads the rows' K and V at, and that as a share of the rate this
+machine's threads read a large buffer (decode_workload.read_bandwidth: the memory roofline of a cold call), every row at the same context, the rows' blocks shuffled through the cache. With ``--layers N``
 each timed call runs the op over N caches in turn and the figures are per cache: as in a model's decode step,
 where each layer reads its own cache, cold (N = 30 at batch 64 holds more than the CPU's caches). The
 baseline's sources
@@ -24,6 +25,7 @@ from pathlib import Path
 
 import torch
 from attention_cpu import add_timing_args, timing_clock
+from decode_workload import read_bandwidth
 
 from batchgen.engine.backends.cpu import build
 from batchgen.engine.backends.cpu.features import cpu_features
@@ -132,11 +134,13 @@ def main() -> None:
           f"{args.dtype}, KV heads {args.kv_heads}, group {args.group}, head dim {args.head_dim}, "
           f"{args.layers} cache(s) in turn; "
           f"{'thread' if args.thread_time else 'wall'} time; load average {Path('/proc/loadavg').read_text()[:14]}")
+    bandwidth = read_bandwidth()
+    print(f"memory read (a sum over 512 MB): {bandwidth / 1e9:.1f} GB/s")
     tiles = amx_tiles() and dtype == torch.bfloat16  # then also the op without its AMX scores
     names = (["torch"] if not args.no_torch else []) + (["baseline"] if baseline else []) + \
         (["no AMX"] if tiles else []) + ["fused"]
     print(f"{'B':>4} {'context':>8} " + " ".join(f"{n + ' ms':>12} {n + ' GF/s':>12}" for n in names)
-          + (f" {'fused/baseline':>15}" if baseline else ""))
+          + f" {'fused GB/s':>11} {'of read':>8}" + (f" {'fused/baseline':>15}" if baseline else ""))
     scale = args.head_dim ** -0.5
     for context in args.contexts:
         for batch in args.batches:
@@ -154,8 +158,9 @@ def main() -> None:
             seconds = {n: t / args.layers for n, t in interleaved_medians(fns, args.repeats, clock).items()}
             flops = 4 * batch * q.shape[1] * context * args.head_dim
             row = " ".join(f"{seconds[n] * 1e3:>12.3f} {flops / seconds[n] / 1e9:>12.1f}" for n in names)
+            kv_rate = 2 * batch * context * args.kv_heads * args.head_dim * q.element_size() / seconds["fused"]
             ratio = f" {seconds['baseline'] / seconds['fused']:>15.2f}" if baseline else ""
-            print(f"{batch:>4} {context:>8} {row}{ratio}", flush=True)
+            print(f"{batch:>4} {context:>8} {row} {kv_rate / 1e9:>11.1f} {kv_rate / bandwidth:>8.0%}{ratio}", flush=True)
 
 
 if __name__ == "__main__":
