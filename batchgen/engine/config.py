@@ -161,8 +161,8 @@ class EngineConfig:
     max_model_len: int | None = knob(None, "longest prompt + output, in tokens (default: the model's context)",
                                      ge=1)
     block_size: int = knob(16, "tokens per KV cache block", ge=1)
-    kv_cache_memory: int | None = knob(None, "KV cache bytes (default: 2 GiB on CPU, gpu_memory_utilization "
-                                             "of the free GPU memory)", ge=1)
+    kv_cache_memory: int | None = knob(None, "KV cache bytes (default: on CPU a quarter of the available memory, "
+                                             "at least 2 GiB; gpu_memory_utilization of the free GPU memory)", ge=1)
     gpu_memory_utilization: float = knob(0.9, "share of the free GPU memory the KV cache may take", gt=0, le=1)
     enable_prefix_caching: bool = knob(True, "reuse the KV blocks of prompt prefixes already computed")
     prefix_cache_host_bytes: int = knob(0, "host-memory tier below the device prefix cache, in bytes (LRU; 0: none)",
