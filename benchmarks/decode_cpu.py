@@ -3,8 +3,9 @@ into a padded batch, SDPA with a mask) and, with ``--baseline REF``, against the
 
 Prints milliseconds per call (medians of ``--repeats`` runs, the variants interleaved run by run, so a shared
 machine's load falls on all of them alike) and GFLOP/s (QK^T and PV: 4 B Hq context D), for each batch and
-context; for the fused op also the rate it reads the rows' K and V at, and that as a share of the rate this
-machine's threads read a large buffer (decode_workload.read_bandwidth: the memory roofline of a cold call), every row at the same context, the rows' blocks shuffled through the cache. With ``--layers N``
+context, every row at the same context, the rows' blocks shuffled through the cache. For the fused op it also
+prints the rate it reads the rows' K and V at, and that rate as a share of the rate this machine's threads read a
+large buffer (decode_workload.read_bandwidth: the memory roofline of a cold call). With ``--layers N``
 each timed call runs the op over N caches in turn and the figures are per cache: as in a model's decode step,
 where each layer reads its own cache, cold (N = 30 at batch 64 holds more than the CPU's caches). The
 baseline's sources
@@ -160,7 +161,8 @@ def main() -> None:
             row = " ".join(f"{seconds[n] * 1e3:>12.3f} {flops / seconds[n] / 1e9:>12.1f}" for n in names)
             kv_rate = 2 * batch * context * args.kv_heads * args.head_dim * q.element_size() / seconds["fused"]
             ratio = f" {seconds['baseline'] / seconds['fused']:>15.2f}" if baseline else ""
-            print(f"{batch:>4} {context:>8} {row} {kv_rate / 1e9:>11.1f} {kv_rate / bandwidth:>8.0%}{ratio}", flush=True)
+            read = f"{kv_rate / 1e9:>11.1f} {kv_rate / bandwidth:>8.0%}"
+            print(f"{batch:>4} {context:>8} {row} {read}{ratio}", flush=True)
 
 
 if __name__ == "__main__":

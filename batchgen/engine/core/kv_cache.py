@@ -58,18 +58,21 @@ class KVLayout:
 
     def allocate(self, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device) -> list[list[torch.Tensor]]:
-        zeros = lazy_zeros if torch.device(device).type == "cpu" else torch.zeros
-        return [[zeros((num_blocks, block_size, *shape), dtype=dtype, device=device) for shape in layer]
-                for layer in self.layers]
+        def zeros(shape: tuple[int, ...]) -> torch.Tensor:
+            if torch.device(device).type == "cpu":
+                return lazy_zeros(shape, dtype)
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+        return [[zeros((num_blocks, block_size, *shape)) for shape in layer] for layer in self.layers]
 
 
-def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A CPU tensor of zeros in an anonymous memory mapping: the OS backs each page only when it is first written,
     so a cache sized to a budget costs memory (and page faults, about a second per GiB on a small VM) as its
     blocks come into use, not all at once when the engine starts. The tensor keeps the mapping alive."""
     nbytes = math.prod(shape) * element_size(dtype)
     if nbytes == 0:
-        return torch.zeros(shape, dtype=dtype, device=device)
+        return torch.zeros(shape, dtype=dtype)
     buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     return torch.frombuffer(buffer, dtype=dtype).view(shape)
 
