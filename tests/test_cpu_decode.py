@@ -151,7 +151,7 @@ def test_split_size_changes_nothing_but_rounding(kernels):
 
 def test_decode_rejects_bad_input(kernels):
     step = decode_step(F32, 3, 64, contexts=[5, 40])
-    with pytest.raises(RuntimeError, match="share one dtype"):
+    with pytest.raises(RuntimeError, match="the caches one"):
         kernels.paged_decode_attention(step.q, step.k_cache.bfloat16(), step.v_cache, step.tables,
                                        step.context_lens, 0.125)
     with pytest.raises(RuntimeError, match="outside 1.."):

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from batchgen.engine.dtype import DTYPE_NAMES, DtypeChoice, resolve_dtype
+from batchgen.engine.dtype import DTYPE_NAMES, KV_CACHE_DTYPES, DtypeChoice, kv_cache_torch_dtype, resolve_dtype
 from batchgen.engine.parallel.balancer import EplbConfig
 from batchgen.engine.quantization.config import FP8_WEIGHTS_MODES, QuantizationConfig
 from batchgen.engine.speculative.config import SpeculativeConfig
@@ -163,6 +163,9 @@ class EngineConfig:
     block_size: int = knob(16, "tokens per KV cache block", ge=1)
     kv_cache_memory: int | None = knob(None, "KV cache bytes (default: on CPU a quarter of the available memory, "
                                              "at least 2 GiB; gpu_memory_utilization of the free GPU memory)", ge=1)
+    kv_cache_dtype: str = knob("auto", "what the KV cache holds (auto: the model's dtype; fp8 = fp8_e4m3, or "
+                                       "fp8_e5m2: one byte a value, so twice bf16's tokens in the same memory; "
+                                       "values stored unscaled, e4m3 saturating at +-448)", tuple(KV_CACHE_DTYPES))
     gpu_memory_utilization: float = knob(0.9, "share of the free GPU memory the KV cache may take", gt=0, le=1)
     enable_prefix_caching: bool = knob(True, "reuse the KV blocks of prompt prefixes already computed")
     prefix_cache_host_bytes: int = knob(0, "host-memory tier below the device prefix cache, in bytes (LRU; 0: none)",
@@ -265,6 +268,11 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return self.dtype_choice.torch_dtype
+
+    @property
+    def kv_torch_dtype(self) -> torch.dtype:
+        """The KV cache's dtype: ``kv_cache_dtype``'s, or the model's."""
+        return kv_cache_torch_dtype(self.kv_cache_dtype, self.torch_dtype)
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

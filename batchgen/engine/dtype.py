@@ -19,6 +19,11 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
 }
 DTYPE_NAMES: tuple[str, ...] = ("auto", *TORCH_DTYPES)
 DtypeName = Literal[DTYPE_NAMES]  # type: ignore[valid-type]  # the spec's field type, built from the names
+# The KV cache's dtype (vLLM's names): auto, the model's; fp8 formats hold one byte a value, unscaled.
+KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
+    "auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2,
+}
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 # bf16 must beat fp32 on a representative matmul by this factor to be picked where the flags allow it.
 BF16_MIN_SPEEDUP = 1.0
@@ -77,6 +82,35 @@ def auto_dtype(device: torch.device) -> DtypeChoice:
     if slow:
         return DtypeChoice("float32", slow)
     return DtypeChoice("bfloat16", f"native bf16 ({cpu_features().describe()})")
+
+
+def kv_cache_torch_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The dtype the KV cache holds for ``kv_cache_dtype`` ``name`` with a model computing in ``model_dtype``."""
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {name!r}")
+    return KV_CACHE_DTYPES[name] or model_dtype
+
+
+def check_kv_cache_dtype(dtype: torch.dtype, device: torch.device) -> None:
+    """Refuses a KV cache dtype the device's kernels cannot read: Triton widens e4m3 only on sm_89 and later."""
+    if device.type == "cuda" and dtype == torch.float8_e4m3fn and torch.cuda.get_device_capability(device) < (8, 9):
+        major, minor = torch.cuda.get_device_capability(device)
+        raise ValueError(f"kv_cache_dtype fp8 (e4m3) needs a GPU of compute capability 8.9 or later, this one is "
+                         f"{major}.{minor}: use kv_cache_dtype fp8_e5m2 or auto")
+
+
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x as the cache stores it: cast, and in an fp8 cache clamped to the format's largest finite value first
+    (e4m3 saturates at 448 when cast, e5m2 would overflow to inf)."""
+    if dtype in FP8_DTYPES and x.dtype != dtype:
+        limit = torch.finfo(dtype).max
+        return x.clamp(-limit, limit).to(dtype)
+    return x.to(dtype)
+
+
+def as_stored(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x as a cache of ``dtype`` gives it back: rounded to that dtype, in x's dtype."""
+    return to_cache_dtype(x, dtype).to(x.dtype)
 
 
 def _slow_on_cpu(name: str) -> str | None:

@@ -16,6 +16,7 @@ from batchgen.engine.backends.select import default_backend, make_kernel_set
 from batchgen.engine.backends.torch.ops import fused_moe
 from batchgen.engine.config import EngineConfig, ModelConfig
 from batchgen.engine.core.kv_cache import kv_budget_bytes
+from batchgen.engine.dtype import check_kv_cache_dtype
 from batchgen.engine.executor.step import StepInput, StepOutput
 from batchgen.engine.kv_store.block_io import gather_blocks, scatter_blocks
 from batchgen.engine.loading.model_source import ModelSource
@@ -47,6 +48,8 @@ class ModelRunner:
         parallel = with_load_balancing(parallel, engine.enable_eplb, engine.eplb_config)
         self.engine, self.model_cfg, self.parallel = engine, model_cfg, parallel
         self.device, self.dtype = device or engine.torch_device(), engine.torch_dtype
+        self.kv_dtype = engine.kv_torch_dtype
+        check_kv_cache_dtype(self.kv_dtype, self.device)
         self.block_size, self.max_model_len = engine.block_size, max_model_len
         if self.device.type == "cpu":
             keep_freed_memory()
@@ -81,19 +84,20 @@ class ModelRunner:
         # the float32 logits of every sequence with the sampler's working copies (4 of them).
         reserve = engine.max_num_batched_tokens * self.profile.activation_values_per_token * 4 \
             + engine.max_num_seqs * engine.logits_rows_per_seq * self.model_cfg.vocab_size * 4 * 4
-        per_block = sum(layout.bytes_per_block(self.block_size, self.dtype)
+        per_block = sum(layout.bytes_per_block(self.block_size, self.kv_dtype)
                         for layout in (self.kv_layout, self.model.proposer_kv_layout()))
         return max(1, kv_budget_bytes(engine, self.device, reserve) // per_block)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """Allocates the cache in the model's layout, binds it, and captures CUDA graphs when they are on."""
-        per_block = self.kv_layout.bytes_per_block(self.block_size, self.dtype)
-        self.kv_cache = self.kv_layout.allocate(num_blocks, self.block_size, self.dtype, self.device)
+        per_block = self.kv_layout.bytes_per_block(self.block_size, self.kv_dtype)
+        self.kv_cache = self.kv_layout.allocate(num_blocks, self.block_size, self.kv_dtype, self.device)
         self.model.bind_kv_cache(self.kv_cache)
         self.num_blocks = num_blocks
-        log.info("KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB), %d bytes per token (%s)",
+        log.info("KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB), %s, %d bytes per token (%s)",
                  num_blocks, self.block_size, num_blocks * self.block_size, num_blocks * per_block / 2**20,
-                 self.kv_layout.bytes_per_token(self.dtype), self.kv_layout.describe())
+                 str(self.kv_dtype).removeprefix("torch."), self.kv_layout.bytes_per_token(self.kv_dtype),
+                 self.kv_layout.describe())
         self.graphs = self._graph_runner()
 
     def _graph_runner(self) -> "GraphRunner | None":

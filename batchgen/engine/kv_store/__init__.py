@@ -19,7 +19,7 @@ log = logging.getLogger(__name__)
 
 def kv_identity(config: "EngineConfig", source: "ModelSource", model: "ModelConfig", layout: "KVLayout",
                 tp_rank: int = 0) -> KVIdentity:
-    return KVIdentity(weights=weights_digest(source.path, source.config), dtype=dtype_name(config.torch_dtype),
+    return KVIdentity(weights=weights_digest(source.path, source.config), dtype=dtype_name(config.kv_torch_dtype),
                       layout=layout.layers, block_size=config.block_size, tp_rank=tp_rank,
                       tp_size=config.tensor_parallel_size, rope=rope_description(model.rope_theta, model.rope_scaling))
 
@@ -41,7 +41,7 @@ def build_prefix_tiers(config: "EngineConfig", source: "ModelSource", model: "Mo
                       for rank in range(shards)]
         store = RankStores([KVStore(config.prefix_cache_store, ns, config.storage_options) for ns in namespaces])
         log.info("prefix store %s, namespace %s", redact(config.prefix_cache_store), ", ".join(namespaces))
-    nbytes = rank_layout.bytes_per_block(config.block_size, config.torch_dtype) * shards
+    nbytes = rank_layout.bytes_per_block(config.block_size, config.kv_torch_dtype) * shards
     return PrefixTiers(config.block_size, nbytes, config.prefix_cache_host_bytes, store)
 
 

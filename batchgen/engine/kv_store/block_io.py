@@ -37,8 +37,8 @@ def scatter_blocks(kv: KVCache, block_ids: list[int], rows: torch.Tensor) -> Non
     offset = 0
     for t in tensors:
         width = t[0].numel() * t.element_size()
-        part = rows[:, offset:offset + width].contiguous().view(t.dtype).view(len(block_ids), *t.shape[1:])
-        t.index_copy_(0, index, part)
+        # As bytes: every dtype's blocks alike (torch's index_copy_ takes no fp8 on CPU).
+        t.view(torch.uint8).view(t.shape[0], width).index_copy_(0, index, rows[:, offset:offset + width])
         offset += width
 
 

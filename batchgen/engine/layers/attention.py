@@ -7,12 +7,15 @@ import torch
 from torch import nn
 
 from batchgen.engine.backends.interface import AttentionBackend, AttentionMetadata
+from batchgen.engine.dtype import as_stored
 
 
 class Attention(nn.Module):
     """Paged multi-head attention (GQA): K and V of (kv_heads, head_dim) per token, bound by the model runner.
 
     ``scale`` defaults to head_dim ** -0.5; ``sliding_window`` and ``softcap`` as in :class:`AttentionBackend`.
+    Queries meet K and V as the cache holds them: with an fp8 cache, the step's own keys and values are rounded
+    to fp8 too, so every backend, and a prefix cached or computed, gives the same attention.
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, backend: AttentionBackend,
@@ -38,5 +41,7 @@ class Attention(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         assert self.k_cache is not None and self.v_cache is not None, "KV cache not bound"
         self.backend.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        if self.k_cache.dtype != k.dtype:
+            k, v = as_stored(k, self.k_cache.dtype), as_stored(v, self.v_cache.dtype)
         return self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale,
                                     sliding_window=self.sliding_window, softcap=self.softcap)

@@ -245,7 +245,7 @@ class MLAAttention(nn.Module):
 
     def prefill(self, q: torch.Tensor, plan: LatentPrefill) -> torch.Tensor:
         """Expanded attention of the prefilling sequences' new tokens, (T, H, v_dim)."""
-        rows = self.cache.view(-1, self.cache.shape[-1])[plan.context_slots]
+        rows = self.cache.view(-1, self.cache.shape[-1])[plan.context_slots].to(q.dtype)
         kv = self.kv_b_proj(rows[:, : self.kv_lora_rank]).view(-1, self.num_heads, self.nope_dim + self.v_dim)
         return self.backend.prefill(q, kv[..., : self.nope_dim], kv[..., self.nope_dim:],
                                     rows[:, self.kv_lora_rank:], plan, self.scale)

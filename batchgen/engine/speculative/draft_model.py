@@ -53,10 +53,11 @@ def draft_params(k: int, sampling: DraftSampling | None) -> SamplingParams:
 
 
 def draft_engine_config(target: EngineConfig, draft_model: str) -> EngineConfig:
-    """The draft's engine: the target's device, dtype, batch limits and kernels, one device, prefix caching on."""
+    """The draft's engine: the target's device, dtypes, batch limits and kernels, one device, prefix caching on."""
     kv = min(DRAFT_KV_CACHE_BYTES, target.kv_cache_memory or DRAFT_KV_CACHE_BYTES)
     return EngineConfig(
-        model=draft_model, dtype=target.dtype_choice.name, device=target.torch_device().type,
+        model=draft_model, dtype=target.dtype_choice.name, kv_cache_dtype=target.kv_cache_dtype,
+        device=target.torch_device().type,
         storage_options=target.storage_options, max_num_batched_tokens=target.max_num_batched_tokens,
         max_num_seqs=target.max_num_seqs, block_size=target.block_size, kv_cache_memory=kv,
         enable_prefix_caching=True, attention_backend=target.attention_backend, cuda_graphs=target.cuda_graphs,

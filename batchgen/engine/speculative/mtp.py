@@ -78,7 +78,7 @@ class MtpProposer:
     def __init__(self, runner: Any, num_speculative_tokens: int, num_blocks: int):
         self.runner, self.model = runner, runner.model
         self.num_speculative_tokens, self.block_size = num_speculative_tokens, runner.block_size
-        (self.cache,) = self.model.proposer_kv_layout().allocate(num_blocks, self.block_size, runner.dtype,
+        (self.cache,) = self.model.proposer_kv_layout().allocate(num_blocks, self.block_size, runner.kv_dtype,
                                                                  runner.device)
         self.model.mtp.self_attn.bind_cache(self.cache)
         self.pool = BlockPool(num_blocks)

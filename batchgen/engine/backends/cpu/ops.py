@@ -12,6 +12,7 @@ from functools import lru_cache
 import torch
 
 from batchgen.engine.backends.torch import ops as torch_ops
+from batchgen.engine.dtype import FP8_DTYPES
 from batchgen.engine.sampling.sampler import row_argmax as torch_row_argmax
 
 log = logging.getLogger(__name__)
@@ -91,9 +92,11 @@ def amx_tiles() -> bool:
 SPLIT_KEYS = 256
 
 
-def supports_decode(dtype: torch.dtype, head_dim: int) -> bool:
-    """The decode op needs no oneDNN micro-kernel: fp32 and bf16 on any CPU the kernels were built for."""
-    return dtype in KERNEL_DTYPES and 0 < head_dim <= MAX_HEAD_DIM
+def supports_decode(dtype: torch.dtype, head_dim: int, cache_dtype: torch.dtype | None = None) -> bool:
+    """The decode op needs no oneDNN micro-kernel: fp32 and bf16 on any CPU the kernels were built for, over a
+    cache of that dtype (``cache_dtype`` None: the same) or of fp8."""
+    cached = cache_dtype in (None, dtype, *FP8_DTYPES)
+    return dtype in KERNEL_DTYPES and cached and 0 < head_dim <= MAX_HEAD_DIM
 
 
 def supports_latent_decode(dtype: torch.dtype) -> bool:
@@ -107,7 +110,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            split_keys: int = SPLIT_KEYS, amx: bool | None = None) -> torch.Tensor:
     """Attention of one query per sequence, q (B, Hq, D), over its ``context_lens[i]`` cached keys, read in
     place from the paged caches through ``block_tables``; the signature of the torch backend's
-    ``paged_decode`` (less its max context). fp32 scores and accumulation, output in q's dtype. bf16 scores
+    ``paged_decode`` (less its max context). The caches hold q's dtype or fp8 (e4m3fn, e5m2, widened as
+    they are read). fp32 scores and accumulation, output in q's dtype. bf16 scores
     are multiplied in AMX tiles where the CPU has them (``amx`` as in :func:`varlen_causal_attention`)."""
     out = torch.empty(q.shape, dtype=q.dtype)
     amx = amx_tiles() if amx is None else amx

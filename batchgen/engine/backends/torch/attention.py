@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from batchgen.engine.backends.interface import AttentionMetadata
+from batchgen.engine.dtype import FP8_DTYPES, to_cache_dtype
 
 # Score elements one soft-capped matmul may hold (64 MiB of fp32); longer prompts go in query chunks.
 _MAX_SCORES = 1 << 24
@@ -20,9 +21,8 @@ class TorchAttentionBackend:
     name = "torch"
 
     def store_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
-        num_kv_heads, head_dim = k.shape[1], k.shape[2]
-        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+        store_rows(k, k_cache, slot_mapping)
+        store_rows(v, v_cache, slot_mapping)
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
                 sliding_window: int | None = None, softcap: float | None = None):
@@ -56,6 +56,14 @@ class TorchAttentionBackend:
                 vs = gather_context(v_cache, meta.block_tables[i], ctx_len, first)
             out[start:end] = causal_attention(q[start:end], ks, vs, scale, **window)
         return out
+
+
+def store_rows(rows: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Writes rows (T, *row shape) into the cache's slots (a cache of (num_blocks, block_size, *row shape))."""
+    rows, cache = to_cache_dtype(rows, cache.dtype), cache.view(-1, *rows.shape[1:])
+    if cache.dtype in FP8_DTYPES:  # torch's index_copy_ takes no fp8 on CPU; the bytes are the same
+        rows, cache = rows.view(torch.uint8), cache.view(torch.uint8)
+    cache.index_copy_(0, slot_mapping, rows)
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,

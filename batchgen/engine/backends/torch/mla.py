@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from batchgen.engine.backends.torch.attention import causal_attention
+from batchgen.engine.backends.torch.attention import causal_attention, store_rows
 
 if TYPE_CHECKING:
     from batchgen.engine.backends.interface import LatentPrefill
@@ -17,7 +17,7 @@ class TorchMLABackend:
     name = "torch"
 
     def store_latent(self, latent: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        cache.view(-1, cache.shape[-1]).index_copy_(0, slot_mapping, latent.to(cache.dtype))
+        store_rows(latent, cache, slot_mapping)
 
     def decode(self, q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
                context_lens: torch.Tensor, max_context: int, value_dim: int, scale: float) -> torch.Tensor:

@@ -126,7 +126,8 @@ def fold_scores(acc, m_i, l_i, qk, v, PREC: tl.constexpr, UPCAST: tl.constexpr):
 @triton.jit
 def load_paged_kv(KCache, VCache, block_table_row, offs_n, valid_n, kv_head, offs_d, mask_d,
                   stride_cb, stride_cs, stride_ch, BLOCK_SIZE: tl.constexpr, dtype: tl.constexpr):
-    """Keys (as D x N) and values (N x D) at token positions offs_n of one sequence's paged cache."""
+    """Keys (as D x N) and values (N x D) at token positions offs_n of one sequence's paged cache, in
+    ``dtype`` (an fp8 cache's rows widened as they are read)."""
     blk = tl.load(block_table_row + offs_n // BLOCK_SIZE, mask=valid_n, other=0).to(tl.int64)
     base = blk * stride_cb + (offs_n % BLOCK_SIZE).to(tl.int64) * stride_cs + kv_head * stride_ch
     k_t = tl.load(KCache + base[None, :] + offs_d[:, None],

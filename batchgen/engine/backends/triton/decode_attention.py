@@ -167,7 +167,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
     With ``rows`` (int32 (N, 2) of (sequence, row of q), sequence -1 skipped): only those query rows of a
     packed step (T, Hq, D), each against its sequence's context; the other rows of ``out`` are left as
-    they are (the decode rows of a mixed step, next to the prefill kernel's rows)."""
+    they are (the decode rows of a mixed step, next to the prefill kernel's rows). The caches may hold fp8
+    (e4m3, e5m2): their rows are widened to q's dtype as they are read."""
     num_heads, head_dim = q.shape[1:]
     batch = q.shape[0] if rows is None else rows.shape[0]
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]

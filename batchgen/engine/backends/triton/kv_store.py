@@ -5,6 +5,8 @@ import torch
 import triton
 import triton.language as tl
 
+from batchgen.engine.dtype import FP8_DTYPES, to_cache_dtype
+
 
 @triton.jit
 def _store_kv_kernel(
@@ -36,6 +38,8 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     if num_tokens == 0:
         return
     assert slot_mapping.numel() == num_tokens
+    k, k_cache = as_cache_rows(k, k_cache)
+    v, v_cache = as_cache_rows(v, v_cache)
     assert k.stride(-1) == 1 and v.stride(-1) == 1
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
     width = num_kv_heads * head_dim
@@ -45,3 +49,12 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK=triton.next_power_of_2(width),
         BLOCK_SIZE=k_cache.shape[1], num_warps=4 if width <= 2048 else 8,
     )
+
+
+def as_cache_rows(rows: torch.Tensor, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """rows and the cache as the store kernels take them. An fp8 cache's rows are quantized here by
+    :func:`to_cache_dtype` (what every backend stores; Triton's interpreter would also round fp32 -> fp8
+    wrongly), and rows and cache go as bytes, which the kernel copies."""
+    if cache.dtype not in FP8_DTYPES:
+        return rows, cache
+    return to_cache_dtype(rows, cache.dtype).view(torch.uint8), cache.view(torch.uint8)

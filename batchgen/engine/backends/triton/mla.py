@@ -16,6 +16,7 @@ from batchgen.engine.backends.triton.common import (
     INTERPRET, LOG2E, dot_precision, fold_scores, mma, needs_long_offsets, row_offsets,
 )
 from batchgen.engine.backends.triton.decode_attention import merge_splits, plan_splits, sequence_split, split_buffers
+from batchgen.engine.backends.triton.kv_store import as_cache_rows
 # The tile list (prefill_work) is cut in query tiles of _BLOCK_M rows; this kernel walks the same list.
 from batchgen.engine.backends.triton.prefill_attention import _BLOCK_M as PREFILL_BLOCK_M, query_tile
 
@@ -39,6 +40,7 @@ def store_latent(latent: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.
     num_tokens, width = latent.shape
     if num_tokens == 0:
         return
+    latent, cache = as_cache_rows(latent, cache)
     assert latent.stride(-1) == 1 and cache.stride(-1) == 1 and slot_mapping.numel() == num_tokens
     _store_latent_kernel[(num_tokens,)](latent, cache, slot_mapping, latent.stride(0), *cache.stride()[:2],
                                         WIDTH=width, BLOCK=triton.next_power_of_2(width),
@@ -111,8 +113,8 @@ def _decode_tiles(rank: int, dtype: torch.dtype) -> tuple[int, int]:
 
 def mla_decode(q: torch.Tensor, cache: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,
                max_context: int, rank: int, scale: float, num_splits: int | None = None) -> torch.Tensor:
-    """Attention of q (B, H, rank + rope) over each sequence's latent rows; values are their first
-    ``rank`` dims. Returns (B, H, rank)."""
+    """Attention of q (B, H, rank + rope) over each sequence's latent rows (an fp8 cache's widened to q's
+    dtype as they are read); values are their first ``rank`` dims. Returns (B, H, rank)."""
     batch, num_heads, width = q.shape
     assert width == cache.shape[-1] and q.stride(-1) == 1 and cache.stride(-1) == 1
     out = q.new_empty(batch, num_heads, rank)

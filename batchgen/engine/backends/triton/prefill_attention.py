@@ -170,9 +170,9 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
 
     ``work`` is the step's tile list from :func:`prefill_work`, on q's device. With a paged cache:
     sequence i first attends to its ``context_lens[i] - klen_i`` cached tokens (read through
-    ``block_tables[i]``), which sit before its contiguous keys. A causal ``sliding_window`` limits each
-    query to its last ``sliding_window`` keys (cached blocks before them are never read); ``softcap``
-    caps the scaled scores at ``softcap * tanh(s / softcap)``.
+    ``block_tables[i]``; an fp8 cache's rows are widened to q's dtype), which sit before its contiguous
+    keys. A causal ``sliding_window`` limits each query to its last ``sliding_window`` keys (cached blocks
+    before them are never read); ``softcap`` caps the scaled scores at ``softcap * tanh(s / softcap)``.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]

@@ -6,9 +6,10 @@
 // positions: each chunk's cache rows (every KV head side by side) are read once, and for each KV head its GQA
 // group's query heads attend them together, with an online softmax and register tiles of several heads
 // (paged.h's attend_chunk, shared with the latent op). Scores, softmax and accumulation are fp32; the output is
-// bit-identical for any thread count. On CPUs with amx_bf16, bf16 caches' items take decode_tiles.h's path
+// bit-identical for any thread count. On CPUs with amx_bf16, bf16 queries' items take decode_tiles.h's path
 // instead (no soft cap): both products in AMX tiles, a task's KV heads side by side in the lanes (the same
-// partials and merge).
+// partials and merge). The cache holds q's dtype or fp8 (e4m3, e5m2: rows widened as they are read, half the
+// bytes of bf16 from memory).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
@@ -27,10 +28,10 @@
 namespace batchgen_cpu {
 namespace {
 
-template <typename T>
+template <typename T, typename C>  // queries and output in T, the cache in C
 struct Decode {
   const T* q; int64_t q_row, q_head;
-  const T* k_cache; const T* v_cache; int64_t cache_block, cache_row, block_size;
+  const C* k_cache; const C* v_cache; int64_t cache_block, cache_row, block_size;
   const int32_t* tables; int64_t tables_row;
   Heads group;  // the G query heads of a KV head, keys and values head_dim wide
 };
@@ -42,11 +43,11 @@ struct Decode {
 // heads are grouped changes no rounding. The next chunk's lines are asked for a head's share at a time, spread
 // over the chunk's work so the fetches overlap it rather than queue up at its start; the last chunk asks for
 // the first of `after` (the thread's next task; null: none).
-template <typename T>
-void attend_split(const Decode<T>& a, const Item* it, const Item* after, int64_t span, Scratch& w,
+template <typename T, typename C>
+void attend_split(const Decode<T, C>& a, const Item* it, const Item* after, int64_t span, Scratch& w,
                   Partials& partials, int64_t i0) {
   const int64_t G = a.group.count, D = a.group.key_width, first = it[0].first, last = it[0].last;
-  const int64_t row_bytes = span * D * sizeof(T);
+  const int64_t row_bytes = span * D * sizeof(C);
   Heads heads = a.group;
   heads.count = span * G;
   load_queries(a.q + it[0].seq * a.q_row + it[0].head * G * a.q_head, a.q_head, heads, w.q32.data());
@@ -84,14 +85,15 @@ void attend_split(const Decode<T>& a, const Item* it, const Item* after, int64_t
 #if defined(BATCHGEN_AMX)
 // One split of KV heads [it[0].head, + heads.parts()) in AMX tiles (decode_tiles.h), a part per KV head, into the
 // partials of items i0 onwards (consecutive: their heads' slots follow one another).
-void attend_split_in_tiles(const Decode<at::BFloat16>& a, const amx::TileHeads& heads, const Item* it,
+template <typename C>
+void attend_split_in_tiles(const Decode<at::BFloat16, C>& a, const amx::TileHeads& heads, const Item* it,
                            amx::TileScratch& w, Partials& partials, int64_t i0) {
   const int64_t G = a.group.count, D = a.group.key_width, h0 = it[0].head;
   const int32_t* table = a.tables + it[0].seq * a.tables_row;
-  auto row_at = [&](const at::BFloat16* cache, int64_t pos) {  // position pos's row, from KV head h0
+  auto row_at = [&](const C* cache, int64_t pos) {  // position pos's row, from KV head h0
     return cache + table[pos / a.block_size] * a.cache_block + (pos % a.block_size) * a.cache_row + h0 * D;
   };
-  amx::tile_item(a.q + it[0].seq * a.q_row + h0 * G * a.q_head, a.q_head, heads, a.group.scale, it[0].first,
+  amx::tile_item<C>(a.q + it[0].seq * a.q_row + h0 * G * a.q_head, a.q_head, heads, a.group.scale, it[0].first,
                  it[0].last, a.cache_row, [&](int64_t pos) { return row_at(a.k_cache, pos); },
                  [&](int64_t pos) { return row_at(a.v_cache, pos); }, w, partials.o_of(i0), partials.m_of(i0),
                  partials.l_of(i0));
@@ -108,9 +110,10 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
               v_cache.sizes() == k_cache.sizes(), "caches must be contiguous (blocks, block_size, Hkv, D)");
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = k_cache.size(2);
   TORCH_CHECK(k_cache.size(3) == D && Hq % Hkv == 0, "cache head_dim or head counts do not match q");
-  const auto scalar = q.scalar_type();
-  TORCH_CHECK(k_cache.scalar_type() == scalar && v_cache.scalar_type() == scalar && out.scalar_type() == scalar,
-              "q, caches and out must share one dtype");
+  const auto scalar = q.scalar_type(), cached = k_cache.scalar_type();
+  TORCH_CHECK(out.scalar_type() == scalar && v_cache.scalar_type() == cached, "out must have q's dtype, the caches one");
+  TORCH_CHECK(cached == scalar || cached == at::kFloat8_e4m3fn || cached == at::kFloat8_e5m2,
+              "the caches must hold q's dtype or fp8 (e4m3fn, e5m2), got ", cached);
   auto ctx = context_lens.to(at::kLong).contiguous();
   auto tables = block_tables.to(at::kInt).contiguous();
   TORCH_CHECK(ctx.numel() == B, "one context length per row");
@@ -121,12 +124,14 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   const int64_t G = Hq / Hkv, num_items = plan.items.size();
   Partials partials(num_items, G, D);
 
-  auto launch = [&](auto* tag) {
+  auto launch = [&](auto* tag, auto* cache_tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    const Decode<T> a{q.const_data_ptr<T>(), q.stride(0), q.stride(1), k_cache.const_data_ptr<T>(),
-                      v_cache.const_data_ptr<T>(), k_cache.stride(0), k_cache.stride(1), block_size,
-                      tables.const_data_ptr<int32_t>(), tables.size(1),
-                      Heads{G, D, D, static_cast<float>(scale), static_cast<float>(softcap)}};
+    using C = std::remove_pointer_t<decltype(cache_tag)>;
+    const Decode<T, C> a{q.const_data_ptr<T>(), q.stride(0), q.stride(1),
+                         reinterpret_cast<const C*>(k_cache.const_data_ptr()),
+                         reinterpret_cast<const C*>(v_cache.const_data_ptr()), k_cache.stride(0), k_cache.stride(1),
+                         block_size, tables.const_data_ptr<int32_t>(), tables.size(1),
+                         Heads{G, D, D, static_cast<float>(scale), static_cast<float>(softcap)}};
     // Rows enough to keep every thread busy with tasks of several KV heads; else a task takes one KV head.
     const bool wide_tasks = num_items / Hkv >= 2 * at::get_num_threads();
     bool in_tiles = false;
@@ -140,7 +145,7 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
       if (in_tiles)
         at::parallel_for(0, num_items / Hkv * tasks_per_split, 1, [&](int64_t begin, int64_t end) {
           amx::TileSession session;
-          auto scratch = std::make_unique<amx::TileScratch>(widest);
+          auto scratch = std::make_unique<amx::TileScratch>(widest, kFp8<C>);
           for (int64_t t = begin; t < end; ++t) {
             const int64_t h0 = t % tasks_per_split * per_task, i0 = t / tasks_per_split * Hkv + h0;
             attend_split_in_tiles(a, amx::grouped_heads(G, D, std::min(per_task, Hkv - h0)), &plan.items[i0],
@@ -171,7 +176,11 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
       }
     });
   };
-  dispatch(scalar, "paged_decode_attention", launch);
+  dispatch(scalar, "paged_decode_attention", [&](auto* tag) {
+    if (cached == at::kFloat8_e4m3fn) launch(tag, static_cast<c10::Float8_e4m3fn*>(nullptr));
+    else if (cached == at::kFloat8_e5m2) launch(tag, static_cast<c10::Float8_e5m2*>(nullptr));
+    else launch(tag, tag);
+  });
 }
 
 }  // namespace

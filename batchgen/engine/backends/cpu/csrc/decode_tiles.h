@@ -18,7 +18,8 @@
 //   a zero probability). The packing interleaves two rows' dims within 128-bit lanes (one instruction per 32
 //   dims, not a cross-lane permute), so O's columns are those dims in lane order; the item's output puts them
 //   back in order.
-// A head's max moves only when a block passes it by kRescaleLog2 doublings, as in the other paths. Scores,
+// An fp8 cache's rows are widened to bf16 (exactly): keys 64 rows at a time into the scratch, where the A tiles
+// read them; values as they are packed. A head's max moves only when a block passes it by kRescaleLog2 doublings, as in the other paths. Scores,
 // softmax and accumulation are fp32; probabilities are rounded to bf16 for P.V, as the prefill tiles do. The
 // result is the portable path's partial (unnormalised output, max in natural-log units, sum).
 #pragma once
@@ -73,20 +74,23 @@ inline int64_t kv_heads_per_item(int64_t group, int64_t head_dim, int64_t kv_hea
   return std::max<int64_t>(1, std::min({kv_heads, lanes, width}));
 }
 
-// A thread's scratch, sized for the call's heads and widths; every item overwrites what it reads.
+// A thread's scratch, sized for the call's heads and widths (and, `widened`, for a block's rows of an fp8 cache
+// as bf16); every item overwrites what it reads.
 class TileScratch {
  public:
-  explicit TileScratch(const TileHeads& h)
+  explicit TileScratch(const TileHeads& h, bool widened = false)
       : groups_(h.groups()),
         qt_(alloc<uint32_t>(groups_ * h.row_width() / 2 * kRows)),
         o_(alloc<float>(groups_ * kRows * h.values())),
         m_(alloc<float>(groups_ * kRows)),
-        l_(alloc<float>(groups_ * kRows)) {}
+        l_(alloc<float>(groups_ * kRows)),
+        keys_(alloc<at::BFloat16>(widened ? 4 * kRows * h.row_width() : 0)) {}
 
   uint32_t* qt(int64_t g, int64_t words) { return qt_.get() + g * words * kRows; }  // group g's Q^T words
   float* o(int64_t g, int64_t R) { return o_.get() + g * kRows * R; }  // group g's O (16 heads x R)
   float* m(int64_t g) { return m_.get() + g * kRows; }
   float* l(int64_t g) { return l_.get() + g * kRows; }
+  at::BFloat16* keys() { return keys_.get(); }  // 64 key rows, widened (64 x W)
   alignas(64) float s[kBlockKeys * kRows];  // a block's S^T, a key per row
   alignas(64) uint32_t p[kBlockKeys / 32 * kRows * kRows];  // its P tiles: a head per row, 16 words of key pairs
   alignas(64) uint16_t v[4 * 32 * kRows];  // B tiles of 32 keys x 16 dims, four of them
@@ -97,6 +101,7 @@ class TileScratch {
   };
   template <typename T>
   static std::unique_ptr<T[], Free> alloc(int64_t n) {
+    if (n == 0) return nullptr;
     const size_t bytes = (static_cast<size_t>(n) * sizeof(T) + 63) / 64 * 64;
     void* p = std::aligned_alloc(64, bytes);
     TORCH_CHECK(p != nullptr, "out of memory for the decode tiles' scratch");
@@ -105,6 +110,7 @@ class TileScratch {
   int64_t groups_;
   std::unique_ptr<uint32_t[], Free> qt_;
   std::unique_ptr<float[], Free> o_, m_, l_;
+  std::unique_ptr<at::BFloat16[], Free> keys_;
 };
 
 // The lazy rescale between blocks: where a head's (lane's) new max `top` passes its running max m by
@@ -127,9 +133,10 @@ inline __m512 raise_max(__m512& m, __m512 top, float* o, int64_t width) {
 }
 
 // Asks for the cache lines of `n` values from p.
-inline void prefetch_row(const at::BFloat16* p, int64_t n) {
+template <typename C>
+inline void prefetch_row(const C* p, int64_t n) {
   const char* c = reinterpret_cast<const char*>(p);
-  for (int64_t b = 0; b < n * 2; b += 64) _mm_prefetch(c + b, _MM_HINT_T0);
+  for (int64_t b = 0; b < n * static_cast<int64_t>(sizeof(C)); b += 64) _mm_prefetch(c + b, _MM_HINT_T0);
 }
 
 // S^T for N sub-blocks of 16 keys (rows at k[u], stride apart) into tiles 0..N-1, stored to s: tile 4 holds Q^T
@@ -163,12 +170,20 @@ inline void block_scores(const uint32_t* qt, int64_t W, const at::BFloat16* cons
   if constexpr (N > 3) _tile_stored(3, s + 3 * kRows * kRows, 64);
 }
 
+// 32 values from p as bf16 words.
+template <typename C>
+inline __m512i load32(const C* p) {
+  if constexpr (kFp8<C>) return fp8x32_to_bf16(p);
+  else return _mm512_loadu_si512(p);
+}
+
 // O's dims [d0, d0 + 16 N) (tiles 0..N-1, N 2 or 4, loaded from and stored to o) += P . V over a block's
 // chunks of 32 keys: P tile c at p + c * 256 (tile 4), V packed per chunk into v (tiles 5-7, 5 again).
-// row(k): key k's value row, or zeros where the key is outside the item.
+// row(k): key k's value row (of C), or zeros where the key is outside the item.
 template <int N, typename Row>
 inline void block_values(float* o, int64_t R, int64_t d0, const uint32_t* p, int64_t chunks, Row&& row,
                          uint16_t* v) {
+  using C = std::remove_cv_t<std::remove_pointer_t<decltype(row(0))>>;
   _tile_loadd(0, o + d0, R * 4);
   _tile_loadd(1, o + d0 + 16, R * 4);
   if constexpr (N > 2) {
@@ -177,12 +192,19 @@ inline void block_values(float* o, int64_t R, int64_t d0, const uint32_t* p, int
   }
   for (int64_t c = 0; c < chunks; ++c) {
     for (int i = 0; i < kRows; ++i) {  // row i of the B tiles: keys 32c + 2i and + 1, their dims in pairs
-      const auto* a = reinterpret_cast<const uint16_t*>(row(32 * c + 2 * i)) + d0;
-      const auto* b = reinterpret_cast<const uint16_t*>(row(32 * c + 2 * i + 1)) + d0;
+      const auto* a = row(32 * c + 2 * i) + d0;
+      const auto* b = row(32 * c + 2 * i + 1) + d0;
+      __m512i x[N / 2], y[N / 2];
+#if defined(__AVX512VBMI__)
+      if constexpr (kFp8<C> && N == 4) {  // 64 values of a row widened at once
+        fp8x64_to_bf16(a, x[0], x[1]);
+        fp8x64_to_bf16(b, y[0], y[1]);
+      } else
+#endif
+        for (int h = 0; h < N / 2; ++h) x[h] = load32(a + 32 * h), y[h] = load32(b + 32 * h);
       for (int h = 0; h < N / 2; ++h) {
-        const __m512i x = _mm512_loadu_si512(a + 32 * h), y = _mm512_loadu_si512(b + 32 * h);
-        _mm512_store_si512(v + (2 * h) * 512 + i * 32, _mm512_unpacklo_epi16(x, y));
-        _mm512_store_si512(v + (2 * h + 1) * 512 + i * 32, _mm512_unpackhi_epi16(x, y));
+        _mm512_store_si512(v + (2 * h) * 512 + i * 32, _mm512_unpacklo_epi16(x[h], y[h]));
+        _mm512_store_si512(v + (2 * h + 1) * 512 + i * 32, _mm512_unpackhi_epi16(x[h], y[h]));
       }
     }
     _tile_loadd(4, p + c * kRows * kRows, 64);
@@ -207,8 +229,9 @@ inline void block_values(float* o, int64_t R, int64_t d0, const uint32_t* p, int
 
 // One item: keys [first, last) of one sequence; head j's query at q + j * head_stride (key_width values), the
 // key and value rows of 16 positions from a multiple of 16 at key_at(pos) and value_at(pos) (row_stride elements
-// apart). Writes head j's unnormalised output to o + j * value_width, its max (natural log) to m[j], sum to l[j].
-template <typename KeyAt, typename ValueAt>
+// of C apart: bf16, or fp8 with a scratch built `widened`). Writes head j's unnormalised output to
+// o + j * value_width, its max (natural log) to m[j], sum to l[j].
+template <typename C, typename KeyAt, typename ValueAt>
 void tile_item(const at::BFloat16* q, int64_t head_stride, const TileHeads& heads, float scale, int64_t first,
                int64_t last, int64_t row_stride, KeyAt&& key_at, ValueAt&& value_at, TileScratch& w, float* o,
                float* m_out, float* l_out) {
@@ -238,30 +261,44 @@ void tile_item(const at::BFloat16* q, int64_t head_stride, const TileHeads& head
   for (int64_t b0 = start; b0 < last; b0 += kBlockKeys) {
     const int64_t lo = std::max(first, b0) - b0, hi = std::min(last, b0 + kBlockKeys) - b0;  // keys in the item
     const int64_t subs = (hi + kRows - 1) / kRows, chunks = (hi + 31) / 32;
-    const at::BFloat16* k_rows[kBlockKeys / kRows];
-    const at::BFloat16* v_rows[kBlockKeys / kRows];
+    const C* k_cached[kBlockKeys / kRows];
+    const C* v_cached[kBlockKeys / kRows];
     for (int64_t t = 0; t < subs; ++t) {
-      k_rows[t] = key_at(b0 + t * kRows);
-      v_rows[t] = value_at(b0 + t * kRows);
+      k_cached[t] = key_at(b0 + t * kRows);
+      v_cached[t] = value_at(b0 + t * kRows);
     }
     // The block's rows asked for at once, so their misses overlap each other (1.07x in a cold step's op).
     for (int64_t t = 0; t < subs; ++t)
       for (int r = 0; r < kRows; ++r) {
-        prefetch_row(k_rows[t] + r * row_stride, W);
-        if (v_rows[t] != k_rows[t]) prefetch_row(v_rows[t] + r * row_stride, R);
+        prefetch_row(k_cached[t] + r * row_stride, W);
+        if (v_cached[t] != k_cached[t]) prefetch_row(v_cached[t] + r * row_stride, R);
       }
+    const C* const none = reinterpret_cast<const C*>(zeros);  // zero bytes are zeros in every format
     auto row = [&](int64_t k) {
-      return k >= lo && k < hi ? v_rows[k / kRows] + (k % kRows) * row_stride : zeros;
+      return k >= lo && k < hi ? v_cached[k / kRows] + (k % kRows) * row_stride : none;
     };
     for (int64_t g = 0; g < G; ++g) {
       const uint32_t* qt = w.qt(g, words);
       for (int64_t t = 0; t < subs; t += 4) {
         float* s = w.s + t * kRows * kRows;
-        switch (std::min<int64_t>(4, subs - t)) {
-          case 1: block_scores<1>(qt, W, k_rows + t, row_stride * 2, s); break;
-          case 2: block_scores<2>(qt, W, k_rows + t, row_stride * 2, s); break;
-          case 3: block_scores<3>(qt, W, k_rows + t, row_stride * 2, s); break;
-          default: block_scores<4>(qt, W, k_rows + t, row_stride * 2, s);
+        const int64_t n = std::min<int64_t>(4, subs - t);
+        const at::BFloat16* k_rows[4];
+        int64_t stride = row_stride;
+        if constexpr (kFp8<C>) {
+          for (int64_t u = 0; u < n; ++u) {
+            k_rows[u] = w.keys() + u * kRows * W;
+            for (int r = 0; r < kRows; ++r)
+              widen_fp8(k_cached[t + u] + r * row_stride, w.keys() + (u * kRows + r) * W, W);
+          }
+          stride = W;
+        } else {
+          std::copy(k_cached + t, k_cached + t + n, k_rows);
+        }
+        switch (n) {
+          case 1: block_scores<1>(qt, W, k_rows, stride * 2, s); break;
+          case 2: block_scores<2>(qt, W, k_rows, stride * 2, s); break;
+          case 3: block_scores<3>(qt, W, k_rows, stride * 2, s); break;
+          default: block_scores<4>(qt, W, k_rows, stride * 2, s);
         }
       }
 

@@ -134,7 +134,7 @@ struct Heads {
 };
 
 // A thread's scratch, overwritten by each item before it is read: fp32 queries (of `groups` sets of heads), a
-// chunk's converted key and value rows (bf16 caches only), its scores (heads, kChunk) and each head's rescale.
+// chunk's converted key and value rows (bf16 and fp8 caches), its scores (heads, kChunk) and each head's rescale.
 struct Scratch {
   std::vector<float> q32, keys, values, scores, rescale;
   Scratch(const Heads& h, bool separate_values, int64_t groups = 1)
@@ -154,6 +154,9 @@ template <typename T>
 inline const float* as_float(const T* row, float* buf, int64_t n) {
   if constexpr (std::is_same_v<T, float>) {
     return row;
+  } else if constexpr (kFp8<T>) {
+    widen_fp8(row, buf, n);
+    return buf;
   } else {
     int64_t d = 0;
     for (; d + kStep <= n; d += kStep) {
