@@ -172,7 +172,8 @@ def main() -> None:
             seconds = {n: t / args.layers for n, t in interleaved_medians(fns, args.repeats, clock).items()}
             flops = 4 * batch * q.shape[1] * context * args.head_dim
             row = " ".join(f"{seconds[n] * 1e3:>12.3f} {flops / seconds[n] / 1e9:>12.1f}" for n in names)
-            kv_rate = 2 * batch * context * args.kv_heads * args.head_dim * caches[0][0].element_size() / seconds["fused"]
+            kv_bytes = 2 * batch * context * args.kv_heads * args.head_dim * caches[0][0].element_size()
+            kv_rate = kv_bytes / seconds["fused"]
             ratio = f" {seconds['baseline'] / seconds['fused']:>15.2f}" if baseline else ""
             if narrow:
                 ratio += f" {seconds[f'{args.dtype} KV'] / seconds['fused']:>12.2f}"

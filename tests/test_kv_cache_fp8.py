@@ -40,7 +40,8 @@ def test_stored_values_saturate_at_the_largest_finite_value():
     for fp8 in (E4M3, E5M2):
         limit = torch.finfo(fp8).max
         assert to_cache_dtype(x, fp8).float().tolist()[:2] == [limit, -limit]
-        assert as_stored(x, fp8).dtype == x.dtype and torch.equal(as_stored(x, fp8), x.to(fp8).float().clamp(-limit, limit))
+        rounded = as_stored(x, fp8)
+        assert rounded.dtype == x.dtype and torch.equal(rounded, x.to(fp8).float().clamp(-limit, limit))
     assert torch.equal(to_cache_dtype(x, F32), x)
 
 
@@ -61,7 +62,8 @@ def test_setting_names_its_choices_and_doubles_the_tokens_of_a_budget(tiny_model
 def test_e4m3_is_refused_on_gpus_whose_kernels_cannot_widen_it(monkeypatch):
     gpu = torch.device("cuda", 0)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
-    with pytest.raises(ValueError, match="fp8 \\(e4m3\\) needs a GPU of compute capability 8.9 or later, this one is 8.0"):
+    refusal = r"fp8 \(e4m3\) needs a GPU of compute capability 8.9 or later, this one is 8.0: use .* fp8_e5m2"
+    with pytest.raises(ValueError, match=refusal):
         check_kv_cache_dtype(E4M3, gpu)
     check_kv_cache_dtype(E5M2, gpu)
     check_kv_cache_dtype(E4M3, torch.device("cpu"))
@@ -231,3 +233,25 @@ def test_the_prefix_store_reuses_fp8_blocks_and_keeps_them_apart(tiny_model, tmp
     _, wide = run(tiny_model, second, prefix_cache_store=store)
     assert wide.prefix_cache_store_hits == 0
     assert len([p for p in (tmp_path / "kv").iterdir() if p.is_dir()]) == 2
+
+
+@FP8
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["fp32", "bf16"])
+def test_the_cpu_store_writes_the_bytes_torch_would(kernels, fp8, dtype):
+    """Values past the format's range, subnormal ones, ties and a row width with a scalar tail (3 x 24); slots
+    of -1 (padding) write nothing."""
+    gen = torch.Generator().manual_seed(9)
+    k, v = (torch.randn(40, 3, 24, generator=gen).mul(torch.logspace(-7, 5, 40)[:, None, None]).to(dtype)
+            for _ in range(2))
+    k[0, 0, :4] = torch.tensor([1e6, -1e6, 448.0, 57344.0])
+    caches = [random_fp8((8, 16, 3, 24), fp8, seed) for seed in (5, 6)]
+    before = [c.clone() for c in caches]
+    slots = torch.randperm(128, generator=gen)[:40]
+    slots[3] = -1
+    assert ops.store_kv(k, v, *caches, slots)
+    kept = torch.ones(128, dtype=torch.bool)
+    kept[slots[slots >= 0]] = False
+    for cache, rows, old in zip(caches, (k, v), before, strict=True):
+        flat, written = cache.view(128, 3, 24).view(torch.uint8), slots >= 0
+        assert torch.equal(flat[slots[written]], to_cache_dtype(rows[written], fp8).view(torch.uint8))
+        assert torch.equal(flat[kept], old.view(128, 3, 24).view(torch.uint8)[kept])

@@ -41,7 +41,7 @@ class Attention(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         assert self.k_cache is not None and self.v_cache is not None, "KV cache not bound"
         self.backend.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-        if self.k_cache.dtype != k.dtype:
+        if self.k_cache.dtype != k.dtype and not meta.decode_only:  # decode reads every key from the cache
             k, v = as_stored(k, self.k_cache.dtype), as_stored(v, self.v_cache.dtype)
         return self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale,
                                     sliding_window=self.sliding_window, softcap=self.softcap)

@@ -171,9 +171,12 @@ def row_argmax(x: torch.Tensor) -> torch.Tensor:
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> bool:
-    """Writes k, v into the caches; False (nothing written) where the kernel does not take these tensors."""
+    """Writes k, v into the caches (of k's dtype, or fp8: rounded as
+    :func:`batchgen.engine.dtype.to_cache_dtype` rounds); False (nothing written) where the kernel does not take
+    these tensors."""
     heads_contiguous = k.stride(2) == v.stride(2) == 1 and k.stride(1) == v.stride(1) == k.shape[2] == v.shape[2]
-    if k.dtype not in usable_dtypes() or k.dtype != k_cache.dtype or not heads_contiguous:
+    cached = k_cache.dtype in (k.dtype, *FP8_DTYPES)
+    if k.dtype not in usable_dtypes() or not cached or not heads_contiguous:
         return False
     torch.ops.batchgen_cpu.store_kv(k, v, k_cache, v_cache, slot_mapping)
     return True

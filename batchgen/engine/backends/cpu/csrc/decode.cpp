@@ -111,7 +111,8 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = k_cache.size(2);
   TORCH_CHECK(k_cache.size(3) == D && Hq % Hkv == 0, "cache head_dim or head counts do not match q");
   const auto scalar = q.scalar_type(), cached = k_cache.scalar_type();
-  TORCH_CHECK(out.scalar_type() == scalar && v_cache.scalar_type() == cached, "out must have q's dtype, the caches one");
+  TORCH_CHECK(out.scalar_type() == scalar && v_cache.scalar_type() == cached,
+              "out must have q's dtype, the caches one");
   TORCH_CHECK(cached == scalar || cached == at::kFloat8_e4m3fn || cached == at::kFloat8_e5m2,
               "the caches must hold q's dtype or fp8 (e4m3fn, e5m2), got ", cached);
   auto ctx = context_lens.to(at::kLong).contiguous();

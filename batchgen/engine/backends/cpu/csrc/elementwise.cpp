@@ -250,19 +250,46 @@ void row_argmax(const at::Tensor& x, const at::Tensor& out) {
 }
 
 // k, v (T, Hkv, D) into the paged caches (blocks, block_size, Hkv, D) at flat slots; slot -1 is skipped.
+// n values of T (fp32 or bf16) as an fp8 cache stores them: clamped to the format's largest finite value (NaN
+// kept), rounded to nearest even as torch's cast rounds.
+template <typename C, typename T>
+void narrow_row(const T* src, C* dst, int64_t n) {
+  const float limit = static_cast<float>(std::numeric_limits<C>::max());
+  int64_t d = 0;
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m512 hi = _mm512_set1_ps(limit), lo = _mm512_set1_ps(-limit);
+  for (; d + 16 <= n; d += 16) {
+    __m512 x;
+    if constexpr (std::is_same_v<T, float>) x = _mm512_loadu_ps(src + d);
+    else x = bf16x16_to_ps(src + d);
+    x = _mm512_max_ps(lo, _mm512_min_ps(hi, x));  // NaN passes: min and max return their second operand
+    __m128i bytes;
+    if constexpr (std::is_same_v<C, c10::Float8_e4m3fn>) bytes = at::vec::cvtfp32_fp8e4m3(x);
+    else bytes = at::vec::cvtfp32_fp8e5m2(x);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + d), bytes);
+  }
+#endif
+  for (; d < n; ++d) {
+    const float x = static_cast<float>(src[d]);
+    dst[d] = C(std::isnan(x) ? x : std::clamp(x, -limit, limit));
+  }
+}
+
 void store_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache, const at::Tensor& v_cache,
               const at::Tensor& slot_mapping) {
   TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k_cache.is_contiguous() && v_cache.is_contiguous(), "bad shapes");
   TORCH_CHECK(k.size(1) == k_cache.size(2) && k.size(2) == k_cache.size(3) && v_cache.sizes() == k_cache.sizes(), "cache shape");
-  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == k.scalar_type() &&
-              v_cache.scalar_type() == k.scalar_type(), "dtypes differ");
+  const auto cached = k_cache.scalar_type();
+  const bool narrow = cached == at::kFloat8_e4m3fn || cached == at::kFloat8_e5m2;
+  TORCH_CHECK(v.scalar_type() == k.scalar_type() && v_cache.scalar_type() == cached &&
+              (cached == k.scalar_type() || narrow), "the caches must hold k's dtype or fp8");
   TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1 && k.stride(1) == k.size(2) && v.stride(1) == v.size(2),
               "each token's heads must be contiguous");
   auto slots = slot_mapping.to(at::kLong).contiguous();
   TORCH_CHECK(slots.numel() == k.size(0), "one slot per token");
   const int64_t* sp = slots.const_data_ptr<int64_t>();
   const int64_t row = k.size(1) * k.size(2), num_slots = k_cache.size(0) * k_cache.size(1);
-  const int64_t bytes = row * k.element_size();
+  const int64_t bytes = row * k_cache.element_size();
   const char* kp = static_cast<const char*>(k.const_data_ptr());
   const char* vp = static_cast<const char*>(v.const_data_ptr());
   char* kc = static_cast<char*>(k_cache.data_ptr());
@@ -270,6 +297,24 @@ void store_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cach
   const int64_t ks = k.stride(0) * k.element_size(), vs = v.stride(0) * v.element_size();
   // Checked before the parallel loop: an exception must not leave an OpenMP region.
   for (int64_t t = 0; t < k.size(0); ++t) TORCH_CHECK(sp[t] < num_slots, "slot ", sp[t], " outside the cache");
+  if (narrow) {
+    dispatch(k.scalar_type(), "store_kv", [&](auto* tag) {
+      using T = std::remove_pointer_t<decltype(tag)>;
+      auto run = [&](auto* cache_tag) {
+        using C = std::remove_pointer_t<decltype(cache_tag)>;
+        at::parallel_for(0, k.size(0), grain(4 * row), [&](int64_t begin, int64_t end) {
+          for (int64_t t = begin; t < end; ++t) {
+            if (sp[t] < 0) continue;
+            narrow_row(reinterpret_cast<const T*>(kp + t * ks), reinterpret_cast<C*>(kc + sp[t] * bytes), row);
+            narrow_row(reinterpret_cast<const T*>(vp + t * vs), reinterpret_cast<C*>(vc + sp[t] * bytes), row);
+          }
+        });
+      };
+      if (cached == at::kFloat8_e4m3fn) run(static_cast<c10::Float8_e4m3fn*>(nullptr));
+      else run(static_cast<c10::Float8_e5m2*>(nullptr));
+    });
+    return;
+  }
   at::parallel_for(0, k.size(0), grain(2 * row), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       if (sp[t] < 0) continue;

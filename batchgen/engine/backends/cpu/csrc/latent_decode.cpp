@@ -63,8 +63,8 @@ void attend_split_in_tiles(const Latent<at::BFloat16>& a, const amx::TileHeads& 
   auto row_at = [&](int64_t pos) {
     return a.cache + table[pos / a.block_size] * a.cache_block + (pos % a.block_size) * a.cache_row;
   };
-  amx::tile_item<at::BFloat16>(a.q + it.seq * a.q_row, a.q_head, heads, a.heads.scale, it.first, it.last, a.cache_row, row_at,
-                 row_at, w, o, m, l);
+  amx::tile_item<at::BFloat16>(a.q + it.seq * a.q_row, a.q_head, heads, a.heads.scale, it.first, it.last,
+                               a.cache_row, row_at, row_at, w, o, m, l);
 }
 #endif
 
