@@ -130,17 +130,17 @@ def test_the_op_takes_q_s_dtype_or_fp8_caches_only(kernels):
 
 
 def prefix_step(fp8: torch.dtype) -> tuple[torch.Tensor, ...]:
-    """A step of three sequences, two with cached prefixes in an fp8 cache (blocks out of order), its new K/V
-    stored as the attention layer stores them, and given as the cache holds them."""
+    """A step of four sequences in an fp8 cache (blocks out of order): two with cached prefixes, one without, one
+    decoding; its new K/V stored as the attention layer stores them, and given as the cache holds them."""
     gen = torch.Generator().manual_seed(7)
-    query_lens, context_lens = [9, 20, 4], [9 + 35, 20, 4 + 16]
+    query_lens, context_lens = [9, 1, 20, 4], [9 + 35, 30, 20, 4 + 16]
     q, k, v = (torch.randn(sum(query_lens), h, 64, generator=gen) for h in (6, 2, 2))
     k_cache, v_cache = (random_fp8((12, 16, 2, 64), fp8, seed) for seed in (3, 4))
-    tables = torch.tensor([[7, 2, 9, 4], [5, 1, -1, -1], [11, 0, -1, -1]], dtype=torch.int32)
+    tables = torch.tensor([[7, 2, 9, 4], [3, 10, -1, -1], [5, 1, -1, -1], [11, 0, -1, -1]], dtype=torch.int32)
     slots = [int(tables[i, p // 16]) * 16 + p % 16 for i, (n, c) in enumerate(zip(query_lens, context_lens))
              for p in range(c - n, c)]
-    meta = AttentionMetadata(cu_seqlens_q=torch.tensor([0, 9, 29, 33], dtype=torch.int32),
-                             cu_seqlens_k=torch.tensor([0, 44, 64, 84], dtype=torch.int32),
+    meta = AttentionMetadata(cu_seqlens_q=torch.tensor([0, 9, 10, 30, 34], dtype=torch.int32),
+                             cu_seqlens_k=torch.tensor([0, 44, 74, 94, 114], dtype=torch.int32),
                              context_lens=torch.tensor(context_lens, dtype=torch.int32), max_seqlen_q=20,
                              max_seqlen_k=44, slot_mapping=torch.tensor(slots), block_tables=tables,
                              query_lens=query_lens, context_lens_list=context_lens)
@@ -149,15 +149,17 @@ def prefix_step(fp8: torch.dtype) -> tuple[torch.Tensor, ...]:
 
 
 @FP8
-def test_prefill_over_an_fp8_prefix_matches_torch(kernels, fp8):
-    """The prefill op reads the prefixes' blocks widened; torch's path gathers each whole context from the
-    cache."""
+def test_prefill_over_an_fp8_prefix_matches_torch(kernels, fp8, monkeypatch):
+    """The decoding sequence goes to the decode op alone; the prefill op reads the others' prefixes' blocks
+    widened. Torch's path gathers each whole context from the cache."""
     if F32 not in ops.usable_dtypes():
         pytest.skip("the prefill op does not run fp32 here")
     q, k, v, k_cache, v_cache, meta = prefix_step(fp8)
+    decoded, decode = [], ops.paged_decode_attention
+    monkeypatch.setattr(ops, "paged_decode_attention", lambda q, *a: decoded.append(len(q)) or decode(q, *a))
     ours = CpuAttentionBackend().forward(q, k, v, k_cache, v_cache, meta, 0.125)
     theirs = TorchAttentionBackend().forward(q, k, v, k_cache, v_cache, meta, 0.125)
-    assert (ours - theirs).abs().max() < 1e-4 * theirs.abs().max()
+    assert decoded == [1] and (ours - theirs).abs().max() < 1e-4 * theirs.abs().max()
 
 
 def test_decode_steps_over_fp8_run_the_op(kernels, monkeypatch):

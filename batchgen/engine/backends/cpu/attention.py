@@ -2,6 +2,9 @@
 fused varlen prefill op."""
 from __future__ import annotations
 
+import itertools
+from dataclasses import dataclass
+
 import torch
 
 from batchgen.engine.backends.cpu import ops
@@ -22,8 +25,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
     n attends to its context less the n - 1 - j tokens after it. So a verified row computes exactly what plain
     decode computes at its position. The others run in the varlen prefill op; dtypes or head sizes it does
     not take, sliding windows (whose freed blocks the op would read) and soft-capped scores go through the
-    torch backend. With an fp8 cache the decode op reads the fp8 rows in place; the prefill op reads a copy of
-    the cached prefixes' blocks in the model's dtype (the new keys come from k and v)."""
+    torch backend. With an fp8 cache the decode op reads the fp8 rows in place, and a step with longer queries
+    splits (:func:`over_fp8`)."""
 
     name = "cpu"
 
@@ -40,12 +43,10 @@ class CpuAttentionBackend(TorchAttentionBackend):
         if (meta.decode_only or sliding_window is not None or softcap is not None
                 or not ops.supports_attention(q.dtype, q.shape[-1])):
             return super().forward(q, k, v, k_cache, v_cache, meta, scale, sliding_window, softcap)
-        tables = meta.block_tables
-        if k_cache.dtype != q.dtype:  # an fp8 cache: the prefixes' blocks widened, the op reads those
-            blocks, tables = prefix_blocks(meta, k_cache.shape[1])
-            k_cache, v_cache = k_cache[blocks].to(q.dtype), v_cache[blocks].to(q.dtype)
+        if k_cache.dtype != q.dtype:
+            return over_fp8(q, k, v, k_cache, v_cache, meta, scale)
         return ops.varlen_causal_attention(q, k, v, k_cache, v_cache, meta.cu_seqlens_q, meta.context_lens,
-                                           tables, scale)
+                                           meta.block_tables, scale)
 
 
 def query_rows(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,16 +62,56 @@ def query_rows(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
     return meta.memo["query_rows"]
 
 
-def prefix_blocks(meta: AttentionMetadata, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The cache blocks holding the step's cached prefixes, in order, and block tables that number them in that
-    order (-1 past each prefix). Built once per step."""
-    if "prefix_blocks" not in meta.memo:
-        counts = [-(-(c - n) // block_size) for c, n in zip(meta.context_lens_list, meta.query_lens)]
-        tables = torch.full((meta.num_seqs, max(1, *counts)), -1, dtype=torch.int32)
+@dataclass
+class Fp8Step:
+    """A step over an fp8 cache, split: the sequences of one new token (decode op) and the others (prefill op,
+    over their prefixes' blocks widened)."""
+
+    decode_rows: torch.Tensor  # int64: q's rows of the one-token sequences
+    decode_tables: torch.Tensor
+    decode_lens: torch.Tensor
+    prefill_rows: torch.Tensor  # int64: q's rows of the others, in order
+    cu_seqlens_q: torch.Tensor  # int32, theirs
+    context_lens: torch.Tensor  # int32, theirs
+    prefix_blocks: torch.Tensor  # int64: the cache blocks of their prefixes, in order
+    prefix_tables: torch.Tensor  # int32: their tables numbering prefix_blocks (-1 past each prefix)
+
+    @classmethod
+    def of(cls, meta: AttentionMetadata, block_size: int) -> "Fp8Step":
         starts = [0]
-        for i, n in enumerate(counts):
-            tables[i, :n] = torch.arange(starts[-1], starts[-1] + n, dtype=torch.int32)
+        for n in meta.query_lens:
             starts.append(starts[-1] + n)
-        blocks = torch.cat([meta.block_tables[i, :n].long() for i, n in enumerate(counts)])
-        meta.memo["prefix_blocks"] = blocks, tables
-    return meta.memo["prefix_blocks"]
+        single = [i for i, n in enumerate(meta.query_lens) if n == 1]
+        longer = [i for i, n in enumerate(meta.query_lens) if n != 1]
+        counts = [-(-(meta.context_lens_list[i] - meta.query_lens[i]) // block_size) for i in longer]
+        tables = torch.full((len(longer), max(1, *counts)), -1, dtype=torch.int32)
+        first = 0
+        for row, n in enumerate(counts):
+            tables[row, :n] = torch.arange(first, first + n, dtype=torch.int32)
+            first += n
+        lens = [meta.query_lens[i] for i in longer]
+        return cls(decode_rows=torch.tensor([starts[i] for i in single], dtype=torch.int64),
+                   decode_tables=meta.block_tables[single], decode_lens=meta.context_lens[single],
+                   prefill_rows=torch.cat([torch.arange(starts[i], starts[i + 1]) for i in longer]),
+                   cu_seqlens_q=torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32),
+                   context_lens=meta.context_lens[longer],
+                   prefix_blocks=torch.cat([meta.block_tables[i, :n].long() for i, n in zip(longer, counts)]),
+                   prefix_tables=tables)
+
+
+def over_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """A step of some longer queries over an fp8 cache: the decodes read their fp8 rows in place; the prefill op
+    takes a copy of the others' prefixes in q's dtype (only theirs: decodes' contexts are not widened)."""
+    if "fp8_step" not in meta.memo:  # once per step: every layer shares it
+        meta.memo["fp8_step"] = Fp8Step.of(meta, k_cache.shape[1])
+    step: Fp8Step = meta.memo["fp8_step"]
+    out = torch.empty_like(q)
+    if len(step.decode_rows):
+        out[step.decode_rows] = ops.paged_decode_attention(q[step.decode_rows], k_cache, v_cache, step.decode_tables,
+                                                           step.decode_lens, scale)
+    rows, blocks = step.prefill_rows, step.prefix_blocks
+    out[rows] = ops.varlen_causal_attention(q[rows], k[rows], v[rows], k_cache[blocks].to(q.dtype),
+                                            v_cache[blocks].to(q.dtype), step.cu_seqlens_q, step.context_lens,
+                                            step.prefix_tables, scale)
+    return out
