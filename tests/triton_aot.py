@@ -83,7 +83,8 @@ def record_launches(calls) -> list[Launch]:
 
 def engine_kernel_calls() -> None:
     """One call of each wrapper in the shapes the engine uses: bf16/fp16/fp32, head dims 64 and 128, and in
-    bf16 the head dims padded to a power of two (80, 96, 192) and Gemma's 256."""
+    bf16 the head dims padded to a power of two (80, 96, 192) and Gemma's 256; KV caches of each dtype and,
+    in bf16, of fp8 (e4m3, e5m2)."""
     from batchgen.engine.backends.triton.accept import accept_drafts
     from batchgen.engine.backends.triton.rejection import reject_drafts
     from batchgen.engine.backends.triton.activation import gelu_tanh_and_mul, silu_and_mul
@@ -93,32 +94,35 @@ def engine_kernel_calls() -> None:
     from batchgen.engine.backends.triton.prefill_attention import prefill_attention, prefill_work
     from tests.flash_attn import flash_attn_varlen_func
     from batchgen.engine.backends.triton.rotary import apply_rotary
+    from batchgen.engine.dtype import FP8_DTYPES
 
     for dtype, head_dim in ((torch.bfloat16, 64), (torch.bfloat16, 128), (torch.float16, 128),
                             (torch.float32, 64), (torch.float32, 128), *((torch.bfloat16, d) for d in WIDE_HEAD_DIMS)):
         heads, kv_heads, tokens, block = 32, 8, 40, 16
         q = torch.zeros(tokens, heads, head_dim, dtype=dtype)
         k = torch.zeros(tokens, kv_heads, head_dim, dtype=dtype)
-        cache = torch.zeros(8, block, kv_heads, head_dim, dtype=dtype)
         cu = torch.tensor([0, 15, tokens], dtype=torch.int32)
         ctx = torch.tensor([20, 30], dtype=torch.int32)
         tables = torch.zeros(2, 4, dtype=torch.int32)
         work = prefill_work([15, 25], [20, 30])
-        store_kv(k, k, cache, cache, torch.arange(tokens))
         flash_attn_varlen_func(q, k, k, cu, cu, 25, 25)
         flash_attn_varlen_func(q, k, k, cu, cu, 25, 25, causal=False)
-        paged = dict(k_cache=cache, v_cache=cache, context_lens=ctx, block_tables=tables)
-        prefill_attention(q, k, k, cu, cu, work, 0.1, **paged)
-        # Local layers (sliding window) and Gemma 2's soft-capped scores.
-        prefill_attention(q, k, k, cu, cu, work, 0.1, sliding_window=8, softcap=50.0, **paged)
         prefill_attention(q, k, k, cu, cu, work, 0.1, sliding_window=8)
-        for splits in (1, 4):
-            decode_attention(q[:2], cache, cache, ctx, tables, 256, 0.1, num_splits=splits)
-            decode_attention(q[:2], cache, cache, ctx, tables, 256, 0.1, num_splits=splits, sliding_window=8,
-                             softcap=50.0)
-            # The decode rows of a mixed step (gathered from the packed step's queries).
-            decode_attention(q, cache, cache, ctx, tables, 256, 0.1, num_splits=splits, out=q,
-                             rows=decode_rows([1, 39]))
+        # Caches of the model's dtype and, in bf16, of fp8 (stored as bytes, widened to q's dtype as they are read).
+        cache_dtypes = (dtype, *(FP8_DTYPES if dtype == torch.bfloat16 else ()))
+        for cache in (torch.zeros(8, block, kv_heads, head_dim, dtype=d) for d in cache_dtypes):
+            store_kv(k, k, cache, cache, torch.arange(tokens))
+            paged = dict(k_cache=cache, v_cache=cache, context_lens=ctx, block_tables=tables)
+            prefill_attention(q, k, k, cu, cu, work, 0.1, **paged)
+            # Local layers (sliding window) and Gemma 2's soft-capped scores.
+            prefill_attention(q, k, k, cu, cu, work, 0.1, sliding_window=8, softcap=50.0, **paged)
+            for splits in (1, 4):
+                decode_attention(q[:2], cache, cache, ctx, tables, 256, 0.1, num_splits=splits)
+                decode_attention(q[:2], cache, cache, ctx, tables, 256, 0.1, num_splits=splits, sliding_window=8,
+                                 softcap=50.0)
+                # The decode rows of a mixed step (gathered from the packed step's queries).
+                decode_attention(q, cache, cache, ctx, tables, 256, 0.1, num_splits=splits, out=q,
+                                 rows=decode_rows([1, 39]))
         hidden = torch.zeros(tokens, 4096, dtype=dtype)
         weight = torch.ones(4096, dtype=dtype)
         rms_norm(hidden, weight, 1e-5)
@@ -224,18 +228,21 @@ def fp8_model_kernel_calls() -> None:
                         ids = torch.zeros(rows, 8, dtype=torch.int64, device="meta")
                         module(x, torch.zeros(rows, 8, device="meta"), ids)
 def mla_kernel_calls() -> None:
-    """Latent attention in DeepSeek-V3's shapes (latent 512 + 64, heads of nope 128 + rope 64, v 128)."""
+    """Latent attention in DeepSeek-V3's shapes (latent 512 + 64, heads of nope 128 + rope 64, v 128), over
+    latent caches of each dtype and, in bf16, of fp8 (e4m3, e5m2)."""
     from batchgen.engine.backends.triton.mla import mla_decode, mla_prefill, store_latent
     from batchgen.engine.backends.triton.prefill_attention import prefill_work
+    from batchgen.engine.dtype import FP8_DTYPES
 
     rank, rope, nope, v_dim, heads, tokens = 512, 64, 128, 128, 16, 40
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
-        cache = torch.zeros(8, 16, rank + rope, dtype=dtype)
         tables, ctx = torch.zeros(2, 4, dtype=torch.int32), torch.tensor([20, 30], dtype=torch.int32)
-        store_latent(torch.zeros(tokens, rank + rope, dtype=dtype), cache, torch.arange(tokens))
-        for splits in (1, 4):
-            mla_decode(torch.zeros(2, heads, rank + rope, dtype=dtype), cache, ctx, tables, 256, rank, 0.1,
-                       num_splits=splits)
+        cache_dtypes = (dtype, *(FP8_DTYPES if dtype == torch.bfloat16 else ()))
+        for cache in (torch.zeros(8, 16, rank + rope, dtype=d) for d in cache_dtypes):
+            store_latent(torch.zeros(tokens, rank + rope, dtype=dtype), cache, torch.arange(tokens))
+            for splits in (1, 4):
+                mla_decode(torch.zeros(2, heads, rank + rope, dtype=dtype), cache, ctx, tables, 256, rank, 0.1,
+                           num_splits=splits)
         kv = torch.zeros(50, heads, nope + v_dim, dtype=dtype)
         latent = torch.zeros(50, rank + rope, dtype=dtype)
         mla_prefill(torch.zeros(tokens, heads, nope + rope, dtype=dtype), kv[..., :nope], kv[..., nope:],
