@@ -257,3 +257,14 @@ def test_the_cpu_store_writes_the_bytes_torch_would(kernels, fp8, dtype):
         flat, written = cache.view(128, 3, 24).view(torch.uint8), slots >= 0
         assert torch.equal(flat[slots[written]], to_cache_dtype(rows[written], fp8).view(torch.uint8))
         assert torch.equal(flat[kept], old.view(128, 3, 24).view(torch.uint8)[kept])
+
+
+@FP8
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["fp32", "bf16"])
+def test_the_cpu_rounding_of_a_step_s_keys_is_torch_s(kernels, fp8, dtype):
+    """The CPU backend's as_stored (one pass) against dtype.as_stored, on k as the model makes it: a strided
+    view of the fused qkv rows."""
+    qkv = torch.randn(50, 15 * 24, generator=torch.Generator().manual_seed(4)).mul(300).to(dtype)
+    k = qkv[:, 9 * 24:12 * 24].view(50, 3, 24)
+    ours = CpuAttentionBackend().as_stored(k, k, fp8)
+    assert all(torch.equal(x, as_stored(k, fp8)) for x in ours)

@@ -67,6 +67,11 @@ class AttentionBackend(Protocol):
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None: ...
 
+    def as_stored(self, k: torch.Tensor, v: torch.Tensor,
+                  cache_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """k and v as a cache of ``cache_dtype`` gives them back (:func:`batchgen.engine.dtype.as_stored`)."""
+        ...
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                 sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor: ...

@@ -7,7 +7,6 @@ import torch
 from torch import nn
 
 from batchgen.engine.backends.interface import AttentionBackend, AttentionMetadata
-from batchgen.engine.dtype import as_stored
 
 
 class Attention(nn.Module):
@@ -42,6 +41,6 @@ class Attention(nn.Module):
         assert self.k_cache is not None and self.v_cache is not None, "KV cache not bound"
         self.backend.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         if self.k_cache.dtype != k.dtype and not meta.decode_only:  # decode reads every key from the cache
-            k, v = as_stored(k, self.k_cache.dtype), as_stored(v, self.v_cache.dtype)
+            k, v = self.backend.as_stored(k, v, self.k_cache.dtype)
         return self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale,
                                     sliding_window=self.sliding_window, softcap=self.softcap)

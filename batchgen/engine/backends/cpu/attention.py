@@ -34,6 +34,10 @@ class CpuAttentionBackend(TorchAttentionBackend):
         if not ops.store_kv(k, v, k_cache, v_cache, slot_mapping):
             super().store_kv(k, v, k_cache, v_cache, slot_mapping)
 
+    def as_stored(self, k, v, cache_dtype):
+        rounded = ops.round_through_fp8(k, cache_dtype), ops.round_through_fp8(v, cache_dtype)
+        return rounded if None not in rounded else super().as_stored(k, v, cache_dtype)
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                 sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
@@ -70,7 +74,7 @@ class Fp8Step:
     decode_rows: torch.Tensor  # int64: q's rows of the one-token sequences
     decode_tables: torch.Tensor
     decode_lens: torch.Tensor
-    prefill_rows: torch.Tensor  # int64: q's rows of the others, in order
+    prefill_rows: torch.Tensor | None  # int64: q's rows of the others, in order; None: every row
     cu_seqlens_q: torch.Tensor  # int32, theirs
     context_lens: torch.Tensor  # int32, theirs
     prefix_blocks: torch.Tensor  # int64: the cache blocks of their prefixes, in order
@@ -92,7 +96,7 @@ class Fp8Step:
         lens = [meta.query_lens[i] for i in longer]
         return cls(decode_rows=torch.tensor([starts[i] for i in single], dtype=torch.int64),
                    decode_tables=meta.block_tables[single], decode_lens=meta.context_lens[single],
-                   prefill_rows=torch.cat([torch.arange(starts[i], starts[i + 1]) for i in longer]),
+                   prefill_rows=torch.cat([torch.arange(starts[i], starts[i + 1]) for i in longer]) if single else None,
                    cu_seqlens_q=torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32),
                    context_lens=meta.context_lens[longer],
                    prefix_blocks=torch.cat([meta.block_tables[i, :n].long() for i, n in zip(longer, counts)]),
@@ -106,12 +110,14 @@ def over_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.T
     if "fp8_step" not in meta.memo:  # once per step: every layer shares it
         meta.memo["fp8_step"] = Fp8Step.of(meta, k_cache.shape[1])
     step: Fp8Step = meta.memo["fp8_step"]
+    rows = step.prefill_rows
+    k_prefix, v_prefix = k_cache[step.prefix_blocks].to(q.dtype), v_cache[step.prefix_blocks].to(q.dtype)
+    if rows is None:  # no decodes: the rows as they are
+        return ops.varlen_causal_attention(q, k, v, k_prefix, v_prefix, step.cu_seqlens_q, step.context_lens,
+                                           step.prefix_tables, scale)
     out = torch.empty_like(q)
-    if len(step.decode_rows):
-        out[step.decode_rows] = ops.paged_decode_attention(q[step.decode_rows], k_cache, v_cache, step.decode_tables,
-                                                           step.decode_lens, scale)
-    rows, blocks = step.prefill_rows, step.prefix_blocks
-    out[rows] = ops.varlen_causal_attention(q[rows], k[rows], v[rows], k_cache[blocks].to(q.dtype),
-                                            v_cache[blocks].to(q.dtype), step.cu_seqlens_q, step.context_lens,
-                                            step.prefix_tables, scale)
+    out[step.decode_rows] = ops.paged_decode_attention(q[step.decode_rows], k_cache, v_cache, step.decode_tables,
+                                                       step.decode_lens, scale)
+    out[rows] = ops.varlen_causal_attention(q[rows], k[rows], v[rows], k_prefix, v_prefix, step.cu_seqlens_q,
+                                            step.context_lens, step.prefix_tables, scale)
     return out

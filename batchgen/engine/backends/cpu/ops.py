@@ -169,6 +169,17 @@ def row_argmax(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def round_through_fp8(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor | None:
+    """x as an fp8 cache gives it back (:func:`batchgen.engine.dtype.as_stored`, in one pass); None where the
+    kernel does not take x (then nothing is computed)."""
+    heads_contiguous = x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
+    if x.dtype not in usable_dtypes() or cache_dtype not in FP8_DTYPES or not heads_contiguous:
+        return None
+    out = torch.empty(x.shape, dtype=x.dtype)
+    torch.ops.batchgen_cpu.round_through_fp8(x, cache_dtype == torch.float8_e5m2, out)
+    return out
+
+
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> bool:
     """Writes k, v into the caches (of k's dtype, or fp8: rounded as

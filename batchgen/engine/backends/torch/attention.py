@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from batchgen.engine.backends.interface import AttentionMetadata
-from batchgen.engine.dtype import FP8_DTYPES, to_cache_dtype
+from batchgen.engine.dtype import FP8_DTYPES, as_stored, to_cache_dtype
 
 # Score elements one soft-capped matmul may hold (64 MiB of fp32); longer prompts go in query chunks.
 _MAX_SCORES = 1 << 24
@@ -23,6 +23,9 @@ class TorchAttentionBackend:
     def store_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
         store_rows(k, k_cache, slot_mapping)
         store_rows(v, v_cache, slot_mapping)
+
+    def as_stored(self, k, v, cache_dtype):
+        return as_stored(k, cache_dtype), as_stored(v, cache_dtype)
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
                 sliding_window: int | None = None, softcap: float | None = None):

@@ -15,6 +15,7 @@ from batchgen.engine.backends.triton.norm import rms_norm
 from batchgen.engine.backends.triton.prefill_attention import prefill_attention, prefill_work
 from batchgen.engine.backends.triton.rotary import apply_rotary
 from batchgen.engine.backends.interface import AttentionMetadata, LatentPrefill
+from batchgen.engine.dtype import as_stored
 from batchgen.engine.transfer import to_device
 
 
@@ -27,6 +28,10 @@ class TritonAttentionBackend:
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         store_kv(k, v, k_cache, v_cache, slot_mapping)
+
+    def as_stored(self, k: torch.Tensor, v: torch.Tensor,
+                  cache_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return as_stored(k, cache_dtype), as_stored(v, cache_dtype)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,

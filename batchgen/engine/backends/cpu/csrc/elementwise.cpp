@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <vector>
 
 namespace batchgen_cpu {
 namespace {
@@ -275,6 +276,29 @@ void narrow_row(const T* src, C* dst, int64_t n) {
   }
 }
 
+// out = x as an fp8 cache gives it back (narrow_row, then widened exactly): x (T, H, D) with contiguous heads,
+// out contiguous, both fp32 or bf16; e5m2 or e4m3.
+void round_through_fp8(const at::Tensor& x, bool e5m2, const at::Tensor& out) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2) && out.is_contiguous() &&
+              out.sizes() == x.sizes() && out.scalar_type() == x.scalar_type(), "bad shapes");
+  const int64_t row = x.size(1) * x.size(2);
+  dispatch(x.scalar_type(), "round_through_fp8", [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    auto run = [&](auto* cache_tag) {
+      using C = std::remove_pointer_t<decltype(cache_tag)>;
+      at::parallel_for(0, x.size(0), grain(4 * row), [&](int64_t begin, int64_t end) {
+        std::vector<C> bytes(row);
+        for (int64_t t = begin; t < end; ++t) {
+          narrow_row(x.const_data_ptr<T>() + t * x.stride(0), bytes.data(), row);
+          widen_fp8(bytes.data(), out.data_ptr<T>() + t * row, row);
+        }
+      });
+    };
+    if (e5m2) run(static_cast<c10::Float8_e5m2*>(nullptr));
+    else run(static_cast<c10::Float8_e4m3fn*>(nullptr));
+  });
+}
+
 void store_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache, const at::Tensor& v_cache,
               const at::Tensor& slot_mapping) {
   TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k_cache.is_contiguous() && v_cache.is_contiguous(), "bad shapes");
@@ -333,6 +357,7 @@ TORCH_LIBRARY_FRAGMENT(batchgen_cpu, m) {
   m.def("silu_and_mul(Tensor x, Tensor(a!) out) -> ()");
   m.def("row_argmax(Tensor x, Tensor(a!) out) -> ()");
   m.def("store_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
+  m.def("round_through_fp8(Tensor x, bool e5m2, Tensor(a!) out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(batchgen_cpu, CPU, m) {
@@ -341,4 +366,5 @@ TORCH_LIBRARY_IMPL(batchgen_cpu, CPU, m) {
   m.impl("silu_and_mul", &batchgen_cpu::silu_and_mul);
   m.impl("row_argmax", &batchgen_cpu::row_argmax);
   m.impl("store_kv", &batchgen_cpu::store_kv);
+  m.impl("round_through_fp8", &batchgen_cpu::round_through_fp8);
 }
