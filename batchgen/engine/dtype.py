@@ -93,8 +93,10 @@ def kv_cache_torch_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
 
 def check_kv_cache_dtype(dtype: torch.dtype, device: torch.device) -> None:
     """Refuses a KV cache dtype the device's kernels cannot read: Triton widens e4m3 only on sm_89 and later."""
-    if device.type == "cuda" and dtype == torch.float8_e4m3fn and torch.cuda.get_device_capability(device) < (8, 9):
-        major, minor = torch.cuda.get_device_capability(device)
+    if device.type != "cuda" or dtype != torch.float8_e4m3fn:
+        return
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 9):
         raise ValueError(f"kv_cache_dtype fp8 (e4m3) needs a GPU of compute capability 8.9 or later, this one is "
                          f"{major}.{minor}: use kv_cache_dtype fp8_e5m2 or auto")
 
