@@ -272,3 +272,19 @@ def test_the_cpu_rounding_of_a_step_s_keys_is_torch_s(kernels, fp8, dtype):
     k = qkv[:, 9 * 24:12 * 24].view(50, 3, 24)
     ours = CpuAttentionBackend().as_stored(k, k, fp8)
     assert all(torch.equal(x, as_stored(k, fp8)) for x in ours)
+
+
+@FP8
+def test_the_cpu_store_rounds_every_tie_and_edge_as_torch(kernels, fp8):
+    """Each pair of neighbouring codes' midpoint and the fp32 values either side of it (ties to even, the
+    subnormal steps, the largest values), both signs, plus NaN: the bytes torch's cast writes."""
+    codes = every_code(fp8).float().unique()
+    mid = (codes[:-1] + codes[1:]) / 2
+    edges = torch.tensor([torch.nan, 1e-30, -1e-30, 1e-45, 0.0, -0.0, 1e9, -1e9])
+    near = torch.cat([edges, mid, mid.nextafter(torch.tensor(-torch.inf)), mid.nextafter(torch.tensor(torch.inf)),
+                      codes])
+    near = torch.cat([near, -near])
+    rows = near[:near.numel() // 48 * 48].view(-1, 2, 24)  # a few of the last codes left out: whole rows only
+    caches = [torch.zeros(len(rows), 1, 2, 24).to(fp8) for _ in range(2)]
+    assert ops.store_kv(rows, rows, *caches, torch.arange(len(rows)))
+    assert torch.equal(caches[0].view(torch.uint8).flatten(), to_cache_dtype(rows, fp8).view(torch.uint8).flatten())

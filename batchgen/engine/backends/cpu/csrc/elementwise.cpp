@@ -269,6 +269,12 @@ void narrow_row(const T* src, C* dst, int64_t n) {
     else bytes = at::vec::cvtfp32_fp8e5m2(x);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + d), bytes);
   }
+#elif defined(CPU_CAPABILITY_AVX2)
+  if constexpr (std::is_same_v<T, float>) {
+    const __m256 hi = _mm256_set1_ps(limit), lo = _mm256_set1_ps(-limit);
+    for (; d + 8 <= n; d += 8)  // NaN passes: min and max return their second operand
+      ps_to_fp8x8(_mm256_max_ps(lo, _mm256_min_ps(hi, _mm256_loadu_ps(src + d))), dst + d);
+  }
 #endif
   for (; d < n; ++d) {
     const float x = static_cast<float>(src[d]);

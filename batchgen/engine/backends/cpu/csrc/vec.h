@@ -55,6 +55,51 @@ inline __m512 fp8x16_to_ps(const c10::Float8_e4m3fn* p) {
 }
 #endif
 
+#if defined(CPU_CAPABILITY_AVX2) && !defined(CPU_CAPABILITY_AVX512)
+// 8 fp8 values, each byte moved into an fp16 and converted by F16C (exact, subnormals included). e5m2 is the top
+// half of an fp16. e4m3's exponent and mantissa shift one bit right of where fp16 keeps them, so the fp16 reads
+// it as 2^-8 times its value (its subnormals as fp16 subnormals): one exact multiply by 256 rebases it.
+inline __m256 fp8x8_to_ps(const c10::Float8_e5m2* p) {
+  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm256_cvtph_ps(_mm_slli_epi16(_mm_cvtepu8_epi16(bytes), 8));
+}
+
+inline __m256 fp8x8_to_ps(const c10::Float8_e4m3fn* p) {
+  const __m128i high = _mm_slli_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))), 8);
+  const __m128i half = _mm_and_si128(_mm_srai_epi16(high, 1), _mm_set1_epi16(static_cast<int16_t>(0xbf80)));
+  return _mm256_mul_ps(_mm256_cvtph_ps(half), _mm256_set1_ps(256.f));
+}
+
+// 8 fp32 values, each within the format's finite range or NaN, to fp8 bytes at dst: c10's rounding (to nearest
+// even) in 32-bit integer steps. Below the smallest normal, a float add of a magic number aligns the value to the
+// subnormal step; above it, the exponent is rebased and the mantissa rounded by adding half an ulp less one plus
+// the kept mantissa's last bit.
+template <typename C>
+inline void ps_to_fp8x8(__m256 x, C* dst) {
+  constexpr bool e4m3 = std::is_same_v<C, c10::Float8_e4m3fn>;
+  constexpr int kBias = e4m3 ? 7 : 15, kShift = e4m3 ? 20 : 21;  // 23 - mantissa bits
+  const __m256i bits = _mm256_castps_si256(x);
+  const __m256i sign = _mm256_and_si256(bits, _mm256_set1_epi32(INT32_MIN));
+  const __m256i a = _mm256_xor_si256(bits, sign);
+  const __m256i magic = _mm256_set1_epi32((127 - kBias + kShift + 1) << 23);
+  const __m256i small = _mm256_sub_epi32(
+      _mm256_castps_si256(_mm256_add_ps(_mm256_castsi256_ps(a), _mm256_castsi256_ps(magic))), magic);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(a, kShift), _mm256_set1_epi32(1));
+  const __m256i rebased = _mm256_sub_epi32(a, _mm256_set1_epi32(((127 - kBias) << 23) - (1 << (kShift - 1)) + 1));
+  const __m256i normal = _mm256_srli_epi32(_mm256_add_epi32(rebased, odd), kShift);
+  const __m256i is_small = _mm256_cmpgt_epi32(_mm256_set1_epi32((127 - kBias + 1) << 23), a);
+  const __m256i is_nan = _mm256_cmpgt_epi32(a, _mm256_set1_epi32(0x7f800000));
+  __m256i r = _mm256_blendv_epi8(normal, small, is_small);
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7f), is_nan);
+  r = _mm256_or_si256(r, _mm256_srli_epi32(sign, 24));
+  const __m256i low_bytes = _mm256_shuffle_epi8(
+      r, _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                          0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1));
+  const __m128i packed = _mm_unpacklo_epi32(_mm256_castsi256_si128(low_bytes), _mm256_extracti128_si256(low_bytes, 1));
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(dst), packed);
+}
+#endif
+
 #if defined(CPU_CAPABILITY_AVX512)
 // 32 fp8 values as bf16 words (exact: fp8 values are bf16 values), in integer steps: a normal number's exponent
 // and mantissa shift into bf16's fields and its exponent is rebased (e4m3: bias 7, e5m2: 15, bf16: 127); the
@@ -133,6 +178,10 @@ inline void widen_fp8(const C* src, T* dst, int64_t n) {
     }
 #endif
     for (; d + 32 <= n; d += 32) _mm512_storeu_si512(dst + d, fp8x32_to_bf16(src + d));
+  }
+#elif defined(CPU_CAPABILITY_AVX2)
+  if constexpr (std::is_same_v<T, float>) {
+    for (; d + 8 <= n; d += 8) _mm256_storeu_ps(dst + d, fp8x8_to_ps(src + d));
   }
 #endif
   for (; d < n; ++d) dst[d] = static_cast<T>(static_cast<float>(src[d]));
