@@ -20,6 +20,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from batchgen.engine import LLM, SamplingParams
+from batchgen.engine.dtype import KV_CACHE_DTYPES
 from batchgen.engine.loading.hub import resolve_model_path
 from decode_workload import kv_bytes_per_token, linear_shapes, mean_context, random_prompts, read_bandwidth, roofline
 
@@ -71,7 +72,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--attention-backend", default=None, help="torch: the unfused path, for comparison")
     ap.add_argument("--threads", type=int, help="torch threads (default: torch's)")
-    ap.add_argument("--kv-cache-dtype", default="auto", help="auto, fp8 (e4m3) or fp8_e5m2")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES))
     ap.add_argument("--top", type=int, default=14, help="ops listed by self time")
     ap.add_argument("--output-json")
     args = ap.parse_args()
