@@ -249,6 +249,28 @@ inline void sums_of(const Vec* v, float* out) {
 }
 #endif
 
+// s[h * stride + c] = the sum of v[h * C + c]'s lanes, for H x C vectors: on AVX2 with C = 4 each head's four
+// sums go out as one vector (a scalar read of a vector just stored would wait for the store), in sums_of's order.
+template <int H, int C>
+inline void store_sums(const Vec* v, float* s, int64_t stride) {
+#if defined(CPU_CAPABILITY_AVX2) && !defined(CPU_CAPABILITY_AVX512)
+  if constexpr (C == 4) {
+    int h = 0;
+    for (; h + 2 <= H; h += 2) {
+      const __m256 both = sums_of8(v + h * C);
+      _mm_storeu_ps(s + h * stride, _mm256_castps256_ps128(both));
+      _mm_storeu_ps(s + (h + 1) * stride, _mm256_extractf128_ps(both, 1));
+    }
+    if (h < H) _mm_storeu_ps(s + h * stride, sums_of4(v + h * C));
+    return;
+  }
+#endif
+  float sums[H * C];
+  sums_of<H * C>(v, sums);
+  for (int h = 0; h < H; ++h)
+    for (int c = 0; c < C; ++c) s[h * stride + c] = sums[h * C + c];
+}
+
 #if defined(CPU_CAPABILITY_AVX512)
 // 2^f for f in [-0.5, 0.5] as a polynomial: degree 6 Taylor in f ln2 (~1e-7 relative, as fp32 needs), or a
 // degree-3 minimax fit (7.5e-5 relative, 26x below bf16's rounding: two fewer FMAs per 16 scores).
