@@ -2,6 +2,8 @@
 decode against the expanded prefill on the same latent cache."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -14,6 +16,8 @@ from batchgen.engine.layers.rotary import cos_sin_cache
 from batchgen.engine.models.registry import model_config
 
 pytest.importorskip("triton")
+# The kernels run on CPU tensors under the interpreter (tests/conftest.py's default), else on the GPU.
+DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
 TOL = {torch.float32: dict(rtol=1e-4, atol=1e-4), torch.bfloat16: dict(rtol=3e-2, atol=3e-2)}
 
 
@@ -33,7 +37,7 @@ def test_decode_kernel_matches_torch(dtype, num_splits):
     tables = paged(15, 0).view(3, 5)
     cache = torch.randn(15, block, rank + rope, generator=gen).to(dtype)
     q = torch.randn(3, heads, rank + rope, generator=gen).to(dtype)
-    out = mla_decode(q, cache, ctx, tables, 70, rank, 0.2, num_splits=num_splits)
+    out = mla_decode(*(t.to(DEVICE) for t in (q, cache, ctx, tables)), 70, rank, 0.2, num_splits=num_splits).cpu()
     ref = TorchMLABackend().decode(q.double(), cache.double(), tables, ctx, 70, rank, 0.2)
     assert out.shape == (3, heads, rank) and out.dtype == dtype
     torch.testing.assert_close(out.double(), ref, **TOL[dtype])
@@ -52,7 +56,8 @@ def test_prefill_kernel_matches_torch(dtype):
     k_nope, v, k_pe = kv[..., :nope], kv[..., nope:], latent[:, 32:]
     q = torch.randn(sum(q_lens), heads, nope + rope, generator=gen).to(dtype)
     cu_q, cu_k = (torch.tensor([0, *lens]).cumsum(0).to(torch.int32) for lens in (q_lens, ctx_lens))
-    out = mla_prefill(q, k_nope, v, k_pe, cu_q, cu_k, prefill_work(q_lens, ctx_lens), 0.3)
+    out = mla_prefill(*(t.to(DEVICE) for t in (q, k_nope, v, k_pe, cu_q, cu_k, prefill_work(q_lens, ctx_lens))),
+                      0.3).cpu()
     plan = LatentPrefill(None, torch.empty(0), cu_q, cu_k, q_lens, ctx_lens)
     ref = TorchMLABackend().prefill(q.double(), k_nope.double(), v.double(), k_pe.double(), plan, 0.3)
     assert out.shape == (sum(q_lens), heads, v_dim)
@@ -63,10 +68,10 @@ def test_store_latent_skips_padding_slots():
     from batchgen.engine.backends.triton.mla import store_latent
 
     rows = torch.randn(5, 40)
-    cache = torch.zeros(3, 4, 40)
+    cache = torch.zeros(3, 4, 40, device=DEVICE)
     slots = torch.tensor([9, -1, 0, 5, -1])
-    store_latent(rows, cache, slots)
-    flat = cache.view(-1, 40)
+    store_latent(rows.to(DEVICE), cache, slots.to(DEVICE))
+    flat = cache.view(-1, 40).cpu()
     assert torch.equal(flat[[9, 0, 5]], rows[[0, 2, 3]])
     assert flat.abs().sum(dim=1).nonzero().flatten().tolist() == [0, 5, 9]
 
@@ -113,7 +118,8 @@ def random_layer(q_lora_rank: int | None, backend: str) -> MLAAttention:
     return layer
 
 
-@pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
+# The layer test builds CPU tensors: the Triton backend joins it where the kernels run on them.
+@pytest.mark.parametrize("backend", ["torch", "cpu"] + ["triton"] * (DEVICE == "cpu"))
 @pytest.mark.parametrize("q_lora_rank", [None, 16])
 def test_absorbed_decode_matches_expanded_prefill(backend, q_lora_rank):
     check_both_forms(random_layer(q_lora_rank, backend))
@@ -170,13 +176,15 @@ def test_prefill_kernel_key_offsets_past_int32():
     gen = torch.Generator().manual_seed(5)
     nope, rope, v_dim, keys, queries, row_stride = 16, 8, 16, 300, 3, 1 << 23
     assert (keys - 1) * row_stride >= 2**31
-    rows = torch.empty(keys * row_stride, dtype=torch.bfloat16).as_strided((keys, 1, nope + v_dim), (row_stride, 1, 1))
+    rows = torch.empty(keys * row_stride, dtype=torch.bfloat16, device=DEVICE).as_strided((keys, 1, nope + v_dim), (row_stride, 1, 1))
     rows.copy_(torch.randn(keys, 1, nope + v_dim, generator=gen))
     k_nope, v = rows[..., :nope], rows[..., nope:]
     k_pe = torch.randn(keys, rope, generator=gen).to(torch.bfloat16)
     q = torch.randn(queries, 1, nope + rope, generator=gen).to(torch.bfloat16)
     cu_q, cu_k = torch.tensor([0, queries], dtype=torch.int32), torch.tensor([0, keys], dtype=torch.int32)
-    out = mla_prefill(q, k_nope, v, k_pe, cu_q, cu_k, prefill_work([queries], [keys]), 0.3)
+    out = mla_prefill(*(t.to(DEVICE) for t in (q, k_nope, v, k_pe, cu_q, cu_k, prefill_work([queries], [keys]))),
+                      0.3).cpu()
     plan = LatentPrefill(None, torch.empty(0), cu_q, cu_k, [queries], [keys])
+    k_nope, v = k_nope.cpu(), v.cpu()
     ref = TorchMLABackend().prefill(q.double(), k_nope.double(), v.double(), k_pe.double(), plan, 0.3)
     torch.testing.assert_close(out.double(), ref, **TOL[torch.bfloat16])

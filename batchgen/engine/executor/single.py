@@ -25,12 +25,13 @@ class SingleProcessExecutor:
         self.num_blocks = self.runner.num_blocks
         self.profile, self.kv_layout = self.runner.profile, self.runner.kv_layout
         self.rank_kv_layout, self.kv_shards = self.kv_layout, 1
-        self._stream = ThreadPoolExecutor(1, thread_name_prefix="device-stream", initializer=self._bind_device) \
-            if config.overlap else None
+        self._stream = ThreadPoolExecutor(1, thread_name_prefix="device-stream", initializer=self._bind_device,
+                                          initargs=(cuda_index(self.runner.device),)) if config.overlap else None
 
-    def _bind_device(self) -> None:
-        if self.runner.device.type == "cuda":  # the current device is per thread
-            torch.cuda.set_device(self.runner.device)
+    @staticmethod
+    def _bind_device(index: int | None) -> None:
+        if index is not None:  # the current CUDA device is per thread
+            torch.cuda.set_device(index)
 
     def execute(self, steps: Sequence[StepInput | None]) -> list[StepOutput | None]:
         return self.submit(steps).result()
@@ -47,6 +48,13 @@ class SingleProcessExecutor:
     def shutdown(self) -> None:
         if self._stream is not None:
             self._stream.shutdown(wait=True)
+
+
+def cuda_index(device: torch.device) -> int | None:
+    """The CUDA device's index (a bare ``cuda`` means the calling thread's current one); None off CUDA."""
+    if device.type != "cuda":
+        return None
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 class InProcessStep:
