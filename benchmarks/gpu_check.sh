@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU check in stages that fit one device window (benchmarks/gpu_check.py has the plan):
-#   correctness (<= 2 min: kernel and model tests on CUDA, graph capture of every size), then the headline
-#   figures (<= 5 min: Llama-3-8B-shaped prefill 64x2K and 8x8K with MFU, decode at batch 64 with graphs and
-#   overlap on/off, DeepSeek-V3-shaped MoE prefill in bf16 and FP8), then extras (8B FP8, 1B).
+#   correctness (<= 4 min: kernel and model tests on CUDA, graph capture of every size), then the headline
+#   figures (<= 3 min: Llama-3-8B-shaped prefill 64x2K and 8x8K with MFU, decode at batch 64 with graphs and
+#   overlap on/off, DeepSeek-V3-shaped MoE prefill in bf16 and FP8), then extras (<= 1 min: 8B FP8, 1B).
 #
 #   bash benchmarks/gpu_check.sh --dry-run        # the plan, stage by stage, with expected seconds
 #   OUT=/tmp/gpu_check bash benchmarks/gpu_check.sh [STAGE ...]
