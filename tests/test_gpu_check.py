@@ -19,7 +19,7 @@ def test_dry_run_prints_a_plan_that_fits_ten_minutes():
     stages = re.findall(r"^stage (\w+): expected (\d+) s, stopped at (\d+) s$", proc.stdout, re.M)
     assert [name for name, _, _ in stages] == ["correctness", "headline", "extras"]
     expected = {name: int(e) for name, e, _ in stages}
-    assert expected["correctness"] <= 120 and expected["headline"] <= 300
+    assert sum(expected.values()) <= 400  # the first H200 run took about 290 s
     assert all(int(e) <= int(limit) for _, e, limit in stages)
     assert sum(int(limit) for _, _, limit in stages) <= 600
     runs = [int(s) for s in re.findall(r"^  [\w-]+: ~(\d+) s$", proc.stdout, re.M)]
