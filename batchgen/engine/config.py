@@ -175,7 +175,8 @@ class EngineConfig:
     attention_backend: str | None = knob(None, "kernels (default: triton on CUDA, cpu's fused C++ kernels "
                                                "on CPU)", ATTENTION_BACKENDS)
     cuda_graphs: str = knob("auto", "replay captured CUDA graphs for decode and mixed steps (auto: on CUDA with "
-                                    "triton; emulate: the padded fixed-shape steps, eagerly)", CUDA_GRAPHS_MODES)
+                                    "triton, and on CPU with the cpu kernels decode steps replay their recorded "
+                                    "ops; emulate: the padded fixed-shape steps, eagerly)", CUDA_GRAPHS_MODES)
     fp8_weights: str = knob("auto", "FP8 checkpoints: fp8 keeps the weights FP8, dequantize widens them at load "
                                     "(auto: fp8 on GPUs with FP8 tensor cores)", FP8_WEIGHTS_MODES)
     storage_options: dict = knob({}, "fsspec options for a remote model")

@@ -17,6 +17,7 @@ from batchgen.engine.backends.torch.ops import fused_moe
 from batchgen.engine.config import EngineConfig, ModelConfig
 from batchgen.engine.core.kv_cache import kv_budget_bytes
 from batchgen.engine.dtype import check_kv_cache_dtype
+from batchgen.engine.executor.cpu_replays import DecodeReplays
 from batchgen.engine.executor.step import StepInput, StepOutput
 from batchgen.engine.kv_store.block_io import gather_blocks, scatter_blocks
 from batchgen.engine.loading.model_source import ModelSource
@@ -68,7 +69,7 @@ class ModelRunner:
                  self.device, self.kernels.attention.name, self.profile.summary(), self.profile.weight_format)
         self.num_blocks = 0
         self.kv_cache: list[list[torch.Tensor]] = []
-        self.graphs: GraphRunner | None = None
+        self.graphs: GraphRunner | DecodeReplays | None = None
         self.samples = parallel.tp.is_first  # the first tensor-parallel rank gathers the logits and samples
         self._last_tokens: torch.Tensor | None = None  # the latest step's sampled tokens, on the device
 
@@ -100,8 +101,10 @@ class ModelRunner:
                  self.kv_layout.describe())
         self.graphs = self._graph_runner()
 
-    def _graph_runner(self) -> "GraphRunner | None":
+    def _graph_runner(self) -> "GraphRunner | DecodeReplays | None":
         mode, on_cuda = self.engine.cuda_graphs, self.device.type == "cuda"
+        if mode == "auto" and self.device.type == "cpu" and self.backend == "cpu":
+            return self._cpu_replays()
         if mode == "off" or (mode == "auto" and not (on_cuda and self.backend == "triton")):
             return None
         if self.backend != "triton":
@@ -119,6 +122,13 @@ class ModelRunner:
                                self.max_model_len, self.block_size, self.device, capture=mode == "auto",
                                mixed="mixed" in self.model.graph_step_kinds,
                                num_speculative_tokens=self.engine.logits_rows_per_seq - 1)
+
+    def _cpu_replays(self) -> DecodeReplays | None:
+        """Recorded decode steps on CPU, for one-process dense models (the torch mixture-of-experts path sizes
+        its matmuls on the host; collectives stay eager)."""
+        if self.model_cfg.moe is not None or self.parallel.tp.size > 1 or self.parallel.exchanges_tokens:
+            return None
+        return DecodeReplays(self.model, self.engine.max_num_seqs, self.max_model_len, self.block_size)
 
     def prepare(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """Packs the step into flat tensors: no padding between sequences."""

@@ -1,0 +1,142 @@
+"""Recorded forwards (op_replay) against eager calls on new inputs, and CPU decode replays in the engine against
+eager decode steps."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from batchgen.engine import LLM, SamplingParams
+from batchgen.engine.executor.op_replay import HostOnly, NotReplayable, record
+
+
+@torch.library.custom_op("batchgen_test::scaled", mutates_args=())
+def scaled(x: torch.Tensor) -> torch.Tensor:
+    """An op with no out= overload: a replay copies its result into the recorded output."""
+    return x * 3
+
+
+@scaled.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+class Block(torch.nn.Module):
+    """Linear, norm, activation, a tuple-returning op, an in-place write into a cache, a table made on first use."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.up = torch.nn.Linear(16, 64)
+        self.down = torch.nn.Linear(64, 16)
+        self.norm = torch.nn.RMSNorm(16)
+        self.cache = torch.zeros(8, 16)
+        self.table: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.table is None:
+            self.table = torch.linspace(0.5, 1.5, 16)  # outlives the call: must not be reused as scratch
+        h = torch.nn.functional.silu(self.up(self.norm(x)))
+        y = scaled(self.down(h) * self.table) + x
+        self.cache.index_copy_(0, slots, y)
+        values, indices = y.max(dim=-1)
+        return y.softmax(-1), values + indices
+
+
+def fresh_inputs(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(4, 16, generator=gen), torch.randperm(8, generator=gen)[:4]
+
+
+def test_replay_matches_eager_calls_on_new_inputs():
+    block, reference = Block(), Block()
+    x, slots = torch.zeros(4, 16), torch.zeros(4, dtype=torch.int64)  # the buffers a replay reads
+    x[:], slots[:] = fresh_inputs(0)
+    eager, recording = record(lambda: block(x, slots))
+    assert block.table is not None and torch.equal(block.table, torch.linspace(0.5, 1.5, 16))
+    torch.testing.assert_close(eager, reference(*fresh_inputs(0)), rtol=0, atol=0)
+    arena = torch.UntypedStorage(recording.arena_bytes)
+    recording.bind(arena)
+    for seed in (1, 2, 3):
+        x[:], slots[:] = fresh_inputs(seed)
+        replayed = recording.replay()
+        expected = reference(*fresh_inputs(seed))
+        assert len(replayed) == len(expected)
+        for got, want in zip(replayed, expected):
+            assert torch.equal(got, want)
+        assert torch.equal(block.cache, reference.cache)  # the in-place write reached the cache
+        assert torch.equal(block.table, torch.linspace(0.5, 1.5, 16))
+        assert replayed[0].untyped_storage().data_ptr() == arena.data_ptr() or \
+            replayed[1].untyped_storage().data_ptr() == arena.data_ptr()
+
+
+def test_intermediates_share_the_arena():
+    weights = [torch.randn(256, 256) for _ in range(6)]
+    x = torch.randn(8, 256)
+
+    def chain():
+        h = x
+        for w in weights:
+            h = torch.relu(h @ w)
+        return h
+
+    eager, recording = record(chain)
+    one = 8 * 256 * 4
+    assert recording.arena_bytes < 6 * one  # six intermediates of which at most two are alive at once
+    recording.bind(torch.UntypedStorage(recording.arena_bytes))
+    x.copy_(torch.randn(8, 256))
+    assert torch.equal(recording.replay(), chain())
+
+
+def test_host_reads_are_refused():
+    x = torch.randn(4)
+    with pytest.raises(NotReplayable):
+        record(lambda: x * x.sum().item())
+    with pytest.raises(NotReplayable):
+        record(lambda: x[: int(torch.tensor(x.tolist()).argmax())])
+    lens = HostOnly(3)
+    assert len(lens) == 3
+    with pytest.raises(NotReplayable):
+        record(lambda: x * max(lens))
+    with pytest.raises(NotReplayable):
+        record(lambda: x * lens[0])
+
+
+def run(path, mode: str, prompts, params):
+    llm = LLM(str(path), dtype="float32", max_num_seqs=4, cuda_graphs=mode, attention_backend="cpu")
+    outs = llm.generate(prompts, params)
+    return outs, llm.engine.executor.runner.graphs
+
+
+def test_decode_replays_match_eager_steps(tiny_model):
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 100, (5 + 3 * i,), generator=gen).tolist() for i in range(7)]
+    # Different lengths: the batch shrinks as sequences finish, and a later request joins a running batch.
+    params = [SamplingParams(max_tokens=6 + 5 * i, temperature=0, logprobs=True, ignore_eos=True) for i in range(7)]
+    eager, none = run(tiny_model, "off", prompts, params)
+    replayed, replays = run(tiny_model, "auto", prompts, params)
+    assert none is None and replays.refused is None
+    assert sum(replays.replays.values()) >= 20 and len(replays.recordings) >= 3
+    assert set(replays.recordings) == {size for size, steps in replays.seen.items() if steps >= 2}
+    assert len(eager) == len(replayed) == len(prompts)
+    for a, b in zip(eager, replayed):
+        assert a.token_ids == b.token_ids
+        assert len(a.logprobs) == len(b.logprobs) and a.logprobs == b.logprobs  # the same kernels, bit for bit
+
+
+def test_a_forward_that_reads_the_host_runs_eagerly(tiny_model, monkeypatch):
+    from batchgen.engine.executor import cpu_replays
+
+    real = cpu_replays.DecodeReplays._forward
+
+    def reads_the_host(self, size):
+        forward = real(self, size)
+        return lambda: (forward()[0] + 0 * self.positions[:size].max().item(), None)
+
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 100, (6,), generator=gen).tolist() for _ in range(3)]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    eager, _ = run(tiny_model, "off", prompts, params)
+    monkeypatch.setattr(cpu_replays.DecodeReplays, "_forward", reads_the_host)
+    refused_run, replays = run(tiny_model, "auto", prompts, params)
+    assert replays.refused and "host" in replays.refused and not replays.replays
+    assert [o.token_ids for o in refused_run] == [o.token_ids for o in eager]
