@@ -18,6 +18,7 @@ difference to a run with 1 token out.
 
 With ``--kv-cache-dtype fp8`` (or fp8_e5m2) batchgen also runs with that KV cache at each batch: its decode tok/s,
 its ratio to batchgen's run at the model's dtype, and how many rows' first greedy tokens agree between the two.
+With ``--eager-too`` likewise with its recorded decode steps off (``cuda_graphs="off"``): what replaying them gains.
 """
 from __future__ import annotations
 
@@ -93,16 +94,29 @@ def vllm_columns(args, folder: Path, dtype: str, prompts, batch: int, ours_dec: 
                 greedy_rows_agreeing_with_vllm=f"{agree}/{len(ours_tokens)}")
 
 
-def narrow_kv_columns(args, path: str, prompts, batch: int, ours_dec: float, ours_tokens) -> dict:
-    """batchgen with ``--kv-cache-dtype`` at this batch: decode tok/s, against the run at the model's dtype."""
+def variant_run(args, path: str, prompts, batch: int, ours_tokens, **engine) -> tuple[float, str]:
+    """batchgen with other engine settings at this batch: decode tok/s, and how many rows' first 8 greedy tokens
+    agree with the default run's."""
     llm = LLM(path, dtype=args.dtype, device="cpu", max_num_seqs=batch, enable_prefix_caching=False,
-              max_num_batched_tokens=max(2048, batch * args.prompt_len), kv_cache_dtype=args.kv_cache_dtype)
+              max_num_batched_tokens=max(2048, batch * args.prompt_len), **engine)
     batchgen_run(llm, prompts[:batch], 4)  # warm-up
     _, dec = batchgen_timed(llm, prompts, args.new_tokens, args.repeats)
     tokens = batchgen_run(llm, prompts[:batch], 8)
-    agree = sum(a == b for a, b in zip(tokens, ours_tokens, strict=True))
+    return dec, f"{sum(a == b for a, b in zip(tokens, ours_tokens, strict=True))}/{batch}"
+
+
+def narrow_kv_columns(args, path: str, prompts, batch: int, ours_dec: float, ours_tokens) -> dict:
+    """batchgen with ``--kv-cache-dtype`` at this batch: decode tok/s, against the run at the model's dtype."""
+    dec, agree = variant_run(args, path, prompts, batch, ours_tokens, kv_cache_dtype=args.kv_cache_dtype)
     return dict(narrow_kv_decode_tok_s=round(dec, 1), narrow_kv_over_auto=round(dec / ours_dec, 2),
-                narrow_kv_agreeing=f"{agree}/{batch}")
+                narrow_kv_agreeing=agree)
+
+
+def eager_columns(args, path: str, prompts, batch: int, ours_dec: float, ours_tokens) -> dict:
+    """batchgen with recorded decode steps off (``cuda_graphs="off"``): decode tok/s, and the replays' gain."""
+    dec, agree = variant_run(args, path, prompts, batch, ours_tokens, cuda_graphs="off")
+    return dict(eager_decode_tok_s=round(dec, 1), replays_over_eager=round(ours_dec / dec, 2),
+                eager_agreeing=agree)
 
 
 def main() -> None:
@@ -120,6 +134,8 @@ def main() -> None:
     ap.add_argument("--vllm-python", help="compare vLLM's CPU build, installed in this python's environment")
     ap.add_argument("--kv-cache-dtype", choices=["fp8", "fp8_e4m3", "fp8_e5m2"],
                     help="also run batchgen with this KV cache, beside the model's dtype")
+    ap.add_argument("--eager-too", action="store_true",
+                    help="also run batchgen with its recorded decode steps off, for their gain")
     ap.add_argument("--output-json")
     args = ap.parse_args()
     if args.vllm_python and not os.access(args.vllm_python, os.X_OK):
@@ -176,6 +192,8 @@ def main() -> None:
             row.update(vllm_columns(args, folder, dtype.name, prompts, batch, ours_dec, ours_tokens))
         if args.kv_cache_dtype:
             row.update(narrow_kv_columns(args, path, prompts, batch, ours_dec, ours_tokens))
+        if args.eager_too:
+            row.update(eager_columns(args, path, prompts, batch, ours_dec, ours_tokens))
         rows.append(row)
         print(" ".join(f"{k}={v}" for k, v in rows[-1].items()), flush=True)
     header = ("batch", "batchgen decode tok/s", "HF decode tok/s", "ratio", "batchgen e2e", "HF e2e", "ratio",
@@ -185,6 +203,8 @@ def main() -> None:
         header += ("vLLM CPU decode tok/s", "ratio")
     if args.kv_cache_dtype:
         header += (f"{args.kv_cache_dtype} KV decode tok/s", "ratio", "greedy rows agreeing")
+    if args.eager_too:
+        header += ("eager steps decode tok/s", "replays over eager", "greedy rows agreeing")
     print("\n| " + " | ".join(header) + " |\n|" + "---|" * len(header))
     for r in rows:
         print(f"| {r['batch']} | {r['batchgen_decode_tok_s']:,.0f} | {r['hf_decode_tok_s']:,.0f} | "
@@ -195,7 +215,9 @@ def main() -> None:
               f"{r['batchgen_over_with_cache']:.0%} |" +
               (f" {r['vllm_decode_tok_s']:,.0f} | {r['ratio_over_vllm']:.2f}x |" if folder is not None else "") +
               (f" {r['narrow_kv_decode_tok_s']:,.0f} | {r['narrow_kv_over_auto']:.2f}x | {r['narrow_kv_agreeing']} |"
-               if args.kv_cache_dtype else ""))
+               if args.kv_cache_dtype else "") +
+              (f" {r['eager_decode_tok_s']:,.0f} | {r['replays_over_eager']:.2f}x | {r['eager_agreeing']} |"
+               if args.eager_too else ""))
     if args.output_json:
         Path(args.output_json).write_text(json.dumps({"dtype": dtype.name, "rows": rows}, indent=2) + "\n")
 

@@ -73,6 +73,8 @@ def main() -> None:
     ap.add_argument("--attention-backend", default=None, help="torch: the unfused path, for comparison")
     ap.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES))
+    ap.add_argument("--cuda-graphs", default="auto", choices=["auto", "off"],
+                    help="off: decode steps run eagerly instead of replaying their recorded ops")
     ap.add_argument("--top", type=int, default=14, help="ops listed by self time")
     ap.add_argument("--output-json")
     args = ap.parse_args()
@@ -81,7 +83,8 @@ def main() -> None:
 
     llm = LLM(resolve_model_path(args.model), dtype=args.dtype, device="cpu", max_num_seqs=args.batch,
               max_num_batched_tokens=max(8192, args.batch * args.prompt_len), enable_prefix_caching=False,
-              attention_backend=args.attention_backend, kv_cache_dtype=args.kv_cache_dtype)
+              attention_backend=args.attention_backend, kv_cache_dtype=args.kv_cache_dtype,
+              cuda_graphs=args.cuda_graphs)
     prompts = random_prompts(llm.tokenizer.vocab_size, args.batch, args.prompt_len)
     llm.generate(prompts[:8], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))  # warm-up
     decode_s, ops = profiled_decode(llm, prompts, args.steps)
