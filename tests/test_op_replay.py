@@ -87,6 +87,24 @@ def test_intermediates_share_the_arena():
     assert torch.equal(recording.replay(), chain())
 
 
+def test_ops_that_may_return_their_input_replay_when_they_copied():
+    """to(dtype), contiguous and reshape return their input or a copy: a copy is recomputed at each replay."""
+    x = torch.zeros(4, 6, dtype=torch.bfloat16)
+    w = torch.randn(6, 6)
+
+    def forward():
+        wide = x.float()  # a copy: bf16 -> fp32
+        same = wide.to(torch.float32)  # returns its input
+        flipped = same.t().contiguous()  # a copy of a transposed view
+        return (flipped.reshape(-1) @ torch.ones(24)) + (same @ w).sum()
+
+    eager, recording = record(forward)
+    recording.bind(torch.UntypedStorage(recording.arena_bytes))
+    for seed in (1, 2):
+        x.copy_(torch.randn(4, 6, generator=torch.Generator().manual_seed(seed)))
+        assert torch.equal(recording.replay(), forward())
+
+
 def test_host_reads_are_refused():
     x = torch.randn(4)
     with pytest.raises(NotReplayable):

@@ -81,6 +81,12 @@ def _ptr(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
 
+def _aliases(out: Any, inputs: Any) -> bool:
+    """Whether every tensor ``out`` holds shares memory with one of ``inputs``."""
+    held = {_ptr(t) for t in _tensors(inputs)}
+    return all(_ptr(t) in held for t in _tensors(out))
+
+
 @dataclass
 class _Call:
     func: torch._ops.OpOverload
@@ -106,6 +112,8 @@ class _Recorder(TorchDispatchMode):
             raise NotReplayable(f"the forward reads a tensor on the host ({func})")
         out = func(*args, **kwargs)
         kind = _kind(func)
+        if kind == "view" and not _aliases(out, (args, kwargs)):
+            kind = "new"  # an op that may return its input returned a copy here (to(dtype), contiguous, reshape)
         if kind != "view":
             self.calls.append(_Call(func, kind, args, kwargs, out))
         self.created += [weakref.ref(t) for t in _tensors(out)]
