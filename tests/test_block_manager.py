@@ -50,6 +50,27 @@ def test_freed_blocks_are_reclaimed_by_hash_until_reused():
     assert again.num_computed_tokens == 0
 
 
+def test_new_tokens_take_the_latest_blank_block_before_evicting_cached_ones():
+    bm = BlockManager(num_blocks=7, block_size=4)
+    cached = seq(0, list(range(8)))  # two full blocks, findable once scheduled
+    bm.admit(cached)
+    bm.mark_scheduled(cached, 8)
+    first, second = seq(1, [100, 101]), seq(2, [200, 201])  # partial blocks hold nothing findable
+    bm.admit(first)
+    bm.admit(second)
+    blank_order = [second.block_table[0], first.block_table[0]]  # freed first, then second: second's comes back first
+    bm.free_seq(cached)
+    bm.free_seq(first)
+    bm.free_seq(second)
+    assert bm.num_free_blocks == 7
+    fresh = seq(3, list(range(300, 316)))  # four blocks: the two blank ones, latest freed first, then never-used ones
+    bm.admit(fresh)
+    assert fresh.block_table[:2] == blank_order and len(set(fresh.block_table)) == 4
+    assert not set(fresh.block_table) & {0, 1}, "cached blocks evicted while blank ones were free"
+    again = seq(4, list(range(9)))
+    assert bm.admit(again) == 8 and again.block_table[:2] == [0, 1]
+
+
 def test_no_blocks_leak_after_preemption_and_sharing(tiny_model):
     probe = LLM(str(tiny_model), dtype="float32", device="cpu", kv_cache_memory=1 << 20)
     per_block = probe.engine.executor.kv_layout.bytes_per_block(16, probe.config.torch_dtype)

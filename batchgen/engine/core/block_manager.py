@@ -30,8 +30,11 @@ def chain_hash(prev_hash: int | None, token_ids: tuple[int, ...]) -> int:
 class BlockManager:
     """Hands out fixed-size KV blocks; full, computed blocks stay findable by hash until reused.
 
-    Freed blocks keep their hash and go to the back of the free list, so a later request with the same
-    prefix can reclaim them; blocks are only wiped when handed out for new tokens. With a ``window``
+    Freed blocks keep their hash and go to the back of a least-recently-freed list, so a later request with the
+    same prefix can reclaim them; blocks are only wiped when handed out for new tokens. New tokens take a blank
+    block first (one that holds nothing findable), the most recently freed of them: its memory is still mapped
+    and likely cached, where a never-used block of a lazily mapped cache costs page faults on its first write (a
+    tenth of a decode step on a small VM). Only when no blank block is left is the oldest cached one evicted. With a ``window``
     (every attention layer reads only its latest ``window`` keys), a sequence's blocks that fall wholly
     before the window of its next token are freed as it runs; its block table keeps -1 in their place.
     """
@@ -42,7 +45,8 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.window = window
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.blank: list[int] = list(range(num_blocks - 1, -1, -1))  # a stack: block 0 first
+        self.cached: OrderedDict[int, None] = OrderedDict()  # free blocks findable by hash, oldest first
         self.hash_to_block: dict[int, int] = {}
         # With lower prefix tiers: (block id, hash, tokens) of blocks registered since take_completed.
         self.record_completed = record_completed
@@ -50,7 +54,7 @@ class BlockManager:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free)
+        return len(self.blank) + len(self.cached)
 
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
         """New blocks ``seq`` needs so that its first ``num_tokens`` tokens have slots."""
@@ -101,7 +105,7 @@ class BlockManager:
         for block_id in hits:
             block = self.blocks[block_id]
             if block.ref_count == 0:
-                del self.free[block_id]
+                del self.cached[block_id]
             block.ref_count += 1
         seq.block_table = list(hits)
         seq.num_hashed_blocks = len(hits)
@@ -112,7 +116,7 @@ class BlockManager:
     def allocate(self, seq: Sequence, num_tokens: int) -> None:
         """Append fresh blocks so the first ``num_tokens`` tokens of ``seq`` have slots."""
         for _ in range(self.blocks_needed(seq, num_tokens)):
-            block_id, _ = self.free.popitem(last=False)
+            block_id = self.blank.pop() if self.blank else self.cached.popitem(last=False)[0]
             block = self.blocks[block_id]
             if block.hash is not None and self.hash_to_block.get(block.hash) == block_id:
                 del self.hash_to_block[block.hash]
@@ -164,7 +168,11 @@ class BlockManager:
         block = self.blocks[block_id]
         block.ref_count -= 1
         if block.ref_count == 0:
-            self.free[block_id] = None
+            if block.hash is not None and self.hash_to_block.get(block.hash) == block_id:
+                self.cached[block_id] = None
+            else:
+                block.hash, block.token_ids = None, ()
+                self.blank.append(block_id)
 
     def truncate(self, seq: Sequence, num_tokens: int) -> None:
         """Frees the sequence's trailing blocks past its first ``num_tokens`` tokens (rejected draft tokens)."""
