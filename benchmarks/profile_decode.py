@@ -86,7 +86,9 @@ def main() -> None:
               attention_backend=args.attention_backend, kv_cache_dtype=args.kv_cache_dtype,
               cuda_graphs=args.cuda_graphs)
     prompts = random_prompts(llm.tokenizer.vocab_size, args.batch, args.prompt_len)
-    llm.generate(prompts[:8], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))  # warm-up
+    # Warm-up over as many blocks as the profiled run takes, so it writes into mapped cache pages as a running
+    # job does, not into never-touched ones.
+    llm.generate(prompts, SamplingParams(max_tokens=args.steps + 4, temperature=0, ignore_eos=True))
     decode_s, ops = profiled_decode(llm, prompts, args.steps)
     ops = {k: (sec, n) for k, (sec, n) in ops.items() if n}
     by_kind: dict[str, float] = defaultdict(float)
