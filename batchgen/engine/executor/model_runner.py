@@ -124,9 +124,10 @@ class ModelRunner:
                                num_speculative_tokens=self.engine.logits_rows_per_seq - 1)
 
     def _cpu_replays(self) -> DecodeReplays | None:
-        """Recorded decode steps on CPU, for one-process dense models (the torch mixture-of-experts path sizes
-        its matmuls on the host; collectives stay eager)."""
-        if self.model_cfg.moe is not None or self.parallel.tp.size > 1 or self.parallel.exchanges_tokens:
+        """Recorded decode steps on CPU, for one process (collectives stay eager); mixture-of-experts models
+        only through the CPU kernels' expert op (the torch path sizes its matmuls on the host)."""
+        torch_experts = self.model_cfg.moe is not None and self.kernels.fused_moe is fused_moe
+        if torch_experts or self.parallel.tp.size > 1 or self.parallel.exchanges_tokens:
             return None
         return DecodeReplays(self.model, self.engine.max_num_seqs, self.max_model_len, self.block_size)
 

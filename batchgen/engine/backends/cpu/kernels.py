@@ -1,4 +1,4 @@
-"""The CPU kernel set: fused C++ attention (MLA's latent decode too) and elementwise ops, prepacked bf16 weights."""
+"""The CPU kernel set: fused C++ attention (MLA's latent decode too), elementwise and expert ops, prepacked weights."""
 from __future__ import annotations
 
 from batchgen.engine.backends.cpu import ops
@@ -14,5 +14,6 @@ def cpu_kernels() -> dict[str, object] | None:
     if not load_kernels() or not ops.usable_dtypes():
         return None
     return dict(attention=CpuAttentionBackend(), rms_norm=ops.rms_norm, apply_rotary=ops.apply_rotary,
-                silu_and_mul=ops.silu_and_mul, mla=CpuMLABackend(), row_argmax=ops.row_argmax,
+                silu_and_mul=ops.silu_and_mul, fused_moe=ops.fused_moe, mla=CpuMLABackend(),
+                row_argmax=ops.row_argmax,
                 prepare_model=prepack_linears)
