@@ -33,10 +33,11 @@ class BlockManager:
     Freed blocks keep their hash and go to the back of a least-recently-freed list, so a later request with the
     same prefix can reclaim them; blocks are only wiped when handed out for new tokens. New tokens take a blank
     block first (one that holds nothing findable), the most recently freed of them: its memory is still mapped
-    and likely cached, where a never-used block of a lazily mapped cache costs page faults on its first write (a
-    tenth of a decode step on a small VM). Only when no blank block is left is the oldest cached one evicted. With a ``window``
-    (every attention layer reads only its latest ``window`` keys), a sequence's blocks that fall wholly
-    before the window of its next token are freed as it runs; its block table keeps -1 in their place.
+    and likely cached, where a never-used block of a lazily mapped cache costs page faults on its first write
+    (a tenth of a decode step on a small VM). Only when no blank block is left is the oldest cached one evicted.
+    With a ``window`` (every attention layer reads only its latest ``window`` keys), a sequence's blocks that
+    fall wholly before the window of its next token are freed as it runs; its block table keeps -1 in their
+    place.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
