@@ -46,11 +46,11 @@ def test_matches_fp64_at_every_small_row_count(op, k, n):
 
 
 def test_a_rows_result_does_not_depend_on_the_other_rows(op):
-    """Each output is one dot product summed in a fixed order: row i of an M-row step equals that row alone,
-    bit for bit (so a verification step's rows give plain decode's numbers)."""
+    """Each output is summed in one order whatever the layout: row i of an M-row step equals that row alone,
+    bit for bit (so a verification step's rows give plain decode's numbers). Widths with tails past every tile."""
     gen = torch.Generator().manual_seed(3)
-    weight = torch.randn(300, 576, generator=gen)
-    x = torch.randn(SMALL_ROWS, 576, generator=gen)
+    weight = torch.randn(303, 579, generator=gen)
+    x = torch.randn(SMALL_ROWS, 579, generator=gen)
     alone = torch.cat([small_linear(op, x[i:i + 1], weight) for i in range(len(x))])
     for m in range(1, SMALL_ROWS + 1):
         assert torch.equal(small_linear(op, x[:m], weight), alone[:m]), m
@@ -60,16 +60,18 @@ def test_bit_identical_across_thread_counts(op):
     if torch.get_num_threads() < 2:
         pytest.skip("one thread: nothing to compare against")
     gen = torch.Generator().manual_seed(4)
-    weight, x = torch.randn(3072, 576, generator=gen), torch.randn(7, 576, generator=gen)
+    weight, bias = torch.randn(3075, 579, generator=gen), torch.randn(3075, generator=gen)
     previous = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        reference = small_linear(op, x, weight)
-        torch.set_num_threads(previous)
-        for _ in range(5):
-            assert torch.equal(small_linear(op, x, weight), reference)
-    finally:
-        torch.set_num_threads(previous)
+    for rows in (1, 3, 7, 33, SMALL_ROWS):  # both layouts, one group and pairs of groups
+        x = torch.randn(rows, 579, generator=gen)
+        try:
+            torch.set_num_threads(1)
+            reference = small_linear(op, x, weight, bias)
+            torch.set_num_threads(previous)
+            for _ in range(5):
+                assert torch.equal(small_linear(op, x, weight, bias), reference), rows
+        finally:
+            torch.set_num_threads(previous)
 
 
 def test_strided_rows_and_bad_input(op):
