@@ -12,7 +12,7 @@ import torch
 from batchgen.engine import LLM
 from batchgen.engine.backends.cpu.build import load_kernels
 from batchgen.engine.backends.cpu.ops import amx_tiles
-from batchgen.engine.backends.cpu.prepack import SMALL_ROWS, PrepackedLinear, amx_rows_fit
+from batchgen.engine.backends.cpu.prepack import AMX_ROWS, SMALL_ROWS, PrepackedLinear, amx_rows_fit
 from batchgen.engine.layers.linear import LinearBase, ParallelLMHead
 
 
@@ -42,11 +42,12 @@ def rows_matmul_rate(shapes: list[tuple[int, int]], rows: int, dtype: torch.dtyp
     inputs = {s: torch.randn(rows, s[1]).to(dtype) for s in set(shapes)}
     flops = sum(2 * rows * n * k for n, k in shapes)
     paths = [lambda s: torch.nn.functional.linear(inputs[s], mats[s])]
-    if rows <= SMALL_ROWS and load_kernels():
+    if load_kernels():
         outs = {s: torch.empty(rows, s[0], dtype=dtype) for s in set(shapes)}
-        if dtype == torch.float32:
+        if dtype == torch.float32 and rows <= SMALL_ROWS:
             paths.append(lambda s: torch.ops.batchgen_cpu.small_linear(inputs[s], mats[s], None, outs[s]))
-        elif dtype == torch.bfloat16 and amx_tiles() and all(amx_rows_fit(w, None) for w in mats.values()):
+        elif (dtype == torch.bfloat16 and rows <= AMX_ROWS and amx_tiles()
+              and all(amx_rows_fit(w, None) for w in mats.values())):
             paths.append(lambda s: torch.ops.batchgen_cpu.amx_linear(inputs[s], mats[s], None, outs[s]))
 
     def window(path) -> float:

@@ -217,7 +217,7 @@ def test_amx_linear_rejects_what_it_does_not_take(amx):
 
 
 def test_amx_rows_method_routes_by_step_size(amx, monkeypatch):
-    """Steps of up to SMALL_ROWS rows take amx_linear; larger ones (prefill) F.linear on the same weight."""
+    """Steps of up to AMX_ROWS rows take amx_linear; larger ones (prefill) F.linear on the same weight."""
     from batchgen.engine.backends.cpu import prepack
     from batchgen.engine.layers.linear import ReplicatedLinear
 
@@ -230,9 +230,9 @@ def test_amx_rows_method_routes_by_step_size(amx, monkeypatch):
     real = torch.ops.batchgen_cpu.amx_linear
     monkeypatch.setattr(prepack.torch.ops.batchgen_cpu, "amx_linear", lambda *a: calls.append(a[0].shape) or real(*a),
                         raising=False)
-    for rows in (1, prepack.SMALL_ROWS, prepack.SMALL_ROWS + 1):
+    for rows in (1, prepack.AMX_ROWS, prepack.AMX_ROWS + 1):
         x = torch.randn(rows, 96).to(BF16)
         out = layer(x)
         ulp = torch.finfo(BF16).eps * out.abs().max().item()
         assert (out.float() - torch.nn.functional.linear(x, layer.weight, layer.bias).float()).abs().max() <= ulp
-    assert calls == [(1, 96), (prepack.SMALL_ROWS, 96)]
+    assert calls == [(1, 96), (prepack.AMX_ROWS, 96)]

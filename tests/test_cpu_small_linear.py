@@ -36,7 +36,7 @@ SHAPES = [(576, 960), (1536, 576), (64, 49), (37, 13), (8, 4), (3, 7)]
 def test_matches_fp64_at_every_small_row_count(op, k, n):
     gen = torch.Generator().manual_seed(k * 1000 + n)
     weight, bias = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
-    for m in range(1, SMALL_ROWS + 3):
+    for m in [*range(1, 67), 127, 128, 129, SMALL_ROWS - 1, SMALL_ROWS, SMALL_ROWS + 1]:  # 64 rows at a time
         x = torch.randn(m, k, generator=gen)
         expected = x.double() @ weight.double().T + bias.double()
         got = small_linear(op, x, weight, bias)
@@ -124,7 +124,7 @@ def test_wide_layers_multiply_larger_steps_slice_by_slice(op, bias, monkeypatch)
     name = "addmm" if bias else "mm"
     slices, multiply = [], getattr(torch, name)
     monkeypatch.setattr(torch, name, lambda *a, out: (slices.append(out.shape[1]), multiply(*a, out=out)))
-    got = layer(x[:, :SMALL_ROWS // 2 + 3].float())  # 70 rows
+    got = layer(x[:, :SMALL_ROWS // 2 + 3].float())  # SMALL_ROWS + 6 rows
     assert slices == [COLUMN_SLICE] * (outputs // COLUMN_SLICE) + [outputs % COLUMN_SLICE]
     exact = F.linear(x[:, :SMALL_ROWS // 2 + 3], layer.weight.double(), None if not bias else layer.bias.double())
     assert got.shape == exact.shape

@@ -5,10 +5,11 @@ torch's CPU linear reorders a bf16 weight on every call; packing it once measure
 matmuls and 1.3-2.7x in decode-sized ones with AMX. For fp32, prepacking gained nothing, but a step of a few
 rows is bound by streaming the weight, and ``F.linear`` streams it at well under the memory's rate there (on
 AVX2 with 2 threads: one row on one thread; 2 rows take twice one row's time). ``small_linear`` streams it once
-for up to 64 rows, on every thread (1.05-4x ``F.linear`` at 1-64 rows, benchmarks/small_linear_cpu.py); the
-layer keeps its weight and only its ``quant_method`` changes. Past 64 rows, a wide layer (the vocabulary head)
-multiplies in slices of 1024 output columns: ``F.linear`` over all 49K of SmolLM2's ran at half the rate of its
-slices (1.4-1.9x at 65-1024 rows), whose weight and output stay in the caches.
+per 64 rows, on every thread (1.4-3.3x ``F.linear`` at 1-64 rows, benchmarks/small_linear_cpu.py), for steps
+of up to ``SMALL_ROWS`` (decode at the default 256 sequences); the layer keeps its weight and only its
+``quant_method`` changes. Past that, a wide layer (the vocabulary head) multiplies in slices of 1024 output
+columns: ``F.linear`` over all 49K of SmolLM2's ran at half the rate of its slices (1.4-1.9x at 65-1024 rows),
+whose weight and output stay in the caches.
 """
 from __future__ import annotations
 
@@ -41,7 +42,10 @@ class PrepackedLinear(nn.Module):
         return out.view(*x.shape[:-1], self.out_features)
 
 
-SMALL_ROWS = 64  # rows up to which fp32 layers run the small-row op (1.05-4x F.linear at 1-64 rows, AVX2, 2 threads)
+# Rows up to which fp32 layers run the small-row op: 1.4-3.3x F.linear at 1-64 rows, 1.05-1.3x at 96-256 (64
+# rows at a time), 1.4-1.8x the vocabulary head's slices at 96-256 (AVX2, 2 threads); past that F.linear (prefill).
+SMALL_ROWS = 256
+AMX_ROWS = 64  # rows up to which bf16 layers on AMX CPUs run amx_linear
 WIDE_OUTPUTS, COLUMN_SLICE = 8192, 1024  # output columns from which larger steps multiply slice by slice
 
 
@@ -75,7 +79,7 @@ SMALL_ROWS_METHOD = SmallRowsMethod()
 
 
 class AmxRowsMethod(LinearMethod):
-    """A bf16 layer's multiply on a CPU with AMX: steps of at most ``SMALL_ROWS`` rows run ``batchgen_cpu.amx_linear``
+    """A bf16 layer's multiply on a CPU with AMX: steps of at most ``AMX_ROWS`` rows run ``batchgen_cpu.amx_linear``
     (the weight's own rows as AMX tiles, streamed once: 1.1-1.9x oneDNN's prepacked linear at 1-8 rows on
     SmolLM2's shapes, 0.95-1.2x at 64), larger ones ``F.linear``, which on these CPUs runs prefill-sized steps as
     fast as a prepacked copy (0.8-1.0x its time at 2,048 and 7,000 rows), so the layer keeps only its own weight."""
@@ -83,7 +87,7 @@ class AmxRowsMethod(LinearMethod):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         weight = layer.weight
         rows = x if x.dim() == 2 else x.reshape(-1, weight.shape[1])
-        if x.dtype != torch.bfloat16 or rows.shape[0] > SMALL_ROWS or rows.stride(-1) != 1:
+        if x.dtype != torch.bfloat16 or rows.shape[0] > AMX_ROWS or rows.stride(-1) != 1:
             return super().apply(layer, x, bias)
         out = rows.new_empty((rows.shape[0], weight.shape[0]))
         torch.ops.batchgen_cpu.amx_linear(rows, weight, bias, out)
