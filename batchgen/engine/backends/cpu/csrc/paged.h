@@ -170,15 +170,6 @@ inline const float* as_float(const T* row, float* buf, int64_t n) {
   }
 }
 
-// f(std::integral_constant<int, n>{}) for the run-time n in 1..N: a tile size as a compile-time constant.
-template <int N, typename F>
-inline void with_constant(int64_t n, F&& f) {
-  if constexpr (N >= 1) {
-    if (n == N) f(std::integral_constant<int, N>{});
-    else with_constant<N - 1>(n, f);
-  }
-}
-
 // f(tile size as a constant, first) over [0, count) in tiles of Max, the last one smaller.
 template <int Max, typename F>
 inline void in_tiles(int64_t count, F&& f) {

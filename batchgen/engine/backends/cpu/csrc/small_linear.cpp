@@ -48,15 +48,6 @@ struct Linear {
 
 inline float with_bias(const Linear& a, float sum, int64_t n) { return a.bias != nullptr ? sum + a.bias[n] : sum; }
 
-// f(std::integral_constant<int, n>{}) for the run-time n in 1..N.
-template <int N, typename F>
-inline void with_count(int64_t n, F&& f) {
-  if constexpr (N >= 1) {
-    if (n == N) f(std::integral_constant<int, N>{});
-    else with_count<N - 1>(n, f);
-  }
-}
-
 // ---- W rows in the lanes (few rows) ----
 
 // L W rows (from w, K apart) at k .. k + L transposed in registers: t[u] holds w[j][k + u] in lane j.
@@ -109,7 +100,7 @@ void one_column(const Linear& a, int64_t n) {
 void few_rows(const Linear& a) {
   const int64_t blocks = a.N / L, grain = std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(1, a.K * L));
   at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
-    with_count<kFewRows>(a.M, [&](auto rows) {
+    with_constant<kFewRows>(a.M, [&](auto rows) {
       for (int64_t b = begin; b < end; ++b) output_lanes<rows>(a, b * L);
     });
   });
@@ -244,11 +235,11 @@ void many_rows(const Linear& a, float* xt) {
       const float* next = b + 1 < end ? a.w + (n0 + cols) * a.K : nullptr;
       const int64_t next_floats = next == nullptr ? 0 : std::min(cols, a.N - n0 - cols) * a.K;
       if (groups == 1)
-        with_count<kWideCols>(width, [&](auto nr) {
+        with_constant<kWideCols>(width, [&](auto nr) {
           row_lanes<1, nr>(a, xt, 0, n0, next ? Ahead(next, next_floats, 0, 1, a.K) : Ahead());
         });
       else
-        with_count<kTileCols>(width, [&](auto nr) { column_block<nr>(a, xt, groups, n0, next, next_floats); });
+        with_constant<kTileCols>(width, [&](auto nr) { column_block<nr>(a, xt, groups, n0, next, next_floats); });
     }
   });
 }
@@ -272,7 +263,8 @@ void small_linear(const at::Tensor& x, const at::Tensor& weight, const c10::opti
   // x^T, kept by the calling thread between calls (at most kChunkRows rows x K: no allocation a step).
   static thread_local std::vector<float> packed;
   const int64_t most = std::min(M, kChunkRows);
-  packed.resize(std::max<size_t>(packed.size(), static_cast<size_t>((most + L - 1) / L * K * L)));
+  if (most > kFewRows)
+    packed.resize(std::max<size_t>(packed.size(), static_cast<size_t>((most + L - 1) / L * K * L)));
   for (int64_t m0 = 0; m0 < M; m0 += kChunkRows) {
     const int64_t rows = std::min(kChunkRows, M - m0);
     const Linear a{x.const_data_ptr<float>() + m0 * x.stride(0), x.stride(0), weight.const_data_ptr<float>(), K, N,

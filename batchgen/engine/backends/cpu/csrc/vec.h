@@ -326,4 +326,13 @@ void dispatch(at::ScalarType type, const char* name, F&& f) {
 template <typename T>
 constexpr int kExpDegree = std::is_same_v<T, float> ? 6 : 3;
 
+// f(std::integral_constant<int, n>{}) for the run-time n in 1..N: a tile size or row count as a compile-time constant.
+template <int N, typename F>
+inline void with_constant(int64_t n, F&& f) {
+  if constexpr (N >= 1) {
+    if (n == N) f(std::integral_constant<int, N>{});
+    else with_constant<N - 1>(n, f);
+  }
+}
+
 }  // namespace batchgen_cpu
