@@ -2,14 +2,15 @@
 // paged cache through the block tables (no gather into contiguous tensors).
 //
 // Work items are (sequence, KV head, split) (paged.h). A thread takes a split of a row with all its KV heads
-// (one KV head at a time where rows are too few to keep every thread busy) and walks it in chunks of
-// positions: each chunk's cache rows (every KV head side by side) are read once, and for each KV head its GQA
-// group's query heads attend them together, with an online softmax and register tiles of several heads
-// (paged.h's attend_chunk, shared with the latent op). Scores, softmax and accumulation are fp32; the output is
-// bit-identical for any thread count. On CPUs with amx_bf16, bf16 queries' items take decode_tiles.h's path
-// instead (no soft cap): both products in AMX tiles, a task's KV heads side by side in the lanes (the same
-// partials and merge). The cache holds q's dtype or fp8 (e4m3, e5m2: rows widened as they are read, half the
-// bytes of bf16 from memory).
+// (one KV head at a time where rows are too few to keep every thread busy) and walks it twice in chunks of
+// positions, each chunk's cache rows (every KV head side by side) read once: first all the scores, in paged.h's
+// register tiles, then each head's softmax over the split, then the values, each output's sums held in registers
+// over a chunk. A split is at most a few hundred keys, so its scores stay in L1 and no running rescale is needed.
+// The next chunk's lines are asked for a few at a time as a chunk is worked on. Scores, softmax and accumulation
+// are fp32; the output is bit-identical for any thread count. On CPUs with amx_bf16, bf16 queries' items take
+// decode_tiles.h's path instead (no soft cap): both products in AMX tiles, a task's KV heads side by side in the
+// lanes (the same partials and merge). The cache holds q's dtype or fp8 (e4m3, e5m2: rows widened as they are
+// read, half the bytes of bf16 from memory).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
@@ -23,6 +24,7 @@
 #include <algorithm>
 #include <cmath>
 #include <memory>
+#include <utility>
 #include <vector>
 
 namespace batchgen_cpu {
@@ -36,48 +38,164 @@ struct Decode {
   Heads group;  // the G query heads of a KV head, keys and values head_dim wide
 };
 
+// A thread's scratch, overwritten by each split before it is read: fp32 queries (`span` KV heads' groups), each
+// key's row offset, the scores (a row per query head, `stride` apart: the longest split) and a chunk's rows of a
+// bf16 or fp8 cache converted to fp32.
+struct SplitScratch {
+  int64_t stride;
+  std::vector<float> q32, scores, rows32;
+  std::vector<int64_t> offsets;
+  SplitScratch(const Heads& h, int64_t span, int64_t longest)
+      : stride((longest + Vec::size() - 1) / Vec::size() * Vec::size()), q32(span * h.count * h.key_width),
+        scores(span * h.count * stride), rows32(kChunk * h.key_width), offsets(longest) {}
+};
+
+// The next chunk's cache lines, asked for a few at a time as the current chunk's work steps along: all at once
+// they would fill the miss queues and stall that work (on a cold step here, 1.3x slower), and reading a chunk
+// head by head is no order the hardware's prefetchers follow. Each step of a tile reads two lines of fp32 rows
+// per 8 lanes (a score step 4 rows' next vector, a value step a row's 4 vectors), so as many keep pace.
+constexpr int kAheadLines = Vec::size() / 4;
+
+class Ahead {
+ public:
+  Ahead(const void* cache, const int64_t* rows, int64_t count, int64_t elem_bytes, int64_t row_bytes)
+      : cache_(static_cast<const char*>(cache)), rows_(rows), count_(count), elem_(elem_bytes),
+        lines_((row_bytes + 63) / 64) {}
+  void operator()() {
+    for (int k = 0; k < kAheadLines && row_ < count_; ++k) {
+      __builtin_prefetch(cache_ + rows_[row_] * elem_ + line_ * 64);
+      if (++line_ == lines_) line_ = 0, ++row_;
+    }
+  }
+
+ private:
+  const char* cache_;
+  const int64_t* rows_;
+  int64_t count_, elem_, lines_, row_ = 0, line_ = 0;
+};
+
+// s[g][c] = q_g . row_c for a group's heads and n rows; head g's scores at s + g * stride.
+inline void group_scores(const Heads& h, const float* q32, const float* const* rows, int64_t n, float* s,
+                         int64_t stride, Ahead& ahead) {
+  const int64_t W = h.key_width;
+  in_tiles<kScoreHeads>(h.count, [&](auto heads, int64_t g) {
+    in_tiles<kScoreRows>(n, [&](auto keys, int64_t c) {
+      score_tile<heads, keys>(q32 + g * W, W, rows + c, s + g * stride + c, stride, ahead);
+    });
+  });
+}
+
+// A score row of n keys becomes its probabilities e^(scaled score - max); returns (max, sum).
+inline std::pair<float, float> softmax_row(float* s, int64_t n, float scale, float cap) {
+  if (cap > 0.f)
+    at::vec::map([scale, cap](Vec x) { return Vec(cap) * (x * Vec(scale / cap)).tanh(); }, s, s, n);
+  else
+    at::vec::map([scale](Vec x) { return x * Vec(scale); }, s, s, n);
+  const float mx = at::vec::reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, s, n);
+  at::vec::map([mx](Vec x) { return (x - Vec(mx)).exp(); }, s, s, n);
+  return {mx, at::vec::reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, s, n)};
+}
+
+// o[h][d0, d0 + NV vectors) = (fresh ? 0 : o) + sum_c p[h][c] row_c[d0...] for HB heads (p's rows `stride` apart):
+// every sum in registers across all n rows, one row after another.
+template <int HB, int NV>
+inline void value_span(float* o, int64_t V, int64_t d0, const float* p, int64_t stride, const float* const* rows,
+                       int64_t n, bool fresh, Ahead& ahead) {
+  constexpr int L = Vec::size();
+  Vec acc[HB][NV];
+  for (int hb = 0; hb < HB; ++hb)
+    for (int j = 0; j < NV; ++j) acc[hb][j] = fresh ? Vec(0.f) : Vec::loadu(o + hb * V + d0 + j * L);
+  for (int64_t c = 0; c < n; ++c) {
+    ahead();
+    const float* row = rows[c] + d0;
+    Vec pc[HB];
+    for (int hb = 0; hb < HB; ++hb) pc[hb] = Vec(p[hb * stride + c]);
+    for (int j = 0; j < NV; ++j) {
+      const Vec v = Vec::loadu(row + j * L);
+      for (int hb = 0; hb < HB; ++hb) acc[hb][j] = at::vec::fmadd(pc[hb], v, acc[hb][j]);
+    }
+  }
+  for (int hb = 0; hb < HB; ++hb)
+    for (int j = 0; j < NV; ++j) acc[hb][j].store(o + hb * V + d0 + j * L);
+}
+
+// Value tiles: 3 heads x 4 vectors (12 sums; AVX2 has 16 registers).
+constexpr int kSpanHeads = 3, kSpanVectors = 4;
+
+// o (a group's heads, value_width) (+)= p . rows over n rows.
+inline void group_values(const Heads& h, float* o, const float* p, int64_t stride, const float* const* rows,
+                         int64_t n, bool fresh, Ahead& ahead) {
+  constexpr int L = Vec::size();
+  const int64_t V = h.value_width;
+  in_tiles<kSpanHeads>(h.count, [&](auto heads, int64_t g) {
+    float* og = o + g * V;
+    const float* pg = p + g * stride;
+    int64_t d = 0;
+    for (; d + kSpanVectors * L <= V; d += kSpanVectors * L)
+      value_span<heads, kSpanVectors>(og, V, d, pg, stride, rows, n, fresh, ahead);
+    if (const int64_t whole = (V - d) / L; whole > 0) {
+      with_constant<kSpanVectors - 1>(whole, [&](auto nv) {
+        value_span<heads, nv>(og, V, d, pg, stride, rows, n, fresh, ahead);
+      });
+      d += whole * L;
+    }
+    for (; d < V; ++d)  // head dims not a multiple of the vector: the rest one product at a time
+      for (int hb = 0; hb < heads; ++hb) {
+        float acc = fresh ? 0.f : og[hb * V + d];
+        for (int64_t c = 0; c < n; ++c) acc += pg[hb * stride + c] * rows[c][d];
+        og[hb * V + d] = acc;
+      }
+  });
+}
+
 // One split of a row for `span` consecutive KV heads (items it[0..span), consecutive in the plan: the same row
-// and keys, heads it[0].head onwards), walked in chunks of positions: each chunk's cache rows are read once for
-// all those heads, which sit side by side in a row of the cache, so the cache streams in its own order. KV head
-// it[h].head's group of G query heads goes into item i0 + h's partial, computed as it would be alone: how the
-// heads are grouped changes no rounding. The next chunk's lines are asked for a head's share at a time, spread
-// over the chunk's work so the fetches overlap it rather than queue up at its start; the last chunk asks for
-// the first of `after` (the thread's next task; null: none).
+// and keys, heads it[0].head onwards), in two passes over its keys, each in chunks of positions whose cache rows
+// (every KV head side by side) are read once for all the heads, in the cache's own order. First every score; then
+// each query head's softmax over the whole split (no running rescale); then the values, each chunk's added to
+// the outputs. Meanwhile the start of the next chunk's rows is asked for (keys, then values, then the first keys
+// of `after`, the thread's next task; null: none). KV head it[h].head's heads go into item i0 + h's partial,
+// computed as it would be alone: how the heads are grouped changes no rounding.
 template <typename T, typename C>
-void attend_split(const Decode<T, C>& a, const Item* it, const Item* after, int64_t span, Scratch& w,
+void attend_split(const Decode<T, C>& a, const Item* it, const Item* after, int64_t span, SplitScratch& w,
                   Partials& partials, int64_t i0) {
-  const int64_t G = a.group.count, D = a.group.key_width, first = it[0].first, last = it[0].last;
-  const int64_t row_bytes = span * D * sizeof(C);
+  const int64_t G = a.group.count, D = a.group.key_width, n = it[0].last - it[0].first, S = w.stride;
   Heads heads = a.group;
   heads.count = span * G;
   load_queries(a.q + it[0].seq * a.q_row + it[0].head * G * a.q_head, a.q_head, heads, w.q32.data());
-  for (int64_t h = 0; h < span; ++h)
-    start_split(a.group, partials.o_of(i0 + h), partials.m_of(i0 + h), partials.l_of(i0 + h));
-  int64_t rows[kChunk], next[kChunk];  // where the chunk's and the next chunk's rows start (at the first head)
-  auto offsets = [&](const Item& item, int64_t c0, int64_t* out) {
-    const int64_t c1 = std::min(item.last, c0 + kChunk);
-    for_each_row(a.tables + item.seq * a.tables_row, a.block_size, a.cache_block, a.cache_row, c0, c1,
-                 [&](int64_t pos, int64_t row) { out[pos - c0] = row + item.head * D; });
-    return c1 - c0;
+  auto offsets = [&](const Item& item, int64_t count, int64_t* out) {  // the first `count` keys' rows of item
+    for_each_row(a.tables + item.seq * a.tables_row, a.block_size, a.cache_block, a.cache_row, item.first,
+                 item.first + count, [&](int64_t pos, int64_t row) { out[pos - item.first] = row + item.head * D; });
   };
-  offsets(it[0], first, next);
-  const float* keys[kChunk];
-  const float* values[kChunk];
-  for (int64_t c0 = first; c0 < last; c0 += kChunk) {
-    const int64_t c1 = std::min(last, c0 + kChunk), n = c1 - c0;
-    std::copy(next, next + n, rows);
-    const int64_t n_next = c1 < last ? offsets(it[0], c1, next) : after ? offsets(*after, after->first, next) : 0;
+  int64_t* rows = w.offsets.data();
+  offsets(it[0], n, rows);
+  int64_t next[kChunk];  // the first keys' rows of `after`
+  const int64_t next_count = after ? std::min(kChunk, after->last - after->first) : 0;
+  if (after) offsets(*after, next_count, next);
+  const int64_t row_bytes = span * D * sizeof(C);
+  float* scores = w.scores.data();
+  const float* fp32[kChunk];
+  for (int64_t c0 = 0; c0 < n; c0 += kChunk) {
+    const int64_t m = std::min(kChunk, n - c0);
+    Ahead ahead = c0 + kChunk < n ? Ahead(a.k_cache, rows + c0 + kChunk, std::min(kChunk, n - c0 - kChunk), sizeof(C), row_bytes)
+                                  : Ahead(a.v_cache, rows, std::min(kChunk, n), sizeof(C), row_bytes);
     for (int64_t h = 0; h < span; ++h) {
-      for (int64_t c = h * n_next / span; c < (h + 1) * n_next / span; ++c) {
-        prefetch(a.k_cache + next[c], row_bytes);
-        prefetch(a.v_cache + next[c], row_bytes);
-      }
-      for (int64_t c = 0; c < n; ++c) {
-        keys[c] = as_float(a.k_cache + rows[c] + h * D, w.keys.data() + c * D, D);
-        values[c] = as_float(a.v_cache + rows[c] + h * D, w.values.data() + c * D, D);
-      }
-      attend_chunk(a.group, w.q32.data() + h * G * D, w, keys, values, n, partials.o_of(i0 + h),
-                   partials.m_of(i0 + h), partials.l_of(i0 + h));
+      for (int64_t c = 0; c < m; ++c) fp32[c] = as_float(a.k_cache + rows[c0 + c] + h * D, w.rows32.data() + c * D, D);
+      group_scores(a.group, w.q32.data() + h * G * D, fp32, m, scores + h * G * S + c0, S, ahead);
+    }
+  }
+  for (int64_t h = 0; h < span; ++h)
+    for (int64_t g = 0; g < G; ++g) {
+      const auto [mx, sum] = softmax_row(scores + (h * G + g) * S, n, a.group.scale, a.group.softcap);
+      partials.m_of(i0 + h)[g] = mx;
+      partials.l_of(i0 + h)[g] = sum;
+    }
+  for (int64_t c0 = 0; c0 < n; c0 += kChunk) {
+    const int64_t m = std::min(kChunk, n - c0);
+    Ahead ahead = c0 + kChunk < n ? Ahead(a.v_cache, rows + c0 + kChunk, std::min(kChunk, n - c0 - kChunk), sizeof(C), row_bytes)
+                                  : Ahead(a.k_cache, next, next_count, sizeof(C), row_bytes);
+    for (int64_t h = 0; h < span; ++h) {
+      for (int64_t c = 0; c < m; ++c) fp32[c] = as_float(a.v_cache + rows[c0 + c] + h * D, w.rows32.data() + c * D, D);
+      group_values(a.group, partials.o_of(i0 + h), scores + h * G * S + c0, S, fp32, m, c0 == 0, ahead);
     }
   }
 }
@@ -124,6 +242,8 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   });
   const int64_t G = Hq / Hkv, num_items = plan.items.size();
   Partials partials(num_items, G, D);
+  int64_t longest = 0;
+  for (const Item& item : plan.items) longest = std::max(longest, item.last - item.first);
 
   auto launch = [&](auto* tag, auto* cache_tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
@@ -160,7 +280,7 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
       const int64_t span = wide_tasks ? Hkv : 1;
       at::parallel_for(0, num_items / span, 1, [&](int64_t begin, int64_t end) {
         // Scratch a call's items overwrite before reading: private to this call, its contents never carried over.
-        Scratch scratch(a.group, true, span);
+        SplitScratch scratch(a.group, span, longest);
         for (int64_t t = begin; t < end; ++t)
           attend_split(a, &plan.items[t * span], t + 1 < end ? &plan.items[(t + 1) * span] : nullptr, span, scratch,
                        partials, t * span);

@@ -110,7 +110,7 @@ void latent_decode_attention(const at::Tensor& q, const at::Tensor& cache, const
 #endif
     if (!in_tiles)
       at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
-        Scratch scratch(a.heads, false);
+        Scratch scratch(a.heads);
         for (int64_t i = begin; i < end; ++i)
           attend_split(a, plan.items[i], scratch, partials.o_of(i), partials.m_of(i), partials.l_of(i));
       });

@@ -1,6 +1,6 @@
 // Pieces the paged decode ops share (decode.cpp: per-head K/V; latent_decode.cpp: MLA's latent rows): work
-// items of fixed key splits with their checks, the walk over a row's blocks, the chunked pass over a split's
-// rows with its register tiles and online softmax, and the merge of a row's splits.
+// items of fixed key splits with their checks, the walk over a row's blocks, the score tiles, the merge of a
+// row's splits, and (the latent op's) chunked pass over a split's rows with an online softmax.
 //
 // A split is a fixed run of `split_keys` keys (flash-decoding), so long contexts spread over the threads and
 // short ones cost one item. Each item writes its partial result (unnormalised fp32 output, running max, sum)
@@ -133,13 +133,12 @@ struct Heads {
   float scale, softcap;  // softcap 0: none
 };
 
-// A thread's scratch, overwritten by each item before it is read: fp32 queries (of `groups` sets of heads), a
-// chunk's converted key and value rows (bf16 and fp8 caches), its scores (heads, kChunk) and each head's rescale.
+// A thread's scratch, overwritten by each item before it is read: fp32 queries, a chunk's rows converted to fp32
+// (bf16 and fp8 caches), its scores (heads, kChunk) and each head's rescale.
 struct Scratch {
-  std::vector<float> q32, keys, values, scores, rescale;
-  Scratch(const Heads& h, bool separate_values, int64_t groups = 1)
-      : q32(groups * h.count * h.key_width), keys(kChunk * h.key_width),
-        values(separate_values ? kChunk * h.value_width : 0), scores(h.count * kChunk), rescale(h.count) {}
+  std::vector<float> q32, keys, scores, rescale;
+  explicit Scratch(const Heads& h)
+      : q32(h.count * h.key_width), keys(kChunk * h.key_width), scores(h.count * kChunk), rescale(h.count) {}
 };
 
 // q32 (heads, key_width) from `heads` rows of q, head_stride apart.
@@ -182,25 +181,34 @@ inline void in_tiles(int64_t count, F&& f) {
 // x 16 dims (AVX2 has 16 vector registers).
 constexpr int kScoreHeads = 3, kScoreRows = 4, kValueHeads = 4;
 
-// s[h][c] = q_h . row_c for HB heads of q (W apart) and KB rows.
-template <int HB, int KB>
-inline void score_tile(const float* q, int64_t W, const float* const* rows, float* s) {
+// Work that may go along with a tile's steps: none.
+struct NoAhead {
+  void operator()() const {}
+};
+
+// s[h][c] = q_h . row_c for HB heads of q (W apart) and KB rows; a head's scores `stride` apart in s. ahead() is
+// called once a vector step.
+template <int HB, int KB, typename Ahead = NoAhead>
+inline void score_tile(const float* q, int64_t W, const float* const* rows, float* s, int64_t stride = kChunk,
+                       Ahead&& ahead = Ahead{}) {
   Vec acc[HB][KB];
   for (int hb = 0; hb < HB; ++hb)
     for (int kb = 0; kb < KB; ++kb) acc[hb][kb] = Vec(0.f);
   int64_t d = 0;
-  for (; d + Vec::size() <= W; d += Vec::size())
+  for (; d + Vec::size() <= W; d += Vec::size()) {
+    ahead();
     for (int hb = 0; hb < HB; ++hb) {
       const Vec qv = Vec::loadu(q + hb * W + d);
       for (int kb = 0; kb < KB; ++kb) acc[hb][kb] = at::vec::fmadd(qv, Vec::loadu(rows[kb] + d), acc[hb][kb]);
     }
-  store_sums<HB, KB>(&acc[0][0], s, kChunk);
+  }
+  store_sums<HB, KB>(&acc[0][0], s, stride);
   if (d < W)  // head dims not a multiple of the vector: the rest one product at a time
     for (int hb = 0; hb < HB; ++hb)
       for (int kb = 0; kb < KB; ++kb) {
-        float sum = s[hb * kChunk + kb];
+        float sum = s[hb * stride + kb];
         for (int64_t t = d; t < W; ++t) sum += q[hb * W + t] * rows[kb][t];
-        s[hb * kChunk + kb] = sum;
+        s[hb * stride + kb] = sum;
       }
 }
 
