@@ -233,7 +233,7 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
               "out must have q's dtype, the caches one");
   TORCH_CHECK(cached == scalar || cached == at::kFloat8_e4m3fn || cached == at::kFloat8_e5m2,
               "the caches must hold q's dtype or fp8 (e4m3fn, e5m2), got ", cached);
-  auto ctx = context_lens.to(at::kLong).contiguous();
+  auto ctx = context_lens.to(at::kInt).contiguous();  // as the engine passes them: no copy a layer
   auto tables = block_tables.to(at::kInt).contiguous();
   TORCH_CHECK(ctx.numel() == B, "one context length per row");
   const int64_t block_size = k_cache.size(1);

@@ -80,7 +80,7 @@ void latent_decode_attention(const at::Tensor& q, const at::Tensor& cache, const
               out.size(2) == value_dim, "out must be contiguous (B, H, value_dim)");
   const auto scalar = q.scalar_type();
   TORCH_CHECK(cache.scalar_type() == scalar && out.scalar_type() == scalar, "q, cache and out must share one dtype");
-  auto ctx = context_lens.to(at::kLong).contiguous();
+  auto ctx = context_lens.to(at::kInt).contiguous();  // as the engine passes them: no copy a layer
   auto tables = block_tables.to(at::kInt).contiguous();
   TORCH_CHECK(ctx.numel() == B, "one context length per row");
   const DecodePlan plan = plan_decode(ctx, tables, cache.size(1), cache.size(0), 1, split_keys,

@@ -43,7 +43,7 @@ DecodePlan plan_decode(const at::Tensor& context_lens, const at::Tensor& tables,
   const int64_t B = context_lens.numel(), width = tables.size(1);
   TORCH_CHECK(split_keys > 0, "split_keys must be positive");
   TORCH_CHECK(tables.dim() == 2 && tables.size(0) >= B, "one context length and block table per row");
-  const int64_t* ctx = context_lens.const_data_ptr<int64_t>();
+  const int32_t* ctx = context_lens.const_data_ptr<int32_t>();
   const int32_t* tab = tables.const_data_ptr<int32_t>();
   DecodePlan plan;
   plan.first_item.resize(B + 1);
