@@ -100,8 +100,9 @@ inline std::pair<float, float> softmax_row(float* s, int64_t n, float scale, flo
 // every sum in registers across all n rows, one row after another.
 template <int HB, int NV>
 inline void value_span(float* o, int64_t V, int64_t d0, const float* p, int64_t stride, const float* const* rows,
-                       int64_t n, bool fresh, Ahead& ahead) {
+                       int64_t n, bool fresh, Ahead& ahead_ref) {
   constexpr int L = Vec::size();
+  Ahead ahead = ahead_ref;  // in registers over the loop
   Vec acc[HB][NV];
   for (int hb = 0; hb < HB; ++hb)
     for (int j = 0; j < NV; ++j) acc[hb][j] = fresh ? Vec(0.f) : Vec::loadu(o + hb * V + d0 + j * L);
@@ -115,6 +116,7 @@ inline void value_span(float* o, int64_t V, int64_t d0, const float* p, int64_t 
       for (int hb = 0; hb < HB; ++hb) acc[hb][j] = at::vec::fmadd(pc[hb], v, acc[hb][j]);
     }
   }
+  ahead_ref = ahead;
   for (int hb = 0; hb < HB; ++hb)
     for (int j = 0; j < NV; ++j) acc[hb][j].store(o + hb * V + d0 + j * L);
 }

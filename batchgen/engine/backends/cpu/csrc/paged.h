@@ -190,7 +190,8 @@ struct NoAhead {
 // called once a vector step.
 template <int HB, int KB, typename Ahead = NoAhead>
 inline void score_tile(const float* q, int64_t W, const float* const* rows, float* s, int64_t stride = kChunk,
-                       Ahead&& ahead = Ahead{}) {
+                       Ahead&& ahead_ref = Ahead{}) {
+  std::remove_reference_t<Ahead> ahead = ahead_ref;  // in registers over the loop
   Vec acc[HB][KB];
   for (int hb = 0; hb < HB; ++hb)
     for (int kb = 0; kb < KB; ++kb) acc[hb][kb] = Vec(0.f);
@@ -202,6 +203,7 @@ inline void score_tile(const float* q, int64_t W, const float* const* rows, floa
       for (int kb = 0; kb < KB; ++kb) acc[hb][kb] = at::vec::fmadd(qv, Vec::loadu(rows[kb] + d), acc[hb][kb]);
     }
   }
+  ahead_ref = ahead;
   store_sums<HB, KB>(&acc[0][0], s, stride);
   if (d < W)  // head dims not a multiple of the vector: the rest one product at a time
     for (int hb = 0; hb < HB; ++hb)
