@@ -157,7 +157,8 @@ void apply_rotary(const at::Tensor& q, const at::Tensor& k, const at::Tensor& po
 
 // x * sigmoid(x) in fp32 on AVX-512: exp2, and 1 / (1 + 2^e) by the 14-bit reciprocal estimate for bf16 (5 bits
 // finer than its rounding; 2^e overflowing to inf gives 0, as the limit) or with a Newton step for fp32 (whose
-// exponent is clamped so 1 + 2^e stays finite).
+// exponent is clamped so 1 + 2^e stays finite). fp32 on AVX2: the same exp2 and a division (Sleef's exp, an
+// out-of-line call, took twice as long).
 template <typename T>
 inline Vec silu(const Vec& x) {
 #if defined(CPU_CAPABILITY_AVX512)
@@ -167,6 +168,13 @@ inline Vec silu(const Vec& x) {
     return Vec(_mm512_mul_ps(x, reciprocal_ps(_mm512_add_ps(_mm512_set1_ps(1.f), exp2_ps<6>(e)))));
   }
   return Vec(_mm512_mul_ps(x, _mm512_rcp14_ps(_mm512_add_ps(_mm512_set1_ps(1.f), exp2_ps<3>(e)))));
+#elif defined(CPU_CAPABILITY_AVX2)
+  if constexpr (std::is_same_v<T, float>) {
+    const __m256 e = _mm256_min_ps(
+        _mm256_max_ps(_mm256_mul_ps(x, _mm256_set1_ps(-kLog2e)), _mm256_set1_ps(-126.f)), _mm256_set1_ps(126.f));
+    return Vec(_mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.f), exp2_ps<6>(e))));
+  }
+  return x / (Vec(1.f) + x.neg().exp_u20());
 #else
   if constexpr (std::is_same_v<T, float>) return x / (Vec(1.f) + x.neg().exp());
   return x / (Vec(1.f) + x.neg().exp_u20());
