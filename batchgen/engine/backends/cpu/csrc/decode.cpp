@@ -92,7 +92,7 @@ inline std::pair<float, float> softmax_row(float* s, int64_t n, float scale, flo
   else
     at::vec::map([scale](Vec x) { return x * Vec(scale); }, s, s, n);
   const float mx = at::vec::reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, s, n);
-  at::vec::map([mx](Vec x) { return (x - Vec(mx)).exp(); }, s, s, n);
+  at::vec::map([mx](Vec x) { return exp_nonpositive(x - Vec(mx)); }, s, s, n);
   return {mx, at::vec::reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, s, n)};
 }
 

@@ -326,6 +326,20 @@ inline __m512 reciprocal_ps(__m512 x) {
 constexpr float kRescaleLog2 = 8.f;
 constexpr float kLog2e = 1.4426950408889634f;
 
+// e^x for x <= 0 (a softmax's shifted scores): 2^(x log2 e) by the degree-6 polynomial (~1e-7 relative, inline:
+// twice as fast as Sleef's out-of-line exp), 0 where that is below 2^-126.
+inline Vec exp_nonpositive(const Vec& x) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(kLog2e));
+  const __mmask16 normal = _mm512_cmp_ps_mask(t, _mm512_set1_ps(-126.f), _CMP_GE_OQ);
+  return Vec(_mm512_maskz_mov_ps(normal, exp2_ps<6>(_mm512_max_ps(t, _mm512_set1_ps(-126.f)))));
+#else
+  const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(kLog2e));
+  const __m256 normal = _mm256_cmp_ps(t, _mm256_set1_ps(-126.f), _CMP_GE_OQ);
+  return Vec(_mm256_and_ps(normal, exp2_ps<6>(_mm256_max_ps(t, _mm256_set1_ps(-126.f)))));
+#endif
+}
+
 // Runs f(T* tag) with the tensors' element type, float or at::BFloat16; any other type is an error of `name`.
 template <typename F>
 void dispatch(at::ScalarType type, const char* name, F&& f) {
