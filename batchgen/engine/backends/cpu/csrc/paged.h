@@ -119,11 +119,12 @@ void merge_splits(const Partials& p, int64_t i0, int64_t stride, int64_t splits,
   }
 }
 
-// ---- One split walked in chunks of kChunk rows (both ops) ----
-// Each chunk's rows are loaded (from bf16, converted) once and serve the chunk's scores and then its values
-// while still in cache, with an online softmax across the chunks. Scores run in register tiles of heads x rows
-// and values in tiles of heads x 16 dims, so each vector loaded feeds several FMAs. Which tile a score or an
-// output lands in changes no rounding: every one sums its products in the same order whatever the tile.
+// ---- Score tiles (both ops); one split walked in chunks of kChunk rows (the latent op) ----
+// Scores run in register tiles of heads x rows, so each vector loaded feeds several FMAs. The latent op loads
+// each chunk's rows (from bf16, converted) once for the chunk's scores and then its values while still in cache,
+// with an online softmax across the chunks and values in tiles of heads x 16 dims (decode.cpp walks a split in
+// two passes instead). Which tile a score or an output lands in changes no rounding: every one sums its
+// products in the same order whatever the tile.
 
 constexpr int64_t kChunk = 16;  // rows a chunk holds: 16 x 576 fp32 (MLA) is 36 KiB
 
