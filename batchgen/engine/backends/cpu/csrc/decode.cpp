@@ -174,14 +174,21 @@ void attend_split(const Decode<T, C>& a, const Item* it, const Item* after, int6
   const int64_t next_count = after ? std::min(kChunk, after->last - after->first) : 0;
   if (after) offsets(*after, next_count, next);
   const int64_t row_bytes = span * D * sizeof(C);
-  float* scores = w.scores.data();
+  // What a chunk [c0, c0 + kChunk) asks for meanwhile: the same cache's next chunk, else `last` (count rows).
+  auto ahead_of = [&](const C* cache, int64_t c0, const C* last_cache, const int64_t* last, int64_t count) {
+    return c0 + kChunk < n ? Ahead(cache, rows + c0 + kChunk, std::min(kChunk, n - c0 - kChunk), sizeof(C), row_bytes)
+                           : Ahead(last_cache, last, count, sizeof(C), row_bytes);
+  };
   const float* fp32[kChunk];
+  auto chunk_rows = [&](const C* cache, int64_t c0, int64_t m, int64_t h) {  // KV head h's fp32 rows of a chunk
+    for (int64_t c = 0; c < m; ++c) fp32[c] = as_float(cache + rows[c0 + c] + h * D, w.rows32.data() + c * D, D);
+  };
+  float* scores = w.scores.data();
   for (int64_t c0 = 0; c0 < n; c0 += kChunk) {
     const int64_t m = std::min(kChunk, n - c0);
-    Ahead ahead = c0 + kChunk < n ? Ahead(a.k_cache, rows + c0 + kChunk, std::min(kChunk, n - c0 - kChunk), sizeof(C), row_bytes)
-                                  : Ahead(a.v_cache, rows, std::min(kChunk, n), sizeof(C), row_bytes);
+    Ahead ahead = ahead_of(a.k_cache, c0, a.v_cache, rows, std::min(kChunk, n));
     for (int64_t h = 0; h < span; ++h) {
-      for (int64_t c = 0; c < m; ++c) fp32[c] = as_float(a.k_cache + rows[c0 + c] + h * D, w.rows32.data() + c * D, D);
+      chunk_rows(a.k_cache, c0, m, h);
       group_scores(a.group, w.q32.data() + h * G * D, fp32, m, scores + h * G * S + c0, S, ahead);
     }
   }
@@ -193,10 +200,9 @@ void attend_split(const Decode<T, C>& a, const Item* it, const Item* after, int6
     }
   for (int64_t c0 = 0; c0 < n; c0 += kChunk) {
     const int64_t m = std::min(kChunk, n - c0);
-    Ahead ahead = c0 + kChunk < n ? Ahead(a.v_cache, rows + c0 + kChunk, std::min(kChunk, n - c0 - kChunk), sizeof(C), row_bytes)
-                                  : Ahead(a.k_cache, next, next_count, sizeof(C), row_bytes);
+    Ahead ahead = ahead_of(a.v_cache, c0, a.k_cache, next, next_count);
     for (int64_t h = 0; h < span; ++h) {
-      for (int64_t c = 0; c < m; ++c) fp32[c] = as_float(a.v_cache + rows[c0 + c] + h * D, w.rows32.data() + c * D, D);
+      chunk_rows(a.v_cache, c0, m, h);
       group_values(a.group, partials.o_of(i0 + h), scores + h * G * S + c0, S, fp32, m, c0 == 0, ahead);
     }
   }
