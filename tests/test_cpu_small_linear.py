@@ -62,7 +62,7 @@ def test_bit_identical_across_thread_counts(op):
     gen = torch.Generator().manual_seed(4)
     weight, bias = torch.randn(3075, 579, generator=gen), torch.randn(3075, generator=gen)
     previous = torch.get_num_threads()
-    for rows in (1, 3, 7, 33, SMALL_ROWS):  # both layouts, one group and pairs of groups
+    for rows in (1, 3, 7, 23, 33, SMALL_ROWS):  # both layouts: one group, three, five, pairs of groups
         x = torch.randn(rows, 579, generator=gen)
         try:
             torch.set_num_threads(1)

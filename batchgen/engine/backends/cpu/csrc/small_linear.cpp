@@ -7,8 +7,9 @@
 // output is bit-identical for any thread count. Two layouts reach those sums (L = Vec::size()):
 // - x rows in the lanes, from kFewRows + 1 rows: x is packed once a call as x^T in groups of L rows, a k's L
 //   values one vector, and each W element, broadcast, feeds every group of a tile: 2 groups x 6 W rows (12
-//   accumulators, 8 loads per 12 FMAs), or 1 x 12 with one group. W streams once in its own order, x^T (at most
-//   64 rows) stays in L2, and no sum crosses the lanes. The next block's W is asked for during the second and
+//   accumulators, 8 loads per 12 FMAs), 3 x 4 for the first three of an odd count (24 rows 1.14x, 40 and 56
+//   1.05-1.07x a lone last group in 1 x 6), or 1 x 12 with one group. W streams once in its own order, x^T (at
+//   most 64 rows) stays in L2, and no sum crosses the lanes. The next block's W is asked for during the second and
 //   third passes over a block (the only one with 1-2 groups): SmolLM2's decode step's linears 1.14x at batch 8,
 //   1.25x at 16, 1.11x at 32, none at 64 (compute-bound there).
 // - W rows in the lanes, up to kFewRows rows: L W rows transposed L k at a time in registers, each x value
@@ -41,7 +42,7 @@ constexpr int64_t kFewRows = 5;
 // layer of SmolLM2) hidden under the multiplies (1.05-1.3x F.linear at 96-256 rows, 1.4-1.8x the vocabulary
 // head multiplied in slices).
 constexpr int64_t kChunkRows = 64;
-constexpr int kTileCols = 6, kWideCols = 12;  // W rows a tile of 2 groups, of 1 group
+constexpr int kTileCols = 6, kWideCols = 12, kTripleCols = 4;  // W rows a tile of 2 groups, of 1, of 3
 
 struct Linear {
   const float* x; int64_t x_row;
@@ -216,25 +217,74 @@ void row_lanes<2, kTileCols>(const Linear& a, const float* xt, int64_t g0, int64
   store_tile<2, kTileCols>(a, acc, g0, n0);
 }
 
-// Every group against columns [n0, n0 + NR): pairs of groups, then the one left. `next` (or nullptr): the
-// `next_floats` of W the thread takes next, asked for during the second and third passes, or during the only one.
-template <int NR>
+// The 3 x 4 tile, its accumulators named like the 2 x 6 tile's: the 3 loads, 1 broadcast and 12 sums use all 16
+// AVX2 registers.
+template <>
+void row_lanes<3, kTripleCols>(const Linear& a, const float* xt, int64_t g0, int64_t n0, Ahead ahead) {
+  const int64_t K = a.K;
+  const float* x0 = xt + g0 * K * L;
+  const float* x1 = x0 + K * L;
+  const float* x2 = x1 + K * L;
+  const float* w = a.w + n0 * K;
+  Vec a00(0.f), a01(0.f), a02(0.f), a03(0.f), a10(0.f), a11(0.f), a12(0.f), a13(0.f);
+  Vec a20(0.f), a21(0.f), a22(0.f), a23(0.f);
+  for (int64_t k = 0; k < K; ++k) {
+    if (k % 16 == 0) ahead.step();
+    const Vec u = Vec::loadu(x0 + k * L), v = Vec::loadu(x1 + k * L), t = Vec::loadu(x2 + k * L);
+#define BATCHGEN_COLUMN(j)               \
+  {                                      \
+    const Vec b(w[j * K + k]);           \
+    a0##j = at::vec::fmadd(u, b, a0##j); \
+    a1##j = at::vec::fmadd(v, b, a1##j); \
+    a2##j = at::vec::fmadd(t, b, a2##j); \
+  }
+    BATCHGEN_COLUMN(0) BATCHGEN_COLUMN(1) BATCHGEN_COLUMN(2) BATCHGEN_COLUMN(3)
+#undef BATCHGEN_COLUMN
+  }
+  const Vec acc[3][kTripleCols] = {{a00, a01, a02, a03}, {a10, a11, a12, a13}, {a20, a21, a22, a23}};
+  store_tile<3, kTripleCols>(a, acc, g0, n0);
+}
+
+// Groups [g0, g0 + MV) against columns [n0, n0 + W) in tiles of NR columns (the last one narrower); tile t of
+// the pass gets ahead(t).
+template <int MV, int NR, int W, typename A>
+void pass_tiles(const Linear& a, const float* xt, int64_t g0, int64_t n0, A&& ahead, int t = 0) {
+  if constexpr (W > 0) {
+    constexpr int n = W < NR ? W : NR;
+    row_lanes<MV, n>(a, xt, g0, n0, ahead(t));
+    pass_tiles<MV, NR, W - n>(a, xt, g0, n0 + n, ahead, t + 1);
+  }
+}
+
+// Every group against columns [n0, n0 + W): an odd count of three or more starts with the first three groups in
+// 3 x 4 tiles (a lone group's 1 x 6 tile ran at half the rate of a pair's), then pairs in 2 x 6 tiles. `next` (or
+// nullptr): the `next_floats` of W the thread takes next, asked for during the second and third passes, or
+// during the only one, a share to each of the pass's tiles.
+template <int W>
 void column_block(const Linear& a, const float* xt, int64_t groups, int64_t n0, const float* next,
                   int64_t next_floats) {
-  const int64_t passes = (groups + 1) / 2, shares = next == nullptr ? 0 : std::min<int64_t>(2, passes - 1);
-  auto ahead = [&](int64_t pass) {
-    if (next == nullptr) return Ahead();
-    if (shares == 0) return Ahead(next, next_floats, 0, 1, a.K);
-    return pass >= 1 && pass <= shares ? Ahead(next, next_floats, pass - 1, shares, a.K) : Ahead();
+  const int64_t triple = groups % 2, passes = (groups - 3 * triple) / 2 + triple;
+  const int64_t ahead_passes = next == nullptr ? 0 : std::max<int64_t>(1, std::min<int64_t>(2, passes - 1));
+  const int64_t first_ahead = passes == 1 ? 0 : 1;
+  auto ahead_of_pass = [&](int64_t pass, int64_t tiles) {
+    return [&, pass, tiles](int t) {
+      const int64_t share = pass - first_ahead;
+      if (share < 0 || share >= ahead_passes) return Ahead();
+      return Ahead(next, next_floats, share * tiles + t, ahead_passes * tiles, a.K);
+    };
   };
-  int64_t g = 0;
-  for (; g + 2 <= groups; g += 2) row_lanes<2, NR>(a, xt, g, n0, ahead(g / 2));
-  if (g < groups) row_lanes<1, NR>(a, xt, g, n0, ahead(g / 2));
+  int64_t g = 0, pass = 0;
+  if (triple) {
+    pass_tiles<3, kTripleCols, W>(a, xt, 0, n0, ahead_of_pass(pass++, (W + kTripleCols - 1) / kTripleCols));
+    g = 3;
+  }
+  for (; g + 2 <= groups; g += 2)
+    pass_tiles<2, kTileCols, W>(a, xt, g, n0, ahead_of_pass(pass++, (W + kTileCols - 1) / kTileCols));
 }
 
 void many_rows(const Linear& a, float* xt) {
   pack_rows(a, xt);
-  const int64_t groups = (a.M + L - 1) / L, cols = groups == 1 ? kWideCols : kTileCols;
+  const int64_t groups = (a.M + L - 1) / L, cols = groups % 2 == 1 ? kWideCols : kTileCols;
   const int64_t blocks = (a.N + cols - 1) / cols;
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(1, a.K * cols));  // 128 KB of W
   at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
@@ -246,8 +296,10 @@ void many_rows(const Linear& a, float* xt) {
         with_constant<kWideCols>(width, [&](auto nr) {
           row_lanes<1, nr>(a, xt, 0, n0, next ? Ahead(next, next_floats, 0, 1, a.K) : Ahead());
         });
+      else if (cols == kWideCols)
+        with_constant<kWideCols>(width, [&](auto w) { column_block<w>(a, xt, groups, n0, next, next_floats); });
       else
-        with_constant<kTileCols>(width, [&](auto nr) { column_block<nr>(a, xt, groups, n0, next, next_floats); });
+        with_constant<kTileCols>(width, [&](auto w) { column_block<w>(a, xt, groups, n0, next, next_floats); });
     }
   });
 }
