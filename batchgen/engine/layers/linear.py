@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from batchgen.engine.dtype import FP8_DTYPES
 from batchgen.engine.loading.model_source import Weight, as_tensor
 from batchgen.engine.parallel.group import SINGLE, CommGroup
 
@@ -30,9 +31,6 @@ def check_shape(loaded: Weight, expected: Sequence[int]) -> None:
     """A checkpoint tensor must have the whole (unsplit) shape the parameter stands for."""
     if tuple(loaded.shape) != tuple(expected):
         raise ValueError(f"shape {tuple(loaded.shape)} does not fit the parameter's {tuple(expected)}")
-
-
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def copy_weight(target: torch.Tensor, loaded: Weight) -> None:
