@@ -10,7 +10,7 @@
 //   accumulators, 8 loads per 12 FMAs), 3 x 4 for the first three of an odd count (24 rows 1.14x, 40 and 56
 //   1.05-1.07x a lone last group in 1 x 6), or 1 x 12 with one group. W streams once in its own order, x^T (at
 //   most 64 rows) stays in L2, and no sum crosses the lanes. The next block's W is asked for during the second and
-//   third passes over a block (the only one with 1-2 groups): SmolLM2's decode step's linears 1.14x at batch 8,
+//   third passes over a block (the only one with 1-3 groups): SmolLM2's decode step's linears 1.14x at batch 8,
 //   1.25x at 16, 1.11x at 32, none at 64 (compute-bound there).
 // - W rows in the lanes, up to kFewRows rows: L W rows transposed L k at a time in registers, each x value
 //   broadcast (x rows in the lanes would leave most lanes idle there). Each k step asks for as many lines of the
@@ -264,13 +264,11 @@ template <int W>
 void column_block(const Linear& a, const float* xt, int64_t groups, int64_t n0, const float* next,
                   int64_t next_floats) {
   const int64_t triple = groups % 2, passes = (groups - 3 * triple) / 2 + triple;
-  const int64_t ahead_passes = next == nullptr ? 0 : std::max<int64_t>(1, std::min<int64_t>(2, passes - 1));
-  const int64_t first_ahead = passes == 1 ? 0 : 1;
+  const int64_t first = passes == 1 ? 0 : 1, count = next == nullptr ? 0 : std::min<int64_t>(2, passes - first);
   auto ahead_of_pass = [&](int64_t pass, int64_t tiles) {
     return [&, pass, tiles](int t) {
-      const int64_t share = pass - first_ahead;
-      if (share < 0 || share >= ahead_passes) return Ahead();
-      return Ahead(next, next_floats, share * tiles + t, ahead_passes * tiles, a.K);
+      const int64_t share = pass - first;
+      return share >= 0 && share < count ? Ahead(next, next_floats, share * tiles + t, count * tiles, a.K) : Ahead();
     };
   };
   int64_t g = 0, pass = 0;
