@@ -16,8 +16,9 @@ With ``--vllm-python`` (the python of compare_vllm.py's environment, where vllm-
 runs the same token ids at the same dtype and max_num_seqs in a child process; its decode tok/s, like HF's, is the
 difference to a run with 1 token out.
 
-With ``--kv-cache-dtype fp8`` (or fp8_e5m2) batchgen also runs with that KV cache at each batch: its decode tok/s,
-its ratio to batchgen's run at the model's dtype, and how many rows' first greedy tokens agree between the two.
+With ``--kv-cache-dtype bfloat16`` (under an fp32 model), ``fp8`` or ``fp8_e5m2`` batchgen also runs with that KV
+cache at each batch: its decode tok/s, its ratio to batchgen's run at the model's dtype and to the roofline, and how
+many rows' first greedy tokens agree between the two.
 With ``--eager-too`` likewise with its recorded decode steps off (``cuda_graphs="off"``): what replaying them gains.
 """
 from __future__ import annotations
@@ -32,6 +33,7 @@ from pathlib import Path
 import torch
 
 from batchgen.engine import LLM, SamplingParams
+from batchgen.engine.dtype import KV_CACHE_DTYPES
 from batchgen.engine.loading.hub import cache_dir, resolve_model_path
 from compare_hf import hf_model
 from compare_vllm import hf_folder, run_vllm
@@ -132,7 +134,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, help="torch threads for both sides (default: torch's)")
     ap.add_argument("--quick", action="store_true", help="32 tokens out, one repeat")
     ap.add_argument("--vllm-python", help="compare vLLM's CPU build, installed in this python's environment")
-    ap.add_argument("--kv-cache-dtype", choices=["fp8", "fp8_e4m3", "fp8_e5m2"],
+    ap.add_argument("--kv-cache-dtype", choices=[name for name in KV_CACHE_DTYPES if name != "auto"],
                     help="also run batchgen with this KV cache, beside the model's dtype")
     ap.add_argument("--eager-too", action="store_true",
                     help="also run batchgen with its recorded decode steps off, for their gain")
@@ -207,7 +209,7 @@ def main() -> None:
     if folder is not None:
         header += ("vLLM CPU decode tok/s", "ratio")
     if args.kv_cache_dtype:
-        header += (f"{args.kv_cache_dtype} KV decode tok/s", "ratio", "greedy rows agreeing")
+        header += (f"{args.kv_cache_dtype} KV decode tok/s", "ratio", "of roofline", "greedy rows agreeing")
     if args.eager_too:
         header += ("eager steps decode tok/s", "replays over eager", "greedy rows agreeing")
     print("\n| " + " | ".join(header) + " |\n|" + "---|" * len(header))
@@ -219,7 +221,8 @@ def main() -> None:
               f"{r['batchgen_over_roofline']:.0%} | {r['with_cache_bound_tok_s']:,.0f} | "
               f"{r['batchgen_over_with_cache']:.0%} |" +
               (f" {r['vllm_decode_tok_s']:,.0f} | {r['ratio_over_vllm']:.2f}x |" if folder is not None else "") +
-              (f" {r['narrow_kv_decode_tok_s']:,.0f} | {r['narrow_kv_over_auto']:.2f}x | {r['narrow_kv_agreeing']} |"
+              (f" {r['narrow_kv_decode_tok_s']:,.0f} | {r['narrow_kv_over_auto']:.2f}x | "
+               f"{r['narrow_kv_decode_tok_s'] / r['roofline_tok_s']:.0%} | {r['narrow_kv_agreeing']} |"
                if args.kv_cache_dtype else "") +
               (f" {r['eager_decode_tok_s']:,.0f} | {r['replays_over_eager']:.2f}x | {r['eager_agreeing']} |"
                if args.eager_too else ""))

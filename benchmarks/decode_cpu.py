@@ -10,13 +10,15 @@ each timed call runs the op over N caches in turn and the figures are per cache:
 where each layer reads its own cache, cold (N = 30 at batch 64 holds more than the CPU's caches). The
 baseline's sources
 (``decode.cpp`` and the headers at REF) are built once under another op namespace into the batchgen
-cache; nothing of it is kept in the tree. With ``--kv-cache-dtype fp8_e4m3`` (or fp8_e5m2) the fused op reads fp8
-caches, and the op over the same values in caches of ``--dtype`` is timed beside it.
+cache; nothing of it is kept in the tree. With ``--kv-cache-dtype fp8_e4m3`` (or fp8_e5m2, or bfloat16 under
+``--dtype float32``) the fused op reads caches of that narrower dtype, and the op over the same values in caches of
+``--dtype`` is timed beside it.
 
     python benchmarks/decode_cpu.py                                      # B 1 8 64, context 128 512 2048
     python benchmarks/decode_cpu.py --baseline main --threads 1 --repeats 15
     python benchmarks/decode_cpu.py --baseline main --batches 64 --contexts 160 --layers 30 --no-torch
     python benchmarks/decode_cpu.py --dtype bfloat16 --kv-cache-dtype fp8_e4m3 --layers 30 --no-torch
+    python benchmarks/decode_cpu.py --kv-cache-dtype bfloat16 --batches 64 --contexts 192 --layers 30 --no-torch
 """
 from __future__ import annotations
 
@@ -126,7 +128,7 @@ def main() -> None:
     ap.add_argument("--no-torch", action="store_true", help="leave torch's path out")
     ap.add_argument("--layers", type=int, default=1, help="caches each timed call runs over, in turn (cold)")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
-                    help="what the fused op's caches hold (fp8: the op over --dtype caches is timed too)")
+                    help="what the fused op's caches hold (narrower than --dtype: the op over --dtype caches is timed too)")
     add_timing_args(ap)
     args = ap.parse_args()
     clock = timing_clock(args)
@@ -148,7 +150,7 @@ def main() -> None:
         (["no AMX"] if tiles else []) + ([f"{args.dtype} KV"] if narrow else []) + ["fused"]
     print(f"{'B':>4} {'context':>8} " + " ".join(f"{n + ' ms':>12} {n + ' GF/s':>12}" for n in names)
           + f" {'fused GB/s':>11} {'of read':>8}" + (f" {'fused/baseline':>15}" if baseline else "")
-          + (f" {'fp8 speedup':>12}" if narrow else ""))
+          + (f" {'narrow speedup':>15}" if narrow else ""))
     scale = args.head_dim ** -0.5
     for context in args.contexts:
         for batch in args.batches:
@@ -176,7 +178,7 @@ def main() -> None:
             kv_rate = kv_bytes / seconds["fused"]
             ratio = f" {seconds['baseline'] / seconds['fused']:>15.2f}" if baseline else ""
             if narrow:
-                ratio += f" {seconds[f'{args.dtype} KV'] / seconds['fused']:>12.2f}"
+                ratio += f" {seconds[f'{args.dtype} KV'] / seconds['fused']:>15.2f}"
             read = f"{kv_rate / 1e9:>11.1f} {kv_rate / bandwidth:>8.0%}"
             print(f"{batch:>4} {context:>8} {row} {read}{ratio}", flush=True)
 

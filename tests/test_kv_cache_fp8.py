@@ -1,5 +1,5 @@
 """The fp8 KV cache: the setting and its capacity, the CPU decode op over fp8 rows, and whole models against
-transformers with the same rounding of K and V."""
+transformers with the same rounding of K and V (a bf16 cache under fp32 too, where the tests are the same)."""
 from __future__ import annotations
 
 import pytest
@@ -46,7 +46,7 @@ def test_stored_values_saturate_at_the_largest_finite_value():
 
 
 def test_setting_names_its_choices_and_doubles_the_tokens_of_a_budget(tiny_model):
-    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, fp8, fp8_e4m3, fp8_e5m2"):
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, bfloat16, fp8, fp8_e4m3, fp8_e5m2"):
         EngineConfig(model="m", kv_cache_dtype="int4")
     assert EngineConfig(model="m", dtype="bfloat16", kv_cache_dtype="fp8_e5m2").kv_torch_dtype == E5M2
     assert EngineConfig(model="m", dtype="float32").kv_torch_dtype == F32
@@ -71,15 +71,16 @@ def test_e4m3_is_refused_on_gpus_whose_kernels_cannot_widen_it(monkeypatch):
     check_kv_cache_dtype(E4M3, gpu)
 
 
-def test_latent_attention_over_fp8_runs_on_the_cpu_backend_as_in_torch(tiny_model_factory):
-    """DeepSeek's latent rows in an fp8 cache: the CPU backend (decode over widened rows) computes what the
-    torch backend does."""
+@pytest.mark.parametrize("kv, narrow", [("fp8", E4M3), ("bfloat16", BF16)])
+def test_latent_attention_over_a_narrow_cache_runs_on_the_cpu_backend_as_in_torch(tiny_model_factory, kv, narrow):
+    """DeepSeek's latent rows in an fp8 or bf16 cache under an fp32 model: the CPU backend (decode over widened
+    rows) computes what the torch backend does."""
     path = str(tiny_model_factory("deepseek-v3"))
     runs = [LLM(path, dtype="float32", device="cpu", max_num_batched_tokens=48, attention_backend=backend,
-                kv_cache_dtype="fp8") for backend in ("cpu", "torch")]
+                kv_cache_dtype=kv) for backend in ("cpu", "torch")]
     prompts = mixed_prompts(runs[0], repeats=(1, 4))
     cpu, torch_ = (llm.generate(prompts, GREEDY) for llm in runs)
-    assert model_runner(runs[0]).kv_cache[0][0].dtype == E4M3
+    assert model_runner(runs[0]).kv_cache[0][0].dtype == narrow
     for a, b in zip(cpu, torch_, strict=True):
         assert a.token_ids == b.token_ids and max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
 
@@ -124,18 +125,25 @@ def test_fp8_rows_compute_what_their_widened_values_do(kernels, fp8, dtype, grou
 
 def test_the_op_takes_q_s_dtype_or_fp8_caches_only(kernels):
     step = decode_step(F32, 3, 64, contexts=[5, 40])
-    with pytest.raises(RuntimeError, match="must hold q's dtype or fp8"):
+    with pytest.raises(RuntimeError, match="must hold q's dtype, fp8"):
         kernels.paged_decode_attention(step.q, step.k_cache.half(), step.v_cache.half(), step.tables,
                                        step.context_lens, 0.125)
 
 
-def prefix_step(fp8: torch.dtype) -> tuple[torch.Tensor, ...]:
-    """A step of four sequences in an fp8 cache (blocks out of order): two with cached prefixes, one without, one
-    decoding; its new K/V stored as the attention layer stores them, and given as the cache holds them."""
+def random_cache(shape, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    if dtype in (E4M3, E5M2):
+        return random_fp8(shape, dtype, seed)
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def prefix_step(narrow: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """A step of four fp32 sequences in a narrower cache (fp8, or bf16; blocks out of order): two with cached
+    prefixes, one without, one decoding; its new K/V stored as the attention layer stores them, and given as the
+    cache holds them."""
     gen = torch.Generator().manual_seed(7)
     query_lens, context_lens = [9, 1, 20, 4], [9 + 35, 30, 20, 4 + 16]
     q, k, v = (torch.randn(sum(query_lens), h, 64, generator=gen) for h in (6, 2, 2))
-    k_cache, v_cache = (random_fp8((12, 16, 2, 64), fp8, seed) for seed in (3, 4))
+    k_cache, v_cache = (random_cache((12, 16, 2, 64), narrow, seed) for seed in (3, 4))
     tables = torch.tensor([[7, 2, 9, 4], [3, 10, -1, -1], [5, 1, -1, -1], [11, 0, -1, -1]], dtype=torch.int32)
     slots = [int(tables[i, p // 16]) * 16 + p % 16 for i, (n, c) in enumerate(zip(query_lens, context_lens))
              for p in range(c - n, c)]
@@ -145,16 +153,16 @@ def prefix_step(fp8: torch.dtype) -> tuple[torch.Tensor, ...]:
                              max_seqlen_k=44, slot_mapping=torch.tensor(slots), block_tables=tables,
                              query_lens=query_lens, context_lens_list=context_lens)
     CpuAttentionBackend().store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-    return q, as_stored(k, fp8), as_stored(v, fp8), k_cache, v_cache, meta
+    return q, as_stored(k, narrow), as_stored(v, narrow), k_cache, v_cache, meta
 
 
-@FP8
-def test_prefill_over_an_fp8_prefix_matches_torch(kernels, fp8, monkeypatch):
+@pytest.mark.parametrize("narrow", [E4M3, E5M2, BF16], ids=["e4m3", "e5m2", "bf16"])
+def test_prefill_over_a_narrow_prefix_matches_torch(kernels, narrow, monkeypatch):
     """The decoding sequence goes to the decode op alone; the prefill op reads the others' prefixes' blocks
     widened. Torch's path gathers each whole context from the cache."""
     if F32 not in ops.usable_dtypes():
         pytest.skip("the prefill op does not run fp32 here")
-    q, k, v, k_cache, v_cache, meta = prefix_step(fp8)
+    q, k, v, k_cache, v_cache, meta = prefix_step(narrow)
     decoded, decode = [], ops.paged_decode_attention
     monkeypatch.setattr(ops, "paged_decode_attention", lambda q, *a: decoded.append(len(q)) or decode(q, *a))
     ours = CpuAttentionBackend().forward(q, k, v, k_cache, v_cache, meta, 0.125)
@@ -199,11 +207,12 @@ def reference(model, prompt: list[int], completion: list[int]) -> tuple[list[int
     return logprobs.argmax(-1).tolist(), logprobs.gather(1, torch.tensor(completion)[:, None]).squeeze(1).tolist()
 
 
-@pytest.mark.parametrize("kv, fp8", [("fp8", E4M3), ("fp8_e5m2", E5M2)])
+@pytest.mark.parametrize("kv, fp8, apart_at_least", [("fp8", E4M3, 1e-2), ("fp8_e5m2", E5M2, 1e-2),
+                                                     ("bfloat16", BF16, 1e-3)])
 @pytest.mark.parametrize("backend", ["cpu", "torch"])
-def test_model_matches_transformers_with_k_and_v_rounded_alike(tiny_model, kv, fp8, backend):
-    """Chunked prefill (a cached prefix), mixed and decode steps: the engine's logprobs are those of
-    transformers with K and V rounded to fp8, and not those of the unrounded model."""
+def test_model_matches_transformers_with_k_and_v_rounded_alike(tiny_model, kv, fp8, apart_at_least, backend):
+    """Chunked prefill (a cached prefix), mixed and decode steps of an fp32 model: the engine's logprobs are
+    those of transformers with K and V rounded to fp8 (or bf16), and not those of the unrounded model."""
     hf = hf_with_rounded_kv(str(tiny_model), fp8)
     plain = LLM(str(tiny_model), dtype="float32", device="cpu", max_num_batched_tokens=48, attention_backend=backend)
     llm = LLM(str(tiny_model), dtype="float32", device="cpu", max_num_batched_tokens=48, attention_backend=backend,
@@ -217,23 +226,25 @@ def test_model_matches_transformers_with_k_and_v_rounded_alike(tiny_model, kv, f
         assert out.token_ids == greedy
         assert len(logprobs) == len(out.logprobs) and max(abs(a - b) for a, b in zip(out.logprobs, logprobs)) <= 1e-3
         apart = max([apart, *(abs(a - b) for a, b in zip(out.logprobs, other.logprobs))])
-    assert apart > 1e-2, "the fp8 cache changed nothing: is the setting applied?"
+    assert apart > apart_at_least, "the narrower cache changed nothing: is the setting applied?"
 
 
-def test_the_prefix_store_reuses_fp8_blocks_and_keeps_them_apart(tiny_model, tmp_path):
-    """A second job with an fp8 cache loads the first one's fp8 blocks and computes what it would have; an
-    engine whose cache holds fp32 finds none of them (the dtype is part of the store's namespace)."""
+@pytest.mark.parametrize("kv, other", [("fp8", "float32"), ("bfloat16", "bfloat16")], ids=["fp8", "bf16"])
+def test_the_prefix_store_reuses_narrow_blocks_and_keeps_them_apart(tiny_model, tmp_path, kv, other):
+    """A second fp32 job with a narrower cache loads the first one's blocks and computes what it would have. An
+    engine whose blocks hold other bytes finds none of them: an fp32 cache beside fp8; beside a bf16 cache under
+    fp32, a bf16 model's (also bf16). The KV dtype, and the model's where they differ, name the namespace."""
     from tests.test_kv_store import assert_same, jobs, run
 
     store = str(tmp_path / "kv")
     first, second = jobs(LLM(str(tiny_model), dtype="float32", device="cpu").tokenizer)
-    run(tiny_model, first, prefix_cache_store=store, kv_cache_dtype="fp8")
-    cold, _ = run(tiny_model, second, kv_cache_dtype="fp8")
-    hot, metrics = run(tiny_model, second, prefix_cache_store=store, kv_cache_dtype="fp8")
+    run(tiny_model, first, prefix_cache_store=store, kv_cache_dtype=kv)
+    cold, _ = run(tiny_model, second, kv_cache_dtype=kv)
+    hot, metrics = run(tiny_model, second, prefix_cache_store=store, kv_cache_dtype=kv)
     assert_same(hot, cold)
     assert metrics.prefix_cache_store_hits > 0 and metrics.prefix_store_misses_corrupt == 0
-    _, wide = run(tiny_model, second, prefix_cache_store=store)
-    assert wide.prefix_cache_store_hits == 0
+    _, others = run(tiny_model, second, dtype=other, prefix_cache_store=store)
+    assert others.prefix_cache_store_hits == 0
     assert len([p for p in (tmp_path / "kv").iterdir() if p.is_dir()]) == 2
 
 

@@ -81,8 +81,8 @@ def jobs(tokenizer, n: int = 4) -> tuple[list[list[int]], list[list[int]]]:
             [d + tokenizer.encode(" Which numbers does it name, and why?") for d in docs])
 
 
-def run(model: Path, prompts, **options):
-    llm = LLM(str(model), dtype="float32", device="cpu", max_num_batched_tokens=64, **options)
+def run(model: Path, prompts, dtype: str = "float32", **options):
+    llm = LLM(str(model), dtype=dtype, device="cpu", max_num_batched_tokens=64, **options)
     try:
         return llm.generate(prompts, GREEDY), llm.engine.metrics
     finally:

@@ -1,4 +1,5 @@
-"""The Triton kernels over fp8 KV caches (e4m3, e5m2) against the torch backend, on the same caches."""
+"""The Triton kernels over fp8 KV caches (e4m3, e5m2), and bf16 under fp32, against the torch backend, on the same
+caches."""
 from __future__ import annotations
 
 import pytest
@@ -101,9 +102,9 @@ def step_metadata(chunk: list[int], ctx: list[int], table: torch.Tensor) -> Atte
                              query_lens=chunk, context_lens_list=ctx)
 
 
-@pytest.mark.parametrize("dtype", FP8)
+@pytest.mark.parametrize("dtype", [*FP8, torch.bfloat16])  # bf16: narrower than the fp32 model too
 @pytest.mark.parametrize("window", [None, 20])
-def test_attention_layer_over_fp8_cache_matches_torch(dtype, window):
+def test_attention_layer_over_a_narrow_cache_matches_torch(dtype, window):
     """Through the attention layer, GQA 2:1: a prefill, a chunk over a cached prefix, a mixed step, a decode
     step. The Triton backend gives the torch backend's outputs and leaves the same bytes in its caches."""
     gen = torch.Generator().manual_seed(2)

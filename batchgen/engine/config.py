@@ -163,8 +163,9 @@ class EngineConfig:
     block_size: int = knob(16, "tokens per KV cache block", ge=1)
     kv_cache_memory: int | None = knob(None, "KV cache bytes (default: on CPU a quarter of the available memory, "
                                              "at least 2 GiB; gpu_memory_utilization of the free GPU memory)", ge=1)
-    kv_cache_dtype: str = knob("auto", "what the KV cache holds (auto: the model's dtype; fp8 = fp8_e4m3, or "
-                                       "fp8_e5m2: one byte a value, so twice bf16's tokens in the same memory; "
+    kv_cache_dtype: str = knob("auto", "what the KV cache holds (auto: the model's dtype; bfloat16: under an "
+                                       "fp32 model, twice its tokens and half its decode reads; fp8 = fp8_e4m3, "
+                                       "or fp8_e5m2: one byte a value, so twice bf16's tokens in the same memory; "
                                        "values stored unscaled, e4m3 saturating at +-448)", tuple(KV_CACHE_DTYPES))
     gpu_memory_utilization: float = knob(0.9, "share of the free GPU memory the KV cache may take", gt=0, le=1)
     enable_prefix_caching: bool = knob(True, "reuse the KV blocks of prompt prefixes already computed")
@@ -223,6 +224,8 @@ class EngineConfig:
                              f"{self.data_parallel_size}")
         if self.enable_eplb and not self.enable_expert_parallel:
             raise ValueError("enable_eplb needs enable_expert_parallel (it balances experts split over ranks)")
+        if self.dtype == "float16":  # refused here already, not only once the engine has loaded the model
+            kv_cache_torch_dtype(self.kv_cache_dtype, torch.float16)
         self._check_prefix_tiers()
 
     def _check_prefix_tiers(self) -> None:

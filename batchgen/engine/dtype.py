@@ -19,9 +19,11 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
 }
 DTYPE_NAMES: tuple[str, ...] = ("auto", *TORCH_DTYPES)
 DtypeName = Literal[DTYPE_NAMES]  # type: ignore[valid-type]  # the spec's field type, built from the names
-# The KV cache's dtype (vLLM's names): auto, the model's; fp8 formats hold one byte a value, unscaled.
+# The KV cache's dtype (vLLM's names): auto, the model's; bfloat16 (half an fp32 model's bytes); fp8 formats
+# hold one byte a value, unscaled.
 KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
-    "auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2,
+    "auto": None, "bfloat16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
 }
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -88,6 +90,9 @@ def kv_cache_torch_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
     """The dtype the KV cache holds for ``kv_cache_dtype`` ``name`` with a model computing in ``model_dtype``."""
     if name not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {name!r}")
+    if name == "bfloat16" and model_dtype == torch.float16:  # as wide as fp16, with 3 bits less precision
+        raise ValueError("kv_cache_dtype bfloat16 needs a model dtype of bfloat16 or float32, this one is float16: "
+                         "use kv_cache_dtype auto or fp8")
     return KV_CACHE_DTYPES[name] or model_dtype
 
 

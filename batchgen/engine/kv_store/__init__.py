@@ -19,7 +19,11 @@ log = logging.getLogger(__name__)
 
 def kv_identity(config: "EngineConfig", source: "ModelSource", model: "ModelConfig", layout: "KVLayout",
                 tp_rank: int = 0) -> KVIdentity:
-    return KVIdentity(weights=weights_digest(source.path, source.config), dtype=dtype_name(config.kv_torch_dtype),
+    # A cache narrower than the model holds different bytes under each model dtype: both name the blocks.
+    dtype = dtype_name(config.kv_torch_dtype)
+    if config.kv_torch_dtype != config.torch_dtype:
+        dtype += f" under {dtype_name(config.torch_dtype)}"
+    return KVIdentity(weights=weights_digest(source.path, source.config), dtype=dtype,
                       layout=layout.layers, block_size=config.block_size, tp_rank=tp_rank,
                       tp_size=config.tensor_parallel_size, rope=rope_description(model.rope_theta, model.rope_scaling))
 

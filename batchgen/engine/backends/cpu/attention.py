@@ -25,8 +25,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
     n attends to its context less the n - 1 - j tokens after it. So a verified row computes exactly what plain
     decode computes at its position. The others run in the varlen prefill op; dtypes or head sizes it does
     not take, sliding windows (whose freed blocks the op would read) and soft-capped scores go through the
-    torch backend. With an fp8 cache the decode op reads the fp8 rows in place, and a step with longer queries
-    splits (:func:`over_fp8`)."""
+    torch backend. With a cache narrower than q (fp8, or bf16 under fp32) the decode op reads its rows in
+    place, and a step with longer queries splits (:func:`over_narrow_cache`)."""
 
     name = "cpu"
 
@@ -48,7 +48,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
                 or not ops.supports_attention(q.dtype, q.shape[-1])):
             return super().forward(q, k, v, k_cache, v_cache, meta, scale, sliding_window, softcap)
         if k_cache.dtype != q.dtype:
-            return over_fp8(q, k, v, k_cache, v_cache, meta, scale)
+            return over_narrow_cache(q, k, v, k_cache, v_cache, meta, scale)
         return ops.varlen_causal_attention(q, k, v, k_cache, v_cache, meta.cu_seqlens_q, meta.context_lens,
                                            meta.block_tables, scale)
 
@@ -67,8 +67,8 @@ def query_rows(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @dataclass
-class Fp8Step:
-    """A step over an fp8 cache, split: the sequences of one new token (decode op) and the others (prefill op,
+class NarrowCacheStep:
+    """A step over a cache narrower than q, split: the sequences of one new token (decode op) and the others (prefill op,
     over their prefixes' blocks widened)."""
 
     decode_rows: torch.Tensor  # int64: q's rows of the one-token sequences
@@ -81,7 +81,7 @@ class Fp8Step:
     prefix_tables: torch.Tensor  # int32: their tables numbering prefix_blocks (-1 past each prefix)
 
     @classmethod
-    def of(cls, meta: AttentionMetadata, block_size: int) -> "Fp8Step":
+    def of(cls, meta: AttentionMetadata, block_size: int) -> "NarrowCacheStep":
         starts = [0]
         for n in meta.query_lens:
             starts.append(starts[-1] + n)
@@ -103,13 +103,14 @@ class Fp8Step:
                    prefix_tables=tables)
 
 
-def over_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """A step of some longer queries over an fp8 cache: the decodes read their fp8 rows in place; the prefill op
-    takes a copy of the others' prefixes in q's dtype (only theirs: decodes' contexts are not widened)."""
-    if "fp8_step" not in meta.memo:  # once per step: every layer shares it
-        meta.memo["fp8_step"] = Fp8Step.of(meta, k_cache.shape[1])
-    step: Fp8Step = meta.memo["fp8_step"]
+def over_narrow_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """A step of some longer queries over a cache narrower than q (fp8, or bf16 under fp32): the decodes read
+    their rows in place; the prefill op takes a copy of the others' prefixes in q's dtype (only theirs: decodes'
+    contexts are not widened)."""
+    if "narrow_step" not in meta.memo:  # once per step: every layer shares it
+        meta.memo["narrow_step"] = NarrowCacheStep.of(meta, k_cache.shape[1])
+    step: NarrowCacheStep = meta.memo["narrow_step"]
     rows = step.prefill_rows
     k_prefix, v_prefix = k_cache[step.prefix_blocks].to(q.dtype), v_cache[step.prefix_blocks].to(q.dtype)
     if rows is None:  # no decodes: the rows as they are

@@ -92,10 +92,16 @@ def amx_tiles() -> bool:
 SPLIT_KEYS = 256
 
 
+def takes_cache(dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
+    """Whether the store and decode ops take a cache of ``cache_dtype`` for k, v and q of ``dtype``: the same,
+    fp8, or bf16 under fp32."""
+    return cache_dtype in (dtype, *FP8_DTYPES) or (dtype, cache_dtype) == (torch.float32, torch.bfloat16)
+
+
 def supports_decode(dtype: torch.dtype, head_dim: int, cache_dtype: torch.dtype | None = None) -> bool:
     """The decode op needs no oneDNN micro-kernel: fp32 and bf16 on any CPU the kernels were built for, over a
-    cache of that dtype (``cache_dtype`` None: the same) or of fp8."""
-    cached = cache_dtype in (None, dtype, *FP8_DTYPES)
+    cache it takes (:func:`takes_cache`; ``cache_dtype`` None: q's dtype)."""
+    cached = cache_dtype is None or takes_cache(dtype, cache_dtype)
     return dtype in KERNEL_DTYPES and cached and 0 < head_dim <= MAX_HEAD_DIM
 
 
@@ -110,8 +116,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            split_keys: int = SPLIT_KEYS, amx: bool | None = None) -> torch.Tensor:
     """Attention of one query per sequence, q (B, Hq, D), over its ``context_lens[i]`` cached keys, read in
     place from the paged caches through ``block_tables``; the signature of the torch backend's
-    ``paged_decode`` (less its max context). The caches hold q's dtype or fp8 (e4m3fn, e5m2, widened as
-    they are read). fp32 scores and accumulation, output in q's dtype. bf16 scores
+    ``paged_decode`` (less its max context). The caches hold q's dtype, fp8 (e4m3fn, e5m2) or, under fp32 q,
+    bf16 (narrower rows widened as they are read). fp32 scores and accumulation, output in q's dtype. bf16 scores
     are multiplied in AMX tiles where the CPU has them (``amx`` as in :func:`varlen_causal_attention`)."""
     out = torch.empty(q.shape, dtype=q.dtype)
     amx = amx_tiles() if amx is None else amx
@@ -193,12 +199,11 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> bool:
-    """Writes k, v into the caches (of k's dtype, or fp8: rounded as
+    """Writes k, v into the caches (of a dtype :func:`takes_cache`; narrower ones rounded as
     :func:`batchgen.engine.dtype.to_cache_dtype` rounds); False (nothing written) where the kernel does not take
     these tensors."""
     heads_contiguous = k.stride(2) == v.stride(2) == 1 and k.stride(1) == v.stride(1) == k.shape[2] == v.shape[2]
-    cached = k_cache.dtype in (k.dtype, *FP8_DTYPES)
-    if k.dtype not in usable_dtypes() or not cached or not heads_contiguous:
+    if k.dtype not in usable_dtypes() or not takes_cache(k.dtype, k_cache.dtype) or not heads_contiguous:
         return False
     torch.ops.batchgen_cpu.store_kv(k, v, k_cache, v_cache, slot_mapping)
     return True

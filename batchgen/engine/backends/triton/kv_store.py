@@ -52,9 +52,10 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 
 def as_cache_rows(rows: torch.Tensor, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """rows and the cache as the store kernels take them. An fp8 cache's rows are quantized here by
+    """rows and the cache as the store kernels take them. A narrower cache's rows are rounded here by
     :func:`to_cache_dtype` (what every backend stores; Triton's interpreter would also round fp32 -> fp8
-    wrongly), and rows and cache go as bytes, which the kernel copies."""
-    if cache.dtype not in FP8_DTYPES:
+    wrongly); fp8 rows and cache go as bytes, which the kernel copies."""
+    if cache.dtype == rows.dtype:
         return rows, cache
-    return to_cache_dtype(rows, cache.dtype).view(torch.uint8), cache.view(torch.uint8)
+    rows = to_cache_dtype(rows, cache.dtype)
+    return (rows.view(torch.uint8), cache.view(torch.uint8)) if cache.dtype in FP8_DTYPES else (rows, cache)

@@ -9,8 +9,8 @@
 // The next chunk's lines are asked for a few at a time as a chunk is worked on. Scores, softmax and accumulation
 // are fp32; the output is bit-identical for any thread count. On CPUs with amx_bf16, bf16 queries' items take
 // decode_tiles.h's path instead (no soft cap): both products in AMX tiles, a task's KV heads side by side in the
-// lanes (the same partials and merge). The cache holds q's dtype or fp8 (e4m3, e5m2: rows widened as they are
-// read, half the bytes of bf16 from memory).
+// lanes (the same partials and merge). The cache holds q's dtype, fp8 (e4m3, e5m2: rows widened as they are
+// read, half the bytes of bf16 from memory) or, under fp32 queries, bf16 (half the bytes of fp32).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
@@ -39,8 +39,8 @@ struct Decode {
 };
 
 // A thread's scratch, overwritten by each split before it is read: fp32 queries (`span` KV heads' groups), each
-// key's row offset, the scores (a row per query head, `stride` apart: the longest split) and a chunk's rows of a
-// bf16 or fp8 cache converted to fp32.
+// key's row offset, the scores (a row per query head, `stride` apart: the longest split) and a chunk's rows of an
+// fp8 cache converted to fp32 (fp32 and bf16 rows are read in place).
 struct SplitScratch {
   int64_t stride;
   std::vector<float> q32, scores, rows32;
@@ -74,8 +74,9 @@ class Ahead {
   int64_t count_, elem_, lines_, row_ = 0, line_ = 0;
 };
 
-// s[g][c] = q_g . row_c for a group's heads and n rows; head g's scores at s + g * stride.
-inline void group_scores(const Heads& h, const float* q32, const float* const* rows, int64_t n, float* s,
+// s[g][c] = q_g . row_c for a group's heads and n rows (fp32 or bf16); head g's scores at s + g * stride.
+template <typename R>
+inline void group_scores(const Heads& h, const float* q32, const R* const* rows, int64_t n, float* s,
                          int64_t stride, Ahead& ahead) {
   const int64_t W = h.key_width;
   in_tiles<kScoreHeads>(h.count, [&](auto heads, int64_t g) {
@@ -97,9 +98,9 @@ inline std::pair<float, float> softmax_row(float* s, int64_t n, float scale, flo
 }
 
 // o[h][d0, d0 + NV vectors) = (fresh ? 0 : o) + sum_c p[h][c] row_c[d0...] for HB heads (p's rows `stride` apart):
-// every sum in registers across all n rows, one row after another.
-template <int HB, int NV>
-inline void value_span(float* o, int64_t V, int64_t d0, const float* p, int64_t stride, const float* const* rows,
+// every sum in registers across all n rows (fp32, or bf16 widened as loaded), one row after another.
+template <int HB, int NV, typename R>
+inline void value_span(float* o, int64_t V, int64_t d0, const float* p, int64_t stride, const R* const* rows,
                        int64_t n, bool fresh, Ahead& ahead_ref) {
   constexpr int L = Vec::size();
   Ahead ahead = ahead_ref;  // in registers over the loop
@@ -108,11 +109,11 @@ inline void value_span(float* o, int64_t V, int64_t d0, const float* p, int64_t 
     for (int j = 0; j < NV; ++j) acc[hb][j] = fresh ? Vec(0.f) : Vec::loadu(o + hb * V + d0 + j * L);
   for (int64_t c = 0; c < n; ++c) {
     ahead();
-    const float* row = rows[c] + d0;
+    const R* row = rows[c] + d0;
     Vec pc[HB];
     for (int hb = 0; hb < HB; ++hb) pc[hb] = Vec(p[hb * stride + c]);
     for (int j = 0; j < NV; ++j) {
-      const Vec v = Vec::loadu(row + j * L);
+      const Vec v = load_vec(row + j * L);
       for (int hb = 0; hb < HB; ++hb) acc[hb][j] = at::vec::fmadd(pc[hb], v, acc[hb][j]);
     }
   }
@@ -125,7 +126,8 @@ inline void value_span(float* o, int64_t V, int64_t d0, const float* p, int64_t 
 constexpr int kSpanHeads = 3, kSpanVectors = 4;
 
 // o (a group's heads, value_width) (+)= p . rows over n rows.
-inline void group_values(const Heads& h, float* o, const float* p, int64_t stride, const float* const* rows,
+template <typename R>
+inline void group_values(const Heads& h, float* o, const float* p, int64_t stride, const R* const* rows,
                          int64_t n, bool fresh, Ahead& ahead) {
   constexpr int L = Vec::size();
   const int64_t V = h.value_width;
@@ -144,7 +146,7 @@ inline void group_values(const Heads& h, float* o, const float* p, int64_t strid
     for (; d < V; ++d)  // head dims not a multiple of the vector: the rest one product at a time
       for (int hb = 0; hb < heads; ++hb) {
         float acc = fresh ? 0.f : og[hb * V + d];
-        for (int64_t c = 0; c < n; ++c) acc += pg[hb * stride + c] * rows[c][d];
+        for (int64_t c = 0; c < n; ++c) acc += pg[hb * stride + c] * static_cast<float>(rows[c][d]);
         og[hb * V + d] = acc;
       }
   });
@@ -179,9 +181,15 @@ void attend_split(const Decode<T, C>& a, const Item* it, const Item* after, int6
     return c0 + kChunk < n ? Ahead(cache, rows + c0 + kChunk, std::min(kChunk, n - c0 - kChunk), sizeof(C), row_bytes)
                            : Ahead(last_cache, last, count, sizeof(C), row_bytes);
   };
-  const float* fp32[kChunk];
-  auto chunk_rows = [&](const C* cache, int64_t c0, int64_t m, int64_t h) {  // KV head h's fp32 rows of a chunk
-    for (int64_t c = 0; c < m; ++c) fp32[c] = as_float(cache + rows[c0 + c] + h * D, w.rows32.data() + c * D, D);
+  // KV head h's rows of a chunk as the tiles read them: fp32 and bf16 in place, fp8 widened to fp32 first.
+  using R = std::conditional_t<kFp8<C>, float, C>;
+  const R* chunk[kChunk];
+  auto chunk_rows = [&](const C* cache, int64_t c0, int64_t m, int64_t h) {
+    for (int64_t c = 0; c < m; ++c) {
+      const C* row = cache + rows[c0 + c] + h * D;
+      if constexpr (kFp8<C>) chunk[c] = as_float(row, w.rows32.data() + c * D, D);
+      else chunk[c] = row;
+    }
   };
   float* scores = w.scores.data();
   for (int64_t c0 = 0; c0 < n; c0 += kChunk) {
@@ -189,7 +197,7 @@ void attend_split(const Decode<T, C>& a, const Item* it, const Item* after, int6
     Ahead ahead = ahead_of(a.k_cache, c0, a.v_cache, rows, std::min(kChunk, n));
     for (int64_t h = 0; h < span; ++h) {
       chunk_rows(a.k_cache, c0, m, h);
-      group_scores(a.group, w.q32.data() + h * G * D, fp32, m, scores + h * G * S + c0, S, ahead);
+      group_scores(a.group, w.q32.data() + h * G * D, chunk, m, scores + h * G * S + c0, S, ahead);
     }
   }
   for (int64_t h = 0; h < span; ++h)
@@ -203,7 +211,7 @@ void attend_split(const Decode<T, C>& a, const Item* it, const Item* after, int6
     Ahead ahead = ahead_of(a.v_cache, c0, a.k_cache, next, next_count);
     for (int64_t h = 0; h < span; ++h) {
       chunk_rows(a.v_cache, c0, m, h);
-      group_values(a.group, partials.o_of(i0 + h), scores + h * G * S + c0, S, fp32, m, c0 == 0, ahead);
+      group_values(a.group, partials.o_of(i0 + h), scores + h * G * S + c0, S, chunk, m, c0 == 0, ahead);
     }
   }
 }
@@ -239,8 +247,9 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   const auto scalar = q.scalar_type(), cached = k_cache.scalar_type();
   TORCH_CHECK(out.scalar_type() == scalar && v_cache.scalar_type() == cached,
               "out must have q's dtype, the caches one");
-  TORCH_CHECK(cached == scalar || cached == at::kFloat8_e4m3fn || cached == at::kFloat8_e5m2,
-              "the caches must hold q's dtype or fp8 (e4m3fn, e5m2), got ", cached);
+  TORCH_CHECK(cached == scalar || cached == at::kFloat8_e4m3fn || cached == at::kFloat8_e5m2 ||
+              (cached == at::kBFloat16 && scalar == at::kFloat),
+              "the caches must hold q's dtype, fp8 (e4m3fn, e5m2) or bf16 under fp32 q, got ", cached);
   auto ctx = context_lens.to(at::kInt).contiguous();  // as the engine passes them: no copy a layer
   auto tables = block_tables.to(at::kInt).contiguous();
   TORCH_CHECK(ctx.numel() == B, "one context length per row");
@@ -308,6 +317,7 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   dispatch(scalar, "paged_decode_attention", [&](auto* tag) {
     if (cached == at::kFloat8_e4m3fn) launch(tag, static_cast<c10::Float8_e4m3fn*>(nullptr));
     else if (cached == at::kFloat8_e5m2) launch(tag, static_cast<c10::Float8_e5m2*>(nullptr));
+    else if (cached == at::kBFloat16) launch(tag, static_cast<at::BFloat16*>(nullptr));
     else launch(tag, tag);
   });
 }

@@ -259,10 +259,20 @@ void row_argmax(const at::Tensor& x, const at::Tensor& out) {
 }
 
 // k, v (T, Hkv, D) into the paged caches (blocks, block_size, Hkv, D) at flat slots; slot -1 is skipped.
-// n values of T (fp32 or bf16) as an fp8 cache stores them: clamped to the format's largest finite value (NaN
-// kept), rounded to nearest even as torch's cast rounds.
+// n values of T (fp32 or bf16) as a narrower cache stores them, rounded to nearest even as torch's cast rounds:
+// bf16 as cast; fp8 clamped to the format's largest finite value first (NaN kept).
 template <typename C, typename T>
 void narrow_row(const T* src, C* dst, int64_t n) {
+  if constexpr (std::is_same_v<C, at::BFloat16>) {
+    int64_t d = 0;
+    for (; d + kStep <= n; d += kStep) {
+      Vec lo, hi;
+      load2(src + d, lo, hi);
+      store2(dst + d, lo, hi);
+    }
+    for (; d < n; ++d) dst[d] = C(static_cast<float>(src[d]));
+    return;
+  }
   const float limit = static_cast<float>(std::numeric_limits<C>::max());
   int64_t d = 0;
 #if defined(CPU_CAPABILITY_AVX512)
@@ -318,9 +328,11 @@ void store_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cach
   TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k_cache.is_contiguous() && v_cache.is_contiguous(), "bad shapes");
   TORCH_CHECK(k.size(1) == k_cache.size(2) && k.size(2) == k_cache.size(3) && v_cache.sizes() == k_cache.sizes(), "cache shape");
   const auto cached = k_cache.scalar_type();
-  const bool narrow = cached == at::kFloat8_e4m3fn || cached == at::kFloat8_e5m2;
+  const bool narrow = cached != k.scalar_type();
   TORCH_CHECK(v.scalar_type() == k.scalar_type() && v_cache.scalar_type() == cached &&
-              (cached == k.scalar_type() || narrow), "the caches must hold k's dtype or fp8");
+              (!narrow || cached == at::kFloat8_e4m3fn || cached == at::kFloat8_e5m2 ||
+               (cached == at::kBFloat16 && k.scalar_type() == at::kFloat)),
+              "the caches must hold k's dtype, fp8, or bf16 under fp32 k");
   TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1 && k.stride(1) == k.size(2) && v.stride(1) == v.size(2),
               "each token's heads must be contiguous");
   auto slots = slot_mapping.to(at::kLong).contiguous();
@@ -349,7 +361,8 @@ void store_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cach
         });
       };
       if (cached == at::kFloat8_e4m3fn) run(static_cast<c10::Float8_e4m3fn*>(nullptr));
-      else run(static_cast<c10::Float8_e5m2*>(nullptr));
+      else if (cached == at::kFloat8_e5m2) run(static_cast<c10::Float8_e5m2*>(nullptr));
+      else run(static_cast<at::BFloat16*>(nullptr));
     });
     return;
   }

@@ -187,10 +187,10 @@ struct NoAhead {
   void operator()() const {}
 };
 
-// s[h][c] = q_h . row_c for HB heads of q (W apart) and KB rows; a head's scores `stride` apart in s. ahead() is
-// called once a vector step.
-template <int HB, int KB, typename Ahead = NoAhead>
-inline void score_tile(const float* q, int64_t W, const float* const* rows, float* s, int64_t stride = kChunk,
+// s[h][c] = q_h . row_c for HB heads of q (W apart) and KB rows (fp32, or bf16 widened as loaded: load_vec); a
+// head's scores `stride` apart in s. ahead() is called once a vector step.
+template <int HB, int KB, typename R, typename Ahead = NoAhead>
+inline void score_tile(const float* q, int64_t W, const R* const* rows, float* s, int64_t stride = kChunk,
                        Ahead&& ahead_ref = Ahead{}) {
   std::remove_reference_t<Ahead> ahead = ahead_ref;  // in registers over the loop
   Vec acc[HB][KB];
@@ -199,9 +199,18 @@ inline void score_tile(const float* q, int64_t W, const float* const* rows, floa
   int64_t d = 0;
   for (; d + Vec::size() <= W; d += Vec::size()) {
     ahead();
-    for (int hb = 0; hb < HB; ++hb) {
-      const Vec qv = Vec::loadu(q + hb * W + d);
-      for (int kb = 0; kb < KB; ++kb) acc[hb][kb] = at::vec::fmadd(qv, Vec::loadu(rows[kb] + d), acc[hb][kb]);
+    if constexpr (std::is_same_v<R, float>) {  // each row vector an operand of the FMAs, read from L1
+      for (int hb = 0; hb < HB; ++hb) {
+        const Vec qv = Vec::loadu(q + hb * W + d);
+        for (int kb = 0; kb < KB; ++kb) acc[hb][kb] = at::vec::fmadd(qv, Vec::loadu(rows[kb] + d), acc[hb][kb]);
+      }
+    } else {  // each row vector widened once, for all the heads (the same sums, in the same order)
+      Vec qv[HB];
+      for (int hb = 0; hb < HB; ++hb) qv[hb] = Vec::loadu(q + hb * W + d);
+      for (int kb = 0; kb < KB; ++kb) {
+        const Vec r = load_vec(rows[kb] + d);
+        for (int hb = 0; hb < HB; ++hb) acc[hb][kb] = at::vec::fmadd(qv[hb], r, acc[hb][kb]);
+      }
     }
   }
   ahead_ref = ahead;
@@ -210,7 +219,7 @@ inline void score_tile(const float* q, int64_t W, const float* const* rows, floa
     for (int hb = 0; hb < HB; ++hb)
       for (int kb = 0; kb < KB; ++kb) {
         float sum = s[hb * stride + kb];
-        for (int64_t t = d; t < W; ++t) sum += q[hb * W + t] * rows[kb][t];
+        for (int64_t t = d; t < W; ++t) sum += q[hb * W + t] * static_cast<float>(rows[kb][t]);
         s[hb * stride + kb] = sum;
       }
 }

@@ -30,6 +30,23 @@ inline __m512 bf16x16_to_ps(const void* p) {  // bf16 is the top half of an fp32
 }
 #endif
 
+// One vector of fp32 from Vec::size() values of a row: fp32 as it is, bf16 widened in the register (exactly),
+// so the tiles read a bf16 cache's rows in place.
+inline Vec load_vec(const float* p) { return Vec::loadu(p); }
+
+inline Vec load_vec(const at::BFloat16* p) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return Vec(bf16x16_to_ps(p));
+#elif defined(CPU_CAPABILITY_AVX2)
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return Vec(_mm256_castsi256_ps(_mm256_slli_epi32(wide, 16)));
+#else
+  float buf[Vec::size()];
+  for (int i = 0; i < Vec::size(); ++i) buf[i] = static_cast<float>(p[i]);
+  return Vec::loadu(buf);
+#endif
+}
+
 // fp8 caches: one byte a value, unscaled; the kernels widen rows to fp32 (or bf16 for AMX) as they read them.
 template <typename C>
 constexpr bool kFp8 = std::is_same_v<C, c10::Float8_e4m3fn> || std::is_same_v<C, c10::Float8_e5m2>;
