@@ -128,7 +128,8 @@ def main() -> None:
     ap.add_argument("--no-torch", action="store_true", help="leave torch's path out")
     ap.add_argument("--layers", type=int, default=1, help="caches each timed call runs over, in turn (cold)")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
-                    help="what the fused op's caches hold (narrower than --dtype: the op over --dtype caches is timed too)")
+                    help="what the fused op's caches hold (narrower than --dtype: the op over --dtype caches is "
+                         "timed too)")
     add_timing_args(ap)
     args = ap.parse_args()
     clock = timing_clock(args)

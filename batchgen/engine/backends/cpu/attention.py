@@ -68,8 +68,8 @@ def query_rows(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
 
 @dataclass
 class NarrowCacheStep:
-    """A step over a cache narrower than q, split: the sequences of one new token (decode op) and the others (prefill op,
-    over their prefixes' blocks widened)."""
+    """A step over a cache narrower than q, split: the sequences of one new token (decode op) and the others
+    (prefill op, over their prefixes' blocks widened)."""
 
     decode_rows: torch.Tensor  # int64: q's rows of the one-token sequences
     decode_tables: torch.Tensor
