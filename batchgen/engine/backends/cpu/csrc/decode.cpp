@@ -247,8 +247,7 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   const auto scalar = q.scalar_type(), cached = k_cache.scalar_type();
   TORCH_CHECK(out.scalar_type() == scalar && v_cache.scalar_type() == cached,
               "out must have q's dtype, the caches one");
-  TORCH_CHECK(cached == scalar || cached == at::kFloat8_e4m3fn || cached == at::kFloat8_e5m2 ||
-              (cached == at::kBFloat16 && scalar == at::kFloat),
+  TORCH_CHECK(takes_cache(scalar, cached),
               "the caches must hold q's dtype, fp8 (e4m3fn, e5m2) or bf16 under fp32 q, got ", cached);
   auto ctx = context_lens.to(at::kInt).contiguous();  // as the engine passes them: no copy a layer
   auto tables = block_tables.to(at::kInt).contiguous();

@@ -330,9 +330,7 @@ void store_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cach
   const auto cached = k_cache.scalar_type();
   const bool narrow = cached != k.scalar_type();
   TORCH_CHECK(v.scalar_type() == k.scalar_type() && v_cache.scalar_type() == cached &&
-              (!narrow || cached == at::kFloat8_e4m3fn || cached == at::kFloat8_e5m2 ||
-               (cached == at::kBFloat16 && k.scalar_type() == at::kFloat)),
-              "the caches must hold k's dtype, fp8, or bf16 under fp32 k");
+              takes_cache(k.scalar_type(), cached), "the caches must hold k's dtype, fp8, or bf16 under fp32 k");
   TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1 && k.stride(1) == k.size(2) && v.stride(1) == v.size(2),
               "each token's heads must be contiguous");
   auto slots = slot_mapping.to(at::kLong).contiguous();

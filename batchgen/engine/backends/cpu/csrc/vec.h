@@ -47,6 +47,13 @@ inline Vec load_vec(const at::BFloat16* p) {
 #endif
 }
 
+// Whether the store and decode ops take a cache of `cached` for k, v and q of `scalar`: the same, fp8, or bf16
+// under fp32 (ops.takes_cache, which routes steps to them, says the same).
+inline bool takes_cache(at::ScalarType scalar, at::ScalarType cached) {
+  return cached == scalar || cached == at::kFloat8_e4m3fn || cached == at::kFloat8_e5m2 ||
+         (cached == at::kBFloat16 && scalar == at::kFloat);
+}
+
 // fp8 caches: one byte a value, unscaled; the kernels widen rows to fp32 (or bf16 for AMX) as they read them.
 template <typename C>
 constexpr bool kFp8 = std::is_same_v<C, c10::Float8_e4m3fn> || std::is_same_v<C, c10::Float8_e5m2>;
