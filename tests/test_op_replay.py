@@ -105,6 +105,25 @@ def test_ops_that_may_return_their_input_replay_when_they_copied():
         assert torch.equal(recording.replay(), forward())
 
 
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch build")
+def test_prepacked_weights_pass_through_and_packing_in_the_forward_is_refused():
+    """oneDNN's prepacked weights (opaque tensors, no storage) are loaded state: a replay passes them as they are.
+    A forward that packs one itself would hand the replay a tensor it cannot place, so it is refused."""
+    weight, x = torch.randn(48, 64), torch.zeros(5, 64)
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+
+    def forward():
+        return torch.relu(torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")) * 2
+
+    eager, recording = record(forward)
+    recording.bind(torch.UntypedStorage(recording.arena_bytes))
+    for seed in (1, 2):
+        x.copy_(torch.randn(5, 64, generator=torch.Generator().manual_seed(seed)))
+        assert torch.equal(recording.replay(), forward())
+    with pytest.raises(NotReplayable, match="without storage"):
+        record(lambda: torch.ops.mkldnn._reorder_linear_weight(weight * 2, None))
+
+
 def test_host_reads_are_refused():
     x = torch.randn(4)
     with pytest.raises(NotReplayable):

@@ -67,13 +67,15 @@ def _out_variant(func: torch._ops.OpOverload) -> tuple[torch._ops.OpOverload, li
     return None
 
 
-def _tensors(tree: Any) -> list[torch.Tensor]:
+def _tensors(tree: Any, strided: bool = True) -> list[torch.Tensor]:
+    """The tensors in ``tree``: those with storage, or (``strided=False``) those without (oneDNN's prepacked
+    weights, opaque: loaded state that a replay passes as it is)."""
     if isinstance(tree, torch.Tensor):
-        return [tree]
+        return [tree] if (tree.layout == torch.strided) == strided else []
     if isinstance(tree, (tuple, list)):
-        return [t for x in tree for t in _tensors(x)]
+        return [t for x in tree for t in _tensors(x, strided)]
     if isinstance(tree, dict):
-        return [t for x in tree.values() for t in _tensors(x)]
+        return [t for x in tree.values() for t in _tensors(x, strided)]
     return []
 
 
@@ -111,6 +113,8 @@ class _Recorder(TorchDispatchMode):
         if func._overloadpacket.__name__ in HOST_READS:
             raise NotReplayable(f"the forward reads a tensor on the host ({func})")
         out = func(*args, **kwargs)
+        if _tensors(out, strided=False):
+            raise NotReplayable(f"{func} made a tensor without storage, which a replay could not place")
         kind = _kind(func)
         if kind == "view" and not _aliases(out, (args, kwargs)):
             kind = "new"  # an op that may return its input returned a copy here (to(dtype), contiguous, reshape)
@@ -234,7 +238,7 @@ def _describe(calls: list[_Call], outputs: Any, made: dict[int, list[int]]) -> t
     """The replay's steps, (op, args, kwargs, outputs to copy into), and its outputs, with the forward's own
     tensors as _Made: functional ops write into their recorded outputs through their out= overloads."""
     def describe(x):
-        if not isinstance(x, torch.Tensor) or _ptr(x) not in made:
+        if not _tensors(x) or _ptr(x) not in made:  # not a tensor with storage the forward made
             return x
         return _Made(_ptr(x), x.dtype, tuple(x.shape), tuple(x.stride()), x.storage_offset())
 

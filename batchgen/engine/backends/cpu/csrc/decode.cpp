@@ -143,10 +143,10 @@ inline void group_values(const Heads& h, float* o, const float* p, int64_t strid
       });
       d += whole * L;
     }
-    for (; d < V; ++d)  // head dims not a multiple of the vector: the rest one product at a time
+    for (; d < V; ++d)  // head dims not a multiple of the vector: the rest one product at a time (fma: as score_tile's)
       for (int hb = 0; hb < heads; ++hb) {
         float acc = fresh ? 0.f : og[hb * V + d];
-        for (int64_t c = 0; c < n; ++c) acc += pg[hb * stride + c] * static_cast<float>(rows[c][d]);
+        for (int64_t c = 0; c < n; ++c) acc = std::fma(pg[hb * stride + c], static_cast<float>(rows[c][d]), acc);
         og[hb * V + d] = acc;
       }
   });

@@ -215,11 +215,13 @@ inline void score_tile(const float* q, int64_t W, const R* const* rows, float* s
   }
   ahead_ref = ahead;
   store_sums<HB, KB>(&acc[0][0], s, stride);
-  if (d < W)  // head dims not a multiple of the vector: the rest one product at a time
+  // Head dims not a multiple of the vector: the rest one product at a time, each an explicit fma so that fp32 and
+  // bf16 rows round alike whatever the compiler contracts.
+  if (d < W)
     for (int hb = 0; hb < HB; ++hb)
       for (int kb = 0; kb < KB; ++kb) {
         float sum = s[hb * stride + kb];
-        for (int64_t t = d; t < W; ++t) sum += q[hb * W + t] * static_cast<float>(rows[kb][t]);
+        for (int64_t t = d; t < W; ++t) sum = std::fma(q[hb * W + t], static_cast<float>(rows[kb][t]), sum);
         s[hb * stride + kb] = sum;
       }
 }

@@ -231,12 +231,8 @@ inline void store2(T* p, const Vec& lo, const Vec& hi) {
   if constexpr (std::is_same_v<T, float>) {
     lo.store(p);
     hi.store(p + Vec::size());
-  } else {
-#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
-    _mm512_storeu_si512(p, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));  // round to nearest even, as c10 does
-#else
+  } else {  // torch's rounding, subnormals kept (AVX512-BF16's vcvtne2ps2bf16 would flush them to zero)
     at::vec::convert_from_float<T>(lo, hi).store(p);
-#endif
   }
 }
 
