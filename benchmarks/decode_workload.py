@@ -12,7 +12,7 @@ import torch
 from batchgen.engine import LLM
 from batchgen.engine.backends.cpu.build import load_kernels
 from batchgen.engine.backends.cpu.ops import amx_tiles
-from batchgen.engine.backends.cpu.prepack import AMX_ROWS, SMALL_ROWS, PrepackedLinear, amx_rows_fit
+from batchgen.engine.backends.cpu.prepack import AMX_ROWS, SMALL_ROWS, PrepackedLinear, amx_rows_fit, prepacking_works
 from batchgen.engine.layers.linear import LinearBase, ParallelLMHead
 
 
@@ -35,9 +35,10 @@ def rows_matmul_rate(shapes: list[tuple[int, int]], rows: int, dtype: torch.dtyp
                      seconds: float = 0.15) -> float:
     """FLOP/s of ``x @ W^T`` with ``rows`` rows over the model's distinct linear shapes, weighted as the
     model runs them (each layer once): the rate a decode step of ``rows`` sequences could reach, by the faster
-    of ``F.linear`` and, where the engine would use it, the fused small-row op (fp32) or the AMX one (bf16). A bound is the best the machine
-    reaches, so each path's rate is its best of ``windows`` timed windows (a shared machine's slow spells,
-    which move a 1-second average by 30-60 % here, would otherwise lower the bound)."""
+    of ``F.linear`` and, where the engine would use it, the fused small-row op (fp32), the AMX one (bf16) or
+    oneDNN's prepacked bf16 linear (bf16 without AMX). A bound is the best the machine reaches, so each path's rate
+    is its best of ``windows`` timed windows (a shared machine's slow spells, which move a 1-second average by
+    30-60 % here, would otherwise lower the bound)."""
     mats = {s: torch.randn(*s).to(dtype) for s in set(shapes)}
     inputs = {s: torch.randn(rows, s[1]).to(dtype) for s in set(shapes)}
     flops = sum(2 * rows * n * k for n, k in shapes)
@@ -49,6 +50,9 @@ def rows_matmul_rate(shapes: list[tuple[int, int]], rows: int, dtype: torch.dtyp
         elif (dtype == torch.bfloat16 and rows <= AMX_ROWS and amx_tiles()
               and all(amx_rows_fit(w, None) for w in mats.values())):
             paths.append(lambda s: torch.ops.batchgen_cpu.amx_linear(inputs[s], mats[s], None, outs[s]))
+        elif dtype == torch.bfloat16 and prepacking_works():
+            packed = {s: PrepackedLinear(w, None) for s, w in mats.items()}
+            paths.append(lambda s: packed[s](inputs[s]))
 
     def window(path) -> float:
         passes, start = 0, time.perf_counter()
