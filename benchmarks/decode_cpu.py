@@ -3,7 +3,9 @@ into a padded batch, SDPA with a mask) and, with ``--baseline REF``, against the
 
 Prints milliseconds per call (medians of ``--repeats`` runs, the variants interleaved run by run, so a shared
 machine's load falls on all of them alike) and GFLOP/s (QK^T and PV: 4 B Hq context D), for each batch and
-context, every row at the same context, the rows' blocks shuffled through the cache. For the fused op it also
+context, every row at the same context, the rows' blocks shuffled through the cache (``--blocks in-order``: each
+row's blocks one after another, as a fresh engine hands them out; the hardware's prefetchers then follow the
+reads, so software prefetch counts for less than in shuffled tables). For the fused op it also
 prints the rate it reads the rows' K and V at, and that rate as a share of the rate this machine's threads read a
 large buffer (decode_workload.read_bandwidth: the memory roofline of a cold call). With ``--layers N``
 each timed call runs the op over N caches in turn and the figures are per cache: as in a model's decode step,
@@ -43,9 +45,10 @@ CSRC = "batchgen/engine/backends/cpu/csrc"
 BASELINE_SOURCE = "decode.cpp"  # built with every header of its revision
 
 
-def case(batch: int, context: int, kv_heads: int, group: int, head_dim: int, dtype: torch.dtype, layers: int = 1):
-    """q (B, Hq, D) as a view of a fused qkv, ``layers`` pairs of shuffled paged K and V caches (one block
-    table for all), the block tables and context lengths."""
+def case(batch: int, context: int, kv_heads: int, group: int, head_dim: int, dtype: torch.dtype, layers: int = 1,
+         shuffled: bool = True):
+    """q (B, Hq, D) as a view of a fused qkv, ``layers`` pairs of paged K and V caches (one block table for all,
+    its blocks shuffled or in order), the block tables and context lengths."""
     gen = torch.Generator().manual_seed(0)
     heads = kv_heads * group
     qkv = torch.randn(batch, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
@@ -53,7 +56,8 @@ def case(batch: int, context: int, kv_heads: int, group: int, head_dim: int, dty
     per_row = -(-context // BLOCK)
     caches = [tuple(torch.randn(batch * per_row, BLOCK, kv_heads, head_dim, generator=gen).to(dtype)
                     for _ in range(2)) for _ in range(layers)]
-    tables = torch.randperm(batch * per_row, generator=gen).to(torch.int32).view(batch, per_row)
+    order = torch.randperm(batch * per_row, generator=gen) if shuffled else torch.arange(batch * per_row)
+    tables = order.to(torch.int32).view(batch, per_row)
     return q, caches, tables, torch.full((batch,), context, dtype=torch.int32)
 
 
@@ -127,6 +131,8 @@ def main() -> None:
     ap.add_argument("--baseline", default=None, help="a git revision whose decode op to time too (e.g. main)")
     ap.add_argument("--no-torch", action="store_true", help="leave torch's path out")
     ap.add_argument("--layers", type=int, default=1, help="caches each timed call runs over, in turn (cold)")
+    ap.add_argument("--blocks", default="shuffled", choices=["shuffled", "in-order"],
+                    help="the rows' blocks in the cache: shuffled, or each row's one after another")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
                     help="what the fused op's caches hold (narrower than --dtype: the op over --dtype caches is "
                          "timed too)")
@@ -141,7 +147,7 @@ def main() -> None:
     print(f"CPU: {cpu_features().describe()}; get_cpu_capability() {torch.backends.cpu.get_cpu_capability()}; "
           f"amx_bf16 {'yes' if amx else 'no'}; threads {torch.get_num_threads()}; torch {torch.__version__}; "
           f"{args.dtype}, KV heads {args.kv_heads}, group {args.group}, head dim {args.head_dim}, "
-          f"{args.layers} cache(s) in turn; KV cache {args.kv_cache_dtype}; "
+          f"{args.layers} cache(s) in turn, blocks {args.blocks}; KV cache {args.kv_cache_dtype}; "
           f"{'thread' if args.thread_time else 'wall'} time; load average {Path('/proc/loadavg').read_text()[:14]}")
     bandwidth = read_bandwidth()
     print(f"memory read (a sum over 512 MB): {bandwidth / 1e9:.1f} GB/s")
@@ -156,7 +162,7 @@ def main() -> None:
     for context in args.contexts:
         for batch in args.batches:
             q, caches, tables, ctx = case(batch, context, args.kv_heads, args.group, args.head_dim, dtype,
-                                          args.layers)
+                                          args.layers, shuffled=args.blocks == "shuffled")
             wide = caches
             if narrow:
                 caches = [tuple(to_cache_dtype(c, narrow) for c in pair) for pair in caches]
