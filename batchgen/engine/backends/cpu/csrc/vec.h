@@ -263,6 +263,37 @@ inline void sums_of(const Vec* v, float* out) {
   }
 }
 #else
+#if defined(CPU_CAPABILITY_AVX512)
+// Lane sums of 16 vectors in one tree: lane 4 i + j of the result is the sum of v[4 j + i]. Each vector's lanes
+// add in one order (l + 8, then + 4, + 2, + 1) whichever vectors share the tree with it (zeros for the absent).
+inline __m512 fold_halves(__m512 a, __m512 b) {  // a's 8 lanes l + (l + 8), then b's
+  return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+}
+inline __m512 fold_quarters(__m512 a, __m512 b) {  // 128-bit lanes: a's two groups of 4, then b's
+  return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD));
+}
+inline __m512 fold_pairs(__m512 a, __m512 b) {  // within each 128-bit lane: a's [0 + 2, 1 + 3], then b's
+  return _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x44), _mm512_shuffle_ps(a, b, 0xEE));
+}
+inline __m512 fold_singles(__m512 a, __m512 b) {  // within each 128-bit lane: a's [0 + 1, 2 + 3], b's
+  return _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x88), _mm512_shuffle_ps(a, b, 0xDD));
+}
+__attribute__((always_inline)) inline __m512 lane_sums_of16(const __m512* v) {
+  const __m512 s0 = fold_quarters(fold_halves(v[0], v[1]), fold_halves(v[2], v[3]));
+  const __m512 s1 = fold_quarters(fold_halves(v[4], v[5]), fold_halves(v[6], v[7]));
+  const __m512 s2 = fold_quarters(fold_halves(v[8], v[9]), fold_halves(v[10], v[11]));
+  const __m512 s3 = fold_quarters(fold_halves(v[12], v[13]), fold_halves(v[14], v[15]));
+  return fold_singles(fold_pairs(s0, s1), fold_pairs(s2, s3));
+}
+__attribute__((always_inline)) inline __m128 quarter_of(__m512 v, int i) {
+  switch (i) {
+    case 0: return _mm512_extractf32x4_ps(v, 0);
+    case 1: return _mm512_extractf32x4_ps(v, 1);
+    case 2: return _mm512_extractf32x4_ps(v, 2);
+    default: return _mm512_extractf32x4_ps(v, 3);
+  }
+}
+#endif
 template <int N>
 inline void sums_of(const Vec* v, float* out) {
   for (int i = 0; i < N; ++i) out[i] = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, v[i]);
