@@ -130,7 +130,8 @@ EDGE_CONTEXTS = [1, 3, 4, 5, 15, 16, 17, 31, 32, 33, 47, 48, 49, 255, 256, 257, 
     (BF16, 4, 128, None, None),  # tiles filled exactly
     (F32, 5, 72, 21, None),  # 2 + 2 + 1 score heads, 4 + 1 value heads; windows that start inside a chunk
     (BF16, 7, 20, 37, 3.0),  # 2 + 2 + 2 + 1 and 4 + 3; 20: less than a pair of vectors, then a scalar tail
-], ids=["g2-d40", "g4-d128-bf16", "g5-d72-window", "g7-d20-bf16-window-softcap"])
+    (BF16, 3, 96, 21, 3.0),  # AVX512-BF16's dot tiles: values in 64 dims then 32; keys in pairs, odd counts
+], ids=["g2-d40", "g4-d128-bf16", "g5-d72-window", "g7-d20-bf16-window-softcap", "g3-d96-bf16-window-softcap"])
 def test_tile_and_chunk_edges(kernels, dtype, group, head_dim, window, softcap):
     """Group sizes that do not fill a register tile, head dims that are no multiple of one, context lengths
     (and window starts) on either side of chunk, block and split edges."""
@@ -250,7 +251,7 @@ def test_steps_of_more_queries_run_the_prefill_op(kernels, monkeypatch):
 
 # Shapes for the determinism tests: GQA groups, head dims, windows and caps, a long context over many splits.
 STRESS = [(F32, 1, 64, None, None), (F32, 3, 64, 100, None), (F32, 8, 128, None, 4.0), (BF16, 3, 64, None, None),
-          (F32, 3, 24, 37, 2.0), (BF16, 5, 72, 21, 3.0), (F32, 7, 20, None, None)]
+          (F32, 3, 24, 37, 2.0), (BF16, 5, 72, 21, 3.0), (F32, 7, 20, None, None), (BF16, 8, 96, 100, 4.0)]
 
 
 def stress_runs(kernels, threads: int, repeats: int) -> list[list[torch.Tensor]]:

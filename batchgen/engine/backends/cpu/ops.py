@@ -118,7 +118,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     place from the paged caches through ``block_tables``; the signature of the torch backend's
     ``paged_decode`` (less its max context). The caches hold q's dtype, fp8 (e4m3fn, e5m2) or, under fp32 q,
     bf16 (narrower rows widened as they are read). fp32 scores and accumulation, output in q's dtype. bf16 scores
-    are multiplied in AMX tiles where the CPU has them (``amx`` as in :func:`varlen_causal_attention`)."""
+    are multiplied in AMX tiles where the CPU has them (``amx`` as in :func:`varlen_causal_attention`), else
+    over a bf16 cache by AVX512-BF16 dot products where it has those; both round the probabilities to bf16 for
+    the values' products, as torch's bf16 attention does."""
     out = torch.empty(q.shape, dtype=q.dtype)
     amx = amx_tiles() if amx is None else amx
     torch.ops.batchgen_cpu.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale,

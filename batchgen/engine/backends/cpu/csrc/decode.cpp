@@ -9,7 +9,8 @@
 // The next chunk's lines are asked for a few at a time as a chunk is worked on. Scores, softmax and accumulation
 // are fp32; the output is bit-identical for any thread count. On CPUs with amx_bf16, bf16 queries' items take
 // decode_tiles.h's path instead (no soft cap): both products in AMX tiles, a task's KV heads side by side in the
-// lanes (the same partials and merge). The cache holds q's dtype, fp8 (e4m3, e5m2: rows widened as they are
+// lanes (the same partials and merge). Elsewhere with AVX512-BF16, bf16 queries over a bf16 cache take
+// decode_dots.h's tiles in the same two passes: products by vdpbf16ps, the probabilities rounded to bf16. The cache holds q's dtype, fp8 (e4m3, e5m2: rows widened as they are
 // read, half the bytes of bf16 from memory) or, under fp32 queries, bf16 (half the bytes of fp32).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -17,6 +18,7 @@
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
+#include "decode_dots.h"
 #include "decode_tiles.h"
 #include "paged.h"
 #include "vec.h"
@@ -38,16 +40,24 @@ struct Decode {
   Heads group;  // the G query heads of a KV head, keys and values head_dim wide
 };
 
-// A thread's scratch, overwritten by each split before it is read: fp32 queries (`span` KV heads' groups), each
-// key's row offset, the scores (a row per query head, `stride` apart: the longest split) and a chunk's rows of an
-// fp8 cache converted to fp32 (fp32 and bf16 rows are read in place).
+// A thread's scratch, overwritten by each split before it is read: the queries (`span` KV heads' groups: fp32,
+// or bf16 for the dot tiles), each key's row offset, the scores (a row per query head, `stride` apart: the longest
+// split), the dot tiles' probabilities in bf16 and a chunk's rows of an fp8 cache converted to fp32 (fp32 and bf16
+// rows are read in place).
 struct SplitScratch {
   int64_t stride;
   std::vector<float> q32, scores, rows32;
+  std::vector<at::BFloat16> q16, p16;
   std::vector<int64_t> offsets;
-  SplitScratch(const Heads& h, int64_t span, int64_t longest)
-      : stride((longest + Vec::size() - 1) / Vec::size() * Vec::size()), q32(span * h.count * h.key_width),
-        scores(span * h.count * stride), rows32(kChunk * h.key_width), offsets(longest) {}
+  SplitScratch(const Heads& h, int64_t span, int64_t longest, bool dots)
+      : stride((longest + Vec::size() - 1) / Vec::size() * Vec::size()), q32(dots ? 0 : span * h.count * h.key_width),
+        scores(span * h.count * stride), rows32(kChunk * h.key_width), q16(dots ? span * h.count * h.key_width : 0),
+        p16(dots ? span * h.count * stride : 0), offsets(longest) {}
+  template <typename Q>
+  Q* queries() {
+    if constexpr (std::is_same_v<Q, float>) return q32.data();
+    else return q16.data();
+  }
 };
 
 // The next chunk's cache lines, asked for a few at a time as the current chunk's work steps along: all at once
@@ -75,14 +85,15 @@ class Ahead {
   int64_t count_, elem_, lines_, per_step_, row_ = 0, line_ = 0;
 };
 
-// s[g][c] = q_g . row_c for a group's heads and n rows (fp32 or bf16); head g's scores at s + g * stride.
-template <typename R>
-inline void group_scores(const Heads& h, const float* q32, const R* const* rows, int64_t n, float* s,
-                         int64_t stride, Ahead& ahead) {
+// s[g][c] = q_g . row_c for a group's heads (fp32 queries, or bf16 for the dot tiles) and n rows (fp32 or bf16);
+// head g's scores at s + g * stride.
+template <typename Q, typename R>
+inline void group_scores(const Heads& h, const Q* q, const R* const* rows, int64_t n, float* s, int64_t stride,
+                         Ahead& ahead) {
   const int64_t W = h.key_width;
   in_tiles<kScoreHeads>(h.count, [&](auto heads, int64_t g) {
     in_tiles<kScoreRows>(n, [&](auto keys, int64_t c) {
-      score_tile<heads, keys>(q32 + g * W, W, rows + c, s + g * stride + c, stride, ahead);
+      score_tile<heads, keys>(q + g * W, W, rows + c, s + g * stride + c, stride, ahead);
     });
   });
 }
@@ -153,6 +164,20 @@ inline void group_values(const Heads& h, float* o, const float* p, int64_t strid
   });
 }
 
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+// The dot tiles' o (+)= p . rows: bf16 probabilities (a zero after an odd n) and rows, value_width a multiple of 32.
+inline void group_values(const Heads& h, float* o, const at::BFloat16* p, int64_t stride,
+                         const at::BFloat16* const* rows, int64_t n, bool fresh, Ahead& ahead) {
+  const int64_t V = h.value_width;
+  in_tiles<kSpanHeads>(h.count, [&](auto heads, int64_t g) {
+    int64_t d = 0;
+    for (; d + 64 <= V; d += 64)
+      paired_value_span<heads, 2>(o + g * V, V, d, p + g * stride, stride, rows, n, fresh, ahead);
+    if (d < V) paired_value_span<heads, 1>(o + g * V, V, d, p + g * stride, stride, rows, n, fresh, ahead);
+  });
+}
+#endif
+
 // One split of a row for `span` consecutive KV heads (items it[0..span), consecutive in the plan: the same row
 // and keys, heads it[0].head onwards), in two passes over its keys, each in chunks of positions whose cache rows
 // (every KV head side by side) are read once for all the heads, in the cache's own order. First every score; then
@@ -160,13 +185,15 @@ inline void group_values(const Heads& h, float* o, const float* p, int64_t strid
 // the outputs. Meanwhile the start of the next chunk's rows is asked for (keys, then values, then the first keys
 // of `after`, the thread's next task; null: none). KV head it[h].head's heads go into item i0 + h's partial,
 // computed as it would be alone: how the heads are grouped changes no rounding.
-template <typename T, typename C>
+// Q: the queries' and probabilities' type the tiles take, fp32, or bf16 for the dot tiles.
+template <typename Q, typename T, typename C>
 void attend_split(const Decode<T, C>& a, const Item* it, const Item* after, int64_t span, SplitScratch& w,
                   Partials& partials, int64_t i0) {
   const int64_t G = a.group.count, D = a.group.key_width, n = it[0].last - it[0].first, S = w.stride;
   Heads heads = a.group;
   heads.count = span * G;
-  load_queries(a.q + it[0].seq * a.q_row + it[0].head * G * a.q_head, a.q_head, heads, w.q32.data());
+  Q* q = w.queries<Q>();
+  load_queries(a.q + it[0].seq * a.q_row + it[0].head * G * a.q_head, a.q_head, heads, q);
   auto offsets = [&](const Item& item, int64_t count, int64_t* out) {  // the first `count` keys' rows of item
     for_each_row(a.tables + item.seq * a.tables_row, a.block_size, a.cache_block, a.cache_row, item.first,
                  item.first + count, [&](int64_t pos, int64_t row) { out[pos - item.first] = row + item.head * D; });
@@ -198,7 +225,7 @@ void attend_split(const Decode<T, C>& a, const Item* it, const Item* after, int6
     Ahead ahead = ahead_of(a.k_cache, c0, a.v_cache, rows, std::min(kChunk, n));
     for (int64_t h = 0; h < span; ++h) {
       chunk_rows(a.k_cache, c0, m, h);
-      group_scores(a.group, w.q32.data() + h * G * D, chunk, m, scores + h * G * S + c0, S, ahead);
+      group_scores(a.group, q + h * G * D, chunk, m, scores + h * G * S + c0, S, ahead);
     }
   }
   for (int64_t h = 0; h < span; ++h)
@@ -206,13 +233,18 @@ void attend_split(const Decode<T, C>& a, const Item* it, const Item* after, int6
       const auto [mx, sum] = softmax_row(scores + (h * G + g) * S, n, a.group.scale, a.group.softcap);
       partials.m_of(i0 + h)[g] = mx;
       partials.l_of(i0 + h)[g] = sum;
+      if constexpr (!std::is_same_v<Q, float>)
+        round_probabilities(scores + (h * G + g) * S, n, w.p16.data() + (h * G + g) * S);
     }
+  const Q* probs;
+  if constexpr (std::is_same_v<Q, float>) probs = scores;
+  else probs = w.p16.data();
   for (int64_t c0 = 0; c0 < n; c0 += kChunk) {
     const int64_t m = std::min(kChunk, n - c0);
     Ahead ahead = ahead_of(a.v_cache, c0, a.k_cache, next, next_count);
     for (int64_t h = 0; h < span; ++h) {
       chunk_rows(a.v_cache, c0, m, h);
-      group_values(a.group, partials.o_of(i0 + h), scores + h * G * S + c0, S, chunk, m, c0 == 0, ahead);
+      group_values(a.group, partials.o_of(i0 + h), probs + h * G * S + c0, S, chunk, m, c0 == 0, ahead);
     }
   }
 }
@@ -292,16 +324,25 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
         });
     }
 #endif
-    if (!in_tiles) {
-      // A task: a split of a row with all its KV heads.
+    // A task: a split of a row with all its KV heads.
+    auto run_splits = [&](auto* query_tag) {
+      using Q = std::remove_pointer_t<decltype(query_tag)>;
       const int64_t span = wide_tasks ? Hkv : 1;
       at::parallel_for(0, num_items / span, 1, [&](int64_t begin, int64_t end) {
         // Scratch a call's items overwrite before reading: private to this call, its contents never carried over.
-        SplitScratch scratch(a.group, span, longest);
+        SplitScratch scratch(a.group, span, longest, !std::is_same_v<Q, float>);
         for (int64_t t = begin; t < end; ++t)
-          attend_split(a, &plan.items[t * span], t + 1 < end ? &plan.items[(t + 1) * span] : nullptr, span, scratch,
-                       partials, t * span);
+          attend_split<Q>(a, &plan.items[t * span], t + 1 < end ? &plan.items[(t + 1) * span] : nullptr, span,
+                          scratch, partials, t * span);
       });
+    };
+    // bf16 queries over a bf16 cache take the dot tiles where the CPU has them; the rest fp32 tiles.
+    constexpr bool kDots = kDotTiles && std::is_same_v<T, at::BFloat16> && std::is_same_v<C, at::BFloat16>;
+    if constexpr (kDots) {
+      if (!in_tiles && D % 32 == 0) run_splits(static_cast<at::BFloat16*>(nullptr));
+      else if (!in_tiles) run_splits(static_cast<float*>(nullptr));
+    } else if (!in_tiles) {
+      run_splits(static_cast<float*>(nullptr));
     }
     // Combine each (row, KV head)'s splits in split order.
     T* out_p = out.data_ptr<T>();

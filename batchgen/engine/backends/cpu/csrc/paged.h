@@ -142,11 +142,11 @@ struct Scratch {
       : q32(h.count * h.key_width), keys(kChunk * h.key_width), scores(h.count * kChunk), rescale(h.count) {}
 };
 
-// q32 (heads, key_width) from `heads` rows of q, head_stride apart.
-template <typename T>
-inline void load_queries(const T* q, int64_t head_stride, const Heads& h, float* q32) {
+// out (heads, key_width: fp32, or bf16 for the bf16 dot tiles) from `heads` rows of q, head_stride apart.
+template <typename T, typename Q>
+inline void load_queries(const T* q, int64_t head_stride, const Heads& h, Q* out) {
   for (int64_t g = 0; g < h.count; ++g)
-    for (int64_t d = 0; d < h.key_width; ++d) q32[g * h.key_width + d] = static_cast<float>(q[g * head_stride + d]);
+    for (int64_t d = 0; d < h.key_width; ++d) out[g * h.key_width + d] = static_cast<Q>(q[g * head_stride + d]);
 }
 
 // The row as fp32: itself for an fp32 cache, else converted into buf.
@@ -200,36 +200,53 @@ inline void add_tail_products(const float* q, int64_t W, const R* const* rows, f
 }
 
 #if defined(CPU_CAPABILITY_AVX512)
-// The AVX-512 tile for bf16 rows: each sum in a register of its own (held in an array of Vectorized, whose
-// address store_sums takes, every sum stayed on the stack: each FMA a load and a store) and the lane sums in
-// lane_sums_of16's one tree. On a Zen 4 core the op ran 1.2-1.3x.
-template <int HB, int KB, typename R, typename Ahead>
-inline void score_tile_avx512(const float* q, int64_t W, const R* const* rows, float* s, int64_t stride,
-                              Ahead& ahead_ref) {
-  static_assert(HB <= 4 && KB <= 4, "a tile of at most 4 x 4 sums");
-  Ahead ahead = ahead_ref;
-  __m512 acc[16];  // sum (h, c) at 4 c + h: lane_sums_of16 puts it in lane 4 h + c
-#pragma GCC unroll 16
-  for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
-  int64_t d = 0;
-  for (; d + 16 <= W; d += 16) {
-    ahead();
-    __m512 qv[HB];
-#pragma GCC unroll 4
-    for (int hb = 0; hb < HB; ++hb) qv[hb] = _mm512_loadu_ps(q + hb * W + d);
-#pragma GCC unroll 4
-    for (int kb = 0; kb < KB; ++kb) {
-      const __m512 r = load_vec(rows[kb] + d);
-#pragma GCC unroll 4
-      for (int hb = 0; hb < HB; ++hb) acc[4 * kb + hb] = _mm512_fmadd_ps(qv[hb], r, acc[4 * kb + hb]);
-    }
-  }
-  ahead_ref = ahead;
+// s[h * stride + c] = the lane sum of acc[4 c + h] for a tile of HB heads x KB rows (lane_sums_of16's order).
+template <int HB, int KB>
+__attribute__((always_inline)) inline void store_tile_sums(const __m512* acc, float* s, int64_t stride) {
   const __m512 sums = lane_sums_of16(acc);
   const __mmask8 lanes = (1 << KB) - 1;
 #pragma GCC unroll 4
   for (int hb = 0; hb < HB; ++hb) _mm_mask_storeu_ps(s + hb * stride, lanes, quarter_of(sums, hb));
-  add_tail_products<HB, KB>(q, W, rows, s, stride, d);
+}
+
+// How an AVX-512 register tile multiplies: fp32 queries by rows widened to fp32 (FMAs, 16 dims a step), or
+// (decode_dots.h) bf16 by bf16 (vdpbf16ps, 32 dims a step, asking ahead twice: the lines of two fp32 steps).
+struct FmaStep {
+  static constexpr int kDims = 16, kAheads = 1;
+  static __m512 queries(const float* q) { return _mm512_loadu_ps(q); }
+  template <typename R>
+  static __m512 row(const R* r) { return load_vec(r); }
+  static __m512 madd(__m512 acc, __m512 q, __m512 r) { return _mm512_fmadd_ps(q, r, acc); }
+};
+
+// s[h][c] = q_h . row_c for HB heads (W apart) and KB rows in an AVX-512 register tile: each sum in a register of
+// its own and the lane sums in lane_sums_of16's one tree. (Held in an array of Vectorized, whose address
+// store_sums takes, every sum stayed on the stack: each FMA a load and a store. This tile ran the bf16 decode op
+// 1.2-1.3x on a Zen 4 core.) Dims past the last whole step: add_tail_products.
+template <int HB, int KB, typename Step, typename Q, typename R, typename Ahead>
+inline void register_tile(const Q* q, int64_t W, const R* const* rows, float* s, int64_t stride, Ahead& ahead_ref) {
+  static_assert(HB <= 4 && KB <= 4, "a tile of at most 4 x 4 sums");
+  Ahead ahead = ahead_ref;
+  __m512 acc[16];  // sum (h, c) at 4 c + h, as store_tile_sums takes them
+#pragma GCC unroll 16
+  for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+  int64_t d = 0;
+  for (; d + Step::kDims <= W; d += Step::kDims) {
+#pragma GCC unroll 2
+    for (int i = 0; i < Step::kAheads; ++i) ahead();
+    decltype(Step::queries(q)) qv[HB];
+#pragma GCC unroll 4
+    for (int hb = 0; hb < HB; ++hb) qv[hb] = Step::queries(q + hb * W + d);
+#pragma GCC unroll 4
+    for (int kb = 0; kb < KB; ++kb) {
+      const auto r = Step::row(rows[kb] + d);
+#pragma GCC unroll 4
+      for (int hb = 0; hb < HB; ++hb) acc[4 * kb + hb] = Step::madd(acc[4 * kb + hb], qv[hb], r);
+    }
+  }
+  ahead_ref = ahead;
+  store_tile_sums<HB, KB>(acc, s, stride);
+  if constexpr (std::is_same_v<Q, float>) add_tail_products<HB, KB>(q, W, rows, s, stride, d);
 }
 #endif
 
@@ -240,7 +257,7 @@ inline void score_tile(const float* q, int64_t W, const R* const* rows, float* s
                        Ahead&& ahead_ref = Ahead{}) {
 #if defined(CPU_CAPABILITY_AVX512)
   if constexpr (!std::is_same_v<R, float> && HB <= 4 && KB <= 4) {  // fp32 rows: no faster in these tiles
-    score_tile_avx512<HB, KB>(q, W, rows, s, stride, ahead_ref);
+    register_tile<HB, KB, FmaStep>(q, W, rows, s, stride, ahead_ref);
     return;
   }
 #endif

@@ -264,34 +264,25 @@ inline void sums_of(const Vec* v, float* out) {
 }
 #else
 #if defined(CPU_CAPABILITY_AVX512)
+// a's lanes and b's folded in half side by side: by 256-bit halves, 128-bit quarters, then (kWithin: inside each
+// 128-bit lane) pairs and single lanes, as the shuffle immediates lo and hi pick them.
+template <int kLo, int kHi, bool kWithin = false>
+inline __m512 fold(__m512 a, __m512 b) {
+  if constexpr (kWithin) return _mm512_add_ps(_mm512_shuffle_ps(a, b, kLo), _mm512_shuffle_ps(a, b, kHi));
+  else return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, kLo), _mm512_shuffle_f32x4(a, b, kHi));
+}
 // Lane sums of 16 vectors in one tree: lane 4 i + j of the result is the sum of v[4 j + i]. Each vector's lanes
-// add in one order (l + 8, then + 4, + 2, + 1) whichever vectors share the tree with it (zeros for the absent).
-inline __m512 fold_halves(__m512 a, __m512 b) {  // a's 8 lanes l + (l + 8), then b's
-  return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
-}
-inline __m512 fold_quarters(__m512 a, __m512 b) {  // 128-bit lanes: a's two groups of 4, then b's
-  return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD));
-}
-inline __m512 fold_pairs(__m512 a, __m512 b) {  // within each 128-bit lane: a's [0 + 2, 1 + 3], then b's
-  return _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x44), _mm512_shuffle_ps(a, b, 0xEE));
-}
-inline __m512 fold_singles(__m512 a, __m512 b) {  // within each 128-bit lane: a's [0 + 1, 2 + 3], b's
-  return _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x88), _mm512_shuffle_ps(a, b, 0xDD));
-}
+// add in one order (l + 8, then + 4, + 2, + 1: at::vec's reduce_all's) whichever vectors share the tree with it.
 __attribute__((always_inline)) inline __m512 lane_sums_of16(const __m512* v) {
-  const __m512 s0 = fold_quarters(fold_halves(v[0], v[1]), fold_halves(v[2], v[3]));
-  const __m512 s1 = fold_quarters(fold_halves(v[4], v[5]), fold_halves(v[6], v[7]));
-  const __m512 s2 = fold_quarters(fold_halves(v[8], v[9]), fold_halves(v[10], v[11]));
-  const __m512 s3 = fold_quarters(fold_halves(v[12], v[13]), fold_halves(v[14], v[15]));
-  return fold_singles(fold_pairs(s0, s1), fold_pairs(s2, s3));
+  auto four = [v](int i) {  // v[i..i + 4) to 4 lanes each
+    return fold<0x88, 0xDD>(fold<0x44, 0xEE>(v[i], v[i + 1]), fold<0x44, 0xEE>(v[i + 2], v[i + 3]));
+  };
+  const __m512 s0 = four(0), s1 = four(4), s2 = four(8), s3 = four(12);
+  return fold<0x88, 0xDD, true>(fold<0x44, 0xEE, true>(s0, s1), fold<0x44, 0xEE, true>(s2, s3));
 }
-__attribute__((always_inline)) inline __m128 quarter_of(__m512 v, int i) {
-  switch (i) {
-    case 0: return _mm512_extractf32x4_ps(v, 0);
-    case 1: return _mm512_extractf32x4_ps(v, 1);
-    case 2: return _mm512_extractf32x4_ps(v, 2);
-    default: return _mm512_extractf32x4_ps(v, 3);
-  }
+__attribute__((always_inline)) inline __m128 quarter_of(__m512 v, int i) {  // i: a constant once inlined
+  return i == 0 ? _mm512_extractf32x4_ps(v, 0) : i == 1 ? _mm512_extractf32x4_ps(v, 1)
+       : i == 2 ? _mm512_extractf32x4_ps(v, 2) : _mm512_extractf32x4_ps(v, 3);
 }
 #endif
 template <int N>
