@@ -9,9 +9,10 @@
 // The next chunk's lines are asked for a few at a time as a chunk is worked on. Scores, softmax and accumulation
 // are fp32; the output is bit-identical for any thread count. On CPUs with amx_bf16, bf16 queries' items take
 // decode_tiles.h's path instead (no soft cap): both products in AMX tiles, a task's KV heads side by side in the
-// lanes (the same partials and merge). Elsewhere with AVX512-BF16, bf16 queries over a bf16 cache take
-// decode_dots.h's tiles in the same two passes: products by vdpbf16ps, the probabilities rounded to bf16. The cache holds q's dtype, fp8 (e4m3, e5m2: rows widened as they are
-// read, half the bytes of bf16 from memory) or, under fp32 queries, bf16 (half the bytes of fp32).
+// lanes (the same partials and merge). Elsewhere with AVX512-BF16, bf16 queries over a bf16 (or fp8) cache take
+// decode_dots.h's tiles in the same two passes: products by vdpbf16ps, the probabilities rounded to bf16. The
+// cache holds q's dtype, fp8 (e4m3, e5m2: rows widened as they are read, to bf16 for the dot tiles, half the bytes
+// of bf16 from memory) or, under fp32 queries, bf16 (half the bytes of fp32).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
@@ -42,17 +43,17 @@ struct Decode {
 
 // A thread's scratch, overwritten by each split before it is read: the queries (`span` KV heads' groups: fp32,
 // or bf16 for the dot tiles), each key's row offset, the scores (a row per query head, `stride` apart: the longest
-// split), the dot tiles' probabilities in bf16 and a chunk's rows of an fp8 cache converted to fp32 (fp32 and bf16
-// rows are read in place).
+// split), the dot tiles' probabilities in bf16 and a chunk's rows of an fp8 cache widened to fp32, or to bf16
+// for the dot tiles (fp32 and bf16 rows are read in place).
 struct SplitScratch {
   int64_t stride;
   std::vector<float> q32, scores, rows32;
-  std::vector<at::BFloat16> q16, p16;
+  std::vector<at::BFloat16> q16, p16, rows16;
   std::vector<int64_t> offsets;
   SplitScratch(const Heads& h, int64_t span, int64_t longest, bool dots)
       : stride((longest + Vec::size() - 1) / Vec::size() * Vec::size()), q32(dots ? 0 : span * h.count * h.key_width),
         scores(span * h.count * stride), rows32(kChunk * h.key_width), q16(dots ? span * h.count * h.key_width : 0),
-        p16(dots ? span * h.count * stride : 0), offsets(longest) {}
+        p16(dots ? span * h.count * stride : 0), rows16(dots ? kChunk * h.key_width : 0), offsets(longest) {}
   template <typename Q>
   Q* queries() {
     if constexpr (std::is_same_v<Q, float>) return q32.data();
@@ -209,14 +210,20 @@ void attend_split(const Decode<T, C>& a, const Item* it, const Item* after, int6
     return c0 + kChunk < n ? Ahead(cache, rows + c0 + kChunk, std::min(kChunk, n - c0 - kChunk), sizeof(C), row_bytes)
                            : Ahead(last_cache, last, count, sizeof(C), row_bytes);
   };
-  // KV head h's rows of a chunk as the tiles read them: fp32 and bf16 in place, fp8 widened to fp32 first.
-  using R = std::conditional_t<kFp8<C>, float, C>;
+  // KV head h's rows of a chunk as the tiles read them: fp32 and bf16 in place, fp8 widened first (to R).
+  using R = std::conditional_t<kFp8<C>, std::conditional_t<std::is_same_v<Q, float>, float, at::BFloat16>, C>;
   const R* chunk[kChunk];
   auto chunk_rows = [&](const C* cache, int64_t c0, int64_t m, int64_t h) {
     for (int64_t c = 0; c < m; ++c) {
       const C* row = cache + rows[c0 + c] + h * D;
-      if constexpr (kFp8<C>) chunk[c] = as_float(row, w.rows32.data() + c * D, D);
-      else chunk[c] = row;
+      if constexpr (kFp8<C> && std::is_same_v<R, float>) {
+        chunk[c] = as_float(row, w.rows32.data() + c * D, D);
+      } else if constexpr (kFp8<C>) {  // exactly: every fp8 value is a bf16 one
+        widen_fp8(row, w.rows16.data() + c * D, D);
+        chunk[c] = w.rows16.data() + c * D;
+      } else {
+        chunk[c] = row;
+      }
     }
   };
   float* scores = w.scores.data();
@@ -336,8 +343,8 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
                           scratch, partials, t * span);
       });
     };
-    // bf16 queries over a bf16 cache take the dot tiles where the CPU has them; the rest fp32 tiles.
-    constexpr bool kDots = kDotTiles && std::is_same_v<T, at::BFloat16> && std::is_same_v<C, at::BFloat16>;
+    // bf16 queries over a bf16 or fp8 cache take the dot tiles where the CPU has them; the rest fp32 tiles.
+    constexpr bool kDots = kDotTiles && std::is_same_v<T, at::BFloat16> && (std::is_same_v<C, at::BFloat16> || kFp8<C>);
     if constexpr (kDots) {
       if (!in_tiles && D % 32 == 0) run_splits(static_cast<at::BFloat16*>(nullptr));
       else if (!in_tiles) run_splits(static_cast<float*>(nullptr));
