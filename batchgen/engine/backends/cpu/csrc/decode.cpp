@@ -345,11 +345,13 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
     };
     // bf16 queries over a bf16 or fp8 cache take the dot tiles where the CPU has them; the rest fp32 tiles.
     constexpr bool kDots = kDotTiles && std::is_same_v<T, at::BFloat16> && (std::is_same_v<C, at::BFloat16> || kFp8<C>);
-    if constexpr (kDots) {
-      if (!in_tiles && D % 32 == 0) run_splits(static_cast<at::BFloat16*>(nullptr));
-      else if (!in_tiles) run_splits(static_cast<float*>(nullptr));
-    } else if (!in_tiles) {
-      run_splits(static_cast<float*>(nullptr));
+    if (!in_tiles) {
+      if constexpr (kDots) {
+        if (D % 32 == 0) run_splits(static_cast<at::BFloat16*>(nullptr));
+        else run_splits(static_cast<float*>(nullptr));
+      } else {
+        run_splits(static_cast<float*>(nullptr));
+      }
     }
     // Combine each (row, KV head)'s splits in split order.
     T* out_p = out.data_ptr<T>();
