@@ -39,6 +39,7 @@ struct Decode {
   const C* k_cache; const C* v_cache; int64_t cache_block, cache_row, block_size;
   const int32_t* tables; int64_t tables_row;
   Heads group;  // the G query heads of a KV head, keys and values head_dim wide
+  T* out; int64_t out_row;  // (B, Hq, head_dim)
 };
 
 // A thread's scratch, overwritten by each split before it is read: the queries (`span` KV heads' groups: fp32,
@@ -99,15 +100,32 @@ inline void group_scores(const Heads& h, const Q* q, const R* const* rows, int64
   });
 }
 
-// A score row of n keys becomes its probabilities e^(scaled score - max); returns (max, sum).
+// A score row of n keys becomes its probabilities e^(scaled score - max), in two passes: the scale is positive,
+// so the largest scaled score is the largest score scaled. Returns (max, sum).
 inline std::pair<float, float> softmax_row(float* s, int64_t n, float scale, float cap) {
-  if (cap > 0.f)
+  constexpr int64_t L = Vec::size();
+  if (cap > 0.f) {
     at::vec::map([scale, cap](Vec x) { return Vec(cap) * (x * Vec(scale / cap)).tanh(); }, s, s, n);
-  else
-    at::vec::map([scale](Vec x) { return x * Vec(scale); }, s, s, n);
-  const float mx = at::vec::reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, s, n);
-  at::vec::map([mx](Vec x) { return exp_nonpositive(x - Vec(mx)); }, s, s, n);
-  return {mx, at::vec::reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, s, n)};
+    scale = 1.f;
+  }
+  Vec top(kNegInf);
+  int64_t c = 0;
+  for (; c + L <= n; c += L) top = larger(top, Vec::loadu(s + c));
+  float mx = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return larger(x, y); }, top);
+  for (; c < n; ++c) mx = std::max(mx, s[c]);
+  mx *= scale;
+  Vec sum(0.f);
+  for (c = 0; c + L <= n; c += L) {
+    const Vec p = exp_nonpositive(Vec::loadu(s + c) * Vec(scale) - Vec(mx));
+    p.store(s + c);
+    sum = sum + p;
+  }
+  if (c < n) {  // the tail's lanes past n add nothing
+    const Vec p = Vec::set(Vec(0.f), exp_nonpositive(Vec::loadu(s + c, n - c) * Vec(scale) - Vec(mx)), n - c);
+    p.store(s + c, n - c);
+    sum = sum + p;
+  }
+  return {mx, at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, sum)};
 }
 
 // o[h][d0, d0 + NV vectors) = (fresh ? 0 : o) + sum_c p[h][c] row_c[d0...] for HB heads (p's rows `stride` apart):
@@ -184,12 +202,13 @@ inline void group_values(const Heads& h, float* o, const at::BFloat16* p, int64_
 // (every KV head side by side) are read once for all the heads, in the cache's own order. First every score; then
 // each query head's softmax over the whole split (no running rescale); then the values, each chunk's added to
 // the outputs. Meanwhile the start of the next chunk's rows is asked for (keys, then values, then the first keys
-// of `after`, the thread's next task; null: none). KV head it[h].head's heads go into item i0 + h's partial,
-// computed as it would be alone: how the heads are grouped changes no rounding.
+// of `after`, the thread's next task, and its queries; null: none). KV head it[h].head's heads go into item i0 +
+// h's partial, computed as it would be alone: how the heads are grouped changes no rounding. A row of one split
+// (`whole`) then writes its output itself, as the merge of one split would (no merge pass for it).
 // Q: the queries' and probabilities' type the tiles take, fp32, or bf16 for the dot tiles.
 template <typename Q, typename T, typename C>
-void attend_split(const Decode<T, C>& a, const Item* it, const Item* after, int64_t span, SplitScratch& w,
-                  Partials& partials, int64_t i0) {
+void attend_split(const Decode<T, C>& a, const Item* it, const Item* after, int64_t span, bool whole,
+                  SplitScratch& w, Partials& partials, int64_t i0) {
   const int64_t G = a.group.count, D = a.group.key_width, n = it[0].last - it[0].first, S = w.stride;
   Heads heads = a.group;
   heads.count = span * G;
@@ -246,6 +265,9 @@ void attend_split(const Decode<T, C>& a, const Item* it, const Item* after, int6
   const Q* probs;
   if constexpr (std::is_same_v<Q, float>) probs = scores;
   else probs = w.p16.data();
+  if (after)  // the next task's queries: `span` KV heads' groups from its first head
+    for (int64_t g = 0; g < span * G; ++g)
+      prefetch(a.q + after->seq * a.q_row + (after->head * G + g) * a.q_head, D * sizeof(T));
   for (int64_t c0 = 0; c0 < n; c0 += kChunk) {
     const int64_t m = std::min(kChunk, n - c0);
     Ahead ahead = ahead_of(a.v_cache, c0, a.k_cache, next, next_count);
@@ -254,6 +276,11 @@ void attend_split(const Decode<T, C>& a, const Item* it, const Item* after, int6
       group_values(a.group, partials.o_of(i0 + h), probs + h * G * S + c0, S, chunk, m, c0 == 0, ahead);
     }
   }
+  if (whole)
+    for (int64_t h = 0; h < span; ++h)
+      for (int64_t g = 0; g < G; ++g)
+        store_normalised(partials.o_of(i0 + h) + g * D, partials.l_of(i0 + h)[g], D,
+                         a.out + it[0].seq * a.out_row + ((it[0].head + h) * G + g) * D);
 }
 
 #if defined(BATCHGEN_AMX)
@@ -297,7 +324,6 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
     return sliding_window > 0 ? std::max<int64_t>(0, len - sliding_window) : 0;
   });
   const int64_t G = Hq / Hkv, num_items = plan.items.size();
-  Partials partials(num_items, G, D);
   int64_t longest = 0;
   for (const Item& item : plan.items) longest = std::max(longest, item.last - item.first);
 
@@ -308,9 +334,11 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
                          reinterpret_cast<const C*>(k_cache.const_data_ptr()),
                          reinterpret_cast<const C*>(v_cache.const_data_ptr()), k_cache.stride(0), k_cache.stride(1),
                          block_size, tables.const_data_ptr<int32_t>(), tables.size(1),
-                         Heads{G, D, D, static_cast<float>(scale), static_cast<float>(softcap)}};
+                         Heads{G, D, D, static_cast<float>(scale), static_cast<float>(softcap)},
+                         out.data_ptr<T>(), Hq * D};
     // Rows enough to keep every thread busy with tasks of several KV heads; else a task takes one KV head.
     const bool wide_tasks = num_items / Hkv >= 2 * at::get_num_threads();
+    Partials partials(num_items, G, D, /*zeroed=*/false);  // every item writes all of its own
     bool in_tiles = false;
 #if defined(BATCHGEN_AMX)
     if constexpr (std::is_same_v<T, at::BFloat16>) {
@@ -338,9 +366,11 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
       at::parallel_for(0, num_items / span, 1, [&](int64_t begin, int64_t end) {
         // Scratch a call's items overwrite before reading: private to this call, its contents never carried over.
         SplitScratch scratch(a.group, span, longest, !std::is_same_v<Q, float>);
-        for (int64_t t = begin; t < end; ++t)
+        for (int64_t t = begin; t < end; ++t) {
+          const int64_t seq = plan.items[t * span].seq;
           attend_split<Q>(a, &plan.items[t * span], t + 1 < end ? &plan.items[(t + 1) * span] : nullptr, span,
-                          scratch, partials, t * span);
+                          plan.first_item[seq + 1] - plan.first_item[seq] == Hkv, scratch, partials, t * span);
+        }
       });
     };
     // bf16 queries over a bf16 or fp8 cache take the dot tiles where the CPU has them; the rest fp32 tiles.
@@ -353,14 +383,17 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
         run_splits(static_cast<float*>(nullptr));
       }
     }
-    // Combine each (row, KV head)'s splits in split order.
-    T* out_p = out.data_ptr<T>();
-    at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+    // Combine each (row, KV head)'s splits in split order: the rows of several splits (after the AMX tiles, all).
+    std::vector<int64_t> to_merge;
+    for (int64_t b = 0; b < B; ++b)
+      if (in_tiles || plan.first_item[b + 1] - plan.first_item[b] > Hkv) to_merge.push_back(b);
+    if (to_merge.empty()) return;
+    at::parallel_for(0, static_cast<int64_t>(to_merge.size()) * Hkv, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> acc(D);
       for (int64_t bh = begin; bh < end; ++bh) {
-        const int64_t b = bh / Hkv, h = bh % Hkv;
+        const int64_t b = to_merge[bh / Hkv], h = bh % Hkv;
         const int64_t splits = (plan.first_item[b + 1] - plan.first_item[b]) / Hkv;
-        merge_splits(partials, plan.first_item[b] + h, Hkv, splits, out_p + (b * Hq + h * G) * D, acc.data());
+        merge_splits(partials, plan.first_item[b] + h, Hkv, splits, a.out + (b * Hq + h * G) * D, acc.data());
       }
     });
   };

@@ -16,7 +16,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -83,19 +85,33 @@ inline void prefetch(const void* p, int64_t bytes) {
   for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(c + b);
 }
 
-// Partial results, one slot per (item, query head): `dim` output values, max and sum.
+// Partial results, one slot per (item, query head): `dim` output values, max and sum. The outputs start zeroed
+// unless every item writes its own before anything reads them (`zeroed` false: no fill of a few hundred KiB a call).
 struct Partials {
   int64_t heads, dim;
-  std::vector<float> o, m, l;
-  Partials(int64_t items, int64_t heads_, int64_t dim_)
-      : heads(heads_), dim(dim_), o(items * heads_ * dim_), m(items * heads_), l(items * heads_) {}
-  float* o_of(int64_t item) { return o.data() + item * heads * dim; }
+  std::unique_ptr<float[]> o;
+  std::vector<float> m, l;
+  Partials(int64_t items, int64_t heads_, int64_t dim_, bool zeroed = true)
+      : heads(heads_), dim(dim_), o(zeroed ? new float[items * heads_ * dim_]() : new float[items * heads_ * dim_]),
+        m(items * heads_), l(items * heads_) {}
+  float* o_of(int64_t item) { return o.get() + item * heads * dim; }
   float* m_of(int64_t item) { return m.data() + item * heads; }
   float* l_of(int64_t item) { return l.data() + item * heads; }
 };
 
+// dst[0, D) = o / l in T.
+template <typename T>
+inline void store_normalised(const float* o, float l, int64_t D, T* dst) {
+  const float inv = 1.f / l;
+  int64_t d = 0;
+  for (; d + kStep <= D; d += kStep)
+    store2(dst + d, Vec::loadu(o + d) * Vec(inv), Vec::loadu(o + d + Vec::size()) * Vec(inv));
+  for (; d < D; ++d) dst[d] = static_cast<T>(o[d] * inv);
+}
+
 // Combines the items i0 + s * stride for s in [0, splits) in split order, out = sum_s e^(m_s - M) o_s /
-// sum_s e^(m_s - M) l_s, into dst (heads rows of dim). acc: dim floats of scratch.
+// sum_s e^(m_s - M) l_s, into dst (heads rows of dim). acc: dim floats of scratch. One split's result is its own
+// o / l exactly (weight e^0 = 1), as store_normalised writes it.
 template <typename T>
 void merge_splits(const Partials& p, int64_t i0, int64_t stride, int64_t splits, T* dst, float* acc) {
   const int64_t D = p.dim;
@@ -108,14 +124,9 @@ void merge_splits(const Partials& p, int64_t i0, int64_t stride, int64_t splits,
       const int64_t slot = (i0 + s * stride) * p.heads + g;
       const float w = std::exp(p.m[slot] - mx);
       denom += w * p.l[slot];
-      at::vec::map2([w](Vec x, Vec y) { return at::vec::fmadd(Vec(w), y, x); }, acc, acc, p.o.data() + slot * D, D);
+      at::vec::map2([w](Vec x, Vec y) { return at::vec::fmadd(Vec(w), y, x); }, acc, acc, p.o.get() + slot * D, D);
     }
-    const float inv = 1.f / denom;
-    T* row = dst + g * D;
-    int64_t d = 0;
-    for (; d + kStep <= D; d += kStep)
-      store2(row + d, Vec::loadu(acc + d) * Vec(inv), Vec::loadu(acc + d + Vec::size()) * Vec(inv));
-    for (; d < D; ++d) row[d] = static_cast<T>(acc[d] * inv);
+    store_normalised(acc, denom, D, dst + g * D);
   }
 }
 
@@ -145,8 +156,12 @@ struct Scratch {
 // out (heads, key_width: fp32, or bf16 for the bf16 dot tiles) from `heads` rows of q, head_stride apart.
 template <typename T, typename Q>
 inline void load_queries(const T* q, int64_t head_stride, const Heads& h, Q* out) {
-  for (int64_t g = 0; g < h.count; ++g)
-    for (int64_t d = 0; d < h.key_width; ++d) out[g * h.key_width + d] = static_cast<Q>(q[g * head_stride + d]);
+  for (int64_t g = 0; g < h.count; ++g) {
+    if constexpr (std::is_same_v<T, Q>)
+      std::memcpy(out + g * h.key_width, q + g * head_stride, h.key_width * sizeof(Q));
+    else
+      for (int64_t d = 0; d < h.key_width; ++d) out[g * h.key_width + d] = static_cast<Q>(q[g * head_stride + d]);
+  }
 }
 
 // The row as fp32: itself for an fp32 cache, else converted into buf.

@@ -368,6 +368,18 @@ inline __m512 reciprocal_ps(__m512 x) {
 constexpr float kRescaleLog2 = 8.f;
 constexpr float kLog2e = 1.4426950408889634f;
 
+// The lane-wise larger of two vectors, without at::vec::maximum's NaN check (a NaN score makes its row's
+// probabilities NaN either way).
+inline Vec larger(const Vec& a, const Vec& b) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return Vec(_mm512_max_ps(a, b));
+#elif defined(CPU_CAPABILITY_AVX2)
+  return Vec(_mm256_max_ps(a, b));
+#else
+  return at::vec::maximum(a, b);
+#endif
+}
+
 // e^x for x <= 0 (a softmax's shifted scores): 2^(x log2 e) by the degree-6 polynomial (~1e-7 relative, inline:
 // twice as fast as Sleef's out-of-line exp), 0 where that is below 2^-126.
 inline Vec exp_nonpositive(const Vec& x) {
