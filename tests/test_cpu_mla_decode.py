@@ -19,6 +19,7 @@ F32, BF16 = torch.float32, torch.bfloat16
 DEEPSEEK = (512, 64)  # DeepSeek-V2/V3's kv_lora_rank and rope dims
 SMALL = (32, 8)  # the tiny test models'
 ODD = (36, 6)  # no whole vector steps at the rows' or the values' ends
+DOTS = (64, 32)  # rows and values in 32-dim steps of different counts: bf16 takes the dot tiles where the CPU has them
 # DeepSeek's width on fewer keys (the torch path pads every row to the longest); bf16 (emulated here) tinier.
 DEEPSEEK_CONTEXTS = [1, 15, 16, 17, 255, 256, 257, 1000, 4096]
 BF16_CONTEXTS = [1, 17, 300]
@@ -77,6 +78,7 @@ def torch_path(step: LatentStep, scale: float) -> torch.Tensor:
 CASES = [(F32, heads, dims, contexts) for heads in (1, 16)
          for dims, contexts in ((DEEPSEEK, DEEPSEEK_CONTEXTS), (SMALL, CONTEXTS))]
 CASES += [(BF16, heads, SMALL, BF16_CONTEXTS) for heads in (1, 16)]
+CASES += [(BF16, 16, DEEPSEEK, BF16_CONTEXTS), (BF16, 5, DOTS, BF16_CONTEXTS)]
 CASES.append((F32, 5, ODD, CONTEXTS))  # 5 heads: whole register tiles of heads and a partial one
 
 
@@ -84,7 +86,7 @@ CASES.append((F32, 5, ODD, CONTEXTS))  # 5 heads: whole register tiles of heads 
                          ids=[f"{'fp32' if d == F32 else 'bf16'}-H{h}-R{r[0]}" for d, h, r, _ in CASES])
 def test_latent_decode_against_fp64_and_torch(kernels, dtype, heads, dims, contexts):
     step = latent_step(dtype, heads, dims, contexts)
-    scale = {DEEPSEEK: 192, SMALL: 24, ODD: 20}[dims] ** -0.5  # nope + rope head dims, not the latent width
+    scale = {DEEPSEEK: 192, SMALL: 24, ODD: 20, DOTS: 48}[dims] ** -0.5  # nope + rope head dims, not the latent width
     ours = fused(step, scale)
     assert ours.shape == (len(contexts), heads, dims[0]) and ours.dtype == dtype
     assert_as_good_as_torch(ours, torch_path(step, scale), fp64_latent(step, scale), dtype)
@@ -133,7 +135,8 @@ def test_backend_sends_its_dtypes_to_the_op_and_others_to_torch(kernels, monkeyp
 
 # Shapes for the determinism test: DeepSeek's widths over many splits, the small and odd ones, bf16.
 STRESS = [(F32, 16, DEEPSEEK, DEEPSEEK_CONTEXTS), (F32, 1, SMALL, CONTEXTS), (F32, 16, SMALL, CONTEXTS),
-          (F32, 5, ODD, CONTEXTS), (BF16, 16, SMALL, BF16_CONTEXTS)]
+          (F32, 5, ODD, CONTEXTS), (BF16, 16, SMALL, BF16_CONTEXTS), (BF16, 16, DEEPSEEK, BF16_CONTEXTS),
+          (BF16, 5, DOTS, BF16_CONTEXTS)]
 
 
 def stress_runs(threads: int, repeats: int) -> list[list[torch.Tensor]]:

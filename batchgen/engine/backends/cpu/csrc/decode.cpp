@@ -93,7 +93,7 @@ template <typename Q, typename R>
 inline void group_scores(const Heads& h, const Q* q, const R* const* rows, int64_t n, float* s, int64_t stride,
                          Ahead& ahead) {
   const int64_t W = h.key_width;
-  in_tiles<kScoreHeads>(h.count, [&](auto heads, int64_t g) {
+  in_tiles<std::is_same_v<Q, float> ? kScoreHeads : kDotHeads>(h.count, [&](auto heads, int64_t g) {
     in_tiles<kScoreRows>(n, [&](auto keys, int64_t c) {
       score_tile<heads, keys>(q + g * W, W, rows + c, s + g * stride + c, stride, ahead);
     });
@@ -188,7 +188,7 @@ inline void group_values(const Heads& h, float* o, const float* p, int64_t strid
 inline void group_values(const Heads& h, float* o, const at::BFloat16* p, int64_t stride,
                          const at::BFloat16* const* rows, int64_t n, bool fresh, Ahead& ahead) {
   const int64_t V = h.value_width;
-  in_tiles<kSpanHeads>(h.count, [&](auto heads, int64_t g) {
+  in_tiles<kDotHeads>(h.count, [&](auto heads, int64_t g) {
     int64_t d = 0;
     for (; d + 64 <= V; d += 64)
       paired_value_span<heads, 2>(o + g * V, V, d, p + g * stride, stride, rows, n, fresh, ahead);
@@ -276,11 +276,12 @@ void attend_split(const Decode<T, C>& a, const Item* it, const Item* after, int6
       group_values(a.group, partials.o_of(i0 + h), probs + h * G * S + c0, S, chunk, m, c0 == 0, ahead);
     }
   }
+  const int64_t V = a.group.value_width;
   if (whole)
     for (int64_t h = 0; h < span; ++h)
       for (int64_t g = 0; g < G; ++g)
-        store_normalised(partials.o_of(i0 + h) + g * D, partials.l_of(i0 + h)[g], D,
-                         a.out + it[0].seq * a.out_row + ((it[0].head + h) * G + g) * D);
+        store_normalised(partials.o_of(i0 + h) + g * V, partials.l_of(i0 + h)[g], V,
+                         a.out + it[0].seq * a.out_row + ((it[0].head + h) * G + g) * V);
 }
 
 #if defined(BATCHGEN_AMX)
@@ -301,16 +302,19 @@ void attend_split_in_tiles(const Decode<at::BFloat16, C>& a, const amx::TileHead
 }
 #endif
 
-void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                            const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
-                            int64_t sliding_window, double softcap, int64_t split_keys, bool tiles,
-                            const at::Tensor& out) {
-  TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes() && q.stride(2) == 1 && out.is_contiguous(),
-              "q must be (B, Hq, D) with contiguous head dims, out contiguous and of q's shape");
+}  // namespace
+
+void decode_rows(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                 const at::Tensor& block_tables, const at::Tensor& context_lens, double scale, int64_t sliding_window,
+                 double softcap, int64_t split_keys, int64_t value_width, bool tiles, const at::Tensor& out) {
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && out.is_contiguous() && out.dim() == 3 && out.size(0) == q.size(0) &&
+              out.size(1) == q.size(1) && out.size(2) == value_width,
+              "q must be (B, Hq, D) with contiguous head dims, out contiguous (B, Hq, value width)");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
               v_cache.sizes() == k_cache.sizes(), "caches must be contiguous (blocks, block_size, Hkv, D)");
-  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = k_cache.size(2);
+  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = k_cache.size(2), V = value_width;
   TORCH_CHECK(k_cache.size(3) == D && Hq % Hkv == 0, "cache head_dim or head counts do not match q");
+  TORCH_CHECK(V > 0 && V <= D, "value width ", V, " outside 1..", D);
   const auto scalar = q.scalar_type(), cached = k_cache.scalar_type();
   TORCH_CHECK(out.scalar_type() == scalar && v_cache.scalar_type() == cached,
               "out must have q's dtype, the caches one");
@@ -334,11 +338,11 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
                          reinterpret_cast<const C*>(k_cache.const_data_ptr()),
                          reinterpret_cast<const C*>(v_cache.const_data_ptr()), k_cache.stride(0), k_cache.stride(1),
                          block_size, tables.const_data_ptr<int32_t>(), tables.size(1),
-                         Heads{G, D, D, static_cast<float>(scale), static_cast<float>(softcap)},
-                         out.data_ptr<T>(), Hq * D};
+                         Heads{G, D, V, static_cast<float>(scale), static_cast<float>(softcap)},
+                         out.data_ptr<T>(), Hq * V};
     // Rows enough to keep every thread busy with tasks of several KV heads; else a task takes one KV head.
     const bool wide_tasks = num_items / Hkv >= 2 * at::get_num_threads();
-    Partials partials(num_items, G, D, /*zeroed=*/false);  // every item writes all of its own
+    Partials partials(num_items, G, V, /*zeroed=*/false);  // every item writes all of its own
     bool in_tiles = false;
 #if defined(BATCHGEN_AMX)
     if constexpr (std::is_same_v<T, at::BFloat16>) {
@@ -346,7 +350,7 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
       const int64_t per_task = wide_tasks ? amx::kv_heads_per_item(G, D, Hkv) : 1;
       const int64_t tasks_per_split = (Hkv + per_task - 1) / per_task;
       const amx::TileHeads widest = amx::grouped_heads(G, D, per_task);
-      in_tiles = tiles && softcap == 0.0 && amx::supports_tiles(widest, block_size);
+      in_tiles = tiles && softcap == 0.0 && V == D && amx::supports_tiles(widest, block_size);
       if (in_tiles)
         at::parallel_for(0, num_items / Hkv * tasks_per_split, 1, [&](int64_t begin, int64_t end) {
           amx::TileSession session;
@@ -377,7 +381,7 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
     constexpr bool kDots = kDotTiles && std::is_same_v<T, at::BFloat16> && (std::is_same_v<C, at::BFloat16> || kFp8<C>);
     if (!in_tiles) {
       if constexpr (kDots) {
-        if (D % 32 == 0) run_splits(static_cast<at::BFloat16*>(nullptr));
+        if (D % 32 == 0 && V % 32 == 0) run_splits(static_cast<at::BFloat16*>(nullptr));
         else run_splits(static_cast<float*>(nullptr));
       } else {
         run_splits(static_cast<float*>(nullptr));
@@ -389,11 +393,11 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
       if (in_tiles || plan.first_item[b + 1] - plan.first_item[b] > Hkv) to_merge.push_back(b);
     if (to_merge.empty()) return;
     at::parallel_for(0, static_cast<int64_t>(to_merge.size()) * Hkv, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> acc(D);
+      std::vector<float> acc(V);
       for (int64_t bh = begin; bh < end; ++bh) {
         const int64_t b = to_merge[bh / Hkv], h = bh % Hkv;
         const int64_t splits = (plan.first_item[b + 1] - plan.first_item[b]) / Hkv;
-        merge_splits(partials, plan.first_item[b] + h, Hkv, splits, a.out + (b * Hq + h * G) * D, acc.data());
+        merge_splits(partials, plan.first_item[b] + h, Hkv, splits, a.out + (b * Hq + h * G) * V, acc.data());
       }
     });
   };
@@ -403,6 +407,17 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
     else if (cached == at::kBFloat16) launch(tag, static_cast<at::BFloat16*>(nullptr));
     else launch(tag, tag);
   });
+}
+
+namespace {
+
+void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
+                            int64_t sliding_window, double softcap, int64_t split_keys, bool tiles,
+                            const at::Tensor& out) {
+  TORCH_CHECK(out.sizes() == q.sizes(), "out must have q's shape");
+  decode_rows(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, softcap, split_keys, q.size(2),
+              tiles, out);
 }
 
 }  // namespace

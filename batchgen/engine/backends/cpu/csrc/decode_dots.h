@@ -14,6 +14,7 @@ namespace batchgen_cpu {
 
 #if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
 constexpr bool kDotTiles = true;
+constexpr int kDotHeads = 4;  // heads a score or value tile takes (4 x 4 scores; 4 heads x 64 dims of values)
 
 inline __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh&>(v); }
 
@@ -82,6 +83,7 @@ inline void paired_value_span(float* o, int64_t V, int64_t d0, const at::BFloat1
 }
 #else
 constexpr bool kDotTiles = false;
+constexpr int kDotHeads = 1;
 #endif
 
 // n probabilities (fp32) rounded to bf16 into out, and a zero after them where n is odd (the pair of the last

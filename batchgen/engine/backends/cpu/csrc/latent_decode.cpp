@@ -15,6 +15,7 @@
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
+#include "decode_dots.h"
 #include "decode_tiles.h"
 #include "paged.h"
 #include "vec.h"
@@ -83,6 +84,18 @@ void latent_decode_attention(const at::Tensor& q, const at::Tensor& cache, const
   auto ctx = context_lens.to(at::kInt).contiguous();  // as the engine passes them: no copy a layer
   auto tables = block_tables.to(at::kInt).contiguous();
   TORCH_CHECK(ctx.numel() == B, "one context length per row");
+  bool in_tiles = false;  // bf16 rows in AMX tiles
+#if defined(BATCHGEN_AMX)
+  const amx::TileHeads tile_heads{H, H, W, value_dim};
+  in_tiles = tiles && scalar == at::kBFloat16 && amx::supports_tiles(tile_heads, cache.size(1));
+#endif
+  if (kDotTiles && scalar == at::kBFloat16 && !in_tiles && W % 32 == 0 && value_dim % 32 == 0) {
+    // bf16 rows on a CPU with dot tiles (and no AMX tiles for them): the per-head op's two passes, one KV head
+    // whose values are its keys' first value_dim dims.
+    const at::Tensor rows = cache.unsqueeze(2);
+    decode_rows(q, rows, rows, tables, ctx, scale, 0, 0.0, split_keys, value_dim, false, out);
+    return;
+  }
   const DecodePlan plan = plan_decode(ctx, tables, cache.size(1), cache.size(0), 1, split_keys,
                                       [](int64_t) { return int64_t{0}; });
   const int64_t num_items = plan.items.size();
@@ -93,17 +106,14 @@ void latent_decode_attention(const at::Tensor& q, const at::Tensor& cache, const
     const Latent<T> a{q.const_data_ptr<T>(), q.stride(0), q.stride(1), cache.const_data_ptr<T>(), cache.stride(0),
                       cache.stride(1), cache.size(1), tables.const_data_ptr<int32_t>(), tables.size(1),
                       Heads{H, W, value_dim, static_cast<float>(scale), 0.f}};
-    bool in_tiles = false;
 #if defined(BATCHGEN_AMX)
     if constexpr (std::is_same_v<T, at::BFloat16>) {
-      const amx::TileHeads heads{H, H, W, value_dim};
-      in_tiles = tiles && amx::supports_tiles(heads, a.block_size);
       if (in_tiles)
         at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
           amx::TileSession session;
-          auto scratch = std::make_unique<amx::TileScratch>(heads);
+          auto scratch = std::make_unique<amx::TileScratch>(tile_heads);
           for (int64_t i = begin; i < end; ++i)
-            attend_split_in_tiles(a, heads, plan.items[i], *scratch, partials.o_of(i), partials.m_of(i),
+            attend_split_in_tiles(a, tile_heads, plan.items[i], *scratch, partials.o_of(i), partials.m_of(i),
                                   partials.l_of(i));
         });
     }

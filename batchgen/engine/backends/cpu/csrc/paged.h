@@ -26,6 +26,13 @@ namespace batchgen_cpu {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
+// The per-head op's two passes (decode.cpp), for any head layout whose values are the first `value_width`
+// dims of a cache row: q (B, Hq, D), caches (blocks, block_size, Hkv, D), out (B, Hq, value_width). The latent
+// op hands its bf16 rows to it where the CPU has the dot tiles (k_cache and v_cache one cache).
+void decode_rows(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                 const at::Tensor& block_tables, const at::Tensor& context_lens, double scale, int64_t sliding_window,
+                 double softcap, int64_t split_keys, int64_t value_width, bool tiles, const at::Tensor& out);
+
 struct Item {
   int64_t seq, head, first, last;  // keys [first, last) of sequence `seq` for KV head `head`
 };
