@@ -1,4 +1,5 @@
-"""The CPU kernels' expert op: the torch reference bit for bit, and mixture-of-experts decode steps it lets replay."""
+"""The CPU kernels' expert op against the torch reference (bit for bit in fp32; bf16's few-row experts as close
+to the exact mixture), and mixture-of-experts decode steps it lets replay."""
 from __future__ import annotations
 
 import shutil
@@ -10,6 +11,7 @@ from batchgen.engine import LLM, SamplingParams
 from batchgen.engine.backends.cpu import build, ops
 from batchgen.engine.backends.cpu.features import cpu_features
 from batchgen.engine.backends.torch.ops import fused_moe
+from tests.test_cpu_decode import assert_as_good_as_torch
 from tests.tiny_models import MLA_ARCHS, MOE_ARCHS
 
 
@@ -20,22 +22,66 @@ def kernels():
     assert build.load_kernels(), "the fused CPU kernels failed to build; see the warning above"
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("num_experts,top_k,tokens", [(1, 1, 5), (8, 2, 19), (16, 4, 64), (6, 2, 0)])
-def test_expert_op_is_the_torch_reference_bit_for_bit(dtype, num_experts, top_k, tokens):
+def exact_moe(x, w13, w2, weights, ids) -> torch.Tensor:
+    """The mixture in float64: each token's experts' SwiGLU outputs, weighted and summed (ids -1 add nothing)."""
+    out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for e, w in zip(ids[t].tolist(), weights[t].tolist(), strict=True):
+            if e >= 0:
+                gate, up = (w13[e].double() @ x[t].double()).chunk(2)
+                out[t] += w * (w2[e].double() @ (torch.nn.functional.silu(gate) * up))
+    return out
+
+
+def expert_case(num_experts, top_k, tokens, hidden, inter, dtype):
     gen = torch.Generator().manual_seed(num_experts + tokens)
-    x = torch.randn(tokens, 32, generator=gen).to(dtype)
-    w13 = (torch.randn(num_experts, 48, 32, generator=gen) * 0.2).to(dtype)
-    w2 = (torch.randn(num_experts, 32, 24, generator=gen) * 0.2).to(dtype)
+    x = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    w13 = (torch.randn(num_experts, 2 * inter, hidden, generator=gen) * 0.2).to(dtype)
+    w2 = (torch.randn(num_experts, hidden, inter, generator=gen) * 0.2).to(dtype)
     ids = torch.rand(tokens, num_experts, generator=gen).argsort(dim=1)[:, :top_k]
     weights = torch.rand(tokens, top_k, generator=gen)
-    got = ops.fused_moe(x, w13, w2, weights, ids)
-    assert got.shape == (tokens, 32) and got.dtype == dtype
-    assert torch.equal(got, fused_moe(x, w13, w2, weights, ids))
-    # -1: a pair another expert-parallel rank computes, which adds nothing here.
     elsewhere = ids.masked_fill(torch.rand(tokens, top_k, generator=gen) < 0.5, -1)
-    assert torch.equal(ops.fused_moe(x, w13, w2, weights, elsewhere, skip_negative=True),
-                       fused_moe(x, w13, w2, weights, elsewhere, skip_negative=True))
+    return x, w13, w2, weights, ids, elsewhere
+
+
+# (experts, top_k, tokens, hidden, intermediate): inter 24 leaves the second matmul's K off the dot tiles' 32-dim
+# steps; 64 / 32 put both on them; 300 tokens of 2 experts give an expert more rows than the few-row tiles take.
+SHAPES = [(1, 1, 5, 32, 24), (8, 2, 19, 32, 24), (16, 4, 64, 32, 24), (6, 2, 0, 32, 24), (8, 2, 19, 64, 32),
+          (2, 1, 300, 64, 32)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_experts,top_k,tokens,hidden,inter", SHAPES)
+def test_expert_op_against_the_torch_reference(dtype, num_experts, top_k, tokens, hidden, inter):
+    """fp32: the reference bit for bit. bf16: as close to the exact mixture as the reference (experts of few
+    rows take the dot-product tiles where the CPU has AVX512-BF16, summing in another order)."""
+    x, w13, w2, weights, ids, elsewhere = expert_case(num_experts, top_k, tokens, hidden, inter, dtype)
+    # -1 (skip_negative): a pair another expert-parallel rank computes, which adds nothing here.
+    for routed, skip in ((ids, False), (elsewhere, True)):
+        got = ops.fused_moe(x, w13, w2, weights, routed, skip_negative=skip)
+        theirs = fused_moe(x, w13, w2, weights, routed, skip_negative=skip)
+        assert got.shape == (tokens, hidden) and got.dtype == dtype
+        if dtype == torch.float32 or tokens == 0:
+            assert torch.equal(got, theirs)
+        else:
+            assert_as_good_as_torch(got, theirs, exact_moe(x, w13, w2, weights, routed), dtype)
+
+
+def test_expert_op_is_bit_identical_across_thread_counts():
+    if torch.get_num_threads() < 2:
+        pytest.skip("one thread: nothing to compare against")
+    cases = [expert_case(8, 2, tokens, 64, 32, torch.bfloat16) for tokens in (1, 3, 19, 300)]
+    previous = torch.get_num_threads()
+    runs = []
+    try:
+        for threads in (1, 2, 1):
+            torch.set_num_threads(threads)
+            runs.append([ops.fused_moe(*case[:5]) for case in cases])
+    finally:
+        torch.set_num_threads(previous)
+    for run in runs[1:]:
+        for got, expected in zip(run, runs[0], strict=True):
+            assert torch.equal(got, expected)
 
 
 def test_expert_ids_outside_the_experts_are_refused():
