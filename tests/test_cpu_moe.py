@@ -1,5 +1,5 @@
-"""The CPU kernels' expert op against the torch reference (bit for bit in fp32; bf16's few-row experts as close
-to the exact mixture), and mixture-of-experts decode steps it lets replay."""
+"""The CPU kernels' expert op against the torch reference (experts of few rows as close to the exact mixture,
+the rest bit for bit), and mixture-of-experts decode steps it lets replay."""
 from __future__ import annotations
 
 import shutil
@@ -44,8 +44,9 @@ def expert_case(num_experts, top_k, tokens, hidden, inter, dtype):
     return x, w13, w2, weights, ids, elsewhere
 
 
-# (experts, top_k, tokens, hidden, intermediate): inter 24 leaves the second matmul's K off the dot tiles' 32-dim
-# steps; 64 / 32 put both on them; 300 tokens of 2 experts give an expert more rows than the few-row tiles take.
+# (experts, top_k, tokens, hidden, intermediate): inter 24 leaves bf16's second matmul off the dot tiles' 32-dim
+# steps (and fp32's K past its last whole vector); 64 / 32 put both on them; 300 tokens of 2 experts give an
+# expert more rows than the few-row tiles take.
 SHAPES = [(1, 1, 5, 32, 24), (8, 2, 19, 32, 24), (16, 4, 64, 32, 24), (6, 2, 0, 32, 24), (8, 2, 19, 64, 32),
           (2, 1, 300, 64, 32)]
 
@@ -53,15 +54,15 @@ SHAPES = [(1, 1, 5, 32, 24), (8, 2, 19, 32, 24), (16, 4, 64, 32, 24), (6, 2, 0, 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_experts,top_k,tokens,hidden,inter", SHAPES)
 def test_expert_op_against_the_torch_reference(dtype, num_experts, top_k, tokens, hidden, inter):
-    """fp32: the reference bit for bit. bf16: as close to the exact mixture as the reference (experts of few
-    rows take the dot-product tiles where the CPU has AVX512-BF16, summing in another order)."""
+    """As close to the exact mixture as the reference: experts of few rows take the op's own tiles (bf16: where
+    the CPU has AVX512-BF16), which sum in another order; an expert of many rows is the reference's matmul."""
     x, w13, w2, weights, ids, elsewhere = expert_case(num_experts, top_k, tokens, hidden, inter, dtype)
     # -1 (skip_negative): a pair another expert-parallel rank computes, which adds nothing here.
     for routed, skip in ((ids, False), (elsewhere, True)):
         got = ops.fused_moe(x, w13, w2, weights, routed, skip_negative=skip)
         theirs = fused_moe(x, w13, w2, weights, routed, skip_negative=skip)
         assert got.shape == (tokens, hidden) and got.dtype == dtype
-        if dtype == torch.float32 or tokens == 0:
+        if tokens == 0:
             assert torch.equal(got, theirs)
         else:
             assert_as_good_as_torch(got, theirs, exact_moe(x, w13, w2, weights, routed), dtype)
@@ -70,7 +71,8 @@ def test_expert_op_against_the_torch_reference(dtype, num_experts, top_k, tokens
 def test_expert_op_is_bit_identical_across_thread_counts():
     if torch.get_num_threads() < 2:
         pytest.skip("one thread: nothing to compare against")
-    cases = [expert_case(8, 2, tokens, 64, 32, torch.bfloat16) for tokens in (1, 3, 19, 300)]
+    cases = [expert_case(8, 2, tokens, 64, inter, dtype) for tokens in (1, 3, 19, 300)
+             for dtype in (torch.float32, torch.bfloat16) for inter in (24, 32)]
     previous = torch.get_num_threads()
     runs = []
     try:
