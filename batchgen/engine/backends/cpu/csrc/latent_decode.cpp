@@ -8,7 +8,8 @@
 // online softmax across chunks; scores and values run in register tiles of several heads. Scores, softmax
 // and accumulation are fp32; the merge of a sequence's splits runs in split order, so the output is
 // bit-identical for any thread count. On CPUs with amx_bf16, bf16 caches' items run both products in tiles
-// (decode_tiles.h).
+// (decode_tiles.h); elsewhere with AVX512-BF16, bf16 rows of widths that are multiples of 32 go to the per-head
+// op's two passes and dot-product tiles (decode.cpp's decode_rows: one KV head, its values its rows' prefix).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>

@@ -67,6 +67,7 @@ template <typename T>
 bool few_rows_linear(const at::Tensor& a, const at::Tensor& w, const at::Tensor& out) {
   const int64_t M = a.size(0), K = a.size(1), N = w.size(0);
   constexpr bool kBf16 = std::is_same_v<T, at::BFloat16>;
+  if constexpr (kBf16 && !kDotTiles) return false;  // no dot tiles in this build
   if (M > kFewRows || !a.is_contiguous() || !w.is_contiguous() || !out.is_contiguous() || (kBf16 && K % 32 != 0))
     return false;
   std::vector<float> y(kBf16 ? M * N : 0);
@@ -103,7 +104,7 @@ at::Tensor expert_linear(const at::Tensor& a, const at::Tensor& w, at::Tensor ou
   if (!out.defined()) out = at::empty({a.size(0), w.size(0)}, a.options());
   bool done = false;
   if (a.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat) done = few_rows_linear<float>(a, w, out);
-  else if (kDotTiles && a.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16)
+  else if (a.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16)
     done = few_rows_linear<at::BFloat16>(a, w, out);
   if (!done) at::linear_out(out, a, w);
   return out;
