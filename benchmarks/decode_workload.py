@@ -36,7 +36,7 @@ def rows_matmul_rate(shapes: list[tuple[int, int]], rows: int, dtype: torch.dtyp
     """FLOP/s of ``x @ W^T`` with ``rows`` rows over the model's distinct linear shapes, weighted as the
     model runs them (each layer once): the rate a decode step of ``rows`` sequences could reach, by the faster
     of ``F.linear`` and, where the engine would use it, the fused small-row op (fp32), the AMX one (bf16) or
-    oneDNN's prepacked bf16 linear (bf16 without AMX). A bound is the best the machine reaches, so each path's rate
+    the prepacked bf16 linear (bf16 without AMX: ``dot_linear`` where it runs, else oneDNN's). A bound is the best the machine reaches, so each path's rate
     is its best of ``windows`` timed windows (a shared machine's slow spells, which move a 1-second average by
     30-60 % here, would otherwise lower the bound)."""
     mats = {s: torch.randn(*s).to(dtype) for s in set(shapes)}
@@ -67,6 +67,28 @@ def rows_matmul_rate(shapes: list[tuple[int, int]], rows: int, dtype: torch.dtyp
         return max(window(path) for _ in range(windows))
 
     return max(rate(path) for path in paths)
+
+
+def streamed_linears_rate(llm: LLM, rows: int, repeats: int = 5) -> float:
+    """FLOP/s of the model's own linear layers (lm_head included), each called once in the model's order on
+    ``rows`` random rows with nothing between them, as a decode step calls them: their weights stream from memory
+    (a step reads all of them once), where ``rows_matmul_rate``'s stay in the caches. The best of ``repeats``
+    passes, as that rate is the best of its windows."""
+    model = llm.engine.executor.runner.model
+    layers = [m for m in model.modules() if isinstance(m, (LinearBase, ParallelLMHead, PrepackedLinear))
+              and (not hasattr(m, "weight") or m.weight.dim() == 2)]
+    dtype = llm.config.dtype_choice.torch_dtype
+    shapes = [(m.out_features, m.in_features) if not hasattr(m, "weight") else tuple(m.weight.shape) for m in layers]
+    inputs = [torch.randn(rows, k).to(dtype) for _, k in shapes]
+    flops = sum(2 * rows * n * k for n, k in shapes)
+    best = math.inf
+    with torch.inference_mode():
+        for _ in range(repeats + 1):  # the first pass warms up
+            start = time.perf_counter()
+            for layer, x in zip(layers, inputs, strict=True):
+                layer(x)
+            best = min(best, time.perf_counter() - start)
+    return flops / best
 
 
 def kv_bytes_per_token(llm: LLM) -> int:

@@ -6,7 +6,9 @@ Queues ``--batch`` random prompts of ``--prompt-len`` tokens (max_num_seqs = bat
 two decode steps unprofiled, then ``--steps`` decode steps under the profiler, so only decode steps are measured.
 It prints each kind of work's share: the linear layers (with their FLOP rate beside the M-row rate the roofline
 uses), attention, the elementwise kernels, the sampler, the rest of torch's ops, and the host (Python:
-scheduling, metadata), the wall time no op accounts for.
+scheduling, metadata), the wall time no op accounts for. The roofline's M-row rate keeps each shape's weight in
+the caches; beside it, the rate of the model's own linears called back to back, whose weights (all of them read
+once a step) stream from memory as in a step.
 """
 from __future__ import annotations
 
@@ -22,13 +24,14 @@ from torch.profiler import ProfilerActivity, profile
 from batchgen.engine import LLM, SamplingParams
 from batchgen.engine.dtype import KV_CACHE_DTYPES
 from batchgen.engine.loading.hub import resolve_model_path
-from decode_workload import kv_bytes_per_token, linear_shapes, mean_context, random_prompts, read_bandwidth, roofline
+from decode_workload import (kv_bytes_per_token, linear_shapes, mean_context, random_prompts, read_bandwidth, roofline,
+                             streamed_linears_rate)
 
 # Profiler op names -> kind of work; the first pattern an op's name contains wins, unmatched aten ops are "other ops".
 # The CPU expert op (its matmuls inside) counts as linear layers.
 KINDS = (
-    ("linear layers", ("small_linear", "amx_linear", "_linear_pointwise", "fused_moe", "aten::addmm", "aten::mm",
-                       "aten::bmm", "aten::matmul", "aten::linear", "_weight_int8pack_mm")),
+    ("linear layers", ("small_linear", "amx_linear", "dot_linear", "_linear_pointwise", "fused_moe", "aten::addmm",
+                       "aten::mm", "aten::bmm", "aten::matmul", "aten::linear", "_weight_int8pack_mm")),
     ("attention", ("decode_attention", "varlen_causal_attention", "scaled_dot_product", "flash_attention",
                    "aten::index_select", "aten::gather")),
     ("sampler", ("row_argmax", "aten::argmax", "aten::max", "aten::logsumexp", "aten::softmax", "aten::sort",
@@ -117,6 +120,11 @@ def main() -> None:
           f"({roof.memory_tok_s:,.0f} tok/s); roofline {roof.tok_s:,.0f} tok/s, measured (profiled) "
           f"{tokens / decode_s / roof.tok_s:.0%} of it; with each row's K/V read too, "
           f"{roof.with_cache_tok_s:,.0f} tok/s ({tokens / decode_s / roof.with_cache_tok_s:.0%})")
+    streamed = streamed_linears_rate(llm, args.batch)
+    print(f"the model's linears back to back, their weights streamed from memory as a step streams them: "
+          f"{streamed / 1e9:,.0f} GFLOP/s ({streamed / roof.matmul_rate:.0%} of the {args.batch}-row rate)"
+          + (f"; the profiled steps' linears ran at {linear / by_kind['linear layers'] / streamed:.0%} of that"
+             if by_kind["linear layers"] else ""))
     print(f"\ntop {args.top} ops by self time in the decode steps:")
     for name, (seconds, calls) in sorted(ops.items(), key=lambda kv: -kv[1][0])[:args.top]:
         print(f"  {seconds / args.steps * 1e3:8.3f} ms/step {calls / args.steps:7.1f} calls/step  {name}")
@@ -126,7 +134,7 @@ def main() -> None:
                 {k: v / args.steps * 1e3 for k, v in by_kind.items()},
             "rows_matmul_gflops": roof.matmul_rate / 1e9, "roofline_tok_s": roof.tok_s,
             "flop_bound_tok_s": roof.compute_tok_s, "read_bound_tok_s": roof.memory_tok_s,
-            "with_cache_bound_tok_s": roof.with_cache_tok_s}, indent=2) + "\n")
+            "with_cache_bound_tok_s": roof.with_cache_tok_s, "streamed_linears_gflops": streamed / 1e9}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -31,8 +31,8 @@ DATA = Path(__file__).resolve().parent.parent / "jobs" / "data" / "articles.json
 
 # Profiler op names -> kind of work; the first pattern an op's name contains wins, unmatched aten ops are "other ops".
 KINDS = (
-    ("linear layers", ("amx_linear", "_linear_pointwise", "aten::addmm", "aten::mm", "aten::bmm", "aten::matmul",
-                       "aten::linear", "_weight_int8pack_mm")),
+    ("linear layers", ("amx_linear", "dot_linear", "_linear_pointwise", "aten::addmm", "aten::mm", "aten::bmm",
+                       "aten::matmul", "aten::linear", "_weight_int8pack_mm")),
     ("attention", ("varlen_causal_attention", "scaled_dot_product", "flash_attention")),
     ("norm/rotary/activation", ("batchgen_cpu::", "rms_norm", "silu", "aten::mul", "aten::add", "aten::rsqrt",
                                 "aten::pow", "aten::mean")),

@@ -23,8 +23,8 @@ from batchgen.engine.backends.cpu.features import CpuFeatures, cpu_features
 log = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).parent / "csrc"
-SOURCES = ("amx_linear.cpp", "attention.cpp", "decode.cpp", "elementwise.cpp", "latent_decode.cpp", "moe.cpp",
-           "small_linear.cpp")
+SOURCES = ("amx_linear.cpp", "attention.cpp", "decode.cpp", "dot_linear.cpp", "elementwise.cpp", "latent_decode.cpp",
+           "moe.cpp", "small_linear.cpp")
 HEADERS = ("amx.h", "attention_amx.h", "decode_dots.h", "decode_tiles.h", "paged.h", "varlen.h", "vec.h")
 DISABLE_ENV = "BATCHGEN_CPU_KERNELS"  # "0" turns the fused kernels off
 # -fopenmp: at::parallel_for runs its work on torch's threads only in code compiled with OpenMP (without it the

@@ -1,8 +1,11 @@
-"""The CPU kernel set's linear layers: bf16 weights prepacked once into oneDNN's blocked layout, and fp32 layers
-that multiply steps of a few rows with the fused small-row op.
+"""The CPU kernel set's linear layers: bf16 weights prepacked once (for ``batchgen_cpu.dot_linear`` on CPUs with
+AVX512-BF16 and no AMX, else into oneDNN's blocked layout), and fp32 layers that multiply steps of a few rows with
+the fused small-row op.
 
 torch's CPU linear reorders a bf16 weight on every call; packing it once measured 1.0-1.3x in prefill-sized
-matmuls and 1.3-2.7x in decode-sized ones with AMX. For fp32, prepacking gained nothing, but a step of a few
+matmuls and 1.3-2.7x in decode-sized ones with AMX. Without AMX, ``dot_linear``'s blocks stream from memory as
+fast as its products need them, where oneDNN's prepacked linear waits for its weights (against it, the layers of
+SmolLM2 with weights streamed from memory: 1.25x at 64 rows, 2-3x at 1-8, 0.98-1.03x at 512-8,192). For fp32, prepacking gained nothing, but a step of a few
 rows is bound by streaming the weight, and ``F.linear`` streams it at well under the memory's rate there (on
 AVX2 with 2 threads: one row on one thread; 2 rows take twice one row's time). ``small_linear`` streams it once
 per 64 rows, on every thread (1.4-3.3x ``F.linear`` at 1-64 rows, benchmarks/small_linear_cpu.py), for steps
@@ -20,25 +23,60 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from batchgen.engine.backends.cpu.build import load_kernels
 from batchgen.engine.backends.cpu.ops import amx_tiles
 from batchgen.engine.layers.linear import UNQUANTIZED, LinearBase, LinearMethod, ParallelLMHead, RowParallelLinear
 
 log = logging.getLogger(__name__)
 
 
+DOT_BLOCK = 48  # output columns a block of dot_linear's packed weight holds
+
+
+@lru_cache(maxsize=1)
+def dot_linear_runs() -> bool:
+    """Whether bf16 layers multiply with ``batchgen_cpu.dot_linear``: kernels built with AVX512-BF16, on a CPU
+    without AMX (where AMX tiles run the small steps and oneDNN's AMX kernels the large ones)."""
+    return load_kernels() and bool(torch.ops.batchgen_cpu.dot_linear_built()) and not amx_tiles()
+
+
+def pack_dot_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A bf16 weight (N, K), K even, in ``dot_linear``'s layout: blocks of 48 outputs (zero rows past N), each
+    block's inputs in pairs, (N/48, K/2, 48, 2)."""
+    n, k = weight.shape
+    blocks = -(-n // DOT_BLOCK)
+    padded = weight.new_zeros(blocks * DOT_BLOCK, k)
+    padded[:n] = weight
+    return padded.view(blocks, DOT_BLOCK, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
 class PrepackedLinear(nn.Module):
-    """``y = x W^T (+ b)`` over a prepacked copy of a layer's weight; it replaces the layer once loaded
-    (the plain weight is freed unless another module shares it, as a tied embedding does)."""
+    """``y = x W^T (+ b)`` over a prepacked copy of a layer's bf16 weight: ``dot_linear``'s blocks where it runs
+    (the bias kept in fp32 beside them), else oneDNN's blocked layout. It replaces the layer once loaded (the plain
+    weight is freed unless another module shares it, as a tied embedding does)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
-        self.bias = bias
+        self.dot = dot_linear_runs() and self.in_features % 2 == 0
+        if self.dot:
+            self.packed = pack_dot_weight(weight.detach().to(torch.bfloat16))
+            self.bias = None if bias is None else \
+                bias.detach().float().new_zeros(self.packed.shape[0] * DOT_BLOCK).index_copy_(
+                    0, torch.arange(self.out_features), bias.detach().float())
+        else:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+            self.bias = bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).to(torch.bfloat16)
-        out = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
+        if not self.dot:
+            out = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
+        else:
+            if rows.stride(-1) != 1:
+                rows = rows.contiguous()
+            out = rows.new_empty((rows.shape[0], self.out_features))
+            torch.ops.batchgen_cpu.dot_linear(rows, self.packed, self.bias, out)
         return out.view(*x.shape[:-1], self.out_features)
 
 

@@ -1,0 +1,106 @@
+"""The bf16 linear on CPUs with AVX512-BF16 (``batchgen_cpu.dot_linear`` over ``pack_dot_weight``'s blocks): as close
+to an fp64 product as torch's bf16 linear, rows that do not depend on the step's other rows or the thread count,
+and the layers that take it."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from batchgen.engine.backends.cpu import prepack
+from batchgen.engine.backends.cpu.prepack import DOT_BLOCK, PrepackedLinear, dot_linear_runs, pack_dot_weight
+
+BF16 = torch.bfloat16
+
+
+@pytest.fixture(scope="module", autouse=True)
+def dot_tiles():
+    if not dot_linear_runs():
+        pytest.skip("no AVX512-BF16 dot tiles here (or an AMX CPU, whose layers take amx_linear and oneDNN)")
+
+
+def layer(n: int, k: int, bias: bool, seed: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(n, k, generator=gen).to(BF16), torch.randn(n, generator=gen).to(BF16) if bias else None
+
+
+# (N, K): SmolLM2's projections, N past a whole block (577) or under one (13, 50), K of one pair or a few.
+SHAPES = [(960, 576), (576, 1536), (577, 64), (50, 34), (13, 2), (96, 130)]
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_as_close_to_fp64_as_torch(n, k, bias):
+    weight, b = layer(n, k, bias, seed=n * 7 + k)
+    linear = PrepackedLinear(weight, b)
+    assert linear.dot
+    gen = torch.Generator().manual_seed(k)
+    assert linear(torch.empty(0, k, dtype=BF16)).shape == (0, n)
+    for m in (1, 2, 7, 8, 9, 23, 64, 65, 200):  # whole tiles of 8 rows and tails
+        x = torch.randn(m, k, generator=gen).to(BF16)
+        exact = F.linear(x.double(), weight.double(), None if b is None else b.double())
+        ours, torch_bf16 = linear(x).double(), F.linear(x, weight, b).double()
+        assert ours.shape == exact.shape
+        # Both round the same fp32 sums to bf16 (added in another order): one bf16 step of the output apart.
+        ulp = exact.abs().clamp_min(1e-3) * 2 ** -7
+        assert ((ours - exact).abs() <= 2 * ulp + (torch_bf16 - exact).abs()).all(), (m, (ours - exact).abs().max())
+
+
+def test_each_row_is_the_same_whatever_the_step_and_thread_count():
+    """A row's output is one lane's sum over its inputs in order: the same alone, among 2,000 rows (several chunks
+    of rows), at a tile tail, or on one thread."""
+    weight, b = layer(200, 4096, True, seed=1)  # 4,096 inputs: 384 rows a chunk, so 2,000 rows take six
+    linear = PrepackedLinear(weight, b)
+    x = torch.randn(2000, 4096, generator=torch.Generator().manual_seed(2)).to(BF16)
+    full = linear(x)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(linear(x), full)
+    finally:
+        torch.set_num_threads(threads)
+    for rows in (slice(0, 1), slice(383, 390), slice(1995, 2000)):
+        assert torch.equal(linear(x[rows]), full[rows])
+    for _ in range(3):
+        assert torch.equal(linear(x), full)
+
+
+def test_packed_layout_and_strided_rows():
+    weight, _ = layer(50, 6, False, seed=3)
+    packed = pack_dot_weight(weight)
+    assert packed.shape == (2, 3, DOT_BLOCK, 2)
+    assert torch.equal(packed[1, 2, 1], weight[DOT_BLOCK + 1, 4:6])  # block 1, input pair 2, its column 1
+    assert not packed[1, :, 50 - DOT_BLOCK:].any()  # the columns past N are zero
+    x = torch.randn(5, 12).to(BF16)[:, ::2]  # rows whose inputs are not contiguous
+    torch.testing.assert_close(PrepackedLinear(weight, None)(x), F.linear(x, weight), rtol=1e-2, atol=1e-2)
+
+
+def test_odd_inputs_take_onednn_and_wrong_arguments_are_refused():
+    weight, b = layer(48, 7, True, seed=4)
+    odd = PrepackedLinear(weight, b)
+    assert not odd.dot  # pairs of inputs: an odd K stays with oneDNN's prepacked linear
+    x = torch.randn(3, 7).to(BF16)
+    torch.testing.assert_close(odd(x), F.linear(x, weight, b), rtol=1e-2, atol=1e-2)
+    packed = pack_dot_weight(layer(48, 8, False, seed=5)[0])
+    op = torch.ops.batchgen_cpu.dot_linear
+    with pytest.raises(RuntimeError, match="does not match"):
+        op(torch.zeros(2, 10, dtype=BF16), packed, None, torch.empty(2, 48, dtype=BF16))
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        op(torch.zeros(2, 8), packed, None, torch.empty(2, 48))
+    with pytest.raises(RuntimeError, match="bias"):
+        op(torch.zeros(2, 8, dtype=BF16), packed, torch.zeros(48, dtype=BF16), torch.empty(2, 48, dtype=BF16))
+    with pytest.raises(RuntimeError, match="out must"):
+        op(torch.zeros(2, 8, dtype=BF16), packed, None, torch.empty(2, 97, dtype=BF16))
+
+
+def test_bf16_projections_take_it():
+    from batchgen.engine.layers.linear import ReplicatedLinear
+
+    model = torch.nn.Sequential(ReplicatedLinear(64, 40, bias=True, params_dtype=BF16))
+    torch.nn.init.normal_(model[0].weight)
+    torch.nn.init.normal_(model[0].bias)
+    weight, bias = model[0].weight.detach().clone(), model[0].bias.detach().clone()
+    assert prepack.prepack_linears(model) == 1
+    assert isinstance(model[0], PrepackedLinear) and model[0].dot
+    x = torch.randn(4, 64).to(BF16)
+    torch.testing.assert_close(model(x), F.linear(x, weight, bias), rtol=1e-2, atol=1e-2)
