@@ -121,10 +121,11 @@ def main() -> None:
           f"{tokens / decode_s / roof.tok_s:.0%} of it; with each row's K/V read too, "
           f"{roof.with_cache_tok_s:,.0f} tok/s ({tokens / decode_s / roof.with_cache_tok_s:.0%})")
     streamed = streamed_linears_rate(llm, args.batch)
+    experts = any("fused_moe" in name for name in ops)  # counted as linear layers, but not among these
     print(f"the model's linears back to back, their weights streamed from memory as a step streams them: "
           f"{streamed / 1e9:,.0f} GFLOP/s ({streamed / roof.matmul_rate:.0%} of the {args.batch}-row rate)"
           + (f"; the profiled steps' linears ran at {linear / by_kind['linear layers'] / streamed:.0%} of that"
-             if by_kind["linear layers"] else ""))
+             if by_kind["linear layers"] and not experts else ""))
     print(f"\ntop {args.top} ops by self time in the decode steps:")
     for name, (seconds, calls) in sorted(ops.items(), key=lambda kv: -kv[1][0])[:args.top]:
         print(f"  {seconds / args.steps * 1e3:8.3f} ms/step {calls / args.steps:7.1f} calls/step  {name}")
