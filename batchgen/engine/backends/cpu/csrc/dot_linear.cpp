@@ -1,10 +1,11 @@
-// The bf16 linear layer, y = x W^T (+ b), on CPUs with AVX512-BF16: W packed once (prepack.py's pack_dot_weight)
-// in blocks of 48 output columns (zero columns past N, b as fp32 likewise), each block's inputs in pairs, [N/48][K/2][48][2]. A tile multiplies up to 8
-// rows of x by one block: at each pair of inputs it loads the block's 3 vectors (48 columns x 2 inputs) and,
-// for each row, broadcasts the row's pair and adds the products by vdpbf16ps into 24 fp32 sums. A block is read
-// front to back, which the hardware prefetchers keep up with, so weights streamed from memory keep pace with the
-// products where oneDNN's prepacked linear waits for them. Every output is the sum of one lane over the input
-// pairs in order: the same for any row count, tile or thread count.
+// The bf16 linear layer, y = x W^T (+ b), on CPUs with AVX512-BF16. W is packed once (prepack.py's
+// pack_dot_weight) in blocks of 48 output columns, each block's inputs in pairs, [N/48][K/2][48][2], with zero
+// columns past N (b likewise, in fp32). A tile multiplies up to 8 rows of x by one block: at each pair of inputs
+// it loads the block's 3 vectors (48 columns x 2 inputs) and, for each row, broadcasts the row's pair and adds the
+// products by vdpbf16ps into 24 fp32 sums. A block is read front to back, which the hardware prefetchers keep up
+// with, so weights streamed from memory keep pace with the products where oneDNN's prepacked linear waits for
+// them. Every output is the sum of one lane over the input pairs in order: the same for any row count, tile or
+// thread count.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
@@ -20,8 +21,9 @@ namespace {
 
 constexpr int64_t kBlock = 48;  // output columns a block of the packed weight holds
 constexpr int64_t kTileRows = 8;
-// Rows of x multiplied by every block in turn before the next rows: their slice of x stays in L2 while the
-// blocks stream past (prefill-sized steps; a decode step's rows are one chunk).
+// Rows of x multiplied by every block in turn before the next rows (prefill-sized steps; a decode step's rows are
+// one chunk): a block is read from memory once a chunk. Against oneDNN at 2,048-8,192 rows, 3 MB ran 1.00-1.03x
+// what chunks of 256 KB ran.
 constexpr int64_t kChunkBytes = 3 << 20;
 
 #if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
@@ -93,8 +95,7 @@ void dot_linear(const at::Tensor& x, const at::Tensor& packed, const std::option
   at::BFloat16* op = out.data_ptr<at::BFloat16>();
   const int64_t x_stride = x.stride(0), out_stride = out.stride(0), pairs = K / 2;
   // Chunks of equal rows (in whole tiles), so that the threads' equal shares of (chunk, block) items are equal work.
-  const int64_t chunks = (M + std::max<int64_t>(kTileRows, kChunkBytes / (2 * K)) - 1) /
-                         std::max<int64_t>(kTileRows, kChunkBytes / (2 * K));
+  const int64_t most = std::max<int64_t>(kTileRows, kChunkBytes / (2 * K)), chunks = (M + most - 1) / most;
   const int64_t chunk = ((M + chunks - 1) / chunks + kTileRows - 1) / kTileRows * kTileRows;
   at::parallel_for(0, chunks * blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
