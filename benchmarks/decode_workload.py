@@ -22,13 +22,18 @@ def random_prompts(vocab_size: int, count: int, length: int, seed: int = 0) -> l
     return torch.randint(3, vocab_size, (count, length), generator=gen).tolist()
 
 
-def linear_shapes(llm: LLM) -> list[tuple[int, int]]:
-    """(out, in) of the model's linear layers and its lm_head (a tied lm_head once), also where the CPU kernel
-    set replaced them by prepacked bf16 layers."""
+def linear_layers(llm: LLM) -> list[tuple[torch.nn.Module, tuple[int, int]]]:
+    """The model's linear layers and its lm_head (a tied lm_head once) in the model's order, also where the CPU
+    kernel set replaced them by prepacked bf16 layers, each with its (out, in)."""
     model = llm.engine.executor.runner.model
     ours = (LinearBase, ParallelLMHead, PrepackedLinear)
-    return [(m.out_features, m.in_features) if not hasattr(m, "weight") else tuple(m.weight.shape)
+    return [(m, (m.out_features, m.in_features) if not hasattr(m, "weight") else tuple(m.weight.shape))
             for m in model.modules() if isinstance(m, ours) and (not hasattr(m, "weight") or m.weight.dim() == 2)]
+
+
+def linear_shapes(llm: LLM) -> list[tuple[int, int]]:
+    """(out, in) of :func:`linear_layers`."""
+    return [shape for _, shape in linear_layers(llm)]
 
 
 def rows_matmul_rate(shapes: list[tuple[int, int]], rows: int, dtype: torch.dtype, windows: int = 7,
@@ -74,18 +79,15 @@ def streamed_linears_rate(llm: LLM, rows: int, repeats: int = 5) -> float:
     ``rows`` random rows with nothing between them, as a decode step calls them: their weights stream from memory
     (a step reads all of them once), where ``rows_matmul_rate``'s stay in the caches. The best of ``repeats``
     passes, as that rate is the best of its windows."""
-    model = llm.engine.executor.runner.model
-    layers = [m for m in model.modules() if isinstance(m, (LinearBase, ParallelLMHead, PrepackedLinear))
-              and (not hasattr(m, "weight") or m.weight.dim() == 2)]
+    layers = linear_layers(llm)
     dtype = llm.config.dtype_choice.torch_dtype
-    shapes = [(m.out_features, m.in_features) if not hasattr(m, "weight") else tuple(m.weight.shape) for m in layers]
-    inputs = [torch.randn(rows, k).to(dtype) for _, k in shapes]
-    flops = sum(2 * rows * n * k for n, k in shapes)
+    inputs = [torch.randn(rows, k).to(dtype) for _, (_, k) in layers]
+    flops = sum(2 * rows * n * k for _, (n, k) in layers)
     best = math.inf
     with torch.inference_mode():
         for _ in range(repeats + 1):  # the first pass warms up
             start = time.perf_counter()
-            for layer, x in zip(layers, inputs, strict=True):
+            for (layer, _), x in zip(layers, inputs, strict=True):
                 layer(x)
             best = min(best, time.perf_counter() - start)
     return flops / best
