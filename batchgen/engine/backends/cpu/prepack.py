@@ -4,11 +4,11 @@ the fused small-row op.
 
 torch's CPU linear reorders a bf16 weight on every call; packing it once measured 1.0-1.3x in prefill-sized
 matmuls and 1.3-2.7x in decode-sized ones with AMX. Without AMX, ``dot_linear``'s blocks stream from memory as
-fast as its products need them, where oneDNN's prepacked linear waits for its weights (against it, the layers of
-SmolLM2 with weights streamed from memory: 1.25x at 64 rows, 2-3x at 1-8, 0.98-1.03x at 512-8,192). For fp32, prepacking gained nothing, but a step of a few
-rows is bound by streaming the weight, and ``F.linear`` streams it at well under the memory's rate there (on
-AVX2 with 2 threads: one row on one thread; 2 rows take twice one row's time). ``small_linear`` streams it once
-per 64 rows, on every thread (1.4-3.3x ``F.linear`` at 1-64 rows, benchmarks/small_linear_cpu.py), for steps
+fast as its products need them, where oneDNN's prepacked linear waits for its weights (against it, SmolLM2's
+layers with weights streamed from memory, benchmarks/dot_linear_cpu.py: 1.5-1.6x at 1-8 rows, 1.19x at 64,
+0.93-1.09x at 512-8,192). For fp32, prepacking gained nothing, but a step of a few rows is bound by streaming the
+weight, and ``F.linear`` streams it at well under the memory's rate there (on AVX2 with 2 threads: one row on one
+thread; 2 rows take twice one row's time). ``small_linear`` streams it once per 64 rows, on every thread (1.4-3.3x ``F.linear`` at 1-64 rows, benchmarks/small_linear_cpu.py), for steps
 of up to ``SMALL_ROWS`` (decode at the default 256 sequences); the layer keeps its weight and only its
 ``quant_method`` changes. Past that, a wide layer (the vocabulary head) multiplies in slices of 1024 output
 columns: ``F.linear`` over all 49K of SmolLM2's ran at half the rate of its slices (1.4-1.9x at 65-1024 rows),
@@ -61,9 +61,10 @@ class PrepackedLinear(nn.Module):
         self.dot = dot_linear_runs() and self.in_features % 2 == 0
         if self.dot:
             self.packed = pack_dot_weight(weight.detach().to(torch.bfloat16))
-            self.bias = None if bias is None else \
-                bias.detach().float().new_zeros(self.packed.shape[0] * DOT_BLOCK).index_copy_(
-                    0, torch.arange(self.out_features), bias.detach().float())
+            self.bias = None
+            if bias is not None:
+                self.bias = torch.zeros(self.packed.shape[0] * DOT_BLOCK)
+                self.bias[: self.out_features] = bias.detach().float()
         else:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
             self.bias = bias
