@@ -69,6 +69,27 @@ def test_replay_matches_eager_calls_on_new_inputs():
             replayed[1].untyped_storage().data_ptr() == arena.data_ptr()
 
 
+def test_timed_replays_compute_the_same_and_time_every_op():
+    block, reference = Block(), Block()
+    x, slots = torch.zeros(4, 16), torch.zeros(4, dtype=torch.int64)
+    x[:], slots[:] = fresh_inputs(0)
+    _, recording = record(lambda: block(x, slots))
+    recording.bind(torch.UntypedStorage(recording.arena_bytes))
+    recording.op_seconds = seconds = {}
+    for seed in (1, 2):
+        x[:], slots[:] = fresh_inputs(seed)
+        replayed, expected = recording.replay(), reference(*fresh_inputs(seed))
+        assert len(replayed) == len(expected)
+        for got, want in zip(replayed, expected):
+            assert torch.equal(got, want)
+    assert set(seconds) == {str(step[0]) for step in recording.steps}
+    assert "batchgen_test.scaled.default" in seconds and all(t > 0 for t in seconds.values())
+    recording.op_seconds = None
+    before = dict(seconds)
+    recording.replay()
+    assert seconds == before  # timing off: nothing more is added
+
+
 def test_intermediates_share_the_arena():
     weights = [torch.randn(256, 256) for _ in range(6)]
     x = torch.randn(8, 256)

@@ -3,6 +3,7 @@ per op; the intermediates live in one arena that every recording shares."""
 from __future__ import annotations
 
 import functools
+import time
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -150,6 +151,8 @@ class Recording:
     arena_bytes: int
     bound: list[tuple[Callable, tuple, dict, tuple]] = field(default_factory=list)
     bound_outputs: Any = None
+    # Seconds per op name over the replays while set (a dict): each op timed on its own, with no profiler.
+    op_seconds: dict[str, float] | None = None
 
     def bind(self, arena: torch.UntypedStorage) -> None:
         def tie(x):
@@ -162,12 +165,26 @@ class Recording:
 
     @torch.inference_mode()
     def replay(self) -> Any:
+        if self.op_seconds is not None:
+            return self._timed_replay(self.op_seconds)
         for op, args, kwargs, copies in self.bound:
             if copies:
                 for dst, src in zip(copies, _tensors(op(*args, **kwargs)), strict=True):
                     dst.copy_(src)
             else:
                 op(*args, **kwargs)
+        return self.bound_outputs
+
+    def _timed_replay(self, seconds: dict[str, float]) -> Any:
+        for (op, args, kwargs, copies), step in zip(self.bound, self.steps, strict=True):
+            start = time.perf_counter()
+            if copies:
+                for dst, src in zip(copies, _tensors(op(*args, **kwargs)), strict=True):
+                    dst.copy_(src)
+            else:
+                op(*args, **kwargs)
+            name = str(step[0])
+            seconds[name] = seconds.get(name, 0.0) + time.perf_counter() - start
         return self.bound_outputs
 
 
