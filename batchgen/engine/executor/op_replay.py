@@ -176,6 +176,7 @@ class Recording:
         return self.bound_outputs
 
     def _timed_replay(self, seconds: dict[str, float]) -> Any:
+        # replay's loop with a timer around each op, apart from it so that the untimed loop stays as it was
         for (op, args, kwargs, copies), step in zip(self.bound, self.steps, strict=True):
             start = time.perf_counter()
             if copies:
