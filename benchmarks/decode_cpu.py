@@ -61,19 +61,20 @@ def case(batch: int, context: int, kv_heads: int, group: int, head_dim: int, dty
     return q, caches, tables, torch.full((batch,), context, dtype=torch.int32)
 
 
-def load_baseline(ref: str) -> str:
-    """Builds the decode op of git revision ``ref`` as ``torch.ops.batchgen_cpu_<sha>``; returns that namespace."""
+def load_baseline(ref: str, source: str = BASELINE_SOURCE) -> str:
+    """Builds the ops of ``source`` (a file of csrc/, the decode op's by default) at git revision ``ref`` as
+    ``torch.ops.batchgen_cpu_<sha>``; returns that namespace."""
     root = Path(__file__).resolve().parents[1]
     sha = subprocess.run(["git", "-C", str(root), "rev-parse", "--short=12", ref], check=True, capture_output=True,
                          text=True).stdout.strip()
     namespace = f"batchgen_cpu_{sha}"
     from batchgen.engine.loading.hub import cache_dir
 
-    folder = cache_dir() / "cpu" / f"baseline-{sha}"
+    folder = cache_dir() / "cpu" / f"baseline-{sha}-{Path(source).stem}"
     folder.mkdir(parents=True, exist_ok=True)
     listed = subprocess.run(["git", "-C", str(root), "ls-tree", "--name-only", f"{sha}:{CSRC}"], check=True,
                             capture_output=True, text=True).stdout.split()
-    for name in [BASELINE_SOURCE] + [n for n in listed if n.endswith(".h")]:
+    for name in [source] + [n for n in listed if n.endswith(".h")]:
         text = subprocess.run(["git", "-C", str(root), "show", f"{sha}:{CSRC}/{name}"], check=True,
                               capture_output=True, text=True).stdout
         (folder / name).write_text(text.replace("batchgen_cpu", namespace))
@@ -81,7 +82,7 @@ def load_baseline(ref: str) -> str:
 
     features = cpu_features()
     with build._ninja_on_path():
-        cpp_extension.load(name=namespace, sources=[str(folder / BASELINE_SOURCE)],
+        cpp_extension.load(name=namespace, sources=[str(folder / source)],
                            extra_cflags=[*build.COMMON_FLAGS, *build.ISA_FLAGS[features.isa]],
                            extra_ldflags=["-fopenmp"], build_directory=str(folder), is_python_module=False)
     return namespace

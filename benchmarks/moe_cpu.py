@@ -8,6 +8,7 @@ intermediate 768, top-6, random routing.
 
     python benchmarks/moe_cpu.py                                    # bf16 and fp32, 1 8 64 256 tokens
     python benchmarks/moe_cpu.py --dtypes bfloat16 --tokens 8 --layers 7
+    python benchmarks/moe_cpu.py --baseline HEAD    # also the op of a git revision, taking turns with the others
 """
 from __future__ import annotations
 
@@ -19,6 +20,16 @@ import torch
 from batchgen.engine.backends.cpu import build, ops
 from batchgen.engine.backends.cpu.features import cpu_features
 from batchgen.engine.backends.torch.ops import fused_moe as reference
+from decode_cpu import load_baseline
+
+
+def revision_op(namespace: str):
+    """ops.fused_moe's signature, calling the op of a revision built by load_baseline."""
+    def call(x, w13, w2, topk_weights, topk_ids):
+        out = torch.empty(x.shape[0], w2.shape[1], dtype=x.dtype)
+        getattr(torch.ops, namespace).fused_moe(x, w13, w2, topk_weights, topk_ids, False, out)
+        return out
+    return call
 
 
 def main() -> None:
@@ -31,6 +42,7 @@ def main() -> None:
     ap.add_argument("--top-k", type=int, default=6)
     ap.add_argument("--layers", type=int, default=3, help="layers of experts timed in turn (cold weights)")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--baseline", help="a git revision whose op also runs (its ms and its time over the op's)")
     args = ap.parse_args()
     features = cpu_features()
     assert build.load_kernels(), "the CPU kernels did not build"
@@ -39,7 +51,11 @@ def main() -> None:
           f"avx512_bf16 {'yes' if 'avx512_bf16' in features.flags else 'no'}; amx_bf16 {'yes' if amx else 'no'}; "
           f"threads {torch.get_num_threads()}; {args.experts} experts, hidden {args.hidden}, intermediate "
           f"{args.intermediate}, top-{args.top_k}, {args.layers} layers in turn")
-    print(f"{'dtype':>9} {'tokens':>7} {'torch ms':>9} {'op ms':>7} {'ratio':>6} {'op GB/s':>8} {'max |diff|':>11}")
+    paths = {"torch": reference, "op": ops.fused_moe}
+    if args.baseline:
+        paths["baseline"] = revision_op(load_baseline(args.baseline, "moe.cpp"))
+    print(f"{'dtype':>9} {'tokens':>7} {'torch ms':>9} {'op ms':>7} {'ratio':>6} {'op GB/s':>8} {'max |diff|':>11}"
+          + (f" {'baseline ms':>12} {'over op':>8}" if args.baseline else ""))
     gen = torch.Generator().manual_seed(0)
     E, H, inter = args.experts, args.hidden, args.intermediate
     for name in args.dtypes:
@@ -51,9 +67,9 @@ def main() -> None:
             x = torch.randn(tokens, H, generator=gen).to(dtype)
             ids = torch.rand(tokens, E, generator=gen).argsort(dim=1)[:, :args.top_k]
             weights = torch.rand(tokens, args.top_k, generator=gen)
-            times: dict[str, list[float]] = {"torch": [], "op": []}
+            times: dict[str, list[float]] = {label: [] for label in paths}
             for _ in range(args.repeats):
-                for label, fn in (("torch", reference), ("op", ops.fused_moe)):
+                for label, fn in paths.items():
                     start = time.perf_counter()
                     for w13, w2 in layers:
                         fn(x, w13, w2, weights, ids)
@@ -63,7 +79,8 @@ def main() -> None:
             diff = (ops.fused_moe(x, w13, w2, weights, ids).float() - reference(x, w13, w2, weights, ids).float())
             chosen = ids.unique().numel()
             print(f"{name:>9} {tokens:>7} {ms['torch']:>9.2f} {ms['op']:>7.2f} {ms['torch'] / ms['op']:>5.2f}x "
-                  f"{chosen * expert_bytes / ms['op'] / 1e6:>8.1f} {diff.abs().max().item():>11.3g}")
+                  f"{chosen * expert_bytes / ms['op'] / 1e6:>8.1f} {diff.abs().max().item():>11.3g}"
+                  + (f" {ms['baseline']:>12.2f} {ms['baseline'] / ms['op']:>7.2f}x" if args.baseline else ""))
 
 
 if __name__ == "__main__":
