@@ -3,7 +3,8 @@
 Prints milliseconds per layer of both (medians of ``--repeats``, the two taking turns, each timed call running
 ``--layers`` layers of their own random experts in turn, so the weights come from memory as in a model's step),
 their ratio, the rate the op reads the experts its tokens chose, and the largest difference between the two
-outputs. Shapes default to DeepSeek-V3-small's (benchmarks/random_deepseek.py): 64 experts, hidden 2048,
+outputs. Where the engine packs bf16 experts in ``dot_linear``'s blocks (AVX512-BF16 without AMX), the op over
+the packed experts runs too, taking turns with the others. Shapes default to DeepSeek-V3-small's (benchmarks/random_deepseek.py): 64 experts, hidden 2048,
 intermediate 768, top-6, random routing.
 
     python benchmarks/moe_cpu.py                                    # bf16 and fp32, 1 8 64 256 tokens
@@ -17,7 +18,7 @@ import time
 
 import torch
 
-from batchgen.engine.backends.cpu import build, ops
+from batchgen.engine.backends.cpu import build, ops, prepack
 from batchgen.engine.backends.cpu.features import cpu_features
 from batchgen.engine.backends.torch.ops import fused_moe as reference
 from decode_cpu import load_baseline
@@ -55,7 +56,8 @@ def main() -> None:
     if args.baseline:
         paths["baseline"] = revision_op(load_baseline(args.baseline, "moe.cpp"))
     print(f"{'dtype':>9} {'tokens':>7} {'torch ms':>9} {'op ms':>7} {'ratio':>6} {'op GB/s':>8} {'max |diff|':>11}"
-          + (f" {'baseline ms':>12} {'over op':>8}" if args.baseline else ""))
+          + (f" {'baseline ms':>12} {'over op':>8}" if args.baseline else "")
+          + (f" {'packed ms':>10} {'op/packed':>9} {'packed GB/s':>12}" if prepack.dot_linear_runs() else ""))
     gen = torch.Generator().manual_seed(0)
     E, H, inter = args.experts, args.hidden, args.intermediate
     for name in args.dtypes:
@@ -63,15 +65,21 @@ def main() -> None:
         layers = [((torch.randn(E, 2 * inter, H, generator=gen) * 0.02).to(dtype),
                    (torch.randn(E, H, inter, generator=gen) * 0.02).to(dtype)) for _ in range(args.layers)]
         expert_bytes = 3 * inter * H * dtype.itemsize
+        packed = dtype == torch.bfloat16 and prepack.dot_linear_runs()
+        # Each path: a layer's (w13, w2) and the call taking them, or None where it does not run for this dtype.
+        runs = {label: (layers, fn) for label, fn in paths.items()}
+        if packed:
+            runs["packed"] = ([(prepack.pack_dot_experts(w13), prepack.pack_dot_experts(w2)) for w13, w2 in layers],
+                              lambda x, w13, w2, weights, ids: ops.fused_moe_packed(x, w13, w2, inter, weights, ids))
         for tokens in args.tokens:
             x = torch.randn(tokens, H, generator=gen).to(dtype)
             ids = torch.rand(tokens, E, generator=gen).argsort(dim=1)[:, :args.top_k]
             weights = torch.rand(tokens, args.top_k, generator=gen)
-            times: dict[str, list[float]] = {label: [] for label in paths}
+            times: dict[str, list[float]] = {label: [] for label in runs}
             for _ in range(args.repeats):
-                for label, fn in paths.items():
+                for label, (its_layers, fn) in runs.items():
                     start = time.perf_counter()
-                    for w13, w2 in layers:
+                    for w13, w2 in its_layers:
                         fn(x, w13, w2, weights, ids)
                     times[label].append((time.perf_counter() - start) * 1e3 / args.layers)
             ms = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
@@ -80,7 +88,9 @@ def main() -> None:
             chosen = ids.unique().numel()
             print(f"{name:>9} {tokens:>7} {ms['torch']:>9.2f} {ms['op']:>7.2f} {ms['torch'] / ms['op']:>5.2f}x "
                   f"{chosen * expert_bytes / ms['op'] / 1e6:>8.1f} {diff.abs().max().item():>11.3g}"
-                  + (f" {ms['baseline']:>12.2f} {ms['baseline'] / ms['op']:>7.2f}x" if args.baseline else ""))
+                  + (f" {ms['baseline']:>12.2f} {ms['baseline'] / ms['op']:>7.2f}x" if args.baseline else "")
+                  + (f" {ms['packed']:>10.2f} {ms['op'] / ms['packed']:>8.2f}x "
+                     f"{chosen * expert_bytes / ms['packed'] / 1e6:>12.1f}" if packed else ""))
 
 
 if __name__ == "__main__":

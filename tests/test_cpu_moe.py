@@ -1,5 +1,6 @@
 """The CPU kernels' expert op against the torch reference (experts of few rows as close to the exact mixture,
-the rest bit for bit), and mixture-of-experts decode steps it lets replay."""
+the rest bit for bit), the op over experts packed in dot_linear's blocks, and mixture-of-experts decode steps
+they let replay."""
 from __future__ import annotations
 
 import shutil
@@ -8,9 +9,10 @@ import pytest
 import torch
 
 from batchgen.engine import LLM, SamplingParams
-from batchgen.engine.backends.cpu import build, ops
+from batchgen.engine.backends.cpu import build, ops, prepack
 from batchgen.engine.backends.cpu.features import cpu_features
 from batchgen.engine.backends.torch.ops import fused_moe
+from tests.engine_helpers import mixed_prompts, model_runner
 from tests.test_cpu_decode import assert_as_good_as_torch
 from tests.tiny_models import MLA_ARCHS, MOE_ARCHS
 
@@ -115,3 +117,79 @@ def test_moe_decode_steps_replay_as_they_ran(tiny_model_factory, arch):
     for a, b in zip(eager, replayed):
         assert a.token_ids == b.token_ids
         assert len(a.logprobs) == len(b.logprobs) and a.logprobs == b.logprobs
+
+
+def needs_dot_tiles():
+    if not prepack.dot_linear_runs():
+        pytest.skip("no AVX512-BF16 dot tiles here (or an AMX CPU): bf16 experts stay stacked as loaded")
+
+
+def packed_moe(x, w13, w2, weights, ids, skip=False):
+    return ops.fused_moe_packed(x, prepack.pack_dot_experts(w13), prepack.pack_dot_experts(w2), w2.shape[2], weights,
+                                ids, skip_negative=skip)
+
+
+# (experts, top_k, tokens, hidden, intermediate): 2I and H under one block of 48 columns, past whole blocks (2I
+# 80, H 50), on them (2I 96, H 48); K of one pair (inter 2); 800 rows of 2 experts at 4,096 inputs: each expert's
+# rows in pieces (384 rows at most) that dot_linear's chunks would make.
+PACKED_SHAPES = [(1, 1, 5, 32, 12), (8, 2, 19, 50, 40), (16, 4, 64, 48, 48), (6, 2, 0, 32, 24), (4, 2, 9, 32, 2),
+                 (2, 2, 400, 4096, 48)]
+
+
+@pytest.mark.parametrize("num_experts,top_k,tokens,hidden,inter", PACKED_SHAPES)
+def test_packed_experts_against_the_torch_reference(num_experts, top_k, tokens, hidden, inter):
+    """As close to the exact mixture as the reference's bf16 matmuls, skipped pairs (-1) adding nothing."""
+    needs_dot_tiles()
+    x, w13, w2, weights, ids, elsewhere = expert_case(num_experts, top_k, tokens, hidden, inter, torch.bfloat16)
+    for routed, skip in ((ids, False), (elsewhere, True)):
+        got = packed_moe(x, w13, w2, weights, routed, skip)
+        assert got.shape == (tokens, hidden) and got.dtype == torch.bfloat16
+        theirs = fused_moe(x, w13, w2, weights, routed, skip_negative=skip)
+        if tokens:
+            assert_as_good_as_torch(got, theirs, exact_moe(x, w13, w2, weights, routed), torch.bfloat16)
+
+
+def test_packed_experts_are_bit_identical_across_thread_counts_and_refuse_bad_shapes():
+    needs_dot_tiles()
+    cases = [expert_case(8, 2, tokens, 64, inter, torch.bfloat16) for tokens in (1, 3, 19, 300) for inter in (24, 40)]
+    previous = torch.get_num_threads()
+    runs = []
+    try:
+        for threads in (1, max(2, previous), 1):
+            torch.set_num_threads(threads)
+            runs.append([packed_moe(*case[:5]) for case in cases])
+    finally:
+        torch.set_num_threads(previous)
+    assert len(runs) == 3 and all(len(run) == len(cases) for run in runs)
+    for run in runs[1:]:
+        for got, expected in zip(run, runs[0], strict=True):
+            assert torch.equal(got, expected)
+    x, w13, w2, weights, ids, _ = cases[0]
+    p13, p2 = prepack.pack_dot_experts(w13), prepack.pack_dot_experts(w2)
+    with pytest.raises(RuntimeError, match="packed experts must be"):
+        ops.fused_moe_packed(x, p13, p2, 26, weights, ids)  # not the intermediate size they were packed with
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        ops.fused_moe_packed(x.float(), p13, p2, 24, weights, ids)
+    with pytest.raises(RuntimeError, match=r"expert ids must lie in \[0, 8\)"):
+        ops.fused_moe_packed(x, p13, p2, 24, weights, ids + 8)
+
+
+@pytest.mark.parametrize("arch", ["qwen2-moe", "deepseek-v3"])
+def test_bf16_engines_pack_their_experts(tiny_model_factory, arch):
+    """A bf16 MoE model's experts in dot_linear's blocks: its tokens' first logprobs as the torch backend's (bf16
+    rounding apart), and its decode steps replayed."""
+    needs_dot_tiles()
+    kw = dict(dtype="bfloat16", device="cpu", max_num_seqs=4, max_num_batched_tokens=512, kv_cache_memory=8 << 20)
+    folder = tiny_model_factory(arch)
+    packed, plain = LLM(str(folder), **kw), LLM(str(folder), attention_backend="torch", **kw)
+    layers = [m for m in model_runner(packed).model.modules() if getattr(m, "quant_method", None) is
+              prepack.DOT_EXPERTS_METHOD]
+    assert layers and all(m.gate_up_proj.dim() == 5 for m in layers)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=True)
+    prompts = mixed_prompts(packed, repeats=(1, 3, 2, 4))
+    a, b = packed.generate(prompts, params), plain.generate(prompts, params)
+    assert len(a) == len(b) == len(prompts)
+    first = [(x.logprobs[0], y.logprobs[0]) for x, y in zip(a, b, strict=True)]
+    assert max(abs(p - q) for p, q in first) <= 0.1, first
+    replays = model_runner(packed).graphs
+    assert replays is not None and replays.refused is None and sum(replays.replays.values()) > 0

@@ -5,7 +5,7 @@ from batchgen.engine.backends.cpu import ops
 from batchgen.engine.backends.cpu.attention import CpuAttentionBackend
 from batchgen.engine.backends.cpu.build import load_kernels
 from batchgen.engine.backends.cpu.mla import CpuMLABackend
-from batchgen.engine.backends.cpu.prepack import prepack_linears
+from batchgen.engine.backends.cpu.prepack import prepack_weights
 
 
 def cpu_kernels() -> dict[str, object] | None:
@@ -16,4 +16,4 @@ def cpu_kernels() -> dict[str, object] | None:
     return dict(attention=CpuAttentionBackend(), rms_norm=ops.rms_norm, apply_rotary=ops.apply_rotary,
                 silu_and_mul=ops.silu_and_mul, fused_moe=ops.fused_moe, mla=CpuMLABackend(),
                 row_argmax=ops.row_argmax,
-                prepare_model=prepack_linears)
+                prepare_model=prepack_weights)

@@ -201,6 +201,15 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     return out
 
 
+def fused_moe_packed(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, intermediate: int,
+                     topk_weights: torch.Tensor, topk_ids: torch.Tensor, skip_negative: bool = False) -> torch.Tensor:
+    """The mixture over bf16 experts packed by ``prepack.pack_dot_experts`` (``dot_linear``'s blocks; every
+    expert's projection in one parallel loop)."""
+    out = torch.empty(x.shape[0], x.shape[1], dtype=x.dtype)
+    torch.ops.batchgen_cpu.fused_moe_packed(x, w13, w2, intermediate, topk_weights, topk_ids, skip_negative, out)
+    return out
+
+
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> bool:
     """Writes k, v into the caches (of a dtype :func:`takes_cache`; narrower ones rounded as

@@ -1,77 +1,20 @@
-// The bf16 linear layer, y = x W^T (+ b), on CPUs with AVX512-BF16. W is packed once (prepack.py's
-// pack_dot_weight) in blocks of 48 output columns, each block's inputs in pairs, [N/48][K/2][48][2], with zero
-// columns past N (b likewise, in fp32). A tile multiplies up to 8 rows of x by one block: at each pair of inputs
-// it loads the block's 3 vectors (48 columns x 2 inputs) and, for each row, broadcasts the row's pair and adds the
-// products by vdpbf16ps into 24 fp32 sums. A block is read front to back, which the hardware prefetchers keep up
-// with, so weights streamed from memory keep pace with the products where oneDNN's prepacked linear waits for
-// them. Every output is the sum of one lane over the input pairs in order: the same for any row count, tile or
-// thread count.
+// The bf16 linear layer, y = x W^T (+ b), on CPUs with AVX512-BF16, over W packed once in dot_blocks.h's blocks
+// (b likewise, in fp32): items of (chunk of rows, block), a thread's blocks read front to back, which the hardware
+// prefetchers keep up with, so weights streamed from memory keep pace with the products where oneDNN's prepacked
+// linear waits for them. Every output is the sum of one lane over the input pairs in order: the same for any row
+// count, tile or thread count.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
-#include "decode_dots.h"
+#include "dot_blocks.h"
 
 #include <algorithm>
 #include <cstring>
 
 namespace batchgen_cpu {
 namespace {
-
-constexpr int64_t kBlock = 48;  // output columns a block of the packed weight holds
-constexpr int64_t kTileRows = 8;
-// Rows of x multiplied by every block in turn before the next rows (prefill-sized steps; a decode step's rows are
-// one chunk): a block is read from memory once a chunk. Against oneDNN at 2,048-8,192 rows, 3 MB ran 1.00-1.03x
-// what chunks of 256 KB ran.
-constexpr int64_t kChunkBytes = 3 << 20;
-
-#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
-constexpr int kVectors = kBlock / 16;
-
-// out rows [0, MR) x the block's `cols` columns = x's MR rows (K apart, K/2 pairs) times the block, plus bias.
-template <int MR>
-void block_tile(const at::BFloat16* x, int64_t x_stride, int64_t pairs, const at::BFloat16* block,
-                const float* bias, at::BFloat16* out, int64_t out_stride, int64_t cols) {
-  __m512 acc[MR][kVectors];
-#pragma GCC unroll 8
-  for (int m = 0; m < MR; ++m)
-#pragma GCC unroll 4
-    for (int j = 0; j < kVectors; ++j) acc[m][j] = _mm512_setzero_ps();
-  const int32_t* rows[MR];
-  for (int m = 0; m < MR; ++m) rows[m] = reinterpret_cast<const int32_t*>(x + m * x_stride);
-  for (int64_t p = 0; p < pairs; ++p) {
-    const at::BFloat16* w = block + p * 2 * kBlock;
-    __m512bh wv[kVectors];
-#pragma GCC unroll 4
-    for (int j = 0; j < kVectors; ++j) wv[j] = load_bh(w + 32 * j);
-#pragma GCC unroll 8
-    for (int m = 0; m < MR; ++m) {
-      const __m512bh pair = as_bh(_mm512_set1_epi32(rows[m][p]));
-#pragma GCC unroll 4
-      for (int j = 0; j < kVectors; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], pair, wv[j]);
-    }
-  }
-  using BVec = at::vec::Vectorized<at::BFloat16>;
-  using FVec = at::vec::Vectorized<float>;
-  for (int m = 0; m < MR; ++m) {
-    FVec v[kVectors];
-    for (int j = 0; j < kVectors; ++j)
-      v[j] = bias ? FVec(_mm512_add_ps(acc[m][j], _mm512_loadu_ps(bias + 16 * j))) : FVec(acc[m][j]);
-    at::BFloat16* o = out + m * out_stride;
-    // torch's rounding (subnormals kept), as the GEMM's bf16 output rounds
-    const BVec first = at::vec::convert_from_float<at::BFloat16>(v[0], v[1]);
-    const BVec last = at::vec::convert_from_float<at::BFloat16>(v[2], FVec(0.f));
-    if (cols == kBlock) {
-      first.store(o);
-      last.store(o + 32, 16);
-    } else {
-      first.store(o, static_cast<int>(std::min<int64_t>(cols, 32)));
-      if (cols > 32) last.store(o + 32, static_cast<int>(cols - 32));
-    }
-  }
-}
-#endif
 
 void dot_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
                 const at::Tensor& out) {
@@ -103,13 +46,9 @@ void dot_linear(const at::Tensor& x, const at::Tensor& packed, const std::option
       const at::BFloat16* block = wp + b * pairs * 2 * kBlock;
       const int64_t cols = std::min(kBlock, N - b * kBlock);
       const float* block_bias = bp ? bp + b * kBlock : nullptr;
-      for (int64_t m0 = c * chunk; m0 < std::min(M, (c + 1) * chunk); m0 += kTileRows) {
-        const at::BFloat16* rows = xp + m0 * x_stride;
-        at::BFloat16* dst = op + m0 * out_stride + b * kBlock;
-        with_constant<kTileRows>(std::min(kTileRows, M - m0), [&](auto mr) {
-          block_tile<mr>(rows, x_stride, pairs, block, block_bias, dst, out_stride, cols);
-        });
-      }
+      const int64_t m0 = c * chunk;
+      block_rows(xp + m0 * x_stride, x_stride, std::min(M, m0 + chunk) - m0, pairs, block, block_bias,
+                 op + m0 * out_stride + b * kBlock, out_stride, cols);
     }
   });
 #endif

@@ -7,6 +7,7 @@
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
+#include "activation.h"
 #include "vec.h"
 
 #include <algorithm>
@@ -155,32 +156,6 @@ void apply_rotary(const at::Tensor& q, const at::Tensor& k, const at::Tensor& po
   });
 }
 
-// x * sigmoid(x) in fp32 on AVX-512: exp2, and 1 / (1 + 2^e) by the 14-bit reciprocal estimate for bf16 (5 bits
-// finer than its rounding; 2^e overflowing to inf gives 0, as the limit) or with a Newton step for fp32 (whose
-// exponent is clamped so 1 + 2^e stays finite). fp32 on AVX2: the same exp2 and a division (Sleef's exp, an
-// out-of-line call, took twice as long).
-template <typename T>
-inline Vec silu(const Vec& x) {
-#if defined(CPU_CAPABILITY_AVX512)
-  __m512 e = _mm512_max_ps(_mm512_mul_ps(x, _mm512_set1_ps(-kLog2e)), _mm512_set1_ps(-126.f));
-  if constexpr (std::is_same_v<T, float>) {
-    e = _mm512_min_ps(e, _mm512_set1_ps(126.f));
-    return Vec(_mm512_mul_ps(x, reciprocal_ps(_mm512_add_ps(_mm512_set1_ps(1.f), exp2_ps<6>(e)))));
-  }
-  return Vec(_mm512_mul_ps(x, _mm512_rcp14_ps(_mm512_add_ps(_mm512_set1_ps(1.f), exp2_ps<3>(e)))));
-#elif defined(CPU_CAPABILITY_AVX2)
-  if constexpr (std::is_same_v<T, float>) {
-    const __m256 e = _mm256_min_ps(
-        _mm256_max_ps(_mm256_mul_ps(x, _mm256_set1_ps(-kLog2e)), _mm256_set1_ps(-126.f)), _mm256_set1_ps(126.f));
-    return Vec(_mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.f), exp2_ps<6>(e))));
-  }
-  return x / (Vec(1.f) + x.neg().exp_u20());
-#else
-  if constexpr (std::is_same_v<T, float>) return x / (Vec(1.f) + x.neg().exp());
-  return x / (Vec(1.f) + x.neg().exp_u20());
-#endif
-}
-
 // out (T, I) = silu(x[:, :I]) * x[:, I:] for x (T, 2I).
 void silu_and_mul(const at::Tensor& x, const at::Tensor& out) {
   TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && x.size(1) == 2 * out.size(1) && x.size(0) == out.size(0), "bad shapes");
@@ -193,19 +168,7 @@ void silu_and_mul(const at::Tensor& x, const at::Tensor& out) {
     at::parallel_for(0, x.size(0), grain(3 * n), [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
         const T* g = xp + r * x.stride(0);
-        const T* u = g + n;
-        T* o = op + r * out.stride(0);
-        int64_t j = 0;
-        for (; j + W <= n; j += W) {
-          Vec g0, g1, u0, u1;
-          load2(g + j, g0, g1);
-          load2(u + j, u0, u1);
-          store2(o + j, silu<T>(g0) * u0, silu<T>(g1) * u1);
-        }
-        for (; j < n; ++j) {
-          float a = static_cast<float>(g[j]);
-          o[j] = static_cast<T>(a / (1.f + std::exp(-a)) * static_cast<float>(u[j]));
-        }
+        silu_mul_row(g, g + n, op + r * out.stride(0), n);
       }
     });
   });

@@ -6,12 +6,15 @@
 // gets few rows (decode steps): they read W once, straight through, in register tiles (fp32: the FMA tiles of
 // paged.h; bf16, on CPUs with AVX512-BF16: decode_dots.h's dot-product tiles, rounded to bf16 as the reference
 // rounds), where a GEMM would pack W first. Their fp32 sums add in another order than the GEMM's; the rest is
-// bit-identical to the reference.
+// bit-identical to the reference. Where the engine packs bf16 experts in dot_linear's blocks (AVX512-BF16 without
+// AMX), fused_moe_packed takes the layer instead: every expert's projection in one loop of dot_blocks.h's tiles.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include "decode_dots.h"
+#include "dot_blocks.h"
+#include "activation.h"
 #include "vec.h"
 
 #include <vector>
@@ -110,41 +113,131 @@ at::Tensor expert_linear(const at::Tensor& a, const at::Tensor& w, at::Tensor ou
   return out;
 }
 
-void fused_moe(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2, const at::Tensor& topk_weights,
-               const at::Tensor& topk_ids, bool skip_negative, const at::Tensor& out) {
-  TORCH_CHECK(x.dim() == 2 && w13.dim() == 3 && w2.dim() == 3 && topk_ids.dim() == 2, "x (T, H), w13 (E, 2I, H), "
-              "w2 (E, H, I), topk_ids (T, k)");
-  const int64_t experts = w13.size(0), top_k = topk_ids.size(1);
-  TORCH_CHECK(topk_ids.size(0) == x.size(0) && topk_weights.sizes() == topk_ids.sizes(), "one routing row per token");
-  TORCH_CHECK(w2.size(0) == experts && w13.size(2) == x.size(1) && w2.size(2) * 2 == w13.size(1),
-              "expert weights do not match x or each other");
-  TORCH_CHECK(out.sizes() == at::IntArrayRef({x.size(0), w2.size(1)}) && out.scalar_type() == x.scalar_type(),
-              "out must be (T, H) in x's dtype");
+// A step's routed pairs sorted by expert, as the reference sorts them: `rows` (P, H) the tokens' rows in that
+// order, `counts[shift + e]` expert e's pairs (bin 0 counts the pairs skipped, -1, which sort first).
+struct Routed {
+  at::Tensor counts_t, order, tokens, rows;
+  int64_t shift;
+  const int64_t* counts() const { return counts_t.const_data_ptr<int64_t>(); }
+};
+
+Routed route(const at::Tensor& x, const at::Tensor& topk_ids, int64_t experts, bool skip_negative) {
   const at::Tensor flat = topk_ids.flatten().to(at::kLong);
-  const int64_t shift = skip_negative ? 1 : 0;  // bin 0 counts the skipped pairs (-1), which sort first
+  const int64_t shift = skip_negative ? 1 : 0;
   const at::Tensor binned = shift ? flat + shift : flat;
   if (flat.numel() > 0) {  // checked here: an index outside the experts must not reach the matmuls
     const int64_t low = binned.min().item<int64_t>(), high = binned.max().item<int64_t>();
     TORCH_CHECK(low >= 0 && high < experts + shift, "expert ids must lie in [", -shift, ", ", experts, ")");
   }
-  const at::Tensor counts_t = at::bincount(binned, {}, experts + shift);
-  const int64_t* counts = counts_t.const_data_ptr<int64_t>();
-  const at::Tensor order = at::argsort(flat, /*stable=*/true).slice(0, shift ? counts[0] : 0);
-  const at::Tensor tokens = at::floor_divide(order, top_k);
-  const at::Tensor rows = x.index({tokens});
-  at::Tensor expert_out = at::empty({rows.size(0), w2.size(1)}, x.options());
-  int64_t start = 0;
-  for (int64_t e = 0; e < experts; ++e) {
-    const int64_t n = counts[e + shift];
+  Routed r;
+  r.shift = shift;
+  r.counts_t = at::bincount(binned, {}, experts + shift);
+  r.order = at::argsort(flat, /*stable=*/true).slice(0, shift ? r.counts()[0] : 0);
+  r.tokens = at::floor_divide(r.order, topk_ids.size(1));
+  r.rows = x.index({r.tokens});
+  return r;
+}
+
+// out = each token's experts' outputs (expert_out, in the routed order) weighted and summed in fp32.
+void combine(const at::Tensor& expert_out, const Routed& r, const at::Tensor& topk_weights, const at::Tensor& out) {
+  const at::Tensor weighted = expert_out.to(at::kFloat) * topk_weights.flatten().index({r.order}).unsqueeze(1);
+  at::Tensor summed = at::zeros(out.sizes(), out.options().dtype(at::kFloat));
+  out.copy_(summed.index_add_(0, r.tokens, weighted));
+}
+
+void check_routing(const at::Tensor& x, const at::Tensor& topk_weights, const at::Tensor& topk_ids,
+                   const at::Tensor& out, int64_t hidden) {
+  TORCH_CHECK(x.dim() == 2 && topk_ids.dim() == 2, "x (T, H), topk_ids (T, k)");
+  TORCH_CHECK(topk_ids.size(0) == x.size(0) && topk_weights.sizes() == topk_ids.sizes(), "one routing row per token");
+  TORCH_CHECK(out.sizes() == at::IntArrayRef({x.size(0), hidden}) && out.scalar_type() == x.scalar_type(),
+              "out must be (T, H) in x's dtype");
+}
+
+void fused_moe(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2, const at::Tensor& topk_weights,
+               const at::Tensor& topk_ids, bool skip_negative, const at::Tensor& out) {
+  TORCH_CHECK(w13.dim() == 3 && w2.dim() == 3, "w13 (E, 2I, H), w2 (E, H, I)");
+  const int64_t experts = w13.size(0);
+  TORCH_CHECK(w2.size(0) == experts && w13.size(2) == x.size(-1) && w2.size(2) * 2 == w13.size(1),
+              "expert weights do not match x or each other");
+  check_routing(x, topk_weights, topk_ids, out, w2.size(1));
+  const Routed r = route(x, topk_ids, experts, skip_negative);
+  at::Tensor expert_out = at::empty({r.rows.size(0), w2.size(1)}, x.options());
+  for (int64_t e = 0, start = 0; e < experts; ++e) {
+    const int64_t n = r.counts()[e + r.shift];
     if (n == 0) continue;
-    const at::Tensor gate_up = expert_linear(rows.slice(0, start, start + n), w13[e]);
+    const at::Tensor gate_up = expert_linear(r.rows.slice(0, start, start + n), w13[e]);
     const std::vector<at::Tensor> halves = gate_up.chunk(2, -1);
     expert_linear(at::silu(halves[0]) * halves[1], w2[e], expert_out.slice(0, start, start + n));
     start += n;
   }
-  const at::Tensor weighted = expert_out.to(at::kFloat) * topk_weights.flatten().index({order}).unsqueeze(1);
-  at::Tensor summed = at::zeros({x.size(0), w2.size(1)}, x.options().dtype(at::kFloat));
-  out.copy_(summed.index_add_(0, tokens, weighted));
+  combine(expert_out, r, topk_weights, out);
+}
+
+// Rows of x [first, first + rows) that go through expert `expert`'s weight together.
+struct Piece {
+  int64_t expert, first, rows;
+};
+
+// An expert's routed rows in pieces of at most kChunkBytes of x (K inputs), as dot_linear chunks its rows.
+std::vector<Piece> pieces_of(const Routed& r, int64_t experts, int64_t K) {
+  const int64_t most = std::max<int64_t>(kTileRows, kChunkBytes / (2 * K) / kTileRows * kTileRows);
+  std::vector<Piece> pieces;
+  for (int64_t e = 0, start = 0; e < experts; start += r.counts()[e + r.shift], ++e)
+    for (int64_t first = start; first < start + r.counts()[e + r.shift]; first += most)
+      pieces.push_back({e, first, std::min(most, start + r.counts()[e + r.shift] - first)});
+  return pieces;
+}
+
+// out (P, N) = x (P, K) times, for each piece, its expert's packed weight (E, N/48 blocks, K/2, 48, 2): one parallel
+// loop over (piece, block) items, piece by piece, so a thread's next items read rows it has just read.
+void experts_in_blocks(const at::Tensor& x, const at::Tensor& packed, const std::vector<Piece>& pieces,
+                       const at::Tensor& out) {
+  const int64_t K = x.size(1), N = out.size(1), blocks = packed.size(1), pairs = K / 2;
+  const int64_t block_elems = pairs * 2 * kBlock, expert_elems = blocks * block_elems;
+  const at::BFloat16* xp = x.const_data_ptr<at::BFloat16>();
+  const at::BFloat16* wp = packed.const_data_ptr<at::BFloat16>();
+  at::BFloat16* op = out.data_ptr<at::BFloat16>();
+  at::parallel_for(0, static_cast<int64_t>(pieces.size()) * blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const Piece& p = pieces[item / blocks];
+      const int64_t b = item % blocks;
+      block_rows(xp + p.first * K, K, p.rows, pairs, wp + p.expert * expert_elems + b * block_elems, nullptr,
+                 op + p.first * N + b * kBlock, N, std::min(kBlock, N - b * kBlock));
+    }
+  });
+}
+
+// The mixture over bf16 experts packed in dot_linear's blocks (prepack.py's pack_dot_experts, on CPUs with
+// AVX512-BF16): w13 (E, ceil(2I / 48), H / 2, 48, 2), gate columns [0, I) then up [I, 2I), w2 (E, ceil(H / 48),
+// I / 2, 48, 2). The reference's algorithm: gate|up rounded to bf16 as a linear's output is, silu(gate) * up
+// rounded once (the silu_and_mul op's rows), down, the weighted rows summed in fp32. Each projection of every
+// expert runs in one parallel loop. Every output is the same for any thread count.
+void fused_moe_packed(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2, int64_t intermediate,
+                      const at::Tensor& topk_weights, const at::Tensor& topk_ids, bool skip_negative,
+                      const at::Tensor& out) {
+  TORCH_CHECK(kDotTiles, "fused_moe_packed needs a CPU with AVX512-BF16 (and the kernels built for it)");
+  const int64_t I = intermediate, H = x.size(-1), experts = w13.size(0);
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w13.scalar_type() == at::kBFloat16 &&
+              w2.scalar_type() == at::kBFloat16, "fused_moe_packed takes bfloat16 x and experts");
+  TORCH_CHECK(w13.dim() == 5 && w2.dim() == 5 && w13.is_contiguous() && w2.is_contiguous() && w2.size(0) == experts &&
+              H % 2 == 0 && I % 2 == 0 && w13.size(1) == (2 * I + kBlock - 1) / kBlock && w13.size(2) * 2 == H &&
+              w2.size(1) == (H + kBlock - 1) / kBlock && w2.size(2) * 2 == I && w13.size(3) == kBlock &&
+              w2.size(3) == kBlock, "packed experts must be (E, 2I/48, H/2, 48, 2) and (E, H/48, I/2, 48, 2) for x's ",
+              H, " inputs and ", I, " intermediate values");
+  check_routing(x, topk_weights, topk_ids, out, H);
+  const Routed r = route(x.contiguous(), topk_ids, experts, skip_negative);
+  const int64_t P = r.rows.size(0);
+  const at::Tensor gate_up = at::empty({P, 2 * I}, x.options());
+  experts_in_blocks(r.rows, w13, pieces_of(r, experts, H), gate_up);
+  const at::Tensor act = at::empty({P, I}, x.options());
+  const at::BFloat16* gp = gate_up.const_data_ptr<at::BFloat16>();
+  at::BFloat16* ap = act.data_ptr<at::BFloat16>();
+  at::parallel_for(0, P, std::max<int64_t>(1, (1 << 16) / (3 * I)), [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) silu_mul_row(gp + row * 2 * I, gp + row * 2 * I + I, ap + row * I, I);
+  });
+  const at::Tensor expert_out = at::empty({P, H}, x.options());
+  experts_in_blocks(act, w2, pieces_of(r, experts, I), expert_out);
+  combine(expert_out, r, topk_weights, out);
 }
 
 }  // namespace
@@ -153,8 +246,11 @@ void fused_moe(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2,
 TORCH_LIBRARY_FRAGMENT(batchgen_cpu, m) {
   m.def("fused_moe(Tensor x, Tensor w13, Tensor w2, Tensor topk_weights, Tensor topk_ids, bool skip_negative, "
         "Tensor(a!) out) -> ()");
+  m.def("fused_moe_packed(Tensor x, Tensor w13, Tensor w2, int intermediate, Tensor topk_weights, Tensor topk_ids, "
+        "bool skip_negative, Tensor(a!) out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(batchgen_cpu, CPU, m) {
   m.impl("fused_moe", &batchgen_cpu::fused_moe);
+  m.impl("fused_moe_packed", &batchgen_cpu::fused_moe_packed);
 }
