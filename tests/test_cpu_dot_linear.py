@@ -1,6 +1,6 @@
 """The bf16 linear on CPUs with AVX512-BF16 (``batchgen_cpu.dot_linear`` over ``pack_dot_weight``'s blocks): as close
 to an fp64 product as torch's bf16 linear, rows that do not depend on the step's other rows or the thread count,
-and the layers that take it."""
+and the layers that take it; its per-head form (``dot_bmm``) for the latent attention's absorbed products."""
 from __future__ import annotations
 
 import pytest
@@ -104,3 +104,51 @@ def test_bf16_projections_take_it():
     assert isinstance(model[0], PrepackedLinear) and model[0].dot
     x = torch.randn(4, 64).to(BF16)
     torch.testing.assert_close(model(x), F.linear(x, weight, bias), rtol=1e-2, atol=1e-2)
+
+
+# (batch, heads, K, N): DeepSeek's absorbed shapes in miniature (nope 32 -> rank 64, rank 64 -> v 40: N past a
+# whole block), one row, no rows, N under a block.
+BMM_SHAPES = [(5, 4, 32, 64), (7, 3, 64, 40), (1, 2, 130, 13), (0, 2, 32, 48)]
+
+
+@pytest.mark.parametrize("batch,heads,k,n", BMM_SHAPES)
+def test_per_head_products_against_fp64_and_bmm(batch, heads, k, n):
+    """``dot_bmm`` (x (B, H, K) with strided rows, as the query's nope slice is) against bmm per head, and the latent
+    layer's products over packed W_UK and W_UV against torch's."""
+    from batchgen.engine.layers.mla import BMM_PRODUCTS
+
+    gen = torch.Generator().manual_seed(batch * 31 + k)
+    weight = torch.randn(heads, n, k, generator=gen).to(BF16)
+    x = torch.randn(batch, heads, k + 6, generator=gen).to(BF16)[..., 3:3 + k]
+    out = torch.empty(batch, heads, n, dtype=BF16)
+    torch.ops.batchgen_cpu.dot_bmm(x, prepack.pack_dot_experts(weight), out)
+    exact = torch.einsum("bhk,hnk->bhn", x.double(), weight.double())
+    theirs = torch.bmm(x.transpose(0, 1), weight.transpose(1, 2)).transpose(0, 1).double()
+    ulp = exact.abs().clamp_min(1e-3) * 2 ** -7
+    assert out.shape == exact.shape
+    assert ((out.double() - exact).abs() <= 2 * ulp + (theirs - exact).abs()).all()
+
+    class Layer:  # W_UK (H, nope, R), W_UV (H, v, R) as views of one weight, as the latent layer holds them
+        w = torch.randn(heads, k + n, k, generator=gen).to(BF16)
+        w_uk, w_uv = w[:, :k], w[:, k:]
+
+    products = prepack.DotAbsorbedProducts(Layer.w_uk, Layer.w_uv)
+    q_nope, latent = x, torch.randn(batch, heads, k, generator=gen).to(BF16)
+    for ours, reference in ((products.query(Layer, q_nope), BMM_PRODUCTS.query(Layer, q_nope)),
+                            (products.values(Layer, latent), BMM_PRODUCTS.values(Layer, latent))):
+        assert ours.shape == reference.shape
+        scale = reference.abs().max().item() if reference.numel() else 0.0
+        torch.testing.assert_close(ours.float(), reference.float(), rtol=2 ** -7, atol=2 ** -7 * scale)
+
+
+def test_per_head_products_refuse_wrong_arguments():
+    packed = prepack.pack_dot_experts(torch.randn(2, 48, 8).to(BF16))
+    op = torch.ops.batchgen_cpu.dot_bmm
+    with pytest.raises(RuntimeError, match="does not match"):
+        op(torch.zeros(3, 2, 10, dtype=BF16), packed, torch.empty(3, 2, 48, dtype=BF16))
+    with pytest.raises(RuntimeError, match="does not match"):
+        op(torch.zeros(3, 4, 8, dtype=BF16), packed, torch.empty(3, 4, 48, dtype=BF16))
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        op(torch.zeros(3, 2, 8), packed, torch.empty(3, 2, 48))
+    with pytest.raises(RuntimeError, match="out must"):
+        op(torch.zeros(3, 2, 8, dtype=BF16), packed, torch.empty(3, 2, 97, dtype=BF16))

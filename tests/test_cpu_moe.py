@@ -176,8 +176,8 @@ def test_packed_experts_are_bit_identical_across_thread_counts_and_refuse_bad_sh
 
 @pytest.mark.parametrize("arch", ["qwen2-moe", "deepseek-v3"])
 def test_bf16_engines_pack_their_experts(tiny_model_factory, arch):
-    """A bf16 MoE model's experts in dot_linear's blocks: its tokens' first logprobs as the torch backend's (bf16
-    rounding apart), and its decode steps replayed."""
+    """A bf16 MoE model's experts (and DeepSeek's absorbed W_UK, W_UV) in dot_linear's blocks: its tokens' first
+    logprobs as the torch backend's (bf16 rounding apart), and its decode steps replayed."""
     needs_dot_tiles()
     kw = dict(dtype="bfloat16", device="cpu", max_num_seqs=4, max_num_batched_tokens=512, kv_cache_memory=8 << 20)
     folder = tiny_model_factory(arch)
@@ -185,6 +185,9 @@ def test_bf16_engines_pack_their_experts(tiny_model_factory, arch):
     layers = [m for m in model_runner(packed).model.modules() if getattr(m, "quant_method", None) is
               prepack.DOT_EXPERTS_METHOD]
     assert layers and all(m.gate_up_proj.dim() == 5 for m in layers)
+    latent = [m for m in model_runner(packed).model.modules() if hasattr(m, "absorbed")]
+    assert all(isinstance(m.absorbed, prepack.DotAbsorbedProducts) for m in latent)
+    assert bool(latent) == (arch == "deepseek-v3")
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=True)
     prompts = mixed_prompts(packed, repeats=(1, 3, 2, 4))
     a, b = packed.generate(prompts, params), plain.generate(prompts, params)

@@ -123,6 +123,24 @@ def _reorder_rows_on_load(param: nn.Parameter, order: torch.Tensor) -> None:
     param.weight_loader = loader
 
 
+class AbsorbedProducts:
+    """The absorbed decode's two products a head, over W_UK and W_UV (views of kv_b_proj's weight) by torch's
+    bmm. A kernel set may give a layer its own (:func:`batchgen.engine.backends.cpu.prepack.prepack_absorbed`)."""
+
+    def query(self, layer: "MLAAttention", q_nope: torch.Tensor) -> torch.Tensor:
+        """``q_nope W_UK[h]`` for each head h: (B, H, nope) -> (B, H, kv_lora_rank)."""
+        return torch.bmm(q_nope.transpose(0, 1), layer.w_uk).transpose(0, 1)
+
+    def values(self, layer: "MLAAttention", out: torch.Tensor) -> torch.Tensor:
+        """``W_UV[h] out`` for each head h: (B, H, kv_lora_rank) -> (B, H, v_dim)."""
+        # W_UV @ out^T per head, then back: bmm takes W_UV as it lies, where out @ W_UV^T had CPU's bmm copy the
+        # transposed weight each call (1 ms a layer at 32 heads).
+        return torch.bmm(layer.w_uv, out.permute(1, 2, 0)).permute(2, 0, 1)
+
+
+BMM_PRODUCTS = AbsorbedProducts()
+
+
 class MLAAttention(nn.Module):
     """The projections of DeepSeek's attention around the latent cache; names follow the checkpoints.
 
@@ -154,6 +172,7 @@ class MLAAttention(nn.Module):
         self.register_buffer("w_uk", None, persistent=False)
         self.register_buffer("w_uv", None, persistent=False)
         self._bind_absorbed_weights(self.kv_b_proj.weight)
+        self.absorbed: AbsorbedProducts = BMM_PRODUCTS
         self.o_proj = RowParallelLinear(heads * self.v_dim, hidden, bias=bias, tp=tp)
         self.scale = self.qk_dim ** -0.5 * yarn_softmax_scale(cfg.rope_scaling)
         self.kernels, self.backend = kernels, kernels.mla
@@ -238,12 +257,10 @@ class MLAAttention(nn.Module):
                max_context: int) -> torch.Tensor:
         """Absorbed attention of one new token per sequence, (B, H, v_dim)."""
         q_nope, q_pe = q[..., : self.nope_dim], q[..., self.nope_dim:]
-        q_latent = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)  # (B, H, R)
+        q_latent = self.absorbed.query(self, q_nope)  # (B, H, R)
         out = self.backend.decode(torch.cat((q_latent, q_pe), dim=-1), self.cache, block_tables, context_lens,
                                   max_context, self.kv_lora_rank, self.scale)
-        # W_UV @ out^T per head, then back to (B, H, v): bmm takes W_UV, a view of kv_b_proj's weight, as it lies,
-        # where out @ W_UV^T had CPU's bmm copy the transposed weight each call (1 ms a layer at 32 heads).
-        return torch.bmm(self.w_uv, out.permute(1, 2, 0)).permute(2, 0, 1)
+        return self.absorbed.values(self, out)
 
     def prefill(self, q: torch.Tensor, plan: LatentPrefill) -> torch.Tensor:
         """Expanded attention of the prefilling sequences' new tokens, (T, H, v_dim)."""

@@ -31,6 +31,7 @@ from batchgen.engine.backends.cpu import ops
 from batchgen.engine.backends.cpu.build import load_kernels
 from batchgen.engine.backends.cpu.ops import amx_tiles
 from batchgen.engine.layers.linear import UNQUANTIZED, LinearBase, LinearMethod, ParallelLMHead, RowParallelLinear
+from batchgen.engine.layers.mla import AbsorbedProducts, MLAAttention
 from batchgen.engine.layers.moe import UNQUANTIZED_MOE, FusedMoE, MoEMethod
 
 log = logging.getLogger(__name__)
@@ -127,10 +128,51 @@ def prepack_experts(model: nn.Module) -> int:
     return count
 
 
+class DotAbsorbedProducts(AbsorbedProducts):
+    """A latent attention layer's W_UK (as W_UK^T) and W_UV packed a head at a time in ``dot_linear``'s blocks:
+    the absorbed decode's products in ``batchgen_cpu.dot_bmm`` (bf16 rows), in place of bmm's GEMMs."""
+
+    def __init__(self, w_uk: torch.Tensor, w_uv: torch.Tensor):
+        self.uk = pack_dot_experts(w_uk.transpose(1, 2))  # (H, R, nope): q_nope W_UK[h] = q_nope (W_UK[h]^T)^T
+        self.uv = pack_dot_experts(w_uv)  # (H, v, R)
+        self.rank, self.v_dim = w_uk.shape[2], w_uv.shape[1]
+
+    def query(self, layer: nn.Module, q_nope: torch.Tensor) -> torch.Tensor:
+        if q_nope.dtype != torch.bfloat16:
+            return super().query(layer, q_nope)
+        out = q_nope.new_empty(q_nope.shape[0], q_nope.shape[1], self.rank)
+        torch.ops.batchgen_cpu.dot_bmm(q_nope, self.uk, out)
+        return out
+
+    def values(self, layer: nn.Module, out: torch.Tensor) -> torch.Tensor:
+        if out.dtype != torch.bfloat16 or out.stride(2) != 1:
+            return super().values(layer, out)
+        values = out.new_empty(out.shape[0], out.shape[1], self.v_dim)
+        torch.ops.batchgen_cpu.dot_bmm(out, self.uv, values)
+        return values
+
+
+def prepack_absorbed(model: nn.Module) -> int:
+    """Gives ``model``'s latent attention layers with bf16 W_UK and W_UV (even dims) :class:`DotAbsorbedProducts`
+    where ``dot_linear`` runs; returns how many."""
+    if not dot_linear_runs():
+        return 0
+    count = 0
+    with torch.inference_mode():
+        for layer in model.modules():
+            if isinstance(layer, MLAAttention) and layer.w_uk.dtype == torch.bfloat16 and \
+                    layer.w_uk.device.type == "cpu" and layer.nope_dim % 2 == 0 and layer.kv_lora_rank % 2 == 0:
+                layer.absorbed = DotAbsorbedProducts(layer.w_uk, layer.w_uv)
+                count += 1
+    return count
+
+
 def prepack_weights(model: nn.Module) -> None:
-    """The CPU kernel set's ``prepare_model``: :func:`prepack_linears`, then :func:`prepack_experts`."""
-    linears, experts = prepack_linears(model), prepack_experts(model)
-    log.debug("prepacked %d linear layers and %d layers of experts", linears, experts)
+    """The CPU kernel set's ``prepare_model``: :func:`prepack_linears`, :func:`prepack_experts` and
+    :func:`prepack_absorbed`."""
+    linears, experts, latent = prepack_linears(model), prepack_experts(model), prepack_absorbed(model)
+    log.debug("prepacked %d linear layers, %d layers of experts, %d latent attention layers", linears, experts,
+              latent)
 
 
 # Rows up to which fp32 layers run the small-row op: 1.4-3.3x F.linear at 1-64 rows, 1.05-1.3x at 96-256 (64

@@ -54,6 +54,34 @@ void dot_linear(const at::Tensor& x, const at::Tensor& packed, const std::option
 #endif
 }
 
+// out (B, H, N) = per head h, x[:, h] (B, K) times head h's packed weight (H, N/48, K/2, 48, 2): the latent
+// attention's absorbed products, one parallel loop over (head, block) items. x's and out's rows may be strided.
+void dot_bmm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& out) {
+  TORCH_CHECK(kDotTiles, "dot_bmm needs a CPU with AVX512-BF16 (and the kernels built for it)");
+  TORCH_CHECK(x.dim() == 3 && packed.dim() == 5 && out.dim() == 3, "x (B, H, K), packed (H, N/48, K/2, 48, 2), "
+              "out (B, H, N)");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16 &&
+              out.scalar_type() == at::kBFloat16, "dot_bmm takes bfloat16 x, weight and out");
+  const int64_t B = x.size(0), H = x.size(1), K = x.size(2), N = out.size(2), blocks = packed.size(1);
+  TORCH_CHECK(packed.is_contiguous() && packed.size(0) == H && packed.size(2) * 2 == K && packed.size(3) == kBlock &&
+              packed.size(4) == 2, "the packed weight does not match x's ", H, " heads of ", K, " inputs");
+  TORCH_CHECK(out.size(0) == B && out.size(1) == H && (N + kBlock - 1) / kBlock == blocks,
+              "out must be (B, H, N) for the packed weight");
+  TORCH_CHECK(x.stride(2) == 1 && out.stride(2) == 1, "x's and out's rows must be contiguous");
+  if (B == 0 || N == 0) return;
+  const at::BFloat16* xp = x.const_data_ptr<at::BFloat16>();
+  const at::BFloat16* wp = packed.const_data_ptr<at::BFloat16>();
+  at::BFloat16* op = out.data_ptr<at::BFloat16>();
+  const int64_t pairs = K / 2, block_elems = pairs * 2 * kBlock;
+  at::parallel_for(0, H * blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t h = item / blocks, b = item % blocks;
+      block_rows(xp + h * x.stride(1), x.stride(0), B, pairs, wp + item * block_elems, nullptr,
+                 op + h * out.stride(1) + b * kBlock, out.stride(0), std::min(kBlock, N - b * kBlock));
+    }
+  });
+}
+
 bool dot_linear_built() { return kDotTiles; }
 
 }  // namespace
@@ -61,11 +89,13 @@ bool dot_linear_built() { return kDotTiles; }
 
 TORCH_LIBRARY_FRAGMENT(batchgen_cpu, m) {
   m.def("dot_linear(Tensor x, Tensor packed, Tensor? bias, Tensor(a!) out) -> ()");
+  m.def("dot_bmm(Tensor x, Tensor packed, Tensor(a!) out) -> ()");
   m.def("dot_linear_built() -> bool");
 }
 
 TORCH_LIBRARY_IMPL(batchgen_cpu, CPU, m) {
   m.impl("dot_linear", &batchgen_cpu::dot_linear);
+  m.impl("dot_bmm", &batchgen_cpu::dot_bmm);
 }
 
 TORCH_LIBRARY_IMPL(batchgen_cpu, CompositeExplicitAutograd, m) {
