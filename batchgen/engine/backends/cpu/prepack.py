@@ -16,7 +16,8 @@ whose weight and output stay in the caches.
 
 Where ``dot_linear`` runs, bf16 experts are packed in its blocks too, slot by slot: the expert op's few-row tiles
 sum their lanes and its GEMMs pack W every call (benchmarks/moe_cpu.py, 64 experts of 2048 x 768: 1.2x at 1-8
-tokens, 1.3-1.4x at 64-256, 1.03-1.14x at 1,024-4,096).
+tokens, 1.3-1.4x at 64-256, 1.03-1.14x at 1,024-4,096), and so are the latent attention's absorbed W_UK and W_UV, a
+head at a time (``dot_bmm`` in place of bmm's GEMMs).
 """
 from __future__ import annotations
 

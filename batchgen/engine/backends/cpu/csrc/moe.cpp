@@ -12,9 +12,9 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "activation.h"
 #include "decode_dots.h"
 #include "dot_blocks.h"
-#include "activation.h"
 #include "vec.h"
 
 #include <vector>

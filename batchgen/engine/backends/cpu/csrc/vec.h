@@ -2,6 +2,7 @@
 // with AVX-512 (and AVX512-BF16) instructions where the build targets them, at::vec's portable ones else.
 #pragma once
 
+#include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <c10/core/ScalarType.h>
 #include <c10/util/BFloat16.h>
