@@ -38,7 +38,7 @@ from batchgen.engine.loading.hub import cache_dir, resolve_model_path
 from compare_hf import hf_model
 from compare_vllm import hf_folder, run_vllm
 from decode_workload import (amx_bf16_in_cpuinfo, kv_bytes_per_token, linear_shapes, mean_context, random_prompts,
-                             read_bandwidth, roofline)
+                             read_bandwidth, roofline, routed_experts)
 
 
 def median_seconds(fn, repeats: int) -> float:
@@ -151,7 +151,7 @@ def main() -> None:
     folder = hf_folder(path, cache_dir() / "bench" / f"{args.model}-safetensors") if args.vllm_python else None
     probe = LLM(path, dtype=args.dtype, device="cpu", max_num_seqs=1, kv_cache_memory=64 << 20)
     dtype = probe.config.dtype_choice
-    shapes = linear_shapes(probe)
+    shapes, experts = linear_shapes(probe), routed_experts(probe)
     # The first decode step reads the prompt and the prefill's token; the last of new_tokens - 1 steps, one short of all.
     cache_bytes_per_row = round(kv_bytes_per_token(probe) * mean_context(args.prompt_len + 1, args.new_tokens - 1))
     bandwidth = read_bandwidth()
@@ -173,7 +173,7 @@ def main() -> None:
         # The M-row rate is a bound, the best this machine reaches: measured before and after the timed runs (a
         # slow spell during one second of windows once put batchgen at 113 % of a 76 GFLOP/s "roofline").
         bandwidth = max(bandwidth, read_bandwidth())  # likewise the best read rate seen
-        roof_before = roofline(shapes, batch, dtype.torch_dtype, bandwidth, cache_bytes_per_row)
+        roof_before = roofline(shapes, batch, dtype.torch_dtype, bandwidth, cache_bytes_per_row, experts)
         ours_full, ours_dec = batchgen_timed(llm, prompts, args.new_tokens, args.repeats)
         hf_full = median_seconds(lambda: hf_run(hf, prompts, batch, args.new_tokens), args.repeats)
         hf_prefill = median_seconds(lambda: hf_run(hf, prompts, batch, 1), 1)
@@ -181,7 +181,7 @@ def main() -> None:
         agree = sum(a == b for a, b in zip(ours_tokens, hf_tokens))
         del llm
         decoded = count * (args.new_tokens - 1)
-        roof = max(roof_before, roofline(shapes, batch, dtype.torch_dtype, bandwidth, cache_bytes_per_row),
+        roof = max(roof_before, roofline(shapes, batch, dtype.torch_dtype, bandwidth, cache_bytes_per_row, experts),
                    key=lambda r: r.matmul_rate)
         hf_dec = decoded / (hf_full - hf_prefill)
         row = dict(batch=batch, prompts=count, batchgen_decode_tok_s=round(ours_dec, 1),

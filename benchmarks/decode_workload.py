@@ -14,6 +14,7 @@ from batchgen.engine.backends.cpu.build import load_kernels
 from batchgen.engine.backends.cpu.ops import amx_tiles
 from batchgen.engine.backends.cpu.prepack import AMX_ROWS, SMALL_ROWS, PrepackedLinear, amx_rows_fit, prepacking_works
 from batchgen.engine.layers.linear import LinearBase, ParallelLMHead
+from batchgen.engine.layers.moe import SparseMoeBlock
 
 
 def random_prompts(vocab_size: int, count: int, length: int, seed: int = 0) -> list[list[int]]:
@@ -34,6 +35,26 @@ def linear_layers(llm: LLM) -> list[tuple[torch.nn.Module, tuple[int, int]]]:
 def linear_shapes(llm: LLM) -> list[tuple[int, int]]:
     """(out, in) of :func:`linear_layers`."""
     return [shape for _, shape in linear_layers(llm)]
+
+
+@dataclass(frozen=True)
+class RoutedExperts:
+    """A mixture-of-experts layer's routed experts, which :func:`linear_layers` leaves out: a token multiplies
+    by ``top_k`` of the ``experts``, each of ``params`` parameters (gate, up and down)."""
+
+    experts: int
+    top_k: int
+    params: int
+
+    def distinct(self, batch: int) -> float:
+        """Experts a step of ``batch`` tokens reads, expected under uniform routing."""
+        return self.experts * (1 - (1 - self.top_k / self.experts) ** batch)
+
+
+def routed_experts(llm: LLM) -> list[RoutedExperts]:
+    model = llm.engine.executor.runner.model
+    return [RoutedExperts(len(b.experts.slots), b.gate.top_k, 3 * b.experts.hidden_size * b.experts.local_size)
+            for b in model.modules() if isinstance(b, SparseMoeBlock)]
 
 
 def rows_matmul_rate(shapes: list[tuple[int, int]], rows: int, dtype: torch.dtype, windows: int = 7,
@@ -131,7 +152,7 @@ class Roofline:
     matmul_rate: float  # FLOP/s
     bandwidth: float  # bytes/s
     flops_per_token: int
-    weight_bytes: int
+    weight_bytes: int  # a step's: the linear layers', and the routed experts' it reads (expected)
     cache_bytes_per_row: int = 0
 
     @property
@@ -153,9 +174,13 @@ class Roofline:
 
 
 def roofline(shapes: list[tuple[int, int]], batch: int, dtype: torch.dtype, bandwidth: float,
-             cache_bytes_per_row: int = 0) -> Roofline:
-    return Roofline(batch, rows_matmul_rate(shapes, batch, dtype), bandwidth, decode_flops_per_token(shapes),
-                    sum(n * k for n, k in shapes) * dtype.itemsize, cache_bytes_per_row)
+             cache_bytes_per_row: int = 0, experts: list[RoutedExperts] = ()) -> Roofline:
+    """The roofline of the linear layers ``shapes`` and the routed ``experts`` (their FLOPs at the same M-row rate,
+    a bound; the experts a step reads by :meth:`RoutedExperts.distinct`)."""
+    flops = decode_flops_per_token(shapes) + sum(2 * e.top_k * e.params for e in experts)
+    weight_bytes = sum(n * k for n, k in shapes) + sum(e.distinct(batch) * e.params for e in experts)
+    return Roofline(batch, rows_matmul_rate(shapes, batch, dtype), bandwidth, flops,
+                    round(weight_bytes * dtype.itemsize), cache_bytes_per_row)
 
 
 def mean_context(first: int, steps: int) -> float:

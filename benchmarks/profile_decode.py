@@ -8,9 +8,11 @@ It prints each kind of work's share: the linear layers (with their FLOP rate bes
 uses), attention, the elementwise kernels, the sampler, the rest of torch's ops, and the host (Python:
 scheduling, metadata), the wall time no op accounts for. The roofline's M-row rate keeps each shape's weight in
 the caches; beside it, the rate of the model's own linears called back to back, whose weights (all of them read
-once a step) stream from memory as in a step. Where decode steps replay recorded ops (CPU), ``--steps`` more
-steps then run without the profiler, each op of the replay timed on its own, and the same split is printed for
-them (the ops outside the recorded forward, the sampler's, then count as host time).
+once a step) stream from memory as in a step. A mixture of experts' roofline adds its routed experts: their
+top-k FLOPs a token, and the weights of the experts a step reads, as many as uniform routing would pick. Where
+decode steps replay recorded ops (CPU), ``--steps`` more steps then run without the profiler, each op of the
+replay timed on its own, and the same split is printed for them (the ops outside the recorded forward, the
+sampler's, then count as host time).
 """
 from __future__ import annotations
 
@@ -28,13 +30,13 @@ from batchgen.engine import LLM, SamplingParams
 from batchgen.engine.dtype import KV_CACHE_DTYPES
 from batchgen.engine.loading.hub import resolve_model_path
 from decode_workload import (kv_bytes_per_token, linear_shapes, mean_context, random_prompts, read_bandwidth, roofline,
-                             streamed_linears_rate)
+                             routed_experts, streamed_linears_rate)
 
 # Profiler op names -> kind of work; the first pattern an op's name contains wins, unmatched aten ops are "other ops".
 # The CPU expert op (its matmuls inside) counts as linear layers.
 KINDS = (
-    ("linear layers", ("small_linear", "amx_linear", "dot_linear", "_linear_pointwise", "fused_moe", "aten::addmm",
-                       "aten::mm", "aten::bmm", "aten::matmul", "aten::linear", "_weight_int8pack_mm")),
+    ("linear layers", ("small_linear", "amx_linear", "dot_linear", "dot_bmm", "_linear_pointwise", "fused_moe",
+                       "aten::addmm", "aten::mm", "aten::bmm", "aten::matmul", "aten::linear", "_weight_int8pack_mm")),
     ("attention", ("decode_attention", "varlen_causal_attention", "scaled_dot_product", "flash_attention",
                    "aten::index_select", "aten::gather")),
     ("sampler", ("row_argmax", "aten::argmax", "aten::max", "aten::logsumexp", "aten::softmax", "aten::sort",
@@ -144,7 +146,7 @@ def main() -> None:
     shapes = linear_shapes(llm)
     # The profiled steps follow the prefill and two decode steps: the first reads the prompt and 3 new tokens.
     cache_bytes_per_row = round(kv_bytes_per_token(llm) * mean_context(args.prompt_len + 3, args.steps))
-    roof = roofline(shapes, args.batch, dtype.torch_dtype, read_bandwidth(), cache_bytes_per_row)
+    roof = roofline(shapes, args.batch, dtype.torch_dtype, read_bandwidth(), cache_bytes_per_row, routed_experts(llm))
     tokens = args.batch * args.steps
     linear = roof.flops_per_token * tokens
     print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}, threads {torch.get_num_threads()}, "
