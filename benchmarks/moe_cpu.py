@@ -4,8 +4,8 @@ Prints milliseconds per layer of both (medians of ``--repeats``, the two taking 
 ``--layers`` layers of their own random experts in turn, so the weights come from memory as in a model's step),
 their ratio, the rate the op reads the experts its tokens chose, and the largest difference between the two
 outputs. Where the engine packs bf16 experts in ``dot_linear``'s blocks (AVX512-BF16 without AMX), the op over
-the packed experts runs too, taking turns with the others. Shapes default to DeepSeek-V3-small's (benchmarks/random_deepseek.py): 64 experts, hidden 2048,
-intermediate 768, top-6, random routing.
+the packed experts runs too, taking turns with the others. Shapes default to DeepSeek-V3-small's
+(benchmarks/random_deepseek.py): 64 experts, hidden 2048, intermediate 768, top-6, random routing.
 
     python benchmarks/moe_cpu.py                                    # bf16 and fp32, 1 8 64 256 tokens
     python benchmarks/moe_cpu.py --dtypes bfloat16 --tokens 8 --layers 7
@@ -66,7 +66,7 @@ def main() -> None:
                    (torch.randn(E, H, inter, generator=gen) * 0.02).to(dtype)) for _ in range(args.layers)]
         expert_bytes = 3 * inter * H * dtype.itemsize
         packed = dtype == torch.bfloat16 and prepack.dot_linear_runs()
-        # Each path: a layer's (w13, w2) and the call taking them, or None where it does not run for this dtype.
+        # Each path: the layers' (w13, w2) it takes (packed ones for the packed op) and its call.
         runs = {label: (layers, fn) for label, fn in paths.items()}
         if packed:
             runs["packed"] = ([(prepack.pack_dot_experts(w13), prepack.pack_dot_experts(w2)) for w13, w2 in layers],

@@ -21,11 +21,6 @@ namespace {
 
 constexpr int64_t W = kStep;
 
-// Rows per thread of a parallel loop over rows of `width` elements: at least kMinChunk elements, so that a
-// decode step's few rows run on the calling thread (a parallel region's fork and join cost more than they
-// save there, and far more when other processes hold the cores).
-constexpr int64_t kMinChunk = 1 << 16;
-inline int64_t grain(int64_t width) { return std::max<int64_t>(1, kMinChunk / std::max<int64_t>(1, width)); }
 
 // Rows of a 2-D or 3-D tensor whose last dim is contiguous: row r is at data + offset(r).
 struct Rows {

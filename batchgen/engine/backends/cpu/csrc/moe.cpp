@@ -182,9 +182,11 @@ struct Piece {
 std::vector<Piece> pieces_of(const Routed& r, int64_t experts, int64_t K) {
   const int64_t most = std::max<int64_t>(kTileRows, kChunkBytes / (2 * K) / kTileRows * kTileRows);
   std::vector<Piece> pieces;
-  for (int64_t e = 0, start = 0; e < experts; start += r.counts()[e + r.shift], ++e)
-    for (int64_t first = start; first < start + r.counts()[e + r.shift]; first += most)
-      pieces.push_back({e, first, std::min(most, start + r.counts()[e + r.shift] - first)});
+  for (int64_t e = 0, start = 0; e < experts; ++e) {
+    const int64_t end = start + r.counts()[e + r.shift];
+    for (int64_t first = start; first < end; first += most) pieces.push_back({e, first, std::min(most, end - first)});
+    start = end;
+  }
   return pieces;
 }
 
@@ -225,14 +227,14 @@ void fused_moe_packed(const at::Tensor& x, const at::Tensor& w13, const at::Tens
               w2.size(3) == kBlock, "packed experts must be (E, 2I/48, H/2, 48, 2) and (E, H/48, I/2, 48, 2) for x's ",
               H, " inputs and ", I, " intermediate values");
   check_routing(x, topk_weights, topk_ids, out, H);
-  const Routed r = route(x.contiguous(), topk_ids, experts, skip_negative);
+  const Routed r = route(x, topk_ids, experts, skip_negative);
   const int64_t P = r.rows.size(0);
   const at::Tensor gate_up = at::empty({P, 2 * I}, x.options());
   experts_in_blocks(r.rows, w13, pieces_of(r, experts, H), gate_up);
   const at::Tensor act = at::empty({P, I}, x.options());
   const at::BFloat16* gp = gate_up.const_data_ptr<at::BFloat16>();
   at::BFloat16* ap = act.data_ptr<at::BFloat16>();
-  at::parallel_for(0, P, std::max<int64_t>(1, (1 << 16) / (3 * I)), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, P, grain(3 * I), [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) silu_mul_row(gp + row * 2 * I, gp + row * 2 * I + I, ap + row * I, I);
   });
   const at::Tensor expert_out = at::empty({P, H}, x.options());

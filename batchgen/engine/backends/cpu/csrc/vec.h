@@ -10,6 +10,7 @@
 #include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Float8_e5m2.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <tuple>
@@ -394,6 +395,12 @@ inline Vec exp_nonpositive(const Vec& x) {
   return Vec(_mm256_and_ps(normal, exp2_ps<6>(_mm256_max_ps(t, _mm256_set1_ps(-126.f)))));
 #endif
 }
+
+// Rows per thread of a parallel loop over rows of `width` elements: at least kMinChunk elements, so that a
+// decode step's few rows run on the calling thread (a parallel region's fork and join cost more than they
+// save there, and far more when other processes hold the cores).
+constexpr int64_t kMinChunk = 1 << 16;
+inline int64_t grain(int64_t width) { return std::max<int64_t>(1, kMinChunk / std::max<int64_t>(1, width)); }
 
 // Runs f(T* tag) with the tensors' element type, float or at::BFloat16; any other type is an error of `name`.
 template <typename F>
