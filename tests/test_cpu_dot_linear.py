@@ -1,6 +1,7 @@
 """The bf16 linear on CPUs with AVX512-BF16 (``batchgen_cpu.dot_linear`` over ``pack_dot_weight``'s blocks): as close
 to an fp64 product as torch's bf16 linear, rows that do not depend on the step's other rows or the thread count,
-and the layers that take it; its per-head form (``dot_bmm``) for the latent attention's absorbed products."""
+and the layers that take it; its gated form (``dot_gated_linear``: a SwiGLU MLP's gate|up and activation in one op);
+its per-head form (``dot_bmm``) for the latent attention's absorbed products."""
 from __future__ import annotations
 
 import pytest
@@ -104,6 +105,91 @@ def test_bf16_projections_take_it():
     assert isinstance(model[0], PrepackedLinear) and model[0].dot
     x = torch.randn(4, 64).to(BF16)
     torch.testing.assert_close(model(x), F.linear(x, weight, bias), rtol=1e-2, atol=1e-2)
+
+
+# (I, K): SmolLM2's MLP, I past a whole block and not a multiple of 16 (100), under one block, K of one pair.
+GATED_SHAPES = [(1536, 576), (100, 64), (16, 34), (40, 2)]
+
+
+@pytest.mark.parametrize("intermediate,k", GATED_SHAPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_gated_op_is_the_projection_then_silu_and_mul(intermediate, k, bias):
+    """``dot_gated_linear`` over gate and up blocks in turn gives what ``dot_linear``'s gate|up then the
+    ``silu_and_mul`` op give, bit for bit (both round gate, up and their product alike), at any row count;
+    the packed layer's plain forward is the gate|up projection."""
+    from batchgen.engine.backends.cpu import ops
+
+    weight, b = layer(2 * intermediate, k, bias, seed=intermediate + k)
+    plain, gated = PrepackedLinear(weight, b), prepack.PrepackedGateUp(weight, b)
+    gen = torch.Generator().manual_seed(k)
+    assert gated.activated(torch.empty(0, k, dtype=BF16)).shape == (0, intermediate)
+    for m in (1, 7, 9, 64, 200):
+        x = torch.randn(m, k, generator=gen).to(BF16)
+        reference, ours = ops.silu_and_mul(plain(x)), gated.activated(x)
+        assert ours.shape == reference.shape == (m, intermediate)
+        assert torch.equal(ours, reference), (m, (ours.float() - reference.float()).abs().max())
+        assert torch.equal(gated(x), plain(x))
+
+
+def test_gated_packing_and_thread_counts():
+    weight, _ = layer(2 * 50, 4, False, seed=6)
+    packed = prepack.pack_dot_gated(weight, 50)
+    assert packed.shape == (4, 2, DOT_BLOCK, 2)  # gate block 0, up block 0, gate block 1, up block 1
+    assert torch.equal(packed[1, 1, 3], weight[50 + 3, 2:4])  # up block 0, input pair 1, its column 3
+    assert torch.equal(packed[2, 0, 1], weight[DOT_BLOCK + 1, 0:2])  # gate block 1, its column 1 (gate row 49)
+    assert not packed[3, :, 50 - DOT_BLOCK:].any()
+    big, _ = layer(2 * 96, 4096, False, seed=7)  # 2,000 rows of 4,096 inputs: six chunks
+    gated = prepack.PrepackedGateUp(big, None)
+    x = torch.randn(2000, 4096, generator=torch.Generator().manual_seed(8)).to(BF16)
+    full = gated.activated(x)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(gated.activated(x), full)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(gated.activated(x[1995:]), full[1995:])
+
+
+def test_gated_op_refuses_wrong_arguments():
+    packed = prepack.pack_dot_gated(layer(2 * 48, 8, False, seed=9)[0], 48)  # (2, 4, 48, 2)
+    op = torch.ops.batchgen_cpu.dot_gated_linear
+    x = torch.zeros(2, 8, dtype=BF16)
+    with pytest.raises(RuntimeError, match="does not match"):
+        op(torch.zeros(2, 10, dtype=BF16), packed, None, torch.empty(2, 48, dtype=BF16))
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        op(x.float(), packed, None, torch.empty(2, 48))
+    with pytest.raises(RuntimeError, match="out must"):
+        op(x, packed, None, torch.empty(2, 49, dtype=BF16))
+    with pytest.raises(RuntimeError, match="out must"):
+        op(x, packed[:1], None, torch.empty(2, 1, dtype=BF16))  # a gate block without its up block
+    with pytest.raises(RuntimeError, match="bias"):
+        op(x, packed, torch.zeros(48), torch.empty(2, 48, dtype=BF16))
+
+
+def test_swiglu_mlps_take_the_gated_op():
+    """``prepack_weights`` gives a bf16 SwiGLU MLP the packed gate|up and the one-op activation, its output the
+    same as the packed layers' and the silu_and_mul op's; a GeGLU MLP keeps the two steps."""
+    from batchgen.engine.backends.cpu import ops
+    from batchgen.engine.backends.select import make_kernel_set
+    from batchgen.engine.layers.mlp import PROJECT_THEN_ACTIVATE, GatedMLP
+
+    kernels = make_kernel_set("cpu")
+    swiglu, geglu = (GatedMLP(64, 96, kernels, activation=a).to(BF16) for a in ("silu", "gelu_tanh"))
+    gen = torch.Generator().manual_seed(10)
+    for mlp in (swiglu, geglu):
+        for p in mlp.parameters():
+            p.data.copy_(torch.randn(p.shape, generator=gen))
+    gate_up, down = swiglu.gate_up_proj.weight.detach().clone(), swiglu.down_proj.weight.detach().clone()
+    model = torch.nn.Sequential(swiglu, geglu)
+    x = torch.randn(5, 64, generator=gen).to(BF16)
+    before = geglu(x)
+    prepack.prepack_weights(model)
+    assert isinstance(swiglu.gate_up_proj, prepack.PrepackedGateUp) and swiglu.gate_up_activation is prepack.DOT_GATE_UP
+    assert type(geglu.gate_up_proj) is PrepackedLinear and geglu.gate_up_activation is PROJECT_THEN_ACTIVATE
+    expected = PrepackedLinear(down, None)(ops.silu_and_mul(PrepackedLinear(gate_up, None)(x)))
+    assert torch.equal(swiglu(x), expected)
+    torch.testing.assert_close(geglu(x), before, rtol=2e-2, atol=2e-2)
 
 
 # (batch, heads, K, N): DeepSeek's absorbed shapes in miniature (nope 32 -> rank 64, rank 64 -> v 40: N past a

@@ -17,7 +17,10 @@ whose weight and output stay in the caches.
 Where ``dot_linear`` runs, bf16 experts are packed in its blocks too, slot by slot: the expert op's few-row tiles
 sum their lanes and its GEMMs pack W every call (benchmarks/moe_cpu.py, 64 experts of 2048 x 768: 1.2x at 1-8
 tokens, 1.3-1.4x at 64-256, 1.03-1.14x at 1,024-4,096), and so are the latent attention's absorbed W_UK and W_UV, a
-head at a time (``dot_bmm`` in place of bmm's GEMMs).
+head at a time (``dot_bmm`` in place of bmm's GEMMs). A SwiGLU MLP's gate|up is packed gate block and up block in
+turn, and ``dot_gated_linear`` applies silu(gate) * up to each tile's products while they are in L1: the same
+values as the projection and then the ``silu_and_mul`` op (SmolLM2's decode steps 1.02x at batch 1, 1.01x at 8,
+even at 64: benchmarks/packed_ab.py --what gated).
 """
 from __future__ import annotations
 
@@ -33,6 +36,7 @@ from batchgen.engine.backends.cpu.build import load_kernels
 from batchgen.engine.backends.cpu.ops import amx_tiles
 from batchgen.engine.layers.linear import UNQUANTIZED, LinearBase, LinearMethod, ParallelLMHead, RowParallelLinear
 from batchgen.engine.layers.mla import AbsorbedProducts, MLAAttention
+from batchgen.engine.layers.mlp import GatedMLP, GateUpActivation
 from batchgen.engine.layers.moe import UNQUANTIZED_MOE, FusedMoE, MoEMethod
 
 log = logging.getLogger(__name__)
@@ -92,6 +96,78 @@ class PrepackedLinear(nn.Module):
             out = rows.new_empty((rows.shape[0], self.out_features))
             torch.ops.batchgen_cpu.dot_linear(rows, self.packed, self.bias, out)
         return out.view(*x.shape[:-1], self.out_features)
+
+
+def pack_dot_gated(weight: torch.Tensor, intermediate: int) -> torch.Tensor:
+    """A gated MLP's bf16 gate|up weight (2I, K) in ``dot_gated_linear``'s layout: gate block b, then up block b,
+    (2 ceil(I/48), K/2, 48, 2)."""
+    halves = pack_dot_experts(weight.view(2, intermediate, weight.shape[1]))  # (2, I/48, K/2, 48, 2)
+    return halves.transpose(0, 1).reshape(-1, *halves.shape[2:])
+
+
+class PrepackedGateUp(PrepackedLinear):
+    """A gated MLP's gate|up projection packed for ``batchgen_cpu.dot_gated_linear`` (gate and up blocks in
+    turn): :meth:`activated` gives silu(gate) * up in one op; ``forward`` gives the projection itself, gate|up,
+    as the layer it replaces did."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        nn.Module.__init__(self)
+        self.out_features, self.in_features = weight.shape
+        self.intermediate, self.dot = self.out_features // 2, True
+        self.packed = pack_dot_gated(weight.detach().to(torch.bfloat16), self.intermediate)
+        self.bias = None
+        if bias is not None:
+            padded = torch.zeros(2, self.packed.shape[0] // 2 * DOT_BLOCK)
+            padded[:, : self.intermediate] = bias.detach().float().view(2, self.intermediate)
+            self.bias = padded.view(2, -1, DOT_BLOCK).transpose(0, 1).reshape(-1)
+
+    def rows(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = self.rows(x)
+        blocks = rows.new_empty(rows.shape[0], self.packed.shape[0] * DOT_BLOCK)
+        torch.ops.batchgen_cpu.dot_linear(rows, self.packed, self.bias, blocks)
+        gate, up = blocks.view(rows.shape[0], -1, 2, DOT_BLOCK).unbind(2)
+        out = torch.cat([gate.flatten(1)[:, : self.intermediate], up.flatten(1)[:, : self.intermediate]], 1)
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def activated(self, x: torch.Tensor) -> torch.Tensor:
+        rows = self.rows(x)
+        out = rows.new_empty(rows.shape[0], self.intermediate)
+        torch.ops.batchgen_cpu.dot_gated_linear(rows, self.packed, self.bias, out)
+        return out.view(*x.shape[:-1], self.intermediate)
+
+
+class DotGateUpActivation(GateUpActivation):
+    """silu(x W_gate^T) * (x W_up^T) in one op over the MLP's :class:`PrepackedGateUp`: the 2I-wide gate|up rows
+    are never written (the activation reads each tile's products from L1)."""
+
+    def __call__(self, mlp: GatedMLP, x: torch.Tensor) -> torch.Tensor:
+        return mlp.gate_up_proj.activated(x)
+
+
+DOT_GATE_UP = DotGateUpActivation()
+
+
+def prepack_gated_mlps(model: nn.Module) -> int:
+    """Where ``dot_linear`` runs, gives ``model``'s SwiGLU MLPs with a whole bf16 gate|up projection (even inputs)
+    a :class:`PrepackedGateUp` and :data:`DOT_GATE_UP`; returns how many."""
+    if not dot_linear_runs():
+        return 0
+    count = 0
+    with torch.inference_mode():
+        for mlp in model.modules():
+            if not isinstance(mlp, GatedMLP) or mlp.activation != "silu" or not plain_projection(mlp.gate_up_proj):
+                continue
+            weight = mlp.gate_up_proj.weight
+            if weight.dtype != torch.bfloat16 or weight.shape[1] % 2:
+                continue
+            mlp.gate_up_proj = PrepackedGateUp(weight, getattr(mlp.gate_up_proj, "bias", None))
+            mlp.gate_up_activation = DOT_GATE_UP
+            count += 1
+    return count
 
 
 class DotExpertsMethod(MoEMethod):
@@ -169,11 +245,13 @@ def prepack_absorbed(model: nn.Module) -> int:
 
 
 def prepack_weights(model: nn.Module) -> None:
-    """The CPU kernel set's ``prepare_model``: :func:`prepack_linears`, :func:`prepack_experts` and
+    """The CPU kernel set's ``prepare_model``: :func:`prepack_gated_mlps` (before the other linears, whose pass
+    would pack gate|up as a plain projection), :func:`prepack_linears`, :func:`prepack_experts` and
     :func:`prepack_absorbed`."""
+    gated = prepack_gated_mlps(model)
     linears, experts, latent = prepack_linears(model), prepack_experts(model), prepack_absorbed(model)
-    log.debug("prepacked %d linear layers, %d layers of experts, %d latent attention layers", linears, experts,
-              latent)
+    log.debug("prepacked %d gated MLPs, %d other linear layers, %d layers of experts, %d latent attention layers",
+              gated, linears, experts, latent)
 
 
 # Rows up to which fp32 layers run the small-row op: 1.4-3.3x F.linear at 1-64 rows, 1.05-1.3x at 96-256 (64

@@ -1,5 +1,5 @@
-// SiLU on CPU vectors, and the SwiGLU product silu(gate) * up a row at a time (the silu_and_mul op's rows and the
-// packed experts' activation).
+// SiLU on CPU vectors, and the SwiGLU product silu(gate) * up a row at a time (the silu_and_mul op's rows, the
+// packed experts' activation and dot_gated_linear's blocks).
 #pragma once
 
 #include "vec.h"
@@ -43,6 +43,14 @@ inline void silu_mul_row(const T* g, const T* u, T* o, int64_t n) {
     load2(g + j, g0, g1);
     load2(u + j, u0, u1);
     store2(o + j, silu<T>(g0) * u0, silu<T>(g1) * u1);
+  }
+  // One vector more before the scalar tail, so that a row cut in dot_linear's 48-column blocks (32 + 16) rounds
+  // every value as the whole row does.
+  if (j + Vec::size() <= n) {
+    const Vec v = silu<T>(load_vec(g + j)) * load_vec(u + j);
+    if constexpr (std::is_same_v<T, float>) v.store(o + j);
+    else at::vec::convert_from_float<T>(v, Vec(0.f)).store(o + j, Vec::size());
+    j += Vec::size();
   }
   for (; j < n; ++j) {
     const float a = static_cast<float>(g[j]);

@@ -8,6 +8,7 @@
 #include <ATen/ATen.h>
 #include <ATen/cpu/vec/vec.h>
 
+#include "activation.h"
 #include "decode_dots.h"
 
 #include <algorithm>
@@ -20,6 +21,17 @@ constexpr int64_t kTileRows = 8;  // rows of x a tile takes
 // one chunk): a block is read from memory once a chunk. Against oneDNN at 2,048-8,192 rows, 3 MB ran 1.00-1.03x
 // what chunks of 256 KB ran.
 constexpr int64_t kChunkBytes = 3 << 20;
+
+struct RowChunks {
+  int64_t rows, count;
+};
+
+// M rows of K bf16 inputs in chunks of equal rows (whole tiles, at most kChunkBytes of x), so that the threads'
+// equal shares of (chunk, block) items are equal work.
+inline RowChunks row_chunks(int64_t M, int64_t K) {
+  const int64_t most = std::max<int64_t>(kTileRows, kChunkBytes / (2 * K)), count = (M + most - 1) / most;
+  return {((M + count - 1) / count + kTileRows - 1) / kTileRows * kTileRows, count};
+}
 
 #if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
 constexpr int kVectors = kBlock / 16;
@@ -77,6 +89,26 @@ inline void block_rows(const at::BFloat16* x, int64_t x_stride, int64_t M, int64
     with_constant<kTileRows>(std::min(kTileRows, M - m0), [&](auto mr) {
       block_tile<mr>(x + m0 * x_stride, x_stride, pairs, block, bias, out + m0 * out_stride, out_stride, cols);
     });
+#endif
+}
+
+// out (M rows `out_stride` apart, `cols` columns) = silu(x gate) * (x up) for one gate block and its up block (+ their
+// fp32 biases, or null), 8 rows at a time: each tile's gate and up products round to bf16 in L1, as dot_linear's
+// output does, and silu_mul_row rounds their product once, as the silu_and_mul op does on a whole row.
+inline void gated_block_rows(const at::BFloat16* x, int64_t x_stride, int64_t M, int64_t pairs,
+                             const at::BFloat16* gate, const at::BFloat16* up, const float* gate_bias,
+                             const float* up_bias, at::BFloat16* out, int64_t out_stride, int64_t cols) {
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+  alignas(64) at::BFloat16 g[kTileRows * kBlock], u[kTileRows * kBlock];
+  for (int64_t m0 = 0; m0 < M; m0 += kTileRows) {
+    const int64_t rows = std::min(kTileRows, M - m0);
+    with_constant<kTileRows>(rows, [&](auto mr) {
+      block_tile<mr>(x + m0 * x_stride, x_stride, pairs, gate, gate_bias, g, kBlock, cols);
+      block_tile<mr>(x + m0 * x_stride, x_stride, pairs, up, up_bias, u, kBlock, cols);
+    });
+    for (int64_t m = 0; m < rows; ++m)
+      silu_mul_row(g + m * kBlock, u + m * kBlock, out + (m0 + m) * out_stride, cols);
+  }
 #endif
 }
 

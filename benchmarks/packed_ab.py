@@ -1,8 +1,10 @@
-"""Decode steps of a mixture-of-experts model with its packed weights against the same weights unpacked, in one
-engine: the bf16 experts in ``dot_linear``'s blocks against stacked as loaded (``--what experts``), or the latent
-attention's absorbed products packed against bmm (``--what latent``).
+"""Decode steps of a model with some of its weights packed by the CPU kernel set against the same weights as they
+were before, in one engine: the bf16 experts in ``dot_linear``'s blocks against stacked as loaded (``--what
+experts``), the latent attention's absorbed products packed against bmm (``--what latent``), or SwiGLU MLPs' gate|up
+and activation in one op against the packed projection and then the ``silu_and_mul`` op (``--what gated``).
 
-    python benchmarks/packed_moe_ab.py --model /tmp/deepseek-v3-small [--what experts] [--batch 8] [--prompt-len 1024]
+    python benchmarks/packed_ab.py --model /tmp/deepseek-v3-small [--what experts] [--batch 8] [--prompt-len 1024]
+    python benchmarks/packed_ab.py --model smollm2-135m-instruct --what gated --batch 64 --prompt-len 128
 
 Runs on CPUs where the engine packs them (AVX512-BF16 without AMX, bf16). ``--batch`` random prompts are
 prefilled, then decode steps run eagerly (recorded replays would keep whichever weights they recorded) in blocks
@@ -20,6 +22,7 @@ import torch
 from batchgen.engine import LLM, SamplingParams
 from batchgen.engine.backends.cpu import prepack
 from batchgen.engine.layers.mla import BMM_PRODUCTS, MLAAttention
+from batchgen.engine.layers.mlp import PROJECT_THEN_ACTIVATE, GatedMLP
 from batchgen.engine.layers.moe import UNQUANTIZED_MOE, FusedMoE
 from batchgen.engine.loading.hub import resolve_model_path
 from decode_workload import random_prompts
@@ -47,13 +50,22 @@ def variants(model: torch.nn.Module, what: str) -> dict[str, list[tuple[torch.nn
         elif what == "latent" and isinstance(m, MLAAttention) and isinstance(m.absorbed, prepack.DotAbsorbedProducts):
             out["packed"].append((m, dict(absorbed=m.absorbed)))
             out["unpacked"].append((m, dict(absorbed=BMM_PRODUCTS)))
+        elif what == "gated" and isinstance(m, GatedMLP) and m.gate_up_activation is prepack.DOT_GATE_UP:
+            fused = m.gate_up_proj
+            halves = fused.packed.view(-1, 2, *fused.packed.shape[1:]).transpose(0, 1)  # gate blocks, up blocks
+            weight = unpack(halves, fused.intermediate).flatten(0, 1)
+            bias = None if fused.bias is None else \
+                fused.bias.view(-1, 2, prepack.DOT_BLOCK).transpose(0, 1).flatten(1)[:, : fused.intermediate].flatten()
+            out["packed"].append((m, dict(gate_up_proj=fused, gate_up_activation=prepack.DOT_GATE_UP)))
+            out["unpacked"].append((m, dict(gate_up_proj=prepack.PrepackedLinear(weight, bias),
+                                            gate_up_activation=PROJECT_THEN_ACTIVATE)))
     return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True)
-    ap.add_argument("--what", choices=["experts", "latent"], default="experts")
+    ap.add_argument("--what", choices=["experts", "latent", "gated"], default="experts")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=1024)
     ap.add_argument("--rounds", type=int, default=6)
