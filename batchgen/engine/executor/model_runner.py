@@ -132,32 +132,34 @@ class ModelRunner:
         return DecodeReplays(self.model, self.engine.max_num_seqs, self.max_model_len, self.block_size)
 
     def prepare(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-        """Packs the step into flat tensors: no padding between sequences."""
+        """Packs the step into flat tensors: no padding between sequences. The index arithmetic runs in numpy,
+        whose calls cost a few hundred nanoseconds where torch's cost microseconds (a decode step of one
+        sequence took 0.45 ms in a dozen torch calls here)."""
         query_lens, context_lens, n = step.query_lens, step.context_lens, step.num_seqs
-        q_lens = torch.tensor(query_lens, dtype=torch.int64)
-        seq_index = torch.repeat_interleave(torch.arange(n), q_lens)
-        cu_q = torch.zeros(n + 1, dtype=torch.int64)
-        torch.cumsum(q_lens, 0, out=cu_q[1:])
-        ctx = torch.tensor(context_lens, dtype=torch.int32)
-        starts = ctx.long() - q_lens
-        positions = torch.arange(step.num_tokens) - cu_q[seq_index] + starts[seq_index]
+        q_lens = np.fromiter(query_lens, dtype=np.int64, count=n)
+        ctx = np.fromiter(context_lens, dtype=np.int32, count=n)
+        cu_q = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(q_lens, out=cu_q[1:])
+        seq_index = np.repeat(np.arange(n), q_lens)
+        positions = np.arange(step.num_tokens) - cu_q[seq_index] + (ctx - q_lens)[seq_index]
         block_tables = padded_block_tables(step.block_tables)
-        slots = block_tables[seq_index, positions // self.block_size].long() * self.block_size \
+        slots = block_tables.numpy()[seq_index, positions // self.block_size].astype(np.int64) * self.block_size \
             + positions % self.block_size
-        cu_k = torch.zeros(n + 1, dtype=torch.int32)
-        torch.cumsum(ctx, 0, out=cu_k[1:])
-        logits_rows = cu_q[1:][torch.tensor(step.sample_seqs, dtype=torch.int64)] - 1
+        cu_k = np.zeros(n + 1, dtype=np.int32)
+        np.cumsum(ctx, out=cu_k[1:])
+        logits_rows = torch.from_numpy(cu_q[1:][np.asarray(step.sample_seqs, dtype=np.int64)] - 1)
         if step.has_drafts:
             logits_rows = verified_rows(logits_rows, step.drafts)
         to_dev = self._to_device
         meta = AttentionMetadata(
-            cu_seqlens_q=to_dev(cu_q.to(torch.int32)), cu_seqlens_k=to_dev(cu_k), context_lens=to_dev(ctx),
-            max_seqlen_q=max(query_lens), max_seqlen_k=max(context_lens), slot_mapping=to_dev(slots),
+            cu_seqlens_q=to_dev(torch.from_numpy(cu_q.astype(np.int32))), cu_seqlens_k=to_dev(torch.from_numpy(cu_k)),
+            context_lens=to_dev(torch.from_numpy(ctx)), max_seqlen_q=max(query_lens),
+            max_seqlen_k=max(context_lens), slot_mapping=to_dev(torch.from_numpy(slots)),
             block_tables=to_dev(block_tables), query_lens=query_lens, context_lens_list=context_lens)
-        input_ids = to_dev(torch.tensor(step.input_ids))
+        input_ids = to_dev(torch.from_numpy(np.asarray(step.input_ids, dtype=np.int64)))
         if step.deferred_positions:
             self._fill_deferred(input_ids, step)
-        return input_ids, to_dev(positions), meta, to_dev(logits_rows)
+        return input_ids, to_dev(torch.from_numpy(positions)), meta, to_dev(logits_rows)
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         return to_device(t, self.device)
