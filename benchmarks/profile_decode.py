@@ -35,8 +35,9 @@ from decode_workload import (kv_bytes_per_token, linear_shapes, mean_context, ra
 # Profiler op names -> kind of work; the first pattern an op's name contains wins, unmatched aten ops are "other ops".
 # The CPU expert op (its matmuls inside) counts as linear layers.
 KINDS = (
-    ("linear layers", ("small_linear", "amx_linear", "dot_linear", "dot_gated_linear", "dot_bmm", "_linear_pointwise", "fused_moe",
-                       "aten::addmm", "aten::mm", "aten::bmm", "aten::matmul", "aten::linear", "_weight_int8pack_mm")),
+    ("linear layers", ("small_linear", "amx_linear", "dot_linear", "dot_gated_linear", "dot_bmm", "_linear_pointwise",
+                       "fused_moe", "aten::addmm", "aten::mm", "aten::bmm", "aten::matmul", "aten::linear",
+                       "_weight_int8pack_mm")),
     ("attention", ("decode_attention", "varlen_causal_attention", "scaled_dot_product", "flash_attention",
                    "aten::index_select", "aten::gather")),
     ("sampler", ("row_argmax", "aten::argmax", "aten::max", "aten::logsumexp", "aten::softmax", "aten::sort",
