@@ -164,6 +164,14 @@ def test_elementwise_ops_against_torch(kernels, dtype):
         else:
             assert torch.equal(new_res, ref_res)  # the residual stream rounds the sum to the dtype, as torch does
             no_worse(out, ref, torch_ops.rms_norm(ref_res.double(), weight.double(), 1e-5)[0])
+    if dtype == BF16:  # every bf16 bit pattern: sums that round halfway, to subnormals, infinities and NaN
+        patterns = torch.randint(-(1 << 15), 1 << 15, (2, 64, 576), generator=gen, dtype=torch.int32)
+        x_bits, res_bits = patterns.to(torch.int16).view(BF16)
+        sums = kernels.rms_norm(x_bits, weight, 1e-5, res_bits)[1]
+        expected = (x_bits.float() + res_bits.float()).to(BF16)
+        nan = expected.isnan()
+        assert nan.any() and (expected.float().abs() < torch.finfo(F32).tiny).logical_and(expected != 0).any()
+        assert torch.equal(sums[~nan].view(torch.int16), expected[~nan].view(torch.int16)) and sums[nan].isnan().all()
     heads = rand(37, 9, 64)  # a 3-D view, as the per-head norms of Qwen3 see it
     no_worse(kernels.rms_norm(heads, weight[:64], 1e-6)[0], torch_ops.rms_norm(heads, weight[:64], 1e-6)[0],
              torch_ops.rms_norm(heads.double(), weight[:64].double(), 1e-6)[0])

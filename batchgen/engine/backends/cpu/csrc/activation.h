@@ -49,7 +49,7 @@ inline void silu_mul_row(const T* g, const T* u, T* o, int64_t n) {
   if (j + Vec::size() <= n) {
     const Vec v = silu<T>(load_vec(g + j)) * load_vec(u + j);
     if constexpr (std::is_same_v<T, float>) v.store(o + j);
-    else at::vec::convert_from_float<T>(v, Vec(0.f)).store(o + j, Vec::size());
+    else round_bf16(v, Vec(0.f)).store(o + j, Vec::size());
     j += Vec::size();
   }
   for (; j < n; ++j) {

@@ -67,8 +67,8 @@ void block_tile(const at::BFloat16* x, int64_t x_stride, int64_t pairs, const at
       v[j] = bias ? FVec(_mm512_add_ps(acc[m][j], _mm512_loadu_ps(bias + 16 * j))) : FVec(acc[m][j]);
     at::BFloat16* o = out + m * out_stride;
     // torch's rounding (subnormals kept), as the GEMM's bf16 output rounds
-    const BVec first = at::vec::convert_from_float<at::BFloat16>(v[0], v[1]);
-    const BVec last = at::vec::convert_from_float<at::BFloat16>(v[2], FVec(0.f));
+    const BVec first = round_bf16(v[0], v[1]);
+    const BVec last = round_bf16(v[2], FVec(0.f));
     if (cols == kBlock) {
       first.store(o);
       last.store(o + 32, 16);
