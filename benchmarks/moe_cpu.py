@@ -69,7 +69,7 @@ def main() -> None:
         # Each path: the layers' (w13, w2) it takes (packed ones for the packed op) and its call.
         runs = {label: (layers, fn) for label, fn in paths.items()}
         if packed:
-            runs["packed"] = ([(prepack.pack_dot_experts(w13), prepack.pack_dot_experts(w2)) for w13, w2 in layers],
+            runs["packed"] = ([prepack.pack_dot_moe(w13, w2) for w13, w2 in layers],
                               lambda x, w13, w2, weights, ids: ops.fused_moe_packed(x, w13, w2, inter, weights, ids))
         for tokens in args.tokens:
             x = torch.randn(tokens, H, generator=gen).to(dtype)

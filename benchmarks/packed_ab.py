@@ -36,6 +36,13 @@ def unpack(packed: torch.Tensor, rows: int) -> torch.Tensor:
     return packed.permute(0, 1, 3, 2, 4).reshape(e, blocks * width, pairs * two)[:, :rows].contiguous()
 
 
+def unpack_gated(packed: torch.Tensor, intermediate: int) -> torch.Tensor:
+    """``prepack.pack_dot_gated``'s inverse for stacked experts: (E, 2 I/48, K/2, 48, 2) -> (E, 2I, K), gate|up."""
+    e = packed.shape[0]
+    halves = packed.view(e, -1, 2, *packed.shape[2:]).transpose(1, 2).flatten(0, 1)  # (2E, I/48, K/2, 48, 2)
+    return unpack(halves, intermediate).view(e, 2 * intermediate, -1)
+
+
 def variants(model: torch.nn.Module, what: str) -> dict[str, list[tuple[torch.nn.Module, dict]]]:
     """Per variant, each module and the attributes that make it so."""
     out: dict[str, list[tuple[torch.nn.Module, dict]]] = {"packed": [], "unpacked": []}
@@ -43,7 +50,7 @@ def variants(model: torch.nn.Module, what: str) -> dict[str, list[tuple[torch.nn
         if what == "experts" and isinstance(m, FusedMoE) and m.quant_method is prepack.DOT_EXPERTS_METHOD:
             out["packed"].append((m, dict(gate_up_proj=m.gate_up_proj, down_proj=m.down_proj,
                                           quant_method=m.quant_method)))
-            stacked = (unpack(m.gate_up_proj.data, 2 * m.local_size), unpack(m.down_proj.data, m.hidden_size))
+            stacked = (unpack_gated(m.gate_up_proj.data, m.local_size), unpack(m.down_proj.data, m.hidden_size))
             out["unpacked"].append((m, dict(gate_up_proj=torch.nn.Parameter(stacked[0], requires_grad=False),
                                             down_proj=torch.nn.Parameter(stacked[1], requires_grad=False),
                                             quant_method=UNQUANTIZED_MOE)))
@@ -52,8 +59,7 @@ def variants(model: torch.nn.Module, what: str) -> dict[str, list[tuple[torch.nn
             out["unpacked"].append((m, dict(absorbed=BMM_PRODUCTS)))
         elif what == "gated" and isinstance(m, GatedMLP) and m.gate_up_activation is prepack.DOT_GATE_UP:
             fused = m.gate_up_proj
-            halves = fused.packed.view(-1, 2, *fused.packed.shape[1:]).transpose(0, 1)  # gate blocks, up blocks
-            weight = unpack(halves, fused.intermediate).flatten(0, 1)
+            weight = unpack_gated(fused.packed.unsqueeze(0), fused.intermediate).squeeze(0)
             bias = None if fused.bias is None else \
                 fused.bias.view(-1, 2, prepack.DOT_BLOCK).transpose(0, 1).flatten(1)[:, : fused.intermediate].flatten()
             out["packed"].append((m, dict(gate_up_proj=fused, gate_up_activation=prepack.DOT_GATE_UP)))

@@ -125,8 +125,7 @@ def needs_dot_tiles():
 
 
 def packed_moe(x, w13, w2, weights, ids, skip=False):
-    return ops.fused_moe_packed(x, prepack.pack_dot_experts(w13), prepack.pack_dot_experts(w2), w2.shape[2], weights,
-                                ids, skip_negative=skip)
+    return ops.fused_moe_packed(x, *prepack.pack_dot_moe(w13, w2), w2.shape[2], weights, ids, skip_negative=skip)
 
 
 # (experts, top_k, tokens, hidden, intermediate): 2I and H under one block of 48 columns, past whole blocks (2I
@@ -165,7 +164,7 @@ def test_packed_experts_are_bit_identical_across_thread_counts_and_refuse_bad_sh
         for got, expected in zip(run, runs[0], strict=True):
             assert torch.equal(got, expected)
     x, w13, w2, weights, ids, _ = cases[0]
-    p13, p2 = prepack.pack_dot_experts(w13), prepack.pack_dot_experts(w2)
+    p13, p2 = prepack.pack_dot_moe(w13, w2)
     with pytest.raises(RuntimeError, match="packed experts must be"):
         ops.fused_moe_packed(x, p13, p2, 26, weights, ids)  # not the intermediate size they were packed with
     with pytest.raises(RuntimeError, match="bfloat16"):

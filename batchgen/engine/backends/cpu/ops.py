@@ -203,8 +203,9 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
 
 def fused_moe_packed(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, intermediate: int,
                      topk_weights: torch.Tensor, topk_ids: torch.Tensor, skip_negative: bool = False) -> torch.Tensor:
-    """The mixture over bf16 experts packed by ``prepack.pack_dot_experts`` (``dot_linear``'s blocks; every
-    expert's projection in one parallel loop)."""
+    """The mixture over bf16 experts packed in ``dot_linear``'s blocks (w13 by ``prepack.pack_dot_gated``, gate and
+    up blocks in turn; w2 by ``prepack.pack_dot_experts``): every expert's projection in one parallel loop, the
+    activation applied to gate|up's tiles as they come."""
     out = torch.empty(x.shape[0], x.shape[1], dtype=x.dtype)
     torch.ops.batchgen_cpu.fused_moe_packed(x, w13, w2, intermediate, topk_weights, topk_ids, skip_negative, out)
     return out

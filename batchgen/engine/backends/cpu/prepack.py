@@ -99,10 +99,19 @@ class PrepackedLinear(nn.Module):
 
 
 def pack_dot_gated(weight: torch.Tensor, intermediate: int) -> torch.Tensor:
-    """A gated MLP's bf16 gate|up weight (2I, K) in ``dot_gated_linear``'s layout: gate block b, then up block b,
-    (2 ceil(I/48), K/2, 48, 2)."""
-    halves = pack_dot_experts(weight.view(2, intermediate, weight.shape[1]))  # (2, I/48, K/2, 48, 2)
-    return halves.transpose(0, 1).reshape(-1, *halves.shape[2:])
+    """A gated MLP's bf16 gate|up weight (2I, K), or stacked experts' (E, 2I, K), in ``dot_gated_linear``'s layout:
+    gate block b, then up block b, (2 ceil(I/48), K/2, 48, 2) (each expert's so, (E, 2 ceil(I/48), K/2, 48, 2))."""
+    stacked = weight if weight.dim() == 3 else weight.unsqueeze(0)
+    e, _, k = stacked.shape
+    halves = pack_dot_experts(stacked.reshape(2 * e, intermediate, k))  # (2E, I/48, K/2, 48, 2)
+    gated = halves.view(e, 2, *halves.shape[1:]).transpose(1, 2).reshape(e, -1, *halves.shape[2:])
+    return gated if weight.dim() == 3 else gated.squeeze(0)
+
+
+def pack_dot_moe(w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stacked bf16 experts, gate|up (E, 2I, H) and down (E, H, I), as ``fused_moe_packed`` takes them: gate|up in
+    gate and up blocks in turn, down in ``dot_linear``'s blocks."""
+    return pack_dot_gated(w13, w2.shape[2]), pack_dot_experts(w2)
 
 
 class PrepackedGateUp(PrepackedLinear):
@@ -185,8 +194,9 @@ DOT_EXPERTS_METHOD = DotExpertsMethod()
 
 
 def prepack_experts(model: nn.Module) -> int:
-    """Packs the stacked weights of ``model``'s unquantized bf16 experts in ``dot_linear``'s blocks where it runs,
-    the slots staying the first dim (expert load balancing moves whole slots); returns how many layers."""
+    """Packs the stacked weights of ``model``'s unquantized bf16 experts where ``dot_linear`` runs
+    (:func:`pack_dot_moe`), the slots staying the first dim (expert load balancing moves whole slots); returns how
+    many layers."""
     if not dot_linear_runs():
         return 0
     count = 0
@@ -198,8 +208,9 @@ def prepack_experts(model: nn.Module) -> int:
             if w13.dtype != torch.bfloat16 or w2.dtype != torch.bfloat16 or w13.device.type != "cpu" or \
                     moe.hidden_size % 2 or moe.local_size % 2:
                 continue
-            moe.gate_up_proj = nn.Parameter(pack_dot_experts(w13.data), requires_grad=False)
-            moe.down_proj = nn.Parameter(pack_dot_experts(w2.data), requires_grad=False)
+            packed13, packed2 = pack_dot_moe(w13.data, w2.data)
+            moe.gate_up_proj = nn.Parameter(packed13, requires_grad=False)
+            moe.down_proj = nn.Parameter(packed2, requires_grad=False)
             moe.quant_method = DOT_EXPERTS_METHOD
             count += 1
     return count

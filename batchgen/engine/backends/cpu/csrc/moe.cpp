@@ -12,7 +12,6 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include "activation.h"
 #include "decode_dots.h"
 #include "dot_blocks.h"
 #include "vec.h"
@@ -190,30 +189,38 @@ std::vector<Piece> pieces_of(const Routed& r, int64_t experts, int64_t K) {
   return pieces;
 }
 
-// out (P, N) = x (P, K) times, for each piece, its expert's packed weight (E, N/48 blocks, K/2, 48, 2): one parallel
+// out (P, N) = x (P, K) times, for each piece, its expert's packed weight (E, N/48 blocks, K/2, 48, 2); with
+// `gated`, out (P, I) = silu(x gate) * (x up) for gate and up blocks in turn (E, 2 I/48, K/2, 48, 2). One parallel
 // loop over (piece, block) items, piece by piece, so a thread's next items read rows it has just read.
-void experts_in_blocks(const at::Tensor& x, const at::Tensor& packed, const std::vector<Piece>& pieces,
+void experts_in_blocks(const at::Tensor& x, const at::Tensor& packed, const std::vector<Piece>& pieces, bool gated,
                        const at::Tensor& out) {
-  const int64_t K = x.size(1), N = out.size(1), blocks = packed.size(1), pairs = K / 2;
-  const int64_t block_elems = pairs * 2 * kBlock, expert_elems = blocks * block_elems;
+  const int64_t K = x.size(1), N = out.size(1), blocks = packed.size(1) / (gated ? 2 : 1), pairs = K / 2;
+  const int64_t block_elems = pairs * 2 * kBlock, expert_elems = packed.size(1) * block_elems;
   const at::BFloat16* xp = x.const_data_ptr<at::BFloat16>();
   const at::BFloat16* wp = packed.const_data_ptr<at::BFloat16>();
   at::BFloat16* op = out.data_ptr<at::BFloat16>();
   at::parallel_for(0, static_cast<int64_t>(pieces.size()) * blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const Piece& p = pieces[item / blocks];
-      const int64_t b = item % blocks;
-      block_rows(xp + p.first * K, K, p.rows, pairs, wp + p.expert * expert_elems + b * block_elems, nullptr,
-                 op + p.first * N + b * kBlock, N, std::min(kBlock, N - b * kBlock));
+      const int64_t b = item % blocks, cols = std::min(kBlock, N - b * kBlock);
+      const at::BFloat16* expert = wp + p.expert * expert_elems;
+      at::BFloat16* o = op + p.first * N + b * kBlock;
+      if (gated) {
+        const at::BFloat16* gate = expert + 2 * b * block_elems;
+        gated_block_rows(xp + p.first * K, K, p.rows, pairs, gate, gate + block_elems, nullptr, nullptr, o, N, cols);
+      } else {
+        block_rows(xp + p.first * K, K, p.rows, pairs, expert + b * block_elems, nullptr, o, N, cols);
+      }
     }
   });
 }
 
-// The mixture over bf16 experts packed in dot_linear's blocks (prepack.py's pack_dot_experts, on CPUs with
-// AVX512-BF16): w13 (E, ceil(2I / 48), H / 2, 48, 2), gate columns [0, I) then up [I, 2I), w2 (E, ceil(H / 48),
-// I / 2, 48, 2). The reference's algorithm: gate|up rounded to bf16 as a linear's output is, silu(gate) * up
+// The mixture over bf16 experts packed in dot_linear's blocks (prepack.py, on CPUs with AVX512-BF16): w13
+// (E, 2 ceil(I / 48), H / 2, 48, 2), gate block b then up block b (pack_dot_gated), w2 (E, ceil(H / 48), I / 2, 48,
+// 2) (pack_dot_experts). The reference's algorithm: gate|up rounded to bf16 as a linear's output is, silu(gate) * up
 // rounded once (the silu_and_mul op's rows), down, the weighted rows summed in fp32. Each projection of every
-// expert runs in one parallel loop. Every output is the same for any thread count.
+// expert runs in one parallel loop, the activation on each tile of gate|up (dot_blocks.h's gated_block_rows).
+// Every output is the same for any thread count.
 void fused_moe_packed(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2, int64_t intermediate,
                       const at::Tensor& topk_weights, const at::Tensor& topk_ids, bool skip_negative,
                       const at::Tensor& out) {
@@ -222,23 +229,17 @@ void fused_moe_packed(const at::Tensor& x, const at::Tensor& w13, const at::Tens
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w13.scalar_type() == at::kBFloat16 &&
               w2.scalar_type() == at::kBFloat16, "fused_moe_packed takes bfloat16 x and experts");
   TORCH_CHECK(w13.dim() == 5 && w2.dim() == 5 && w13.is_contiguous() && w2.is_contiguous() && w2.size(0) == experts &&
-              H % 2 == 0 && I % 2 == 0 && w13.size(1) == (2 * I + kBlock - 1) / kBlock && w13.size(2) * 2 == H &&
+              H % 2 == 0 && I % 2 == 0 && w13.size(1) == 2 * ((I + kBlock - 1) / kBlock) && w13.size(2) * 2 == H &&
               w2.size(1) == (H + kBlock - 1) / kBlock && w2.size(2) * 2 == I && w13.size(3) == kBlock &&
-              w2.size(3) == kBlock, "packed experts must be (E, 2I/48, H/2, 48, 2) and (E, H/48, I/2, 48, 2) for x's ",
+              w2.size(3) == kBlock, "packed experts must be (E, 2 I/48, H/2, 48, 2) and (E, H/48, I/2, 48, 2) for x's ",
               H, " inputs and ", I, " intermediate values");
   check_routing(x, topk_weights, topk_ids, out, H);
   const Routed r = route(x, topk_ids, experts, skip_negative);
   const int64_t P = r.rows.size(0);
-  const at::Tensor gate_up = at::empty({P, 2 * I}, x.options());
-  experts_in_blocks(r.rows, w13, pieces_of(r, experts, H), gate_up);
   const at::Tensor act = at::empty({P, I}, x.options());
-  const at::BFloat16* gp = gate_up.const_data_ptr<at::BFloat16>();
-  at::BFloat16* ap = act.data_ptr<at::BFloat16>();
-  at::parallel_for(0, P, grain(3 * I), [&](int64_t begin, int64_t end) {
-    for (int64_t row = begin; row < end; ++row) silu_mul_row(gp + row * 2 * I, gp + row * 2 * I + I, ap + row * I, I);
-  });
+  experts_in_blocks(r.rows, w13, pieces_of(r, experts, H), /*gated=*/true, act);
   const at::Tensor expert_out = at::empty({P, H}, x.options());
-  experts_in_blocks(act, w2, pieces_of(r, experts, I), expert_out);
+  experts_in_blocks(act, w2, pieces_of(r, experts, I), /*gated=*/false, expert_out);
   combine(expert_out, r, topk_weights, out);
 }
 
