@@ -29,29 +29,9 @@ from torch.profiler import ProfilerActivity, profile
 from batchgen.engine import LLM, SamplingParams
 from batchgen.engine.dtype import KV_CACHE_DTYPES
 from batchgen.engine.loading.hub import resolve_model_path
+from op_kinds import kind_of
 from decode_workload import (kv_bytes_per_token, linear_shapes, mean_context, random_prompts, read_bandwidth, roofline,
                              routed_experts, streamed_linears_rate)
-
-# Profiler op names -> kind of work; the first pattern an op's name contains wins, unmatched aten ops are "other ops".
-# The CPU expert op (its matmuls inside) counts as linear layers.
-KINDS = (
-    ("linear layers", ("small_linear", "amx_linear", "dot_linear", "dot_gated_linear", "dot_bmm", "_linear_pointwise",
-                       "fused_moe", "aten::addmm", "aten::mm", "aten::bmm", "aten::matmul", "aten::linear",
-                       "_weight_int8pack_mm")),
-    ("attention", ("decode_attention", "varlen_causal_attention", "scaled_dot_product", "flash_attention",
-                   "aten::index_select", "aten::gather")),
-    ("sampler", ("row_argmax", "aten::argmax", "aten::max", "aten::logsumexp", "aten::softmax", "aten::sort",
-                 "aten::topk")),
-    ("norm/rotary/activation/kv store", ("batchgen_cpu::", "rms_norm", "silu", "aten::mul", "aten::add",
-                                         "aten::rsqrt", "aten::pow", "aten::mean", "aten::index_copy")),
-)
-
-
-def kind_of(name: str) -> str:
-    for kind, patterns in KINDS:
-        if any(p in name for p in patterns):
-            return kind
-    return "other ops"
 
 
 def profiled_decode(llm: LLM, prompts, steps: int) -> tuple[float, dict[str, tuple[float, int]], Timed | None]:

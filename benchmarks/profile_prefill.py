@@ -26,24 +26,9 @@ from batchgen.engine.matmul_rate import measure_matmul_flops
 from batchgen.bench.workload import from_documents
 from batchgen.engine import LLM, SamplingParams
 from batchgen.engine.loading.hub import resolve_model_path
+from op_kinds import kind_of
 
 DATA = Path(__file__).resolve().parent.parent / "jobs" / "data" / "articles.jsonl"
-
-# Profiler op names -> kind of work; the first pattern an op's name contains wins, unmatched aten ops are "other ops".
-KINDS = (
-    ("linear layers", ("amx_linear", "dot_linear", "_linear_pointwise", "aten::addmm", "aten::mm", "aten::bmm",
-                       "aten::matmul", "aten::linear", "_weight_int8pack_mm")),
-    ("attention", ("varlen_causal_attention", "scaled_dot_product", "flash_attention")),
-    ("norm/rotary/activation", ("batchgen_cpu::", "rms_norm", "silu", "aten::mul", "aten::add", "aten::rsqrt",
-                                "aten::pow", "aten::mean")),
-)
-
-
-def kind_of(name: str) -> str:
-    for kind, patterns in KINDS:
-        if any(p in name for p in patterns):
-            return kind
-    return "other ops"
 
 
 def main() -> None:
@@ -86,11 +71,11 @@ def main() -> None:
     print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}, threads {torch.get_num_threads()}, "
           f"dtype {dtype.name} ({dtype.reason}); {len(prompts)} prompts, {tokens} tokens")
     print(f"prefill {tokens / plain_s:,.0f} tok/s ({plain_s:.2f} s); under the profiler {profiled_s:.2f} s")
-    print(f"{'kind of work':>24} {'seconds':>8} {'share':>6} {'GFLOP/s':>8}")
+    print(f"{'kind of work':>32} {'seconds':>8} {'share':>6} {'GFLOP/s':>8}")
     rates = {"linear layers": linear, "attention": attention}
     for kind, seconds in sorted(by_kind.items(), key=lambda kv: -kv[1]):
         rate = f"{rates[kind] / seconds / 1e9:8.0f}" if kind in rates and seconds else f"{'':>8}"
-        print(f"{kind:>24} {seconds:8.2f} {seconds / profiled_s:6.1%} {rate}")
+        print(f"{kind:>32} {seconds:8.2f} {seconds / profiled_s:6.1%} {rate}")
     print(f"standalone {dtype.name} matmul (the roofline's rate): {matmul_rate / 1e9:,.0f} GFLOP/s")
     roof = (linear + attention) / matmul_rate
     print(f"roofline (all matmul FLOPs at that rate): {tokens / roof:,.0f} tok/s; measured is "
