@@ -187,9 +187,9 @@ def test_a_renamed_identity_key_keeps_old_outputs_resumable(tmp_path, tiny_model
 
 @pytest.mark.timeout(300)
 def test_ctrl_c_aborts_after_the_grace_period_and_the_rerun_completes(tmp_path, tiny_model, tiny_llm):
-    # Each pair of rows needs 300 steps, far more than the grace period on any machine: the pair that starts
-    # after the first one is committed is still running when the grace period ends.
-    n, grace, tokens = 6, 0.1, 300
+    # Each pair of rows needs 1,500 steps (about 0.6 s here; 300 took 0.12 s, near the grace period), far more
+    # than the grace period: the pair that starts after the first one is committed is still running when it ends.
+    n, grace, tokens = 6, 0.1, 1500
     inp, out = write_jsonl(tmp_path / "in.jsonl", records(n)), tmp_path / "out"
     sections = dict(output={"rows_per_part": 1}, sampling={"max_tokens": tokens, "ignore_eos": True},
                     engine={"max_num_seqs": 2, "max_num_batched_tokens": 256})
@@ -209,7 +209,7 @@ def test_ctrl_c_aborts_after_the_grace_period_and_the_rerun_completes(tmp_path, 
     _, stderr = proc.communicate(timeout=60)
     took = time.monotonic() - sent
     assert proc.returncode == 130, stderr
-    assert took < grace + 10, (took, stderr[-3000:])  # the rows running need ~300 more steps
+    assert took < grace + 10, (took, stderr[-3000:])  # the rows running need ~1,500 more steps
     assert "rerun the same command to resume" in stderr and "Traceback" not in stderr
     first = manifest_ids(out)
     assert len(first) == 2 and not (out / "_SUCCESS").exists()  # the first pair; the next one was aborted

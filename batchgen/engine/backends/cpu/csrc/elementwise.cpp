@@ -46,8 +46,7 @@ void rms_norm_rows(const T* x, const T* residual, const T* weight, T* out, T* re
       const T* xp = x + xr.offset(r);
       T* op = out + orr.offset(r);
       const T* src = residual ? residual_out + ror.offset(r) : xp;
-      // Two sums of squares, so that the adds do not wait on one another; the same order whatever the thread.
-      Vec acc0(0.f), acc1(0.f);
+      Vec acc(0.f);
       float tail = 0.f;
       int64_t j = 0;
       if (residual) {  // the sum is rounded to T first, as the model's residual stream is kept in T, then squared
@@ -60,8 +59,8 @@ void rms_norm_rows(const T* x, const T* residual, const T* weight, T* out, T* re
           a0 = a0 + b0;
           a1 = a1 + b1;
           store2_rounded(sp + j, a0, a1);
-          acc0 = at::vec::fmadd(a0, a0, acc0);
-          acc1 = at::vec::fmadd(a1, a1, acc1);
+          acc = at::vec::fmadd(a0, a0, acc);
+          acc = at::vec::fmadd(a1, a1, acc);
         }
         for (; j < n; ++j) {
           sp[j] = static_cast<T>(static_cast<float>(xp[j]) + static_cast<float>(rp[j]));
@@ -71,12 +70,12 @@ void rms_norm_rows(const T* x, const T* residual, const T* weight, T* out, T* re
         for (; j + W <= n; j += W) {
           Vec a0, a1;
           load2(src + j, a0, a1);
-          acc0 = at::vec::fmadd(a0, a0, acc0);
-          acc1 = at::vec::fmadd(a1, a1, acc1);
+          acc = at::vec::fmadd(a0, a0, acc);
+          acc = at::vec::fmadd(a1, a1, acc);
         }
         for (; j < n; ++j) tail += static_cast<float>(src[j]) * static_cast<float>(src[j]);
       }
-      const float sum = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, acc0 + acc1) + tail;
+      const float sum = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, acc) + tail;
       const float inv = 1.f / std::sqrt(sum / n + eps);
       const Vec vinv(inv);
       for (j = 0; j + W <= n; j += W) {
