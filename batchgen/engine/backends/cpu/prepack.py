@@ -86,13 +86,16 @@ class PrepackedLinear(nn.Module):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
             self.bias = bias
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def rows(self, x: torch.Tensor) -> torch.Tensor:
+        """x's rows as the multiply takes them: 2-D, bf16, each row's inputs contiguous."""
         rows = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = self.rows(x)
         if not self.dot:
             out = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
         else:
-            if rows.stride(-1) != 1:
-                rows = rows.contiguous()
             out = rows.new_empty((rows.shape[0], self.out_features))
             torch.ops.batchgen_cpu.dot_linear(rows, self.packed, self.bias, out)
         return out.view(*x.shape[:-1], self.out_features)
@@ -129,10 +132,6 @@ class PrepackedGateUp(PrepackedLinear):
             padded = torch.zeros(2, self.packed.shape[0] // 2 * DOT_BLOCK)
             padded[:, : self.intermediate] = bias.detach().float().view(2, self.intermediate)
             self.bias = padded.view(2, -1, DOT_BLOCK).transpose(0, 1).reshape(-1)
-
-    def rows(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features).to(torch.bfloat16)
-        return rows if rows.stride(-1) == 1 else rows.contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = self.rows(x)
