@@ -6,7 +6,18 @@ import pytest
 import torch
 
 from batchgen.engine import LLM, SamplingParams
+from batchgen.engine.backends.cpu.build import load_kernels
+from batchgen.engine.backends.cpu.program import compile_steps
 from batchgen.engine.executor.op_replay import HostOnly, NotReplayable, record
+
+# How a replay runs its steps: the loop in Python, and (where the CPU kernels are built) the steps as one C++ program.
+RUNNERS = [pytest.param(None, id="python")] + [
+    pytest.param(compile_steps, id="program", marks=pytest.mark.skipif(not load_kernels(), reason="no CPU kernels"))]
+
+
+def bind(recording, arena, compile) -> None:
+    recording.bind(arena, compile)
+    assert (recording.program is not None) == (compile is not None)
 
 
 @torch.library.custom_op("batchgen_test::scaled", mutates_args=())
@@ -47,7 +58,8 @@ def fresh_inputs(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(4, 16, generator=gen), torch.randperm(8, generator=gen)[:4]
 
 
-def test_replay_matches_eager_calls_on_new_inputs():
+@pytest.mark.parametrize("compile", RUNNERS)
+def test_replay_matches_eager_calls_on_new_inputs(compile):
     block, reference = Block(), Block()
     x, slots = torch.zeros(4, 16), torch.zeros(4, dtype=torch.int64)  # the buffers a replay reads
     x[:], slots[:] = fresh_inputs(0)
@@ -55,7 +67,7 @@ def test_replay_matches_eager_calls_on_new_inputs():
     assert block.table is not None and torch.equal(block.table, torch.linspace(0.5, 1.5, 16))
     torch.testing.assert_close(eager, reference(*fresh_inputs(0)), rtol=0, atol=0)
     arena = torch.UntypedStorage(recording.arena_bytes)
-    recording.bind(arena)
+    bind(recording, arena, compile)
     for seed in (1, 2, 3):
         x[:], slots[:] = fresh_inputs(seed)
         replayed = recording.replay()
@@ -90,7 +102,8 @@ def test_timed_replays_compute_the_same_and_time_every_op():
     assert seconds == before  # timing off: nothing more is added
 
 
-def test_intermediates_share_the_arena():
+@pytest.mark.parametrize("compile", RUNNERS)
+def test_intermediates_share_the_arena(compile):
     weights = [torch.randn(256, 256) for _ in range(6)]
     x = torch.randn(8, 256)
 
@@ -103,12 +116,13 @@ def test_intermediates_share_the_arena():
     eager, recording = record(chain)
     one = 8 * 256 * 4
     assert recording.arena_bytes < 6 * one  # six intermediates of which at most two are alive at once
-    recording.bind(torch.UntypedStorage(recording.arena_bytes))
+    bind(recording, torch.UntypedStorage(recording.arena_bytes), compile)
     x.copy_(torch.randn(8, 256))
     assert torch.equal(recording.replay(), chain())
 
 
-def test_ops_that_may_return_their_input_replay_when_they_copied():
+@pytest.mark.parametrize("compile", RUNNERS)
+def test_ops_that_may_return_their_input_replay_when_they_copied(compile):
     """to(dtype), contiguous and reshape return their input or a copy: a copy is recomputed at each replay."""
     x = torch.zeros(4, 6, dtype=torch.bfloat16)
     w = torch.randn(6, 6)
@@ -120,10 +134,35 @@ def test_ops_that_may_return_their_input_replay_when_they_copied():
         return (flipped.reshape(-1) @ torch.ones(24)) + (same @ w).sum()
 
     eager, recording = record(forward)
-    recording.bind(torch.UntypedStorage(recording.arena_bytes))
+    bind(recording, torch.UntypedStorage(recording.arena_bytes), compile)
     for seed in (1, 2):
         x.copy_(torch.randn(4, 6, generator=torch.Generator().manual_seed(seed)))
         assert torch.equal(recording.replay(), forward())
+
+
+@pytest.mark.skipif(not load_kernels(), reason="no CPU kernels")
+def test_a_program_takes_defaults_and_keyword_arguments_and_checks_what_it_copies():
+    x, y = torch.randn(5, 7), torch.randn(5, 7)
+    out, values, indices = torch.empty(5, 7), torch.empty(5), torch.empty(5, dtype=torch.int64)
+    narrow, scaled = torch.empty(5, 7, dtype=torch.bfloat16), torch.empty(5, 7)
+    steps = [(torch.ops.aten.add.out, (x, y), {"out": out}, ()),  # alpha from its default
+             (torch.ops.aten.max.dim, (out, 1), {}, (values, indices)),  # no out= here: both returns copied
+             (torch.ops.aten._to_copy.default, (x,), {"dtype": torch.bfloat16}, (narrow,)),  # a dtype
+             (torch.ops.aten.div.Scalar, (x, 4), {}, (scaled,))]  # an int for a Scalar
+    with torch.inference_mode():
+        compile_steps(steps)()
+    assert torch.equal(out, x + y) and torch.equal(narrow, x.bfloat16()) and torch.equal(scaled, x / 4)
+    assert torch.equal(values, (x + y).max(1).values) and torch.equal(indices, (x + y).max(1).indices)
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="more tensors than recorded"):
+        compile_steps([(torch.ops.aten.max.dim, (out, 1), {}, (values,))])()
+
+
+@pytest.mark.skipif(not load_kernels(), reason="no CPU kernels")
+def test_steps_a_program_cannot_hold_keep_the_python_loop():
+    x, y = torch.randn(3), torch.empty(3)
+    assert compile_steps([(torch.ops.aten.mul.Tensor, (x, 2.0), {}, (y,))]) is None  # a float for a tensor
+    assert compile_steps([(torch.ops.aten.mul.Tensor, (x, x, x), {}, (y,))]) is None  # an argument too many
+    assert compile_steps([(torch.ops.aten.mul.Tensor, (x,), {}, (y,))]) is None  # one missing
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch build")
@@ -175,6 +214,8 @@ def test_decode_replays_match_eager_steps(tiny_model):
     assert none is None and replays.refused is None
     assert sum(replays.replays.values()) >= 20 and len(replays.recordings) >= 3
     assert set(replays.recordings) == {size for size, steps in replays.seen.items() if steps >= 2}
+    if load_kernels():  # every replay ran from its C++ program
+        assert all(r.program is not None for r in replays.recordings.values())
     assert len(eager) == len(replayed) == len(prompts)
     for a, b in zip(eager, replayed):
         assert a.token_ids == b.token_ids

@@ -1,5 +1,6 @@
 """CPU decode steps replayed from their recorded ops (op_replay): one recording per batch size, made by the second
-step of that size, so a decode step skips the Python of ~300 op calls (a third of a one-row step on 2 cores)."""
+step of that size, so a decode step skips the Python of ~300 op calls (a third of a one-row step on 2 cores); the
+replays run their ops from C++ where the CPU kernels are built (backends/cpu/program.py)."""
 from __future__ import annotations
 
 import logging
@@ -8,6 +9,7 @@ from typing import Callable
 
 import torch
 
+from batchgen.engine.backends.cpu.program import compile_steps
 from batchgen.engine.backends.interface import AttentionMetadata
 from batchgen.engine.executor.op_replay import HostOnly, NotReplayable, Recording, record
 
@@ -102,7 +104,7 @@ class DecodeReplays:
         if recording.arena_bytes > self.arena.nbytes():
             self.arena = torch.UntypedStorage(recording.arena_bytes)
             for other in self.recordings.values():
-                other.bind(self.arena)
-        recording.bind(self.arena)
+                other.bind(self.arena, compile_steps)
+        recording.bind(self.arena, compile_steps)
         self.recordings[size] = recording
         return outputs

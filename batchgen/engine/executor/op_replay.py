@@ -153,20 +153,29 @@ class Recording:
     bound_outputs: Any = None
     # Seconds per op name over the replays while set (a dict): each op timed on its own, with no profiler.
     op_seconds: dict[str, float] | None = None
+    program: Callable[[], None] | None = None  # the bound steps compiled (bind's `compile`), run in their place
 
-    def bind(self, arena: torch.UntypedStorage) -> None:
+    def bind(self, arena: torch.UntypedStorage,
+             compile: Callable[[list[tuple]], Callable[[], None] | None] | None = None) -> None:
+        """Ties the slots to ``arena``; ``compile`` (the bound steps, with their ops as recorded) may return a
+        callable that runs them all, which replays then call instead of their loop over the steps."""
         def tie(x):
             return x.bind(arena) if isinstance(x, _Slot) else x
 
+        bound = [(op, tree_map(tie, args), tree_map(tie, kwargs), tree_map(tie, copies))
+                 for op, args, kwargs, copies in self.steps]
         # An OpOverload's _op is the call its __call__ makes: one Python frame less per op.
-        self.bound = [(getattr(op, "_op", op), tree_map(tie, args), tree_map(tie, kwargs), tree_map(tie, copies))
-                      for op, args, kwargs, copies in self.steps]
+        self.bound = [(getattr(op, "_op", op), args, kwargs, copies) for op, args, kwargs, copies in bound]
         self.bound_outputs = tree_map(tie, self.outputs)
+        self.program = compile(bound) if compile is not None else None
 
     @torch.inference_mode()
     def replay(self) -> Any:
         if self.op_seconds is not None:
             return self._timed_replay(self.op_seconds)
+        if self.program is not None:
+            self.program()
+            return self.bound_outputs
         for op, args, kwargs, copies in self.bound:
             if copies:
                 for dst, src in zip(copies, _tensors(op(*args, **kwargs)), strict=True):

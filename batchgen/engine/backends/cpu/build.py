@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).parent / "csrc"
 SOURCES = ("amx_linear.cpp", "attention.cpp", "decode.cpp", "dot_linear.cpp", "elementwise.cpp", "latent_decode.cpp",
-           "moe.cpp", "small_linear.cpp")
+           "moe.cpp", "replay.cpp", "small_linear.cpp")
 HEADERS = ("activation.h", "amx.h", "attention_amx.h", "decode_dots.h", "decode_tiles.h", "dot_blocks.h", "paged.h",
            "varlen.h", "vec.h")
 DISABLE_ENV = "BATCHGEN_CPU_KERNELS"  # "0" turns the fused kernels off
