@@ -11,8 +11,9 @@ the caches; beside it, the rate of the model's own linears called back to back, 
 once a step) stream from memory as in a step. A mixture of experts' roofline adds its routed experts: their
 top-k FLOPs a token, and the weights of the experts a step reads, as many as uniform routing would pick. Where
 decode steps replay recorded ops (CPU), ``--steps`` more steps then run without the profiler, each op of the
-replay timed on its own, and the same split is printed for them (the ops outside the recorded forward, the
-sampler's, then count as host time).
+replay timed on its own (by the replay's C++ program where it runs from one: a clock read around each op, tens
+of nanoseconds; else by the replay's Python loop, about a microsecond an op), and the same split is printed for
+them (the ops outside the recorded forward, the sampler's, then count as host time).
 """
 from __future__ import annotations
 

@@ -81,12 +81,13 @@ def test_replay_matches_eager_calls_on_new_inputs(compile):
             replayed[1].untyped_storage().data_ptr() == arena.data_ptr()
 
 
-def test_timed_replays_compute_the_same_and_time_every_op():
+@pytest.mark.parametrize("compile", RUNNERS)
+def test_timed_replays_compute_the_same_and_time_every_op(compile):
     block, reference = Block(), Block()
     x, slots = torch.zeros(4, 16), torch.zeros(4, dtype=torch.int64)
     x[:], slots[:] = fresh_inputs(0)
     _, recording = record(lambda: block(x, slots))
-    recording.bind(torch.UntypedStorage(recording.arena_bytes))
+    bind(recording, torch.UntypedStorage(recording.arena_bytes), compile)
     recording.op_seconds = seconds = {}
     for seed in (1, 2):
         x[:], slots[:] = fresh_inputs(seed)

@@ -153,7 +153,9 @@ class Recording:
     bound_outputs: Any = None
     # Seconds per op name over the replays while set (a dict): each op timed on its own, with no profiler.
     op_seconds: dict[str, float] | None = None
-    program: Callable[[], None] | None = None  # the bound steps compiled (bind's `compile`), run in their place
+    # The bound steps compiled (bind's `compile`), run in their place; where it has timed() (each step's seconds,
+    # in order), the timed replays run it too.
+    program: Callable[[], None] | None = None
 
     def bind(self, arena: torch.UntypedStorage,
              compile: Callable[[list[tuple]], Callable[[], None] | None] | None = None) -> None:
@@ -185,6 +187,15 @@ class Recording:
         return self.bound_outputs
 
     def _timed_replay(self, seconds: dict[str, float]) -> Any:
+        timed = getattr(self.program, "timed", None)
+        if timed is not None:  # the program's own clock around each op
+            per_step = timed()
+            if len(per_step) != len(self.steps):
+                raise RuntimeError(f"{len(per_step)} timings for {len(self.steps)} recorded steps")
+            for step, spent in zip(self.steps, per_step):
+                name = str(step[0])
+                seconds[name] = seconds.get(name, 0.0) + spent
+            return self.bound_outputs
         # replay's loop with a timer around each op, apart from it so that the untimed loop stays as it was
         for (op, args, kwargs, copies), step in zip(self.bound, self.steps, strict=True):
             start = time.perf_counter()

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -33,9 +33,25 @@ def _positional(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> list[An
     return stack
 
 
-def compile_steps(steps: Sequence[Step]) -> Callable[[], None] | None:
-    """A callable that runs ``steps`` as a replay's Python loop would (the same ops, arguments and copies), from
-    C++; None where the kernels are not built or an argument has no C++ form (the replay keeps its loop)."""
+class CompiledSteps:
+    """A replay's steps as one ``batchgen_cpu.OpProgram``: calling it runs them; ``timed`` runs them once more,
+    returning each step's seconds."""
+
+    def __init__(self, program: torch.ScriptObject):
+        self.program = program
+        self._run = torch.ops.batchgen_cpu.run_program
+        self._timed = torch.ops.batchgen_cpu.run_program_timed
+
+    def __call__(self) -> None:
+        self._run(self.program)
+
+    def timed(self) -> list[float]:
+        return self._timed(self.program)
+
+
+def compile_steps(steps: Sequence[Step]) -> CompiledSteps | None:
+    """``steps`` compiled to run as a replay's Python loop would (the same ops, arguments and copies), from C++;
+    None where the kernels are not built or an argument has no C++ form (the replay keeps its loop)."""
     if not load_kernels():
         return None
     program = torch.classes.batchgen_cpu.OpProgram()
@@ -45,5 +61,4 @@ def compile_steps(steps: Sequence[Step]) -> Callable[[], None] | None:
     except (RuntimeError, TypeError, ValueError) as exc:
         log.info("recorded ops replay from Python: %s", exc)
         return None
-    run = torch.ops.batchgen_cpu.run_program
-    return lambda: run(program)
+    return CompiledSteps(program)

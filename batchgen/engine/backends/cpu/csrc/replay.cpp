@@ -1,12 +1,14 @@
 // A recorded forward's ops run from C++ (executor/op_replay.py's steps): each op's handle and its full argument
 // stack are resolved once, so a replay makes one boxed dispatcher call an op with no Python between them (about a
-// microsecond less an op than the same loop in Python; a one-row SmolLM2 step runs 275 ops).
+// microsecond less an op than the same loop in Python; a one-row SmolLM2 step runs 275 ops), optionally with a
+// clock read around each (the profiler's timed replays: tens of nanoseconds an op).
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/InferenceMode.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include <chrono>
 #include <string>
 #include <vector>
 
@@ -54,30 +56,44 @@ struct OpProgram : torch::CustomClassHolder {
     steps.push_back({op, std::move(stack), std::move(copies)});
   }
 
-  void run() const {
+  // Runs every step; with `seconds`, each step's wall time (its copies included) goes into seconds[step].
+  void run(std::vector<double>* seconds = nullptr) const {
     c10::InferenceMode guard;  // as the recording ran (its tensors are inference tensors)
     torch::jit::Stack stack;
-    for (const Step& step : steps) {
+    for (size_t s = 0; s < steps.size(); ++s) {
+      const Step& step = steps[s];
+      const auto start = std::chrono::steady_clock::now();
       stack.assign(step.args.begin(), step.args.end());
       step.op.callBoxed(stack);
-      if (step.copies.empty()) continue;
-      size_t i = 0;
-      auto copy = [&](const at::Tensor& t) {
-        TORCH_CHECK(i < step.copies.size(), step.op.schema().name(), " returned more tensors than recorded");
-        step.copies[i++].copy_(t);
-      };
-      for (const c10::IValue& value : stack) {
-        if (value.isTensor()) copy(value.toTensor());
-        else if (value.isTensorList()) for (const at::Tensor& t : value.toTensorList()) copy(t);
-      }
-      TORCH_CHECK(i == step.copies.size(), step.op.schema().name(), " returned fewer tensors than recorded");
+      copy_returns(step, stack);
+      if (seconds) (*seconds)[s] = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     }
+  }
+
+  static void copy_returns(const Step& step, const torch::jit::Stack& stack) {
+    if (step.copies.empty()) return;
+    size_t i = 0;
+    auto copy = [&](const at::Tensor& t) {
+      TORCH_CHECK(i < step.copies.size(), step.op.schema().name(), " returned more tensors than recorded");
+      step.copies[i++].copy_(t);
+    };
+    for (const c10::IValue& value : stack) {
+      if (value.isTensor()) copy(value.toTensor());
+      else if (value.isTensorList()) for (const at::Tensor& t : value.toTensorList()) copy(t);
+    }
+    TORCH_CHECK(i == step.copies.size(), step.op.schema().name(), " returned fewer tensors than recorded");
   }
 
   int64_t size() const { return static_cast<int64_t>(steps.size()); }
 };
 
 void run_program(const c10::intrusive_ptr<OpProgram>& program) { program->run(); }
+
+std::vector<double> run_program_timed(const c10::intrusive_ptr<OpProgram>& program) {
+  std::vector<double> seconds(program->steps.size());
+  program->run(&seconds);
+  return seconds;
+}
 
 }  // namespace
 }  // namespace batchgen_cpu
@@ -88,4 +104,6 @@ TORCH_LIBRARY_FRAGMENT(batchgen_cpu, m) {
       .def("add", &batchgen_cpu::OpProgram::add)
       .def("size", &batchgen_cpu::OpProgram::size);
   m.def("run_program(__torch__.torch.classes.batchgen_cpu.OpProgram program) -> ()", &batchgen_cpu::run_program);
+  m.def("run_program_timed(__torch__.torch.classes.batchgen_cpu.OpProgram program) -> float[]",
+        &batchgen_cpu::run_program_timed);
 }
