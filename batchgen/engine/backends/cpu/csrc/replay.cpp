@@ -62,7 +62,7 @@ struct OpProgram : torch::CustomClassHolder {
     torch::jit::Stack stack;
     for (size_t s = 0; s < steps.size(); ++s) {
       const Step& step = steps[s];
-      const auto start = std::chrono::steady_clock::now();
+      const auto start = seconds ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point{};
       stack.assign(step.args.begin(), step.args.end());
       step.op.callBoxed(stack);
       copy_returns(step, stack);
@@ -83,8 +83,6 @@ struct OpProgram : torch::CustomClassHolder {
     }
     TORCH_CHECK(i == step.copies.size(), step.op.schema().name(), " returned fewer tensors than recorded");
   }
-
-  int64_t size() const { return static_cast<int64_t>(steps.size()); }
 };
 
 void run_program(const c10::intrusive_ptr<OpProgram>& program) { program->run(); }
@@ -101,8 +99,7 @@ std::vector<double> run_program_timed(const c10::intrusive_ptr<OpProgram>& progr
 TORCH_LIBRARY_FRAGMENT(batchgen_cpu, m) {
   m.class_<batchgen_cpu::OpProgram>("OpProgram")
       .def(torch::init<>())
-      .def("add", &batchgen_cpu::OpProgram::add)
-      .def("size", &batchgen_cpu::OpProgram::size);
+      .def("add", &batchgen_cpu::OpProgram::add);
   m.def("run_program(__torch__.torch.classes.batchgen_cpu.OpProgram program) -> ()", &batchgen_cpu::run_program);
   m.def("run_program_timed(__torch__.torch.classes.batchgen_cpu.OpProgram program) -> float[]",
         &batchgen_cpu::run_program_timed);
