@@ -63,12 +63,31 @@ def test_new_tokens_take_the_latest_blank_block_before_evicting_cached_ones():
     bm.free_seq(first)
     bm.free_seq(second)
     assert bm.num_free_blocks == 7
-    fresh = seq(3, list(range(300, 316)))  # four blocks: the two blank ones, latest freed first, then never-used ones
+    latest = seq(3, [300])  # one block: the blank one freed last
+    bm.admit(latest)
+    assert latest.block_table == blank_order[:1]
+    fresh = seq(5, list(range(400, 412)))  # three blocks: the other blank one, then never-used ones
     bm.admit(fresh)
-    assert fresh.block_table[:2] == blank_order and len(set(fresh.block_table)) == 4
+    assert blank_order[1] in fresh.block_table and len(set(fresh.block_table + latest.block_table)) == 4
     assert not set(fresh.block_table) & {0, 1}, "cached blocks evicted while blank ones were free"
     again = seq(4, list(range(9)))
     assert bm.admit(again) == 8 and again.block_table[:2] == [0, 1]
+
+
+def test_blocks_freed_together_come_back_in_ascending_order():
+    bm = BlockManager(num_blocks=6, block_size=4)
+    a = seq(0, list(range(24)))  # every block, ascending from a fresh cache
+    bm.admit(a)
+    bm.mark_scheduled(a, 24)
+    assert a.block_table == list(range(6))
+    bm.free_seq(a)  # its tail first: eviction would hand its blocks out descending
+    b = seq(1, [100 + i for i in range(10)])  # three blocks, evicting a's three oldest-freed ones
+    bm.admit(b)
+    assert b.block_table == [3, 4, 5]
+    bm.allocate(b, 16)  # grown by one: appended after its first blocks, whatever its id
+    assert b.block_table[:3] == [3, 4, 5] and b.block_table[3] == 2
+    again = seq(2, list(range(5)))  # a's first block is still findable, its second the one left to evict
+    assert bm.admit(again) == 4 and again.block_table == [0, 1]
 
 
 def test_no_blocks_leak_after_preemption_and_sharing(tiny_model):

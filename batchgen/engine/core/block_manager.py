@@ -115,14 +115,21 @@ class BlockManager:
         return seq.num_computed_tokens
 
     def allocate(self, seq: Sequence, num_tokens: int) -> None:
-        """Append fresh blocks so the first ``num_tokens`` tokens of ``seq`` have slots."""
+        """Append fresh blocks so the first ``num_tokens`` tokens of ``seq`` have slots, in ascending order.
+
+        The blocks taken are the same whatever their order; ascending, a run of blocks freed together (a finished
+        sequence releases its own tail first, so eviction hands them out descending) is read as one stream again:
+        once a job's cache has turned over, the CPU decode op (reading a row's blocks in table order) takes 1.18x
+        rather than 1.21x its time over contiguous tables (``benchmarks/turned_over_tables.py``)."""
+        taken = []
         for _ in range(self.blocks_needed(seq, num_tokens)):
             block_id = self.blank.pop() if self.blank else self.cached.popitem(last=False)[0]
             block = self.blocks[block_id]
             if block.hash is not None and self.hash_to_block.get(block.hash) == block_id:
                 del self.hash_to_block[block.hash]
             block.hash, block.token_ids, block.ref_count = None, (), 1
-            seq.block_table.append(block_id)
+            taken.append(block_id)
+        seq.block_table += sorted(taken)
 
     def mark_scheduled(self, seq: Sequence, num_tokens: int) -> None:
         """Register hashes of blocks completed by computing the first ``num_tokens`` tokens.

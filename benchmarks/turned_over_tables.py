@@ -1,0 +1,116 @@
+"""The CPU decode op over the block tables of a cache that has turned over, against the same rows laid out in order.
+
+    python benchmarks/turned_over_tables.py [--model smollm2-135m-instruct] [--requests 120] [--batch 16]
+                                            [--kv-cache-mib 400] [--layers 30] [--rounds 5]
+
+A fresh engine hands each sequence blocks in order; a job that has run through its KV budget hands out blocks its
+finished sequences freed, wherever they lie. This runs a job-like stream (prompts of 200-700 random tokens, 16-48
+out, prefix caching on) through a cache small enough to turn over, keeps the block tables and contexts of its
+last full decode steps, and times the decode op over random caches of SmolLM2's shape through those tables and
+through tables giving each row consecutive blocks (rounds alternating). Prints how often a row's next block
+follows its last, the median time ratio, and the CPU's vector level and whether it has AMX.
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+import torch
+
+from batchgen.engine import LLM, SamplingParams
+from batchgen.engine.backends.cpu import ops
+from batchgen.engine.backends.cpu.build import load_kernels
+from batchgen.engine.loading.hub import resolve_model_path
+from decode_workload import amx_bf16_in_cpuinfo
+
+Tables = list[list[int]]
+
+
+def turned_over_steps(args: argparse.Namespace) -> tuple[LLM, list[tuple[Tables, list[int]]]]:
+    """The (block tables, context lengths) of the stream's full decode steps, in order."""
+    llm = LLM(resolve_model_path(args.model), dtype="auto", device="cpu", max_num_seqs=args.batch,
+              max_num_batched_tokens=4096, enable_prefix_caching=True, kv_cache_memory=args.kv_cache_mib << 20)
+    rng = random.Random(0)
+    vocab = llm.tokenizer.vocab_size
+    engine = llm.engine
+    for _ in range(args.requests):
+        prompt = [rng.randrange(100, vocab) for _ in range(rng.randint(200, 700))]
+        engine.add_request(prompt, SamplingParams(max_tokens=rng.randint(16, 48), temperature=0, ignore_eos=True))
+    steps = []
+    while engine.has_unfinished():
+        engine.step()
+        running = engine.scheduler.running
+        if len(running) == args.batch and all(s.num_computed_tokens >= s.num_prompt_tokens for s in running):
+            steps.append(([list(s.block_table) for s in running], [s.num_computed_tokens for s in running]))
+    return llm, steps
+
+
+def follows(tables: Tables) -> float:
+    pairs = [(a, b) for t in tables for a, b in zip(t, t[1:])]
+    return sum(b == a + 1 for a, b in pairs) / max(1, len(pairs))
+
+
+def padded(tables: Tables) -> torch.Tensor:
+    width = max(map(len, tables))
+    return torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.int32)
+
+
+def in_order(tables: Tables) -> Tables:
+    out, start = [], 0
+    for t in tables:
+        out.append(list(range(start, start + len(t))))
+        start += len(t)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--requests", type=int, default=120)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--kv-cache-mib", type=int, default=400)
+    parser.add_argument("--layers", type=int, default=30)
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    if not load_kernels():
+        raise SystemExit("the CPU kernels are not built here")
+    llm, steps = turned_over_steps(args)
+    if len(steps) < 15:
+        raise SystemExit(f"only {len(steps)} full decode steps: raise --requests")
+    config = llm.engine.model_config
+    kv_heads, head_dim, group = config.num_kv_heads, config.head_dim, config.num_heads // config.num_kv_heads
+    block_size = llm.engine.block_manager.block_size
+    first, last = steps[: len(steps) // 3], steps[-(len(steps) // 3):]
+    cases = [(padded(t), padded(in_order(t)), torch.tensor(c, dtype=torch.int32)) for t, c in last[-5:]]
+    blocks = 1 + max(int(torch.cat([t.flatten(), o.flatten()]).max()) for t, o, _ in cases)
+    shape = (blocks, block_size, kv_heads, head_dim)
+    caches = [(torch.randn(shape).to(torch.bfloat16), torch.randn(shape).to(torch.bfloat16))
+              for _ in range(args.layers)]
+    q = torch.randn(args.batch, kv_heads * group, head_dim).to(torch.bfloat16)
+
+    def per_layer(tables: torch.Tensor, contexts: torch.Tensor) -> float:
+        start = time.perf_counter()
+        for k, v in caches:
+            ops.paged_decode_attention(q, k, v, tables, contexts, head_dim ** -0.5)
+        return (time.perf_counter() - start) / len(caches)
+
+    ratios, engine_ms = [], []
+    for r in range(args.rounds):
+        for tables, ordered, contexts in cases:
+            pair = [("engine", tables), ("in order", ordered)]
+            times = dict((name, per_layer(t, contexts)) for name, t in (pair if r % 2 == 0 else pair[::-1]))
+            ratios.append(times["engine"] / times["in order"])
+            engine_ms.append(times["engine"] * 1e3)
+    print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}, amx_bf16 {amx_bf16_in_cpuinfo()}, "
+          f"threads {torch.get_num_threads()}; {len(steps)} full decode steps of {args.batch} rows, "
+          f"{llm.engine.block_manager.num_free_blocks} blocks free at the end")
+    print(f"a row's next block follows its last: first third of the steps "
+          f"{statistics.mean(follows(t) for t, _ in first):.2f}, last third {statistics.mean(follows(t) for t, _ in last):.2f}")
+    print(f"decode op over the last steps' tables: {statistics.median(engine_ms):.3f} ms a layer, "
+          f"{statistics.median(ratios):.3f}x the time over tables in order (median of {len(ratios)})")
+
+
+if __name__ == "__main__":
+    main()
