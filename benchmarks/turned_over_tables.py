@@ -1,11 +1,11 @@
 """The CPU decode op over the block tables of a cache that has turned over, against the same rows laid out in order.
 
     python benchmarks/turned_over_tables.py [--model smollm2-135m-instruct] [--requests 120] [--batch 16]
-                                            [--kv-cache-mib 400] [--layers 30] [--rounds 5]
+                                            [--prompt-lens 200 700] [--kv-cache-mib 400] [--layers 30] [--rounds 5]
 
 A fresh engine hands each sequence blocks in order; a job that has run through its KV budget hands out blocks its
-finished sequences freed, wherever they lie. This runs a job-like stream (prompts of 200-700 random tokens, 16-48
-out, prefix caching on) through a cache small enough to turn over, keeps the block tables and contexts of its
+finished sequences freed, wherever they lie. This runs a job-like stream (prompts of 200-700 random tokens by default,
+16-48 out, prefix caching on) through a cache small enough to turn over, keeps the block tables and contexts of its
 last full decode steps, and times the decode op over random caches of SmolLM2's shape through those tables and
 through tables giving each row consecutive blocks (rounds alternating). Prints how often a row's next block
 follows its last, the median time ratio, and the CPU's vector level and whether it has AMX.
@@ -36,7 +36,7 @@ def turned_over_steps(args: argparse.Namespace) -> tuple[LLM, list[tuple[Tables,
     vocab = llm.tokenizer.vocab_size
     engine = llm.engine
     for _ in range(args.requests):
-        prompt = [rng.randrange(100, vocab) for _ in range(rng.randint(200, 700))]
+        prompt = [rng.randrange(100, vocab) for _ in range(rng.randint(*args.prompt_lens))]
         engine.add_request(prompt, SamplingParams(max_tokens=rng.randint(16, 48), temperature=0, ignore_eos=True))
     steps = []
     while engine.has_unfinished():
@@ -70,6 +70,7 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--requests", type=int, default=120)
     parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--prompt-lens", type=int, nargs=2, default=(200, 700), help="shortest and longest prompt")
     parser.add_argument("--kv-cache-mib", type=int, default=400)
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--rounds", type=int, default=5)
@@ -106,8 +107,8 @@ def main() -> None:
     print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}, amx_bf16 {amx_bf16_in_cpuinfo()}, "
           f"threads {torch.get_num_threads()}; {len(steps)} full decode steps of {args.batch} rows, "
           f"{llm.engine.block_manager.num_free_blocks} blocks free at the end")
-    print(f"a row's next block follows its last: first third of the steps "
-          f"{statistics.mean(follows(t) for t, _ in first):.2f}, last third {statistics.mean(follows(t) for t, _ in last):.2f}")
+    early, late = (statistics.mean(follows(t) for t, _ in part) for part in (first, last))
+    print(f"a row's next block follows its last: first third of the steps {early:.2f}, last third {late:.2f}")
     print(f"decode op over the last steps' tables: {statistics.median(engine_ms):.3f} ms a layer, "
           f"{statistics.median(ratios):.3f}x the time over tables in order (median of {len(ratios)})")
 
