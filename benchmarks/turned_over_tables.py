@@ -22,6 +22,7 @@ import torch
 from batchgen.engine import LLM, SamplingParams
 from batchgen.engine.backends.cpu import ops
 from batchgen.engine.backends.cpu.build import load_kernels
+from batchgen.engine.executor.model_runner import padded_block_tables
 from batchgen.engine.loading.hub import resolve_model_path
 from decode_workload import amx_bf16_in_cpuinfo
 
@@ -52,11 +53,6 @@ def follows(tables: Tables) -> float:
     return sum(b == a + 1 for a, b in pairs) / max(1, len(pairs))
 
 
-def padded(tables: Tables) -> torch.Tensor:
-    width = max(map(len, tables))
-    return torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.int32)
-
-
 def in_order(tables: Tables) -> Tables:
     out, start = [], 0
     for t in tables:
@@ -84,7 +80,8 @@ def main() -> None:
     kv_heads, head_dim, group = config.num_kv_heads, config.head_dim, config.num_heads // config.num_kv_heads
     block_size = llm.engine.block_manager.block_size
     first, last = steps[: len(steps) // 3], steps[-(len(steps) // 3):]
-    cases = [(padded(t), padded(in_order(t)), torch.tensor(c, dtype=torch.int32)) for t, c in last[-5:]]
+    cases = [(padded_block_tables(t), padded_block_tables(in_order(t)), torch.tensor(c, dtype=torch.int32))
+             for t, c in last[-5:]]
     blocks = 1 + max(int(torch.cat([t.flatten(), o.flatten()]).max()) for t, o, _ in cases)
     shape = (blocks, block_size, kv_heads, head_dim)
     caches = [(torch.randn(shape).to(torch.bfloat16), torch.randn(shape).to(torch.bfloat16))
