@@ -120,8 +120,8 @@ class BlockManager:
         The blocks taken are the same whatever their order; ascending, a run of blocks freed together (a finished
         sequence releases its own tail first, so eviction hands them out descending) is read as one stream again:
         once a job's cache has turned over, the CPU decode op (reading a row's blocks in table order) took 1.73x its
-        time over contiguous tables at prompts of 1,500-3,000 tokens, 1.21x at 200-700; in ascending order 1.00x
-        and 1.18x (``benchmarks/turned_over_tables.py``)."""
+        time over contiguous tables at prompts of 1,500-3,000 tokens, 1.18-1.27x at 200-700; in ascending order
+        1.00-1.02x and 1.16-1.23x (``benchmarks/turned_over_tables.py``)."""
         taken = []
         for _ in range(self.blocks_needed(seq, num_tokens)):
             block_id = self.blank.pop() if self.blank else self.cached.popitem(last=False)[0]
