@@ -77,7 +77,7 @@ def main() -> None:
     if len(steps) < 15:
         raise SystemExit(f"only {len(steps)} full decode steps: raise --requests")
     config = llm.engine.model_config
-    kv_heads, head_dim, group = config.num_kv_heads, config.head_dim, config.num_heads // config.num_kv_heads
+    kv_heads, head_dim = config.num_kv_heads, config.head_dim
     block_size = llm.engine.block_manager.block_size
     first, last = steps[: len(steps) // 3], steps[-(len(steps) // 3):]
     cases = [(padded_block_tables(t), padded_block_tables(in_order(t)), torch.tensor(c, dtype=torch.int32))
@@ -86,7 +86,7 @@ def main() -> None:
     shape = (blocks, block_size, kv_heads, head_dim)
     caches = [(torch.randn(shape).to(torch.bfloat16), torch.randn(shape).to(torch.bfloat16))
               for _ in range(args.layers)]
-    q = torch.randn(args.batch, kv_heads * group, head_dim).to(torch.bfloat16)
+    q = torch.randn(args.batch, config.num_heads, head_dim).to(torch.bfloat16)
 
     def per_layer(tables: torch.Tensor, contexts: torch.Tensor) -> float:
         start = time.perf_counter()
