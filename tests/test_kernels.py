@@ -427,3 +427,15 @@ def test_accept_sampled_drafts_kernel_matches_the_torch_rejection_sampling():
     assert any(c - 1 < n and q >= 0 for c, n, q in zip(counts, lens, q_starts)) and any(c > 2 for c in counts)
     for got, want, c in zip(got_tokens.tolist(), want_tokens.tolist(), want_counts.tolist(), strict=True):
         assert got[:c] == want[:c]
+
+
+@pytest.mark.parametrize("hidden", [64, 576])
+def test_row_wise_kernels_give_a_row_the_same_bits_in_any_batch(hidden):
+    """Narrow rows share a program; a row's result must not depend on which rows share it."""
+    x, weight = rand(19, hidden, dtype=F32), 1 + 0.1 * rand(hidden, dtype=F32)
+    gate_up = rand(19, 2 * hidden, dtype=F32)
+    whole, _ = norm.rms_norm(x, weight, 1e-5)
+    active = activation.silu_and_mul(gate_up)
+    for rows in (slice(3, 4), slice(5, 17)):
+        assert torch.equal(norm.rms_norm(x[rows], weight, 1e-5)[0], whole[rows])
+        assert torch.equal(activation.silu_and_mul(gate_up[rows]), active[rows])

@@ -63,7 +63,8 @@ def graphed_and_eager(path: str, repeats: tuple[int, ...], max_tokens: int):
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered")  # padded rows hold uninitialized values
-@pytest.mark.parametrize("arch", ["qwen3", "qwen3-moe"])  # padded tokens also route through the experts
+# Layer 0 dense, layers 1-2 with experts: padded tokens go through both kinds of MLP.
+@pytest.mark.parametrize("arch", ["qwen3-moe"])
 def test_padded_graph_steps_match_eager(tiny_model_factory, arch):
     """The fixed-shape steps CUDA graphs replay (padded batch, padded tokens, padded sequences),
     run here without capture, give the eager engine's tokens and logprobs."""

@@ -5,14 +5,17 @@ import torch
 import triton
 import triton.language as tl
 
+from batchgen.engine.backends.triton.common import rows_per_program
+
 _BLOCK = 1024
 
 
 @triton.jit
-def _act_and_mul_kernel(X, Out, width, stride_x, stride_o, BLOCK: tl.constexpr, GELU: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < width
+def _act_and_mul_kernel(X, Out, rows, width, stride_x, stride_o,
+                        BLOCK: tl.constexpr, ROWS: tl.constexpr, GELU: tl.constexpr):
+    row = (tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS))[:, None]
+    offs = (tl.program_id(1) * BLOCK + tl.arange(0, BLOCK))[None, :]
+    mask = (row < rows) & (offs < width)
     gate = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(X + row * stride_x + width + offs, mask=mask, other=0.0).to(tl.float32)
     if GELU:  # 0.5 g (1 + tanh(u)) = g sigmoid(2u), u = sqrt(2 / pi) (g + 0.044715 g^3)
@@ -34,8 +37,11 @@ def _act_and_mul(x: torch.Tensor, gelu: bool) -> torch.Tensor:
     if rows == 0 or width == 0:
         return out
     out2 = out.view(-1, width)
-    _act_and_mul_kernel[(rows, triton.cdiv(width, _BLOCK))](
-        x2, out2, width, x2.stride(0), out2.stride(0), BLOCK=_BLOCK, GELU=gelu, num_warps=4,
+    block = min(_BLOCK, triton.next_power_of_2(width))
+    per_program = rows_per_program(block)
+    _act_and_mul_kernel[(triton.cdiv(rows, per_program), triton.cdiv(width, block))](
+        x2, out2, rows, width, x2.stride(0), out2.stride(0), BLOCK=block, ROWS=per_program, GELU=gelu,
+        num_warps=4,
     )
     return out
 

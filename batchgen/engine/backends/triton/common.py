@@ -17,6 +17,14 @@ except AttributeError:  # triton < 3.4 has no knobs
 LOG2E: float = 1.4426950408889634
 _LOG2E_IN_KERNEL = tl.constexpr(LOG2E)  # jitted code reads only constexpr globals
 NO_WINDOW = 1 << 30  # the window the kernels take for full attention: longer than any context
+ROW_TILE = 1024  # elements a row-wise kernel's program covers at least: narrow rows share a program
+
+
+def rows_per_program(block: int) -> int:
+    """Rows one program of a row-wise kernel takes, for rows padded to ``block`` elements: one for rows of
+    ROW_TILE or more (every real model), more for narrow ones, which would leave most of a program idle. It
+    depends on the width alone, so a row's arithmetic does not depend on the batch."""
+    return max(1, ROW_TILE // block)
 
 
 def dot_precision(dtype: torch.dtype) -> str:

@@ -5,25 +5,24 @@ import torch
 import triton
 import triton.language as tl
 
+from batchgen.engine.backends.triton.common import rows_per_program
 from batchgen.engine.dtype import FP8_DTYPES, to_cache_dtype
 
 
 @triton.jit
 def _store_kv_kernel(
-    K, V, KCache, VCache, slot_mapping,
+    K, V, KCache, VCache, slot_mapping, num_tokens,
     stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_cs, stride_ch,
-    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
 ):
-    token = tl.program_id(0)
-    slot = tl.load(slot_mapping + token).to(tl.int64)
-    if slot < 0:  # padding tokens have no slot
-        return
-    offs = tl.arange(0, BLOCK)
-    mask = offs < NUM_KV_HEADS * HEAD_DIM
+    token = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    slot = tl.load(slot_mapping + token, mask=token < num_tokens, other=-1).to(tl.int64)[:, None]
+    offs = tl.arange(0, BLOCK)[None, :]
+    mask = (slot >= 0) & (offs < NUM_KV_HEADS * HEAD_DIM)  # padding tokens have no slot
     head = offs // HEAD_DIM
     dim = offs % HEAD_DIM
-    src = token.to(tl.int64)
+    src = token[:, None]
     dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + head * stride_ch + dim
     k = tl.load(K + src * stride_kt + head * stride_kh + dim, mask=mask)
     v = tl.load(V + src * stride_vt + head * stride_vh + dim, mask=mask)
@@ -43,10 +42,12 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     assert k.stride(-1) == 1 and v.stride(-1) == 1
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
     width = num_kv_heads * head_dim
-    _store_kv_kernel[(num_tokens,)](
-        k, v, k_cache, v_cache, slot_mapping,
+    block = triton.next_power_of_2(width)
+    per_program = rows_per_program(block)
+    _store_kv_kernel[(triton.cdiv(num_tokens, per_program),)](
+        k, v, k_cache, v_cache, slot_mapping, num_tokens,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), *k_cache.stride()[:3],
-        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK=triton.next_power_of_2(width),
+        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK=block, ROWS=per_program,
         BLOCK_SIZE=k_cache.shape[1], num_warps=4 if width <= 2048 else 8,
     )
 

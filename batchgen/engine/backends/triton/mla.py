@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from batchgen.engine.backends.triton.common import (
-    INTERPRET, LOG2E, dot_precision, fold_scores, mma, needs_long_offsets, row_offsets,
+    INTERPRET, LOG2E, dot_precision, fold_scores, mma, needs_long_offsets, row_offsets, rows_per_program,
 )
 from batchgen.engine.backends.triton.decode_attention import merge_splits, plan_splits, sequence_split, split_buffers
 from batchgen.engine.backends.triton.kv_store import as_cache_rows
@@ -22,15 +22,13 @@ from batchgen.engine.backends.triton.prefill_attention import _BLOCK_M as PREFIL
 
 
 @triton.jit
-def _store_latent_kernel(Latent, Cache, slot_mapping, stride_lt, stride_cb, stride_cs,
-                         WIDTH: tl.constexpr, BLOCK: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-    token = tl.program_id(0)
-    slot = tl.load(slot_mapping + token).to(tl.int64)
-    if slot < 0:  # padding tokens have no slot
-        return
-    offs = tl.arange(0, BLOCK)
-    mask = offs < WIDTH
-    row = tl.load(Latent + token.to(tl.int64) * stride_lt + offs, mask=mask)
+def _store_latent_kernel(Latent, Cache, slot_mapping, num_tokens, stride_lt, stride_cb, stride_cs,
+                         WIDTH: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    slot = tl.load(slot_mapping + token, mask=token < num_tokens, other=-1).to(tl.int64)[:, None]
+    offs = tl.arange(0, BLOCK)[None, :]
+    mask = (slot >= 0) & (offs < WIDTH)  # padding tokens have no slot
+    row = tl.load(Latent + token[:, None] * stride_lt + offs, mask=mask)
     dst = Cache + (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + offs
     tl.store(dst, row.to(Cache.dtype.element_ty), mask=mask)
 
@@ -42,9 +40,11 @@ def store_latent(latent: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.
         return
     latent, cache = as_cache_rows(latent, cache)
     assert latent.stride(-1) == 1 and cache.stride(-1) == 1 and slot_mapping.numel() == num_tokens
-    _store_latent_kernel[(num_tokens,)](latent, cache, slot_mapping, latent.stride(0), *cache.stride()[:2],
-                                        WIDTH=width, BLOCK=triton.next_power_of_2(width),
-                                        BLOCK_SIZE=cache.shape[1], num_warps=4)
+    block = triton.next_power_of_2(width)
+    per_program = rows_per_program(block)
+    _store_latent_kernel[(triton.cdiv(num_tokens, per_program),)](
+        latent, cache, slot_mapping, num_tokens, latent.stride(0), *cache.stride()[:2],
+        WIDTH=width, BLOCK=block, ROWS=per_program, BLOCK_SIZE=cache.shape[1], num_warps=4)
 
 
 @triton.jit

@@ -5,16 +5,18 @@ import torch
 import triton
 import triton.language as tl
 
+from batchgen.engine.backends.triton.common import rows_per_program
+
 
 @triton.jit
 def _rms_norm_kernel(
-    X, Residual, Weight, Out, ResidualOut, eps, hidden,
+    X, Residual, Weight, Out, ResidualOut, eps, rows, hidden,
     stride_x, stride_r, stride_o, stride_ro,
-    BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr, ROWS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK)
-    mask = offs < hidden
+    row = (tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS))[:, None]
+    offs = tl.arange(0, BLOCK)[None, :]
+    mask = (row < rows) & (offs < hidden)
     x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         # Round the sum to the residual dtype first: that is the residual stream's value.
@@ -22,9 +24,9 @@ def _rms_norm_kernel(
         x = (x.to(tl.float32) + r.to(tl.float32)).to(ResidualOut.dtype.element_ty)
         tl.store(ResidualOut + row * stride_ro + offs, x, mask=mask)
     xf = x.to(tl.float32)
-    inv_rms = tl.rsqrt(tl.sum(xf * xf, 0) / hidden + eps)
+    inv_rms = tl.rsqrt(tl.sum(xf * xf, 1) / hidden + eps)[:, None]
     normed = (xf * inv_rms).to(ResidualOut.dtype.element_ty).to(tl.float32)
-    w = tl.load(Weight + offs, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(Weight + offs, mask=offs < hidden, other=0.0).to(tl.float32)
     tl.store(Out + row * stride_o + offs, (normed * w).to(Out.dtype.element_ty), mask=mask)
 
 
@@ -53,9 +55,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     if rows == 0:
         return out, new_residual
     block = triton.next_power_of_2(hidden)
-    _rms_norm_kernel[(rows,)](
-        x2, r2, weight, out2, nr2, eps, hidden, x2.stride(0), r_strides[0], out2.stride(0),
-        r_strides[1], BLOCK=block, HAS_RESIDUAL=residual is not None,
+    per_program = rows_per_program(block)
+    _rms_norm_kernel[(triton.cdiv(rows, per_program),)](
+        x2, r2, weight, out2, nr2, eps, rows, hidden, x2.stride(0), r_strides[0], out2.stride(0),
+        r_strides[1], BLOCK=block, ROWS=per_program, HAS_RESIDUAL=residual is not None,
         num_warps=min(max(block // 256, 1), 8),
     )
     return out, new_residual

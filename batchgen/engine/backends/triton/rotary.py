@@ -5,14 +5,16 @@ import torch
 import triton
 import triton.language as tl
 
+from batchgen.engine.backends.triton.common import rows_per_program
+
 
 @triton.jit
-def _rotate_heads(X, row, cos, sin, num_heads, stride_t, stride_h, offs_h, offs_r, mask_r,
+def _rotate_heads(X, tokens, token_mask, cos, sin, num_heads, stride_t, stride_h, offs_h, offs_r, mask_r,
                   HALF: tl.constexpr, BLOCK_H: tl.constexpr):
     for h0 in range(0, num_heads, BLOCK_H):
-        heads = h0 + offs_h
-        mask = (heads < num_heads)[:, None] & mask_r[None, :]
-        ptr = X + row * stride_t + heads[:, None] * stride_h + offs_r[None, :]
+        heads = (h0 + offs_h)[None, :, None]
+        mask = token_mask[:, None, None] & (heads < num_heads) & mask_r[None, None, :]
+        ptr = X + tokens[:, None, None] * stride_t + heads * stride_h + offs_r[None, None, :]
         x1 = tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
         x2 = tl.load(ptr + HALF, mask=mask, other=0.0).to(tl.float32)
         tl.store(ptr, (x1 * cos - x2 * sin).to(X.dtype.element_ty), mask=mask)
@@ -21,20 +23,24 @@ def _rotate_heads(X, row, cos, sin, num_heads, stride_t, stride_h, offs_h, offs_
 
 @triton.jit
 def _rotary_kernel(
-    Q, K, positions, CosSin, num_q_heads, num_kv_heads,
+    Q, K, positions, CosSin, num_tokens, num_q_heads, num_kv_heads,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_cache,
-    HALF: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
+    HALF: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, TOKENS: tl.constexpr,
 ):
-    token = tl.program_id(0).to(tl.int64)
-    pos = tl.load(positions + token).to(tl.int64)
+    tokens = tl.program_id(0).to(tl.int64) * TOKENS + tl.arange(0, TOKENS)
+    token_mask = tokens < num_tokens
+    pos = tl.load(positions + tokens, mask=token_mask, other=0).to(tl.int64)
     offs_r = tl.arange(0, BLOCK_R)
     offs_h = tl.arange(0, BLOCK_H)
     mask_r = offs_r < HALF
-    row = CosSin + pos * stride_cache + offs_r
-    cos = tl.load(row, mask=mask_r, other=0.0).to(tl.float32)[None, :]
-    sin = tl.load(row + HALF, mask=mask_r, other=0.0).to(tl.float32)[None, :]
-    _rotate_heads(Q, token, cos, sin, num_q_heads, stride_qt, stride_qh, offs_h, offs_r, mask_r, HALF, BLOCK_H)
-    _rotate_heads(K, token, cos, sin, num_kv_heads, stride_kt, stride_kh, offs_h, offs_r, mask_r, HALF, BLOCK_H)
+    row = CosSin + pos[:, None] * stride_cache + offs_r[None, :]
+    cs_mask = token_mask[:, None] & mask_r[None, :]
+    cos = tl.load(row, mask=cs_mask, other=0.0).to(tl.float32)[:, None, :]
+    sin = tl.load(row + HALF, mask=cs_mask, other=0.0).to(tl.float32)[:, None, :]
+    _rotate_heads(Q, tokens, token_mask, cos, sin, num_q_heads, stride_qt, stride_qh, offs_h, offs_r, mask_r,
+                  HALF, BLOCK_H)
+    _rotate_heads(K, tokens, token_mask, cos, sin, num_kv_heads, stride_kt, stride_kh, offs_h, offs_r, mask_r,
+                  HALF, BLOCK_H)
 
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
@@ -48,9 +54,11 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
         return q, k
     half = head_dim // 2
     block_h = min(triton.next_power_of_2(max(num_q_heads, num_kv_heads)), 16)
-    _rotary_kernel[(num_tokens,)](
-        q, k, positions, cos_sin_cache, num_q_heads, num_kv_heads,
+    block_r = triton.next_power_of_2(half)
+    tokens = rows_per_program(block_h * block_r)
+    _rotary_kernel[(triton.cdiv(num_tokens, tokens),)](
+        q, k, positions, cos_sin_cache, num_tokens, num_q_heads, num_kv_heads,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0),
-        HALF=half, BLOCK_R=triton.next_power_of_2(half), BLOCK_H=block_h, num_warps=4,
+        HALF=half, BLOCK_R=block_r, BLOCK_H=block_h, TOKENS=tokens, num_warps=4,
     )
     return q, k
