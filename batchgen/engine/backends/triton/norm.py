@@ -59,6 +59,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     _rms_norm_kernel[(triton.cdiv(rows, per_program),)](
         x2, r2, weight, out2, nr2, eps, rows, hidden, x2.stride(0), r_strides[0], out2.stride(0),
         r_strides[1], BLOCK=block, ROWS=per_program, HAS_RESIDUAL=residual is not None,
-        num_warps=min(max(block // 256, 1), 8),
+        num_warps=min(max(block * per_program // 256, 1), 8),
     )
     return out, new_residual
