@@ -5,7 +5,7 @@ import torch
 import triton
 import triton.language as tl
 
-from batchgen.engine.backends.triton.common import rows_per_program
+from batchgen.engine.backends.triton.common import program_rows, rows_per_program
 
 _BLOCK = 1024
 
@@ -13,7 +13,7 @@ _BLOCK = 1024
 @triton.jit
 def _act_and_mul_kernel(X, Out, rows, width, stride_x, stride_o,
                         BLOCK: tl.constexpr, ROWS: tl.constexpr, GELU: tl.constexpr):
-    row = (tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS))[:, None]
+    row = program_rows(ROWS)[:, None]
     offs = (tl.program_id(1) * BLOCK + tl.arange(0, BLOCK))[None, :]
     mask = (row < rows) & (offs < width)
     gate = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)

@@ -27,6 +27,12 @@ def rows_per_program(block: int) -> int:
     return max(1, ROW_TILE // block)
 
 
+@triton.jit
+def program_rows(ROWS: tl.constexpr):
+    """The rows (int64) this program of a row-wise kernel takes: ROWS from rows_per_program."""
+    return tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     """fp32 inputs get exact fp32 products (torch's default), not tf32."""
     return "ieee" if dtype == torch.float32 else "tf32"

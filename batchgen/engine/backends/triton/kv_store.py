@@ -5,7 +5,7 @@ import torch
 import triton
 import triton.language as tl
 
-from batchgen.engine.backends.triton.common import rows_per_program
+from batchgen.engine.backends.triton.common import program_rows, rows_per_program
 from batchgen.engine.dtype import FP8_DTYPES, to_cache_dtype
 
 
@@ -16,7 +16,7 @@ def _store_kv_kernel(
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
 ):
-    token = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    token = program_rows(ROWS)
     slot = tl.load(slot_mapping + token, mask=token < num_tokens, other=-1).to(tl.int64)[:, None]
     offs = tl.arange(0, BLOCK)[None, :]
     mask = (slot >= 0) & (offs < NUM_KV_HEADS * HEAD_DIM)  # padding tokens have no slot

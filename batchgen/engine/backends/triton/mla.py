@@ -13,7 +13,8 @@ import triton
 import triton.language as tl
 
 from batchgen.engine.backends.triton.common import (
-    INTERPRET, LOG2E, dot_precision, fold_scores, mma, needs_long_offsets, row_offsets, rows_per_program,
+    INTERPRET, LOG2E, dot_precision, fold_scores, mma, needs_long_offsets, program_rows, row_offsets,
+    rows_per_program,
 )
 from batchgen.engine.backends.triton.decode_attention import merge_splits, plan_splits, sequence_split, split_buffers
 from batchgen.engine.backends.triton.kv_store import as_cache_rows
@@ -24,7 +25,7 @@ from batchgen.engine.backends.triton.prefill_attention import _BLOCK_M as PREFIL
 @triton.jit
 def _store_latent_kernel(Latent, Cache, slot_mapping, num_tokens, stride_lt, stride_cb, stride_cs,
                          WIDTH: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-    token = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    token = program_rows(ROWS)
     slot = tl.load(slot_mapping + token, mask=token < num_tokens, other=-1).to(tl.int64)[:, None]
     offs = tl.arange(0, BLOCK)[None, :]
     mask = (slot >= 0) & (offs < WIDTH)  # padding tokens have no slot

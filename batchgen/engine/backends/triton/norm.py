@@ -5,7 +5,7 @@ import torch
 import triton
 import triton.language as tl
 
-from batchgen.engine.backends.triton.common import rows_per_program
+from batchgen.engine.backends.triton.common import program_rows, rows_per_program
 
 
 @triton.jit
@@ -14,7 +14,7 @@ def _rms_norm_kernel(
     stride_x, stride_r, stride_o, stride_ro,
     BLOCK: tl.constexpr, ROWS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
 ):
-    row = (tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS))[:, None]
+    row = program_rows(ROWS)[:, None]
     offs = tl.arange(0, BLOCK)[None, :]
     mask = (row < rows) & (offs < hidden)
     x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0)

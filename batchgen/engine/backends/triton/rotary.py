@@ -5,7 +5,7 @@ import torch
 import triton
 import triton.language as tl
 
-from batchgen.engine.backends.triton.common import rows_per_program
+from batchgen.engine.backends.triton.common import program_rows, rows_per_program
 
 
 @triton.jit
@@ -27,7 +27,7 @@ def _rotary_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_cache,
     HALF: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, TOKENS: tl.constexpr,
 ):
-    tokens = tl.program_id(0).to(tl.int64) * TOKENS + tl.arange(0, TOKENS)
+    tokens = program_rows(TOKENS)
     token_mask = tokens < num_tokens
     pos = tl.load(positions + tokens, mask=token_mask, other=0).to(tl.int64)
     offs_r = tl.arange(0, BLOCK_R)
