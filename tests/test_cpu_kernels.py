@@ -130,6 +130,20 @@ def test_attention_against_fp64_and_sdpa(kernels, dtype, head_dim, group, cached
     assert fused_err.mean() <= 1.25 * sdpa_err.mean(), (fused_err.mean(), sdpa_err.mean())
 
 
+@pytest.mark.parametrize("blocks", sorted(set(ops.VARLEN_BLOCKS.values())), ids=lambda b: f"{b[0]}x{b[1]}")
+def test_attention_key_blocks_of_every_cpu_kind(kernels, blocks):
+    """Each vector level's key and query blocks (whichever this CPU picks by default) against fp64, fp32."""
+    q, k, v, k_cache, v_cache, meta = attention_step(F32, 3, 64, PREFIXES)
+    fused = kernels.varlen_causal_attention(q, k, v, k_cache, v_cache, meta.cu_seqlens_q, meta.context_lens,
+                                            meta.block_tables, 0.125, kv_block=blocks[0], q_rows=blocks[1])
+    sdpa = TorchAttentionBackend().forward(q, k, v, k_cache, v_cache, meta, 0.125)
+    rows, exact = checked_rows(meta), exact_attention(3, 64, True)
+    assert exact.shape[0] == len(rows)
+    fused_err, sdpa_err = (fused[rows].double() - exact).abs(), (sdpa[rows].double() - exact).abs()
+    assert fused_err.max() <= sdpa_err.max() + torch.finfo(F32).eps * exact.abs().max().item()
+    assert fused_err.mean() <= 1.25 * sdpa_err.mean(), (fused_err.mean(), sdpa_err.mean())
+
+
 def test_attention_rejects_mismatched_inputs(kernels):
     q, k, v, k_cache, v_cache, meta = attention_step(F32, 3, 64, [0] * len(LENGTHS))
     with pytest.raises(RuntimeError, match="share one dtype"):

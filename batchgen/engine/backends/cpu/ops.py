@@ -11,15 +11,18 @@ from functools import lru_cache
 
 import torch
 
+from batchgen.engine.backends.cpu.features import cpu_features
 from batchgen.engine.backends.torch import ops as torch_ops
 from batchgen.engine.dtype import FP8_DTYPES
 from batchgen.engine.sampling.sampler import row_argmax as torch_row_argmax
 
 log = logging.getLogger(__name__)
 
-# Keys per block (a multiple of 32) and GEMM rows per query block (all query heads of a KV head count).
-KV_BLOCK = 256
-Q_ROWS = 192
+# The prefill op's keys per block (a multiple of 32) and GEMM rows per query block (all query heads of a KV head
+# count), by the kernels' vector level. On a 2-core AVX2 CPU, blocks of 64 keys ran 1.1-1.3x blocks of 256 in fp32
+# (rows 48-192 alike; 128 keys about as fast as 64, 160-192 between: `benchmarks/attention_cpu.py`); AVX-512 CPUs
+# keep the blocks their figures were measured with.
+VARLEN_BLOCKS = {"avx2": (64, 96), "avx512": (256, 192)}
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 MAX_HEAD_DIM = 256
 
@@ -62,17 +65,20 @@ def supports_attention(dtype: torch.dtype, head_dim: int) -> bool:
 
 def varlen_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                             v_cache: torch.Tensor, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
-                            block_tables: torch.Tensor, scale: float, kv_block: int = KV_BLOCK,
-                            q_rows: int = Q_ROWS, amx: bool | None = None) -> torch.Tensor:
+                            block_tables: torch.Tensor, scale: float, kv_block: int | None = None,
+                            q_rows: int | None = None, amx: bool | None = None) -> torch.Tensor:
     """Causal attention of a packed step: q (T, Hq, D); k, v (T, Hkv, D) the step's new keys and values.
 
     Sequence i owns rows ``cu_seqlens_q[i]:cu_seqlens_q[i+1]`` and attends to ``context_lens[i]`` keys: the
     first ``context_lens[i] - query_len`` from the paged caches (blocks ``block_tables[i]``), then its own
     new rows. fp32 scores and accumulation; q, k, v, caches and the output share one dtype (fp32 or bf16).
     bf16 steps run in AMX tiles where the CPU has them (``amx`` None: :func:`amx_tiles`), unless ``amx`` is
-    False: then, as everywhere else, in oneDNN's brgemm micro-kernels.
+    False: then, as everywhere else, in oneDNN's brgemm micro-kernels. ``kv_block`` and ``q_rows`` default to
+    ``VARLEN_BLOCKS``' pair for this CPU.
     """
     amx = amx_tiles() if amx is None else amx
+    blocks = VARLEN_BLOCKS[cpu_features().isa or "avx2"]
+    kv_block, q_rows = kv_block or blocks[0], q_rows or blocks[1]
     out = torch.empty(q.shape, dtype=q.dtype)
     torch.ops.batchgen_cpu.varlen_causal_attention(q, k, v, k_cache, v_cache, cu_seqlens_q, context_lens,
                                                    block_tables, scale, kv_block, q_rows, amx, out)
