@@ -28,8 +28,8 @@ def small_linear(op, x, weight, bias=None):
 
 
 # (K, N): SmolLM2's projections and LM-head-like widths, K with a tail past the vector width, N not a
-# multiple of the 4-row tile.
-SHAPES = [(576, 960), (1536, 576), (64, 49), (37, 13), (8, 4), (3, 7)]
+# multiple of the 4-row tile, and K a multiple of 1,024 (W's rows a multiple of 4 KB apart).
+SHAPES = [(576, 960), (1536, 576), (2048, 30), (64, 49), (37, 13), (8, 4), (3, 7)]
 
 
 @pytest.mark.parametrize("k,n", SHAPES)

@@ -8,7 +8,8 @@
 // - x rows in the lanes, from kFewRows + 1 rows: x is packed once a call as x^T in groups of L rows, a k's L
 //   values one vector, and each W element, broadcast, feeds every group of a tile: 2 groups x 6 W rows (12
 //   accumulators, 8 loads per 12 FMAs), 3 x 4 for the first three of an odd count (24 rows 1.14x, 40 and 56
-//   1.05-1.07x a lone last group in 1 x 6), or 1 x 12 with one group. W streams once in its own order, x^T (at
+//   1.05-1.07x a lone last group in 1 x 6), or 1 x 12 with one group (a line of k at a time, 6 W rows over it,
+//   then the other 6: W rows a multiple of 4 KB apart share an L1 set). W streams once in its own order, x^T (at
 //   most 64 rows) stays in L2, and no sum crosses the lanes. The next block's W is asked for during the second and
 //   third passes over a block (the only one with 1-3 groups): SmolLM2's decode step's linears 1.14x at batch 8,
 //   1.25x at 16, 1.11x at 32, none at 64 (compute-bound there).
@@ -118,13 +119,17 @@ void few_rows(const Linear& a) {
 
 // ---- x rows in the lanes (more rows) ----
 
+// Floats from one group of packed x^T to the next: K L and a cache line more, so that at a given k the groups (a
+// multiple of 4 KB apart for K a multiple of 128) do not share an L1 set with each other and with the W rows.
+inline int64_t group_stride(int64_t K) { return K * L + 16; }
+
 // x^T by groups of L rows, zeros past the last row: lane l of xt[(g K + k) L ..] is x[g L + l][k].
 void pack_rows(const Linear& a, float* xt) {
   const int64_t K = a.K, groups = (a.M + L - 1) / L;
   at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g) {
       const float* x = a.x + g * L * a.x_row;
-      float* dst = xt + g * K * L;
+      float* dst = xt + g * group_stride(K);
       const int64_t rows = std::min(L, a.M - g * L);
       int64_t k = 0;
       if (rows == L)
@@ -165,11 +170,43 @@ struct Ahead {
   }
 };
 
+// W rows [J0, J1) of a one-group tile over k in [k0, k1): their sums stay in acc.
+template <int J0, int J1, int NR>
+inline void columns_over(const Linear& a, const float* xg, const float* w, int64_t k0, int64_t k1, Vec (&acc)[NR]) {
+  for (int64_t k = k0; k < k1; ++k) {
+    const Vec xv = Vec::loadu(xg + k * L);
+#pragma GCC unroll 16
+    for (int j = J0; j < J1; ++j) acc[j] = at::vec::fmadd(xv, Vec(w[j * a.K + k]), acc[j]);
+  }
+}
+
+// One group against NR W rows: a line of k (16) at a time, the first half of the rows over it, then the other.
+// Every row of W at a given k is a multiple of 4 KB from the others when K is a multiple of 1,024, so all NR
+// share one L1 set: read side by side, 12 of them (more than its 8 ways) evicted one another before their 16
+// values were used, 2-3x slower at 6-8 rows of x for K 1,024-4,096. Each sum still takes its k in order.
+template <int NR>
+void one_group(const Linear& a, const float* xt, int64_t n0, Ahead ahead) {
+  constexpr int Half = (NR + 1) / 2;
+  const float* w = a.w + n0 * a.K;
+  Vec acc[NR];
+#pragma GCC unroll 16
+  for (int j = 0; j < NR; ++j) acc[j] = Vec(0.f);
+  for (int64_t k0 = 0; k0 < a.K; k0 += 16) {
+    ahead.step();
+    const int64_t k1 = std::min(a.K, k0 + 16);
+    columns_over<0, Half>(a, xt, w, k0, k1, acc);
+    columns_over<Half, NR>(a, xt, w, k0, k1, acc);
+  }
+  Vec sums[1][NR];
+  for (int j = 0; j < NR; ++j) sums[0][j] = acc[j];
+  store_tile<1, NR>(a, sums, 0, n0);
+}
+
 // Groups [g0, g0 + MV) x columns [n0, n0 + NR).
 template <int MV, int NR>
 void row_lanes(const Linear& a, const float* xt, int64_t g0, int64_t n0, Ahead ahead) {
   const int64_t K = a.K;
-  const float* xg = xt + g0 * K * L;
+  const float* xg = xt + g0 * group_stride(K);
   const float* w = a.w + n0 * K;
   Vec acc[MV][NR];
 #pragma GCC unroll 16
@@ -180,7 +217,7 @@ void row_lanes(const Linear& a, const float* xt, int64_t g0, int64_t n0, Ahead a
     if (k % 16 == 0) ahead.step();
     Vec xv[MV];
 #pragma GCC unroll 16
-    for (int i = 0; i < MV; ++i) xv[i] = Vec::loadu(xg + (i * K + k) * L);
+    for (int i = 0; i < MV; ++i) xv[i] = Vec::loadu(xg + i * group_stride(K) + k * L);
 #pragma GCC unroll 16
     for (int j = 0; j < NR; ++j) {
       const Vec b(w[j * K + k]);
@@ -195,8 +232,8 @@ void row_lanes(const Linear& a, const float* xt, int64_t g0, int64_t n0, Ahead a
 template <>
 void row_lanes<2, kTileCols>(const Linear& a, const float* xt, int64_t g0, int64_t n0, Ahead ahead) {
   const int64_t K = a.K;
-  const float* x0 = xt + g0 * K * L;
-  const float* x1 = x0 + K * L;
+  const float* x0 = xt + g0 * group_stride(K);
+  const float* x1 = x0 + group_stride(K);
   const float* w = a.w + n0 * K;
   Vec a00(0.f), a01(0.f), a02(0.f), a03(0.f), a04(0.f), a05(0.f);
   Vec a10(0.f), a11(0.f), a12(0.f), a13(0.f), a14(0.f), a15(0.f);
@@ -222,9 +259,9 @@ void row_lanes<2, kTileCols>(const Linear& a, const float* xt, int64_t g0, int64
 template <>
 void row_lanes<3, kTripleCols>(const Linear& a, const float* xt, int64_t g0, int64_t n0, Ahead ahead) {
   const int64_t K = a.K;
-  const float* x0 = xt + g0 * K * L;
-  const float* x1 = x0 + K * L;
-  const float* x2 = x1 + K * L;
+  const float* x0 = xt + g0 * group_stride(K);
+  const float* x1 = x0 + group_stride(K);
+  const float* x2 = x1 + group_stride(K);
   const float* w = a.w + n0 * K;
   Vec a00(0.f), a01(0.f), a02(0.f), a03(0.f), a10(0.f), a11(0.f), a12(0.f), a13(0.f);
   Vec a20(0.f), a21(0.f), a22(0.f), a23(0.f);
@@ -292,7 +329,7 @@ void many_rows(const Linear& a, float* xt) {
       const int64_t next_floats = next == nullptr ? 0 : std::min(cols, a.N - n0 - cols) * a.K;
       if (groups == 1)
         with_constant<kWideCols>(width, [&](auto nr) {
-          row_lanes<1, nr>(a, xt, 0, n0, next ? Ahead(next, next_floats, 0, 1, a.K) : Ahead());
+          one_group<nr>(a, xt, n0, next ? Ahead(next, next_floats, 0, 1, a.K) : Ahead());
         });
       else if (cols == kWideCols)
         with_constant<kWideCols>(width, [&](auto w) { column_block<w>(a, xt, groups, n0, next, next_floats); });
@@ -322,7 +359,7 @@ void small_linear(const at::Tensor& x, const at::Tensor& weight, const c10::opti
   static thread_local std::vector<float> packed;
   const int64_t most = std::min(M, kChunkRows);
   if (most > kFewRows)
-    packed.resize(std::max<size_t>(packed.size(), static_cast<size_t>((most + L - 1) / L * K * L)));
+    packed.resize(std::max<size_t>(packed.size(), static_cast<size_t>((most + L - 1) / L * group_stride(K))));
   for (int64_t m0 = 0; m0 < M; m0 += kChunkRows) {
     const int64_t rows = std::min(kChunkRows, M - m0);
     const Linear a{x.const_data_ptr<float>() + m0 * x.stride(0), x.stride(0), weight.const_data_ptr<float>(), K, N,
