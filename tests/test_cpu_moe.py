@@ -46,12 +46,14 @@ def expert_case(num_experts, top_k, tokens, hidden, inter, dtype):
     return x, w13, w2, weights, ids, elsewhere
 
 
-FEW_ROWS = 128  # csrc/moe.cpp's kFewRows: an expert of more rows multiplies as the reference does
+# An expert of more rows than these multiplies as the reference does: csrc/small_linear.h's kSmallRows for fp32,
+# csrc/moe.cpp's kFewRows for bf16.
+FEW_ROWS = {torch.float32: prepack.SMALL_ROWS, torch.bfloat16: 128}
 # (experts, top_k, tokens, hidden, intermediate): inter 24 leaves bf16's second matmul off the dot tiles' 32-dim
 # steps (and fp32's K past its last whole vector); 64 / 32 put both on them; 300 tokens of 2 experts give an
-# expert more rows than the few-row tiles take.
+# expert more rows than bf16's few-row tiles take, 700 more than fp32's small-row op takes.
 SHAPES = [(1, 1, 5, 32, 24), (8, 2, 19, 32, 24), (16, 4, 64, 32, 24), (6, 2, 0, 32, 24), (8, 2, 19, 64, 32),
-          (2, 1, 300, 64, 32)]
+          (2, 1, 300, 64, 32), (2, 1, 700, 64, 32)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -66,7 +68,7 @@ def test_expert_op_against_the_torch_reference(dtype, num_experts, top_k, tokens
         theirs = fused_moe(x, w13, w2, weights, routed, skip_negative=skip)
         assert got.shape == (tokens, hidden) and got.dtype == dtype
         rows = torch.bincount(routed[routed >= 0].flatten()).tolist()
-        if min((n for n in rows if n), default=FEW_ROWS + 1) > FEW_ROWS:  # all through the reference's matmuls
+        if min((n for n in rows if n), default=FEW_ROWS[dtype] + 1) > FEW_ROWS[dtype]:  # the reference's matmuls
             assert torch.equal(got, theirs)
         else:
             assert_as_good_as_torch(got, theirs, exact_moe(x, w13, w2, weights, routed), dtype)
@@ -88,6 +90,18 @@ def test_expert_op_is_bit_identical_across_thread_counts():
     for run in runs[1:]:
         for got, expected in zip(run, runs[0], strict=True):
             assert torch.equal(got, expected)
+
+
+def test_fp32_tokens_results_do_not_depend_on_the_other_tokens():
+    """fp32 experts of up to SMALL_ROWS rows sum each row in one order: a token's output in a step of 250 (about
+    125 rows an expert) is its output alone, bit for bit, as a verification step's rows must be."""
+    x, w13, w2, weights, ids, _ = expert_case(4, 2, 250, 64, 24, torch.float32)
+    assert max(torch.bincount(ids.flatten()).tolist()) <= FEW_ROWS[torch.float32]
+    together = ops.fused_moe(x, w13, w2, weights, ids)
+    alone = [ops.fused_moe(x[t:t + 1], w13, w2, weights[t:t + 1], ids[t:t + 1]) for t in range(len(x))]
+    assert len(alone) == together.shape[0]
+    for t, row in enumerate(alone):
+        assert torch.equal(row[0], together[t]), t
 
 
 def test_expert_ids_outside_the_experts_are_refused():

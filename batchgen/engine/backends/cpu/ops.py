@@ -197,9 +197,10 @@ def round_through_fp8(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, skip_negative: bool = False) -> torch.Tensor:
     """The torch reference's mixture of SwiGLU experts in one op with its loop over experts in C++ (nothing read on
-    the host in Python, so recorded decode steps take MoE layers too): bit for bit, except experts of few rows
-    (bf16 ones on CPUs with AVX512-BF16), whose matmuls read W once in register tiles (fp32 sums in another
-    order); torch's for other dtypes."""
+    the host in Python, so recorded decode steps take MoE layers too): bit for bit, except experts of few rows,
+    whose matmuls read W once (fp32 sums in another order): fp32 ones of up to 256 rows in ``small_linear``'s
+    tiles, each row's sums independent of the other rows; bf16 ones on CPUs with AVX512-BF16 in register tiles.
+    torch's for other dtypes."""
     if x.dtype not in KERNEL_DTYPES or not w13.dtype == w2.dtype == x.dtype or topk_weights.dtype != torch.float32:
         return torch_ops.fused_moe(x, w13, w2, topk_weights, topk_ids, skip_negative)
     out = torch.empty(x.shape[0], w2.shape[1], dtype=x.dtype)

@@ -3,9 +3,11 @@
 // fp32) with its loop over experts in C++. Python then makes no call per expert, and reads nothing on the host:
 // a recorded CPU decode step (executor/op_replay.py) takes the whole layer as one op, and every replay routes
 // its own tokens. The same ATen ops in the same order as the reference, except the matmuls of an expert that
-// gets few rows (decode steps): they read W once, straight through, in register tiles (fp32: the FMA tiles of
-// paged.h; bf16, on CPUs with AVX512-BF16: decode_dots.h's dot-product tiles, rounded to bf16 as the reference
-// rounds), where a GEMM would pack W first. Their fp32 sums add in another order than the GEMM's; the rest is
+// gets few rows (decode steps): they read W once, straight through, where a GEMM would pack W first. fp32 ones (up
+// to 256 rows) run small_linear.cpp's op, whose sums take k in order, so a token's result does not depend on the
+// expert's other tokens (the register tiles it replaced gave way to the GEMM past 128 rows; on AVX2, 64 experts of
+// 2048 x 768, top-6: 1.01-1.03x at 1-64 tokens, 1.33x at 256, `benchmarks/moe_cpu.py --baseline`). bf16 ones, on CPUs with AVX512-BF16, run decode_dots.h's dot-product tiles,
+// rounded to bf16 as the reference rounds. Their sums add in another order than the GEMM's; the rest is
 // bit-identical to the reference. Where the engine packs bf16 experts in dot_linear's blocks (AVX512-BF16 without
 // AMX), fused_moe_packed takes the layer instead: every expert's projection in one loop of dot_blocks.h's tiles.
 #include <ATen/ATen.h>
@@ -14,6 +16,7 @@
 
 #include "decode_dots.h"
 #include "dot_blocks.h"
+#include "small_linear.h"
 #include "vec.h"
 
 #include <vector>
@@ -25,90 +28,71 @@ namespace {
 // at 1-16 tokens (a decode step's few rows an expert), 1.15x at 24 rows an expert, 1.05x at 48-96.
 constexpr int64_t kFewRows = 128;
 
-// The next lines of a run of bytes, kLines a call: as many as the tile reads of 4 W rows between two calls
-// (bf16: twice a step of 32 dims, 256 bytes; fp32: once a vector of each row).
-template <int kLines>
-struct NextLines {
+// The next lines of a run of bytes, two a call: as many as the dot tiles read of 4 W rows between two calls (twice
+// a step of 32 dims, 256 bytes).
+struct NextRows {
   const char* p;
   int64_t left;
   void operator()() {
-    for (int i = 0; i < kLines && left > 0; ++i, p += 64, left -= 64) __builtin_prefetch(p);
+    for (int i = 0; i < 2 && left > 0; ++i, p += 64, left -= 64) __builtin_prefetch(p);
   }
 };
 
-template <typename T>
-using NextRows = NextLines<std::is_same_v<T, float> ? std::max(1, Vec::size() / 4) : 2>;
-
-// s (M rows `stride` apart) = x (M, K) W^T for W's 4-or-fewer rows `rows`: fp32 in the portable FMA tiles, bf16
-// in decode_dots.h's dot tiles; only the first of x's 4-row blocks asks for `next`.
-template <typename T>
-inline void few_rows_tiles(const T* x, int64_t M, int64_t K, const T* const* rows, int64_t rows_here, float* s,
-                           int64_t stride, NextRows<T>& next) {
-  NoAhead none;
-  for (int64_t m0 = 0; m0 < M; m0 += 4)
-    with_constant<4>(std::min<int64_t>(4, M - m0), [&](auto m) {
-      with_constant<4>(rows_here, [&](auto kb) {
-        if constexpr (std::is_same_v<T, float>) {
-          if (m0 == 0) score_tile<m, kb>(x, K, rows, s, stride, next);
-          else score_tile<m, kb>(x + m0 * K, K, rows, s + m0 * stride, stride, none);
-        } else {
-#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
-          if (m0 == 0) register_tile<m, kb, DotStep>(x, K, rows, s, stride, next);
-          else register_tile<m, kb, DotStep>(x + m0 * K, K, rows, s + m0 * stride, stride, none);
-#endif
-        }
-      });
-    });
-}
-
-// out (M, N) = a (M, K) W^T for W (N, K), all contiguous, M <= kFewRows, fp32 or (on CPUs with AVX512-BF16, K a
-// multiple of 32) bf16; false (nothing written) for anything else. W four rows at a time, each of a's 4-row
-// blocks multiplied while those rows are in L1, the threads over W's rows (bf16 rounded at the end, each
-// thread its own columns). Every output is one tile's sum: the same for any thread count.
-template <typename T>
+// out (M, N) = a (M, K) W^T for bf16 W (N, K), all contiguous, M <= kFewRows, K a multiple of 32, on CPUs with
+// AVX512-BF16; false (nothing written) for anything else. W four rows at a time in decode_dots.h's dot tiles,
+// each of a's 4-row blocks multiplied while those rows are in L1 (only the first asks for the thread's next W
+// rows), the threads over W's rows, each rounding its own columns to bf16 at the end as the reference rounds.
+// Every output is one tile's sum: the same for any thread count.
 bool few_rows_linear(const at::Tensor& a, const at::Tensor& w, const at::Tensor& out) {
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+  using T = at::BFloat16;
   const int64_t M = a.size(0), K = a.size(1), N = w.size(0);
-  constexpr bool kBf16 = std::is_same_v<T, at::BFloat16>;
-  if constexpr (kBf16 && !kDotTiles) return false;  // no dot tiles in this build
-  if (M > kFewRows || !a.is_contiguous() || !w.is_contiguous() || !out.is_contiguous() || (kBf16 && K % 32 != 0))
-    return false;
-  std::vector<float> y(kBf16 ? M * N : 0);
+  if (M > kFewRows || !a.is_contiguous() || !w.is_contiguous() || !out.is_contiguous() || K % 32 != 0) return false;
+  std::vector<float> y(M * N);
   const T* x = a.const_data_ptr<T>();
   const T* wp = w.const_data_ptr<T>();
   T* dst = out.data_ptr<T>();
-  float* yp = kBf16 ? y.data() : reinterpret_cast<float*>(dst);
+  float* yp = y.data();
   at::parallel_for(0, (N + 3) / 4, 8, [&](int64_t begin, int64_t end) {
+    NoAhead none;
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n0 = 4 * t, rows_here = std::min<int64_t>(4, N - n0);
       const T* rows[4];
       for (int64_t r = 0; r < rows_here; ++r) rows[r] = wp + (n0 + r) * K;
       // The thread's next 4 rows of W follow these in memory.
-      NextRows<T> next{reinterpret_cast<const char*>(wp + (n0 + 4) * K),
-                       t + 1 < end ? 4 * K * static_cast<int64_t>(sizeof(T)) : 0};
-      few_rows_tiles(x, M, K, rows, rows_here, yp + n0, N, next);
+      NextRows next{reinterpret_cast<const char*>(wp + (n0 + 4) * K), t + 1 < end ? 4 * K * int64_t{sizeof(T)} : 0};
+      for (int64_t m0 = 0; m0 < M; m0 += 4)
+        with_constant<4>(std::min<int64_t>(4, M - m0), [&](auto m) {
+          with_constant<4>(rows_here, [&](auto kb) {
+            if (m0 == 0) register_tile<m, kb, DotStep>(x, K, rows, yp + n0, N, next);
+            else register_tile<m, kb, DotStep>(x + m0 * K, K, rows, yp + m0 * N + n0, N, none);
+          });
+        });
     }
-    if constexpr (kBf16) {
-      const int64_t first = 4 * begin, last = std::min(N, 4 * end);
-      for (int64_t m = 0; m < M; ++m) {
-        int64_t c = first;
-        for (; c + kStep <= last; c += kStep)
-          store2(dst + m * N + c, Vec::loadu(yp + m * N + c), Vec::loadu(yp + m * N + c + Vec::size()));
-        for (; c < last; ++c) dst[m * N + c] = at::BFloat16(yp[m * N + c]);
-      }
+    const int64_t first = 4 * begin, last = std::min(N, 4 * end);
+    for (int64_t m = 0; m < M; ++m) {
+      int64_t c = first;
+      for (; c + kStep <= last; c += kStep)
+        store2(dst + m * N + c, Vec::loadu(yp + m * N + c), Vec::loadu(yp + m * N + c + Vec::size()));
+      for (; c < last; ++c) dst[m * N + c] = at::BFloat16(yp[m * N + c]);
     }
   });
   return true;
+#else
+  return false;  // no dot tiles in this build
+#endif
 }
 
-// out (a fresh tensor where undefined) = the reference's at::linear(a, w), through few_rows_linear where it
-// takes them.
+// out (a fresh tensor where undefined) = the reference's at::linear(a, w): fp32 steps of up to kSmallRows rows
+// through small_linear (each row's sums in k order, whatever the expert's other rows), bf16 ones through
+// few_rows_linear where it takes them.
 at::Tensor expert_linear(const at::Tensor& a, const at::Tensor& w, at::Tensor out = {}) {
   if (!out.defined()) out = at::empty({a.size(0), w.size(0)}, a.options());
-  bool done = false;
-  if (a.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat) done = few_rows_linear<float>(a, w, out);
-  else if (a.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16)
-    done = few_rows_linear<at::BFloat16>(a, w, out);
-  if (!done) at::linear_out(out, a, w);
+  const bool fp32 = a.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat;
+  if (fp32 && a.size(0) <= kSmallRows && w.is_contiguous() && a.stride(1) == 1 && out.stride(1) == 1)
+    small_linear(a, w, c10::nullopt, out);
+  else if (!(a.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16 && few_rows_linear(a, w, out)))
+    at::linear_out(out, a, w);
   return out;
 }
 

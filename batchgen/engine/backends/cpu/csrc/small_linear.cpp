@@ -26,6 +26,7 @@
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
+#include "small_linear.h"
 #include "vec.h"
 
 #include <algorithm>
@@ -339,6 +340,8 @@ void many_rows(const Linear& a, float* xt) {
   });
 }
 
+}  // namespace
+
 void small_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
                   const at::Tensor& out) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && out.dim() == 2, "small_linear takes 2-D x, weight and out");
@@ -369,7 +372,6 @@ void small_linear(const at::Tensor& x, const at::Tensor& weight, const c10::opti
   }
 }
 
-}  // namespace
 }  // namespace batchgen_cpu
 
 TORCH_LIBRARY_FRAGMENT(batchgen_cpu, m) {
