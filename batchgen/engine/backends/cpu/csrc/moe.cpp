@@ -6,10 +6,11 @@
 // gets few rows (decode steps): they read W once, straight through, where a GEMM would pack W first. fp32 ones (up
 // to 256 rows) run small_linear.cpp's op, whose sums take k in order, so a token's result does not depend on the
 // expert's other tokens (the register tiles it replaced gave way to the GEMM past 128 rows; on AVX2, 64 experts of
-// 2048 x 768, top-6: 1.01-1.03x at 1-64 tokens, 1.33x at 256, `benchmarks/moe_cpu.py --baseline`). bf16 ones, on CPUs with AVX512-BF16, run decode_dots.h's dot-product tiles,
-// rounded to bf16 as the reference rounds. Their sums add in another order than the GEMM's; the rest is
-// bit-identical to the reference. Where the engine packs bf16 experts in dot_linear's blocks (AVX512-BF16 without
-// AMX), fused_moe_packed takes the layer instead: every expert's projection in one loop of dot_blocks.h's tiles.
+// 2048 x 768, top-6: 1.01-1.03x at 1-64 tokens, 1.33x at 256, `benchmarks/moe_cpu.py --baseline`). bf16 ones, on
+// CPUs with AVX512-BF16, run decode_dots.h's dot-product tiles, rounded to bf16 as the reference rounds. Their sums
+// add in another order than the GEMM's; the rest is bit-identical to the reference. Where the engine packs bf16
+// experts in dot_linear's blocks (AVX512-BF16 without AMX), fused_moe_packed takes the layer instead: every
+// expert's projection in one loop of dot_blocks.h's tiles.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
