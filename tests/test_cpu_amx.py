@@ -235,4 +235,6 @@ def test_amx_rows_method_routes_by_step_size(amx, monkeypatch):
         out = layer(x)
         ulp = torch.finfo(BF16).eps * out.abs().max().item()
         assert (out.float() - torch.nn.functional.linear(x, layer.weight, layer.bias).float()).abs().max() <= ulp
-    assert calls == [(1, 96), (prepack.AMX_ROWS, 96)]
+    strided = torch.randn(96, 8).to(BF16).T  # 8 rows whose inputs lie 8 apart: copied, then the op
+    assert torch.equal(layer(strided), layer(strided.contiguous()))
+    assert calls == [(1, 96), (prepack.AMX_ROWS, 96), (8, 96), (8, 96)]

@@ -108,6 +108,28 @@ def test_layers_route_small_steps_to_the_op_and_stay_themselves(op, monkeypatch)
     assert calls == [1, 1, SMALL_ROWS, SMALL_ROWS]
 
 
+def test_rows_whose_inputs_are_not_contiguous_still_take_the_op(op, monkeypatch):
+    """Latent attention hands o_proj its values as a permuted view (tokens innermost): the layer copies the few
+    rows and runs the op, so they get the same bits as contiguous rows (F.linear sums in another order)."""
+    from batchgen.engine.layers.linear import RowParallelLinear
+
+    gen = torch.Generator().manual_seed(11)
+    layer = RowParallelLinear(4 * 512, 96, bias=False)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(96, 4 * 512, generator=gen))
+    assert prepack_linears(torch.nn.Sequential(layer)) == 1
+    per_head = torch.randn(4, 512, 24, generator=gen)  # (heads, v, tokens), as W_UV @ out^T leaves them
+    strided = per_head.permute(2, 0, 1).flatten(1)  # (tokens, heads x v): a view, inputs 24 apart
+    assert strided.stride(-1) != 1
+    calls = []
+    monkeypatch.setattr(torch.ops.batchgen_cpu, "small_linear", lambda *a: (calls.append(a[0].stride()), op(*a)))
+    got = layer(strided)
+    assert calls == [(4 * 512, 1)]
+    assert torch.equal(got, layer(strided.contiguous()))
+    exact = F.linear(strided.double(), layer.weight.double())
+    torch.testing.assert_close(got.double(), exact, rtol=1e-5, atol=1e-3)
+
+
 @pytest.mark.parametrize("bias", [False, True])
 def test_wide_layers_multiply_larger_steps_slice_by_slice(op, bias, monkeypatch):
     """Past SMALL_ROWS rows a layer of WIDE_OUTPUTS or more outputs (the vocabulary head) multiplies slice by
