@@ -11,6 +11,7 @@ import torch
 from batchgen.engine import LLM, SamplingParams
 from batchgen.engine.backends.cpu import ops
 from batchgen.engine.backends.cpu.mla import CpuMLABackend
+from batchgen.engine.backends.cpu.prepack import SmallRowsProducts
 from batchgen.engine.backends.torch.mla import TorchMLABackend
 from tests.engine_helpers import mixed_prompts, model_runner
 from tests.test_cpu_decode import BLOCK, CONTEXTS, assert_as_good_as_torch, kernels  # noqa: F401 - a fixture
@@ -168,6 +169,8 @@ def test_deepseek_decodes_through_the_op_like_the_torch_backend(kernels, tiny_mo
     kw = dict(dtype="float32", device="cpu", max_num_batched_tokens=64, kv_cache_memory=4 << 20)
     fused_llm, plain = LLM(path, **kw), LLM(path, attention_backend="torch", **kw)
     assert model_runner(fused_llm).kernels.mla.name == "cpu" and model_runner(plain).kernels.mla.name == "torch"
+    latent = [m for m in model_runner(fused_llm).model.modules() if hasattr(m, "absorbed")]
+    assert latent and all(isinstance(m.absorbed, SmallRowsProducts) for m in latent)  # small_bmm's products
     prompts = mixed_prompts(fused_llm, repeats=(1, 9, 3))  # the longest past one 256-key split
     assert max(map(len, prompts)) > ops.SPLIT_KEYS
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=True)

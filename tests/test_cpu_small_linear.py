@@ -151,3 +151,74 @@ def test_wide_layers_multiply_larger_steps_slice_by_slice(op, bias, monkeypatch)
     exact = F.linear(x[:, :SMALL_ROWS // 2 + 3], layer.weight.double(), None if not bias else layer.bias.double())
     assert got.shape == exact.shape
     torch.testing.assert_close(got.double(), exact, rtol=1e-5, atol=1e-4)
+
+
+# (batch, heads, K, N): DeepSeek's absorbed shapes in miniature (nope 32 -> rank 64, rank 64 -> v 40), rows of the
+# few-row layout, past one chunk of 64, no rows, and more threads than heads.
+BMM_SHAPES = [(5, 4, 32, 64), (7, 3, 64, 40), (70, 2, 37, 13), (0, 2, 32, 48), (9, 1, 130, 17)]
+
+
+@pytest.mark.parametrize("batch,heads,k,n", BMM_SHAPES)
+def test_per_head_products_against_fp64_and_each_head_alone(op, batch, heads, k, n):
+    """``small_bmm`` (x (B, H, K) with strided rows, as the query's nope slice is): against fp64, each head bit for
+    bit the small-row linear of that head alone, and the same bits for any thread count."""
+    gen = torch.Generator().manual_seed(batch * 31 + k)
+    weight = torch.randn(heads, n, k, generator=gen)
+    x = torch.randn(batch, heads, k + 6, generator=gen)[..., 3:3 + k]
+    previous, outs = torch.get_num_threads(), []
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            outs.append(torch.empty(batch, heads, n))
+            torch.ops.batchgen_cpu.small_bmm(x, weight, outs[-1])
+    finally:
+        torch.set_num_threads(previous)
+    exact = torch.einsum("bhk,hnk->bhn", x.double(), weight.double())
+    assert outs[0].shape == exact.shape
+    torch.testing.assert_close(outs[0].double(), exact, rtol=1e-5, atol=1e-5 * k ** 0.5)
+    for h in range(heads):
+        assert torch.equal(outs[0][:, h], small_linear(op, x[:, h], weight[h])), h
+    assert all(torch.equal(out, outs[0]) for out in outs[1:])
+
+
+def test_per_head_products_refuse_wrong_arguments(op):
+    bmm = torch.ops.batchgen_cpu.small_bmm
+    weight = torch.randn(2, 48, 8)
+    with pytest.raises(RuntimeError, match="weight must be"):
+        bmm(torch.zeros(3, 2, 10), weight, torch.empty(3, 2, 48))
+    with pytest.raises(RuntimeError, match="weight must be"):
+        bmm(torch.zeros(3, 4, 8), weight, torch.empty(3, 4, 48))
+    with pytest.raises(RuntimeError, match="weight must be"):
+        bmm(torch.zeros(3, 2, 8), weight.transpose(1, 2).contiguous().transpose(1, 2), torch.empty(3, 2, 48))
+    with pytest.raises(RuntimeError, match="float32"):
+        bmm(torch.zeros(3, 2, 8, dtype=torch.bfloat16), weight, torch.empty(3, 2, 48))
+    with pytest.raises(RuntimeError, match="out of shape"):
+        bmm(torch.zeros(3, 2, 8), weight, torch.empty(3, 2, 47))
+
+
+def test_latent_layers_take_the_per_head_products_up_to_latent_rows(op, monkeypatch):
+    """fp32 W_UK and W_UV (views of one weight, as the latent layer holds them): the products against bmm's, the
+    values in (B, H, v) rows; steps past LATENT_ROWS rows keep bmm."""
+    from batchgen.engine.backends.cpu.prepack import LATENT_ROWS, SmallRowsProducts
+    from batchgen.engine.layers.mla import BMM_PRODUCTS
+
+    gen = torch.Generator().manual_seed(9)
+    heads, nope, v, rank = 3, 32, 40, 64
+
+    class Layer:
+        w = torch.randn(heads, nope + v, rank, generator=gen)
+        w_uk, w_uv = w[:, :nope], w[:, nope:]
+
+    products = SmallRowsProducts(Layer.w_uk)
+    calls = []
+    real = torch.ops.batchgen_cpu.small_bmm
+    monkeypatch.setattr(torch.ops.batchgen_cpu, "small_bmm", lambda *a: (calls.append(a[0].shape[0]), real(*a)))
+    for batch in (1, LATENT_ROWS, LATENT_ROWS + 1):
+        q_nope = torch.randn(batch, heads, nope + 16, generator=gen)[..., :nope]
+        latent = torch.randn(batch, heads, rank, generator=gen)
+        query, values = products.query(Layer, q_nope), products.values(Layer, latent)
+        assert values.is_contiguous() or batch > LATENT_ROWS
+        for ours, reference in ((query, BMM_PRODUCTS.query(Layer, q_nope)), (values, BMM_PRODUCTS.values(Layer, latent))):
+            assert ours.shape == reference.shape
+            torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-4)
+    assert calls == [1, 1, LATENT_ROWS, LATENT_ROWS]

@@ -20,7 +20,8 @@ tokens, 1.3-1.4x at 64-256, 1.03-1.14x at 1,024-4,096), and so are the latent at
 head at a time (``dot_bmm`` in place of bmm's GEMMs). A SwiGLU MLP's gate|up is packed gate block and up block in
 turn, and ``dot_gated_linear`` applies silu(gate) * up to each tile's products while they are in L1: the same
 values as the projection and then the ``silu_and_mul`` op (SmolLM2's decode steps 1.02x at batch 1, 1.01x at 8,
-even at 64: benchmarks/packed_ab.py --what gated).
+even at 64: benchmarks/packed_ab.py --what gated). fp32 latent layers take their absorbed products per head in the
+small-row op (``small_bmm``), W_UK as a transposed copy.
 """
 from __future__ import annotations
 
@@ -246,18 +247,50 @@ class DotAbsorbedProducts(AbsorbedProducts):
         return values
 
 
+class SmallRowsProducts(AbsorbedProducts):
+    """A latent attention layer's fp32 absorbed products in ``batchgen_cpu.small_bmm`` for steps of up to
+    ``LATENT_ROWS`` rows (each head's product the small-row linear's: a row's result does not depend on the step's
+    other rows), larger ones bmm. W_UK is kept as a copy of its transpose (H, R, nope), W_UV read where it lies in
+    kv_b_proj's weight; the values come out (B, H, v), rows o_proj takes as they are."""
+
+    def __init__(self, w_uk: torch.Tensor):
+        self.uk = w_uk.transpose(1, 2).contiguous()
+
+    @staticmethod
+    def per_head(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+        """(B, H, N) = rows (B, H, K) times each head's weight (H, N, K), or None past the op's steps."""
+        if rows.dtype != torch.float32 or rows.shape[0] > LATENT_ROWS or rows.stride(2) != 1:
+            return None
+        out = rows.new_empty(rows.shape[0], rows.shape[1], weight.shape[1])
+        torch.ops.batchgen_cpu.small_bmm(rows, weight, out)
+        return out
+
+    def query(self, layer: nn.Module, q_nope: torch.Tensor) -> torch.Tensor:
+        out = self.per_head(q_nope, self.uk)
+        return out if out is not None else super().query(layer, q_nope)
+
+    def values(self, layer: nn.Module, out: torch.Tensor) -> torch.Tensor:
+        values = self.per_head(out, layer.w_uv)
+        return values if values is not None else super().values(layer, out)
+
+
 def prepack_absorbed(model: nn.Module) -> int:
-    """Gives ``model``'s latent attention layers with bf16 W_UK and W_UV (even dims) :class:`DotAbsorbedProducts`
-    where ``dot_linear`` runs; returns how many."""
-    if not dot_linear_runs():
-        return 0
+    """Gives ``model``'s latent attention layers their own absorbed products: :class:`SmallRowsProducts` for fp32
+    W_UK and W_UV, :class:`DotAbsorbedProducts` for bf16 ones (even dims) where ``dot_linear`` runs; returns how
+    many."""
     count = 0
     with torch.inference_mode():
         for layer in model.modules():
-            if isinstance(layer, MLAAttention) and layer.w_uk.dtype == torch.bfloat16 and \
-                    layer.w_uk.device.type == "cpu" and layer.nope_dim % 2 == 0 and layer.kv_lora_rank % 2 == 0:
+            if not isinstance(layer, MLAAttention) or layer.w_uk.device.type != "cpu":
+                continue
+            if layer.w_uk.dtype == torch.float32:
+                layer.absorbed = SmallRowsProducts(layer.w_uk)
+            elif layer.w_uk.dtype == torch.bfloat16 and dot_linear_runs() and layer.nope_dim % 2 == 0 and \
+                    layer.kv_lora_rank % 2 == 0:
                 layer.absorbed = DotAbsorbedProducts(layer.w_uk, layer.w_uv)
-                count += 1
+            else:
+                continue
+            count += 1
     return count
 
 
@@ -275,6 +308,10 @@ def prepack_weights(model: nn.Module) -> None:
 # rows at a time), 1.4-1.8x the vocabulary head's slices at 96-256 (AVX2, 2 threads); past that F.linear (prefill).
 SMALL_ROWS = 256
 AMX_ROWS = 64  # rows up to which bf16 layers on AMX CPUs run amx_linear
+# Rows up to which fp32 absorbed products run small_bmm: DeepSeek-V3's heads (32 of them, 128 x 512), 8 layers
+# cold, against bmm (and o_proj's copy of its permuted values): 1.1x at 1 row, 1.8x at 8-16, 1.4x at 32, even at
+# 64, 0.90x at 256 (AVX2, 2 threads).
+LATENT_ROWS = 64
 WIDE_OUTPUTS, COLUMN_SLICE = 8192, 1024  # output columns from which larger steps multiply slice by slice
 
 
