@@ -130,6 +130,36 @@ def test_rows_whose_inputs_are_not_contiguous_still_take_the_op(op, monkeypatch)
     torch.testing.assert_close(got.double(), exact, rtol=1e-5, atol=1e-3)
 
 
+def test_routers_take_the_op_so_a_tokens_experts_do_not_depend_on_its_step(op):
+    """A router's logits are its method's multiply: fp32 routers take the small-row op (F.linear's sums depend on
+    the row count) and stay routers. A token's logits, weights and experts are then its own, bit for bit, in any
+    step; a float32 router in a bf16 model (DeepSeek's) gets its bf16 input cast, as ``F.linear``'s method does."""
+    from batchgen.engine.layers.linear import ReplicatedLinear
+    from batchgen.engine.layers.moe import TopKRouter
+
+    gen = torch.Generator().manual_seed(13)
+    hidden, experts = 320, 24
+    routers = [TopKRouter(hidden, experts, top_k=4, renormalize=True, params_dtype=torch.float32)
+               for _ in range(2)]
+    for router in routers:
+        with torch.no_grad():
+            router.weight.copy_(torch.randn(experts, hidden, generator=gen))
+    model = torch.nn.Sequential(*routers)
+    assert prepack_linears(model) == 2
+    assert all(model[i] is router and router.quant_method is SMALL_ROWS_METHOD for i, router in enumerate(routers))
+    x = torch.randn(SMALL_ROWS, hidden, generator=gen)
+    for router, rows in ((routers[0], x), (routers[1], x.to(torch.bfloat16))):
+        logits = ReplicatedLinear.forward(router, rows)
+        assert logits.dtype == torch.float32
+        torch.testing.assert_close(logits.double(), rows.double() @ router.weight.double().T, rtol=1e-5, atol=1e-4)
+        weights, ids = router(rows)
+        assert weights.shape == ids.shape == (SMALL_ROWS, 4)
+        for m in (1, 3, 7, 9, 64, 65, SMALL_ROWS):
+            assert torch.equal(ReplicatedLinear.forward(router, rows[:m]), logits[:m]), m
+            some_weights, some_ids = router(rows[-m:])
+            assert torch.equal(some_ids, ids[-m:]) and torch.equal(some_weights, weights[-m:]), m
+
+
 @pytest.mark.parametrize("bias", [False, True])
 def test_wide_layers_multiply_larger_steps_slice_by_slice(op, bias, monkeypatch):
     """Past SMALL_ROWS rows a layer of WIDE_OUTPUTS or more outputs (the vocabulary head) multiplies slice by

@@ -38,7 +38,7 @@ from batchgen.engine.backends.cpu.ops import amx_tiles
 from batchgen.engine.layers.linear import UNQUANTIZED, LinearBase, LinearMethod, ParallelLMHead, RowParallelLinear
 from batchgen.engine.layers.mla import AbsorbedProducts, MLAAttention
 from batchgen.engine.layers.mlp import GatedMLP, GateUpActivation
-from batchgen.engine.layers.moe import UNQUANTIZED_MOE, FusedMoE, MoEMethod
+from batchgen.engine.layers.moe import UNQUANTIZED_MOE, FusedMoE, MoEMethod, TopKRouter
 
 log = logging.getLogger(__name__)
 
@@ -316,20 +316,18 @@ WIDE_OUTPUTS, COLUMN_SLICE = 8192, 1024  # output columns from which larger step
 
 
 class SmallRowsMethod(LinearMethod):
-    """An fp32 layer's multiply on CPU: steps of at most ``SMALL_ROWS`` rows run ``batchgen_cpu.small_linear``,
+    """An fp32 layer's multiply on CPU (x cast to fp32, as ``F.linear``'s method does): steps of at most ``SMALL_ROWS`` rows run ``batchgen_cpu.small_linear``,
     larger ones ``F.linear``, slice by slice of ``COLUMN_SLICE`` outputs in layers of ``WIDE_OUTPUTS`` or more. The
     layer keeps its weight, its type and its attributes; only its method changes."""
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         weight = layer.weight
-        rows = x.reshape(-1, weight.shape[1])
-        if x.dtype != torch.float32:
-            return super().apply(layer, x, bias)
+        rows = x.reshape(-1, weight.shape[1]).to(torch.float32)  # a float32 router in a bf16 model gets bf16 x
         if rows.shape[0] <= SMALL_ROWS:
-            out = torch.empty(rows.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
+            out = torch.empty(rows.shape[0], weight.shape[0], dtype=torch.float32, device=x.device)
             torch.ops.batchgen_cpu.small_linear(unit_stride(rows), weight, bias, out)
         elif weight.shape[0] >= WIDE_OUTPUTS:
-            out = torch.empty(rows.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
+            out = torch.empty(rows.shape[0], weight.shape[0], dtype=torch.float32, device=x.device)
             for first in range(0, weight.shape[0], COLUMN_SLICE):
                 cols = slice(first, first + COLUMN_SLICE)
                 if bias is None:
@@ -388,23 +386,34 @@ def prepacking_works() -> bool:
 _PLAIN_FORWARDS = (LinearBase.forward, RowParallelLinear.forward, ParallelLMHead.forward)
 
 
-def plain_projection(module: nn.Module) -> bool:
-    """A whole (not tensor-parallel) projection or LM head on CPU that multiplies with ``F.linear`` (FP8 layers
-    kept quantized own their weight and scales; dequantized ones are plain by now)."""
-    if type(module).forward not in _PLAIN_FORWARDS or getattr(module, "tp_size", 1) != 1:
-        return False
-    if getattr(module, "quant_method", UNQUANTIZED) is not UNQUANTIZED:
+def whole_unquantized(module: nn.Module) -> bool:
+    """A layer on one rank (not tensor-parallel) whose 2-D CPU weight ``F.linear`` multiplies (FP8 layers kept
+    quantized own their weight and scales; dequantized ones are plain by now)."""
+    if getattr(module, "tp_size", 1) != 1 or getattr(module, "quant_method", UNQUANTIZED) is not UNQUANTIZED:
         return False
     weight = module.weight
     return weight.dim() == 2 and weight.device.type == "cpu" and weight.is_contiguous()
 
 
+def plain_projection(module: nn.Module) -> bool:
+    """A whole projection or LM head on CPU that multiplies with ``F.linear`` and does nothing else."""
+    return type(module).forward in _PLAIN_FORWARDS and whole_unquantized(module)
+
+
+def whole_router(module: nn.Module) -> bool:
+    """A mixture's router on CPU: its logits are its method's multiply (then it selects experts), so it takes a
+    new method but is not replaced by a prepacked layer."""
+    return isinstance(module, TopKRouter) and whole_unquantized(module)
+
+
 def prepack_linears(model: nn.Module) -> int:
-    """Readies the plain projections of a loaded ``model``: fp32 ones multiply with the small-row method; bf16 ones
-    with the AMX small-row method on CPUs with AMX, else become prepacked layers (where this torch build packs
-    them); returns how many."""
+    """Readies the plain projections and routers of a loaded ``model``: fp32 ones multiply with the small-row
+    method (so a token's router logits, like its other products, do not depend on the step's other rows); bf16
+    ones with the AMX small-row method on CPUs with AMX, else plain projections become prepacked layers (where
+    this torch build packs them); returns how many."""
     targets = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
-               if plain_projection(child) and child.weight.dtype in (torch.bfloat16, torch.float32)]
+               if (plain_projection(child) or whole_router(child))
+               and child.weight.dtype in (torch.bfloat16, torch.float32)]
     packing = prepacking_works() if any(c.weight.dtype == torch.bfloat16 for _, _, c in targets) else False
     count = 0
     with torch.inference_mode():
@@ -413,7 +422,7 @@ def prepack_linears(model: nn.Module) -> int:
                 child.quant_method = SMALL_ROWS_METHOD
             elif amx_tiles() and amx_rows_fit(child.weight, getattr(child, "bias", None)):
                 child.quant_method = AMX_ROWS_METHOD
-            elif packing:
+            elif packing and plain_projection(child):
                 setattr(parent, name, PrepackedLinear(child.weight, getattr(child, "bias", None)))
             else:
                 continue
