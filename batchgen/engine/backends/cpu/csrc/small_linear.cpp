@@ -39,9 +39,9 @@ namespace batchgen_cpu {
 namespace {
 
 constexpr int64_t L = Vec::size();
-// W rows in the lanes up to 5 rows: at 4-5 rows 1.10-1.15x x rows in the lanes (one half-empty group); at 6-8
-// the transposed W and 6-8 sums no longer fit the registers (0.84x at 8).
-constexpr int64_t kFewRows = 5;
+// W rows in the lanes up to 6 rows: at 4-6 rows 1.07-1.4x x rows in the lanes (one partly empty group; the 8
+// transposed W vectors, 6 sums and a broadcast take 15 of AVX2's 16 registers); even at 7, 0.84x at 8.
+constexpr int64_t kFewRows = 6;
 // Rows one pass over W takes: larger steps run 64 at a time, x^T staying in L2, W's re-reads (from L3 for a
 // layer of SmolLM2) hidden under the multiplies (1.05-1.3x F.linear at 96-256 rows, 1.4-1.8x the vocabulary
 // head multiplied in slices).
