@@ -12,7 +12,8 @@ import torch
 from batchgen.engine import LLM
 from batchgen.engine.backends.cpu.build import load_kernels
 from batchgen.engine.backends.cpu.ops import amx_tiles
-from batchgen.engine.backends.cpu.prepack import AMX_ROWS, SMALL_ROWS, PrepackedLinear, amx_rows_fit, prepacking_works
+from batchgen.engine.backends.cpu.prepack import PrepackedLinear, prepacking_works
+from batchgen.engine.backends.cpu.row_methods import AMX_ROWS, SMALL_ROWS, amx_rows_fit
 from batchgen.engine.layers.linear import LinearBase, ParallelLMHead
 from batchgen.engine.layers.moe import SparseMoeBlock
 

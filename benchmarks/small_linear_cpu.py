@@ -5,7 +5,7 @@
 Per row count M, one layer's worth of SmolLM2-135M projections (qkv 576x960, gate-up 576x3072, down 1536x576,
 o 576x576), eight copies each so that the weights (113 MB) stream from memory as in a model: the median time of
 the whole set under each path, interleaved shape by shape, the ratio, and the weight bandwidth each reaches.
-Prints ``get_cpu_capability()``. Rows up to ``prepack.SMALL_ROWS`` run the op in the engine.
+Prints ``get_cpu_capability()``. Rows up to ``row_methods.SMALL_ROWS`` run the op in the engine.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from attention_cpu import median_seconds
 from batchgen.engine.backends.cpu.build import load_kernels
-from batchgen.engine.backends.cpu.prepack import SMALL_ROWS
+from batchgen.engine.backends.cpu.row_methods import SMALL_ROWS
 
 SHAPES = [(576, 960), (576, 3072), (1536, 576), (576, 576)]  # (in, out)
 COPIES = 8

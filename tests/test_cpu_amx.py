@@ -218,23 +218,24 @@ def test_amx_linear_rejects_what_it_does_not_take(amx):
 
 def test_amx_rows_method_routes_by_step_size(amx, monkeypatch):
     """Steps of up to AMX_ROWS rows take amx_linear; larger ones (prefill) F.linear on the same weight."""
-    from batchgen.engine.backends.cpu import prepack
+    from batchgen.engine.backends.cpu import prepack, row_methods
     from batchgen.engine.layers.linear import ReplicatedLinear
 
     layer = ReplicatedLinear(96, 48, bias=True, params_dtype=BF16)
     with torch.no_grad():
         layer.weight.normal_()
         layer.bias.normal_()
-    assert prepack.prepack_linears(torch.nn.Sequential(layer)) == 1 and layer.quant_method is prepack.AMX_ROWS_METHOD
+    assert prepack.prepack_linears(torch.nn.Sequential(layer)) == 1
+    assert layer.quant_method is row_methods.AMX_ROWS_METHOD
     calls = []
     real = torch.ops.batchgen_cpu.amx_linear
     monkeypatch.setattr(prepack.torch.ops.batchgen_cpu, "amx_linear", lambda *a: calls.append(a[0].shape) or real(*a),
                         raising=False)
-    for rows in (1, prepack.AMX_ROWS, prepack.AMX_ROWS + 1):
+    for rows in (1, row_methods.AMX_ROWS, row_methods.AMX_ROWS + 1):
         x = torch.randn(rows, 96).to(BF16)
         out = layer(x)
         ulp = torch.finfo(BF16).eps * out.abs().max().item()
         assert (out.float() - torch.nn.functional.linear(x, layer.weight, layer.bias).float()).abs().max() <= ulp
     strided = torch.randn(96, 8).to(BF16).T  # 8 rows whose inputs lie 8 apart: copied, then the op
     assert torch.equal(layer(strided), layer(strided.contiguous()))
-    assert calls == [(1, 96), (prepack.AMX_ROWS, 96), (8, 96), (8, 96)]
+    assert calls == [(1, 96), (row_methods.AMX_ROWS, 96), (8, 96), (8, 96)]

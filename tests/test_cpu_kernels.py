@@ -343,8 +343,8 @@ def test_other_cpu_kinds(kernels, env, isa, dtypes, auto):
 
 
 def test_prepacked_bf16_linears(kernels, tiny_model):
-    from batchgen.engine.backends.cpu.prepack import (AMX_ROWS_METHOD, SMALL_ROWS_METHOD, PrepackedLinear, prepack_linears,
-                                                      prepacking_works)
+    from batchgen.engine.backends.cpu.prepack import PrepackedLinear, prepack_linears, prepacking_works
+    from batchgen.engine.backends.cpu.row_methods import AMX_ROWS_METHOD, SMALL_ROWS_METHOD
     from batchgen.engine.layers.linear import ColumnParallelLinear, ReplicatedLinear
     from batchgen.engine.layers.moe import TopKRouter
 

@@ -11,7 +11,7 @@ import torch
 from batchgen.engine import LLM, SamplingParams
 from batchgen.engine.backends.cpu import ops
 from batchgen.engine.backends.cpu.mla import CpuMLABackend
-from batchgen.engine.backends.cpu.prepack import SmallRowsProducts
+from batchgen.engine.backends.cpu.row_methods import SmallRowsProducts
 from batchgen.engine.backends.torch.mla import TorchMLABackend
 from tests.engine_helpers import mixed_prompts, model_runner
 from tests.test_cpu_decode import BLOCK, CONTEXTS, assert_as_good_as_torch, kernels  # noqa: F401 - a fixture

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from batchgen.engine import LLM, SamplingParams
-from batchgen.engine.backends.cpu import build, ops, prepack
+from batchgen.engine.backends.cpu import build, ops, prepack, row_methods
 from batchgen.engine.backends.cpu.features import cpu_features
 from batchgen.engine.backends.torch.ops import fused_moe
 from tests.engine_helpers import mixed_prompts, model_runner
@@ -48,7 +48,7 @@ def expert_case(num_experts, top_k, tokens, hidden, inter, dtype):
 
 # An expert of more rows than these multiplies as the reference does: csrc/small_linear.h's kSmallRows for fp32,
 # csrc/moe.cpp's kFewRows for bf16.
-FEW_ROWS = {torch.float32: prepack.SMALL_ROWS, torch.bfloat16: 128}
+FEW_ROWS = {torch.float32: row_methods.SMALL_ROWS, torch.bfloat16: 128}
 # (experts, top_k, tokens, hidden, intermediate): inter 24 leaves bf16's second matmul off the dot tiles' 32-dim
 # steps (and fp32's K past its last whole vector); 64 / 32 put both on them; 300 tokens of 2 experts give an
 # expert more rows than bf16's few-row tiles take, 700 more than fp32's small-row op takes.

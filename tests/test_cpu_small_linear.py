@@ -10,7 +10,8 @@ import torch.nn.functional as F
 
 from batchgen.engine.backends.cpu import build
 from batchgen.engine.backends.cpu.features import cpu_features
-from batchgen.engine.backends.cpu.prepack import SMALL_ROWS, SMALL_ROWS_METHOD, prepack_linears
+from batchgen.engine.backends.cpu.prepack import prepack_linears
+from batchgen.engine.backends.cpu.row_methods import SMALL_ROWS, SMALL_ROWS_METHOD
 
 
 @pytest.fixture(scope="module")
@@ -164,7 +165,7 @@ def test_routers_take_the_op_so_a_tokens_experts_do_not_depend_on_its_step(op):
 def test_wide_layers_multiply_larger_steps_slice_by_slice(op, bias, monkeypatch):
     """Past SMALL_ROWS rows a layer of WIDE_OUTPUTS or more outputs (the vocabulary head) multiplies slice by
     slice of COLUMN_SLICE outputs, the last one partial: the product of F.linear, to fp32 rounding."""
-    from batchgen.engine.backends.cpu.prepack import COLUMN_SLICE, WIDE_OUTPUTS
+    from batchgen.engine.backends.cpu.row_methods import COLUMN_SLICE, WIDE_OUTPUTS
     from batchgen.engine.layers.linear import ColumnParallelLinear
 
     outputs = WIDE_OUTPUTS + COLUMN_SLICE // 2 + 3
@@ -229,7 +230,7 @@ def test_per_head_products_refuse_wrong_arguments(op):
 def test_latent_layers_take_the_per_head_products_up_to_latent_rows(op, monkeypatch):
     """fp32 W_UK and W_UV (views of one weight, as the latent layer holds them): the products against bmm's, the
     values in (B, H, v) rows; steps past LATENT_ROWS rows keep bmm."""
-    from batchgen.engine.backends.cpu.prepack import LATENT_ROWS, SmallRowsProducts
+    from batchgen.engine.backends.cpu.row_methods import LATENT_ROWS, SmallRowsProducts
     from batchgen.engine.layers.mla import BMM_PRODUCTS
 
     gen = torch.Generator().manual_seed(9)

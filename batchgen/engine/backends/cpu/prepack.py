@@ -1,18 +1,12 @@
-"""The CPU kernel set's linear layers: bf16 weights prepacked once (for ``batchgen_cpu.dot_linear`` on CPUs with
-AVX512-BF16 and no AMX, else into oneDNN's blocked layout), and fp32 layers that multiply steps of a few rows with
-the fused small-row op.
+"""The CPU kernel set's preparation of a loaded model: bf16 weights prepacked once (for ``batchgen_cpu.dot_linear``
+on CPUs with AVX512-BF16 and no AMX, else into oneDNN's blocked layout); fp32 layers, and bf16 ones on CPUs with
+AMX, given a row method that keeps their weight (``row_methods``).
 
 torch's CPU linear reorders a bf16 weight on every call; packing it once measured 1.0-1.3x in prefill-sized
 matmuls and 1.3-2.7x in decode-sized ones with AMX. Without AMX, ``dot_linear``'s blocks stream from memory as
 fast as its products need them, where oneDNN's prepacked linear waits for its weights (against it, SmolLM2's
 layers with weights streamed from memory, benchmarks/dot_linear_cpu.py: 1.5-1.6x at 1-8 rows, 1.19x at 64,
-0.93-1.09x at 512-8,192). For fp32, prepacking gained nothing, but a step of a few rows is bound by streaming the
-weight, and ``F.linear`` streams it at well under the memory's rate there (on AVX2 with 2 threads: one row on one
-thread; 2 rows take twice one row's time). ``small_linear`` streams it once per 64 rows, on every thread (1.4-3.3x ``F.linear`` at 1-64 rows, benchmarks/small_linear_cpu.py), for steps
-of up to ``SMALL_ROWS`` (decode at the default 256 sequences); the layer keeps its weight and only its
-``quant_method`` changes. Past that, a wide layer (the vocabulary head) multiplies in slices of 1024 output
-columns: ``F.linear`` over all 49K of SmolLM2's ran at half the rate of its slices (1.4-1.9x at 65-1024 rows),
-whose weight and output stay in the caches.
+0.93-1.09x at 512-8,192).
 
 Where ``dot_linear`` runs, bf16 experts are packed in its blocks too, slot by slot: the expert op's few-row tiles
 sum their lanes and its GEMMs pack W every call (benchmarks/moe_cpu.py, 64 experts of 2048 x 768: 1.2x at 1-8
@@ -20,8 +14,7 @@ tokens, 1.3-1.4x at 64-256, 1.03-1.14x at 1,024-4,096), and so are the latent at
 head at a time (``dot_bmm`` in place of bmm's GEMMs). A SwiGLU MLP's gate|up is packed gate block and up block in
 turn, and ``dot_gated_linear`` applies silu(gate) * up to each tile's products while they are in L1: the same
 values as the projection and then the ``silu_and_mul`` op (SmolLM2's decode steps 1.02x at batch 1, 1.01x at 8,
-even at 64: benchmarks/packed_ab.py --what gated). fp32 latent layers take their absorbed products per head in the
-small-row op (``small_bmm``), W_UK as a transposed copy.
+even at 64: benchmarks/packed_ab.py --what gated).
 """
 from __future__ import annotations
 
@@ -35,7 +28,10 @@ from torch import nn
 from batchgen.engine.backends.cpu import ops
 from batchgen.engine.backends.cpu.build import load_kernels
 from batchgen.engine.backends.cpu.ops import amx_tiles
-from batchgen.engine.layers.linear import UNQUANTIZED, LinearBase, LinearMethod, ParallelLMHead, RowParallelLinear
+from batchgen.engine.backends.cpu.row_methods import (
+    AMX_ROWS_METHOD, SMALL_ROWS_METHOD, SmallRowsProducts, amx_rows_fit, unit_stride,
+)
+from batchgen.engine.layers.linear import UNQUANTIZED, LinearBase, ParallelLMHead, RowParallelLinear
 from batchgen.engine.layers.mla import AbsorbedProducts, MLAAttention
 from batchgen.engine.layers.mlp import GatedMLP, GateUpActivation
 from batchgen.engine.layers.moe import UNQUANTIZED_MOE, FusedMoE, MoEMethod, TopKRouter
@@ -66,14 +62,6 @@ def pack_dot_experts(weights: torch.Tensor) -> torch.Tensor:
     padded = weights.new_zeros(e, blocks * DOT_BLOCK, k)
     padded[:, :n] = weights
     return padded.view(e, blocks, DOT_BLOCK, k // 2, 2).permute(0, 1, 3, 2, 4).contiguous()
-
-
-def unit_stride(rows: torch.Tensor) -> torch.Tensor:
-    """``rows`` (M, K) with each row's inputs contiguous, as the row ops take them: copied only where they are not
-    (a few rows' copy is cheap beside streaming W). Latent attention's values come out of their per-head product
-    as a view with the tokens innermost; given to ``F.linear`` instead, DeepSeek-V3-shaped o_proj ran at half the
-    small-row op's rate (AVX2, fp32, 64 rows)."""
-    return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
 class PrepackedLinear(nn.Module):
@@ -247,33 +235,6 @@ class DotAbsorbedProducts(AbsorbedProducts):
         return values
 
 
-class SmallRowsProducts(AbsorbedProducts):
-    """A latent attention layer's fp32 absorbed products in ``batchgen_cpu.small_bmm`` for steps of up to
-    ``LATENT_ROWS`` rows (each head's product the small-row linear's: a row's result does not depend on the step's
-    other rows), larger ones bmm. W_UK is kept as a copy of its transpose (H, R, nope), W_UV read where it lies in
-    kv_b_proj's weight; the values come out (B, H, v), rows o_proj takes as they are."""
-
-    def __init__(self, w_uk: torch.Tensor):
-        self.uk = w_uk.transpose(1, 2).contiguous()
-
-    @staticmethod
-    def per_head(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
-        """(B, H, N) = rows (B, H, K) times each head's weight (H, N, K), or None past the op's steps."""
-        if rows.dtype != torch.float32 or rows.shape[0] > LATENT_ROWS or rows.stride(2) != 1:
-            return None
-        out = rows.new_empty(rows.shape[0], rows.shape[1], weight.shape[1])
-        torch.ops.batchgen_cpu.small_bmm(rows, weight, out)
-        return out
-
-    def query(self, layer: nn.Module, q_nope: torch.Tensor) -> torch.Tensor:
-        out = self.per_head(q_nope, self.uk)
-        return out if out is not None else super().query(layer, q_nope)
-
-    def values(self, layer: nn.Module, out: torch.Tensor) -> torch.Tensor:
-        values = self.per_head(out, layer.w_uv)
-        return values if values is not None else super().values(layer, out)
-
-
 def prepack_absorbed(model: nn.Module) -> int:
     """Gives ``model``'s latent attention layers their own absorbed products: :class:`SmallRowsProducts` for fp32
     W_UK and W_UV, :class:`DotAbsorbedProducts` for bf16 ones (even dims) where ``dot_linear`` runs; returns how
@@ -302,69 +263,6 @@ def prepack_weights(model: nn.Module) -> None:
     linears, experts, latent = prepack_linears(model), prepack_experts(model), prepack_absorbed(model)
     log.debug("prepacked %d gated MLPs, %d other linear layers, %d layers of experts, %d latent attention layers",
               gated, linears, experts, latent)
-
-
-# Rows up to which fp32 layers run the small-row op: 1.4-3.3x F.linear at 1-64 rows, 1.05-1.3x at 96-256 (64
-# rows at a time), 1.4-1.8x the vocabulary head's slices at 96-256 (AVX2, 2 threads); past that F.linear (prefill).
-SMALL_ROWS = 256
-AMX_ROWS = 64  # rows up to which bf16 layers on AMX CPUs run amx_linear
-# Rows up to which fp32 absorbed products run small_bmm: DeepSeek-V3's heads (32 of them, 128 x 512), 8 layers
-# cold, against bmm (and o_proj's copy of its permuted values): 1.1x at 1 row, 1.8x at 8-16, 1.4x at 32, even at
-# 64, 0.90x at 256 (AVX2, 2 threads).
-LATENT_ROWS = 64
-WIDE_OUTPUTS, COLUMN_SLICE = 8192, 1024  # output columns from which larger steps multiply slice by slice
-
-
-class SmallRowsMethod(LinearMethod):
-    """An fp32 layer's multiply on CPU (x cast to fp32, as ``F.linear``'s method does): steps of at most ``SMALL_ROWS`` rows run ``batchgen_cpu.small_linear``,
-    larger ones ``F.linear``, slice by slice of ``COLUMN_SLICE`` outputs in layers of ``WIDE_OUTPUTS`` or more. The
-    layer keeps its weight, its type and its attributes; only its method changes."""
-
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        weight = layer.weight
-        rows = x.reshape(-1, weight.shape[1]).to(torch.float32)  # a float32 router in a bf16 model gets bf16 x
-        if rows.shape[0] <= SMALL_ROWS:
-            out = torch.empty(rows.shape[0], weight.shape[0], dtype=torch.float32, device=x.device)
-            torch.ops.batchgen_cpu.small_linear(unit_stride(rows), weight, bias, out)
-        elif weight.shape[0] >= WIDE_OUTPUTS:
-            out = torch.empty(rows.shape[0], weight.shape[0], dtype=torch.float32, device=x.device)
-            for first in range(0, weight.shape[0], COLUMN_SLICE):
-                cols = slice(first, first + COLUMN_SLICE)
-                if bias is None:
-                    torch.mm(rows, weight[cols].t(), out=out[:, cols])
-                else:
-                    torch.addmm(bias[cols], rows, weight[cols].t(), out=out[:, cols])
-        else:
-            return super().apply(layer, x, bias)
-        return out.view(*x.shape[:-1], weight.shape[0])
-
-
-SMALL_ROWS_METHOD = SmallRowsMethod()
-
-
-class AmxRowsMethod(LinearMethod):
-    """A bf16 layer's multiply on a CPU with AMX: steps of at most ``AMX_ROWS`` rows run ``batchgen_cpu.amx_linear``
-    (the weight's own rows as AMX tiles, streamed once: 1.1-1.9x oneDNN's prepacked linear at 1-8 rows on
-    SmolLM2's shapes, 0.95-1.2x at 64), larger ones ``F.linear``, which on these CPUs runs prefill-sized steps as
-    fast as a prepacked copy (0.8-1.0x its time at 2,048 and 7,000 rows), so the layer keeps only its own weight."""
-
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        weight = layer.weight
-        rows = x if x.dim() == 2 else x.reshape(-1, weight.shape[1])
-        if x.dtype != torch.bfloat16 or rows.shape[0] > AMX_ROWS:
-            return super().apply(layer, x, bias)
-        out = rows.new_empty((rows.shape[0], weight.shape[0]))
-        torch.ops.batchgen_cpu.amx_linear(unit_stride(rows), weight, bias, out)
-        return out if x.dim() == 2 else out.view(*x.shape[:-1], weight.shape[0])
-
-
-AMX_ROWS_METHOD = AmxRowsMethod()
-
-
-def amx_rows_fit(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether ``amx_linear`` takes this layer: outputs in blocks of 16, inputs in steps of 32, bf16 throughout."""
-    return (weight.shape[0] % 16 == 0 and weight.shape[1] % 32 == 0 and
-            (bias is None or bias.dtype == torch.bfloat16))
 
 
 @lru_cache(maxsize=1)
