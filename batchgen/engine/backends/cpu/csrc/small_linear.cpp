@@ -8,8 +8,8 @@
 // - x rows in the lanes, from kFewRows + 1 rows: x is packed once a call as x^T in groups of L rows, a k's L
 //   values one vector, and each W element, broadcast, feeds every group of a tile: 2 groups x 6 W rows (12
 //   accumulators, 8 loads per 12 FMAs), 3 x 4 for the first three of an odd count (24 rows 1.14x, 40 and 56
-//   1.05-1.07x a lone last group in 1 x 6), or 1 x 12 with one group (a line of k at a time, 6 W rows over it,
-//   then the other 6: W rows a multiple of 4 KB apart share an L1 set). W streams once in its own order, x^T (at
+//   1.05-1.07x a lone last group in 1 x 6), or 1 x 8 with one group (8 W rows: rows a multiple of 4 KB apart
+//   share an L1 set of 8 ways). W streams once in its own order, x^T (at
 //   most 64 rows) stays in L2, and no sum crosses the lanes. The next block's W is asked for during the second and
 //   third passes over a block (the only one with 1-3 groups): SmolLM2's decode step's linears 1.14x at batch 8,
 //   1.25x at 16, 1.11x at 32, none at 64 (compute-bound there).
@@ -46,7 +46,7 @@ constexpr int64_t kFewRows = 6;
 // layer of SmolLM2) hidden under the multiplies (1.05-1.3x F.linear at 96-256 rows, 1.4-1.8x the vocabulary
 // head multiplied in slices).
 constexpr int64_t kChunkRows = 64;
-constexpr int kTileCols = 6, kWideCols = 12, kTripleCols = 4;  // W rows a tile of 2 groups, of 1, of 3
+constexpr int kTileCols = 6, kWideCols = 12, kTripleCols = 4, kOneCols = 8;  // W rows a tile of 2 groups, 3, 1
 
 struct Linear {
   const float* x; int64_t x_row;
@@ -173,32 +173,23 @@ struct Ahead {
   }
 };
 
-// W rows [J0, J1) of a one-group tile over k in [k0, k1): their sums stay in acc.
-template <int J0, int J1, int NR>
-inline void columns_over(const Linear& a, const float* xg, const float* w, int64_t k0, int64_t k1, Vec (&acc)[NR]) {
-  for (int64_t k = k0; k < k1; ++k) {
-    const Vec xv = Vec::loadu(xg + k * L);
-#pragma GCC unroll 16
-    for (int j = J0; j < J1; ++j) acc[j] = at::vec::fmadd(xv, Vec(w[j * a.K + k]), acc[j]);
-  }
-}
-
-// One group against NR W rows: a line of k (16) at a time, the first half of the rows over it, then the other.
-// Every row of W at a given k is a multiple of 4 KB from the others when K is a multiple of 1,024, so all NR
-// share one L1 set: read side by side, 12 of them (more than its 8 ways) evicted one another before their 16
-// values were used, 2-3x slower at 6-8 rows of x for K 1,024-4,096. Each sum still takes its k in order.
+// One group against NR (up to kOneCols) W rows, every row at each k. Where K is a multiple of 1,024 the rows at a
+// given k are a multiple of 4 KB apart and share one L1 set of 8 ways: 8 rows fit it, where 12 evicted one another
+// before their 16 values were used (2-3x slower at 7-8 rows of x for K 1,024-4,096). Taken a line of k at a time
+// by each half of 12 rows instead, the tile kept only 6 sums in flight: 8 rows side by side ran 1.04-1.15x that.
 template <int NR>
 void one_group(const Linear& a, const float* xt, int64_t n0, Ahead ahead) {
-  constexpr int Half = (NR + 1) / 2;
   const float* w = a.w + n0 * a.K;
   Vec acc[NR];
 #pragma GCC unroll 16
   for (int j = 0; j < NR; ++j) acc[j] = Vec(0.f);
   for (int64_t k0 = 0; k0 < a.K; k0 += 16) {
     ahead.step();
-    const int64_t k1 = std::min(a.K, k0 + 16);
-    columns_over<0, Half>(a, xt, w, k0, k1, acc);
-    columns_over<Half, NR>(a, xt, w, k0, k1, acc);
+    for (int64_t k = k0, k1 = std::min(a.K, k0 + 16); k < k1; ++k) {
+      const Vec xv = Vec::loadu(xt + k * L);
+#pragma GCC unroll 16
+      for (int j = 0; j < NR; ++j) acc[j] = at::vec::fmadd(xv, Vec(w[j * a.K + k]), acc[j]);
+    }
   }
   Vec sums[1][NR];
   for (int j = 0; j < NR; ++j) sums[0][j] = acc[j];
@@ -322,7 +313,7 @@ void column_block(const Linear& a, const float* xt, int64_t groups, int64_t n0, 
 
 void many_rows(const Linear& a, float* xt) {
   pack_rows(a, xt);
-  const int64_t groups = (a.M + L - 1) / L, cols = groups % 2 == 1 ? kWideCols : kTileCols;
+  const int64_t groups = (a.M + L - 1) / L, cols = groups == 1 ? kOneCols : groups % 2 == 1 ? kWideCols : kTileCols;
   const int64_t blocks = (a.N + cols - 1) / cols;
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(1, a.K * cols));  // 128 KB of W
   at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
@@ -331,7 +322,7 @@ void many_rows(const Linear& a, float* xt) {
       const float* next = b + 1 < end ? a.w + (n0 + cols) * a.K : nullptr;
       const int64_t next_floats = next == nullptr ? 0 : std::min(cols, a.N - n0 - cols) * a.K;
       if (groups == 1)
-        with_constant<kWideCols>(width, [&](auto nr) {
+        with_constant<kOneCols>(width, [&](auto nr) {
           one_group<nr>(a, xt, n0, next ? Ahead(next, next_floats, 0, 1, a.K) : Ahead());
         });
       else if (cols == kWideCols)
