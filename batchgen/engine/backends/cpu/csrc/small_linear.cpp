@@ -46,7 +46,9 @@ constexpr int64_t kFewRows = 6;
 // layer of SmolLM2) hidden under the multiplies (1.05-1.3x F.linear at 96-256 rows, 1.4-1.8x the vocabulary
 // head multiplied in slices).
 constexpr int64_t kChunkRows = 64;
-constexpr int kTileCols = 6, kWideCols = 12, kTripleCols = 4, kOneCols = 8;  // W rows a tile of 2 groups, 3, 1
+// W rows a tile takes: of 2 groups, of 3, of 1; kWideCols: a column block of an odd group count of 3 or more
+// (three 3 x 4 tiles, then two 2 x 6 a pair of groups).
+constexpr int kTileCols = 6, kTripleCols = 4, kOneCols = 8, kWideCols = 12;
 
 struct Linear {
   const float* x; int64_t x_row;
