@@ -1,14 +1,19 @@
-"""The engine's heap settings: a step's freed activations are reused, not faulted in afresh."""
+"""Host memory for CPU steps: freed activations reused, not faulted in afresh; weights moved onto huge pages."""
 from __future__ import annotations
 
+import mmap
 import platform
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+import torch
+from torch import nn
 
-pytestmark = pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc",
-                                reason="glibc's mallopt")
+from batchgen.engine.backends.cpu.memory import HUGE_PAGE, mapped_zeros, weights_on_huge_pages
+
+glibc = pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc's mallopt")
 
 STEPS = 20
 # Steps of activations 4-30 MB, allocated and freed out of order; prints the minor page faults of the
@@ -37,8 +42,78 @@ def page_faults(mode: str) -> tuple[int, int]:
     return faults, pages
 
 
+@glibc
 def test_freed_blocks_are_reused_without_page_faults():
     (default, pages), (kept, _) = page_faults("default"), page_faults("keep")
     assert kept < pages // 100, f"{kept} page faults for {pages} pages written into reused blocks"
     # glibc's defaults fault in some of them afresh (how many moves between runs: 7K-56K here)
     assert default > max(1000, 10 * kept), f"{default} faults under glibc's defaults, {kept} with the settings"
+
+
+def huge_pages_advisable() -> bool:
+    """Whether madvise(MADV_HUGEPAGE) takes here: Linux with transparent huge pages not set to "never"."""
+    setting = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    return hasattr(mmap, "MADV_HUGEPAGE") and setting.exists() and "[never]" not in setting.read_text()
+
+
+class Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(3000, 96)
+        self.proj = nn.Linear(96, 500)
+        self.head = nn.Linear(96, 3000, bias=False)
+        self.head.weight = self.embed.weight  # tied: one Parameter in two modules
+        self.norm = nn.Parameter(torch.randn(96))  # below the size moved
+        self.register_buffer("table", torch.randn(200, 96))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids) * self.norm + self.table[ids % 200]
+        return self.head(h) + self.proj(h).sum(-1, keepdim=True)
+
+
+def test_weights_move_onto_huge_pages_with_their_values_and_ties():
+    torch.manual_seed(0)
+    model = Tied().requires_grad_(False)
+    before = {name: t.clone() for name, t in model.state_dict().items()}
+    ids = torch.randint(0, 3000, (7,))
+    expected = model(ids)
+    small = {"norm": model.norm.data_ptr(), "bias": model.proj.bias.data_ptr()}
+    moved = weights_on_huge_pages(model)
+    if not huge_pages_advisable():
+        assert moved == 0
+        return
+    big = [model.embed.weight, model.proj.weight, model.table]
+    assert moved >= sum(t.numel() * 4 for t in big)
+    # one mapping, from a 2 MiB boundary; the small ones (under 64 KiB) stay where they were
+    assert len({t.untyped_storage().data_ptr() for t in big}) == 1
+    assert min(t.data_ptr() for t in big) % HUGE_PAGE == 0
+    assert {"norm": model.norm.data_ptr(), "bias": model.proj.bias.data_ptr()} == small
+    assert model.head.weight is model.embed.weight
+    after = model.state_dict()
+    assert after.keys() == before.keys()
+    for name, t in before.items():
+        assert torch.equal(after[name], t), name
+    assert torch.equal(model(ids), expected)
+
+
+def test_a_weight_viewed_from_outside_the_model_stays_where_it_is():
+    layer = nn.Linear(256, 512).requires_grad_(False)
+    outside = layer.weight[100:]  # a view the module tree does not know of
+    ptr = layer.weight.data_ptr()
+    weights_on_huge_pages(layer)
+    assert layer.weight.data_ptr() == ptr  # moving it would leave the view reading the old memory
+    layer.weight[100:].fill_(2.0)
+    assert torch.equal(outside, layer.weight[100:])
+    assert layer.bias.data_ptr() != ptr  # the bias, below the size moved, stays too
+    del outside
+    if huge_pages_advisable():
+        assert weights_on_huge_pages(layer, smallest=1) > 0 and layer.weight.data_ptr() != ptr
+
+
+def test_mapped_zeros_are_zeros_of_the_size_asked():
+    for huge in (False, True):
+        zeros, advised = mapped_zeros(3 * HUGE_PAGE + 5, huge_pages=huge)
+        assert zeros.shape == (3 * HUGE_PAGE + 5,) and not zeros.any()
+        assert advised == (huge and huge_pages_advisable())
+        if advised:
+            assert zeros.data_ptr() % HUGE_PAGE == 0

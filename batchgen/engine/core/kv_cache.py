@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import logging
 import math
-import mmap
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from batchgen.engine.backends.cpu.memory import mapped_zeros
 from batchgen.engine.config import EngineConfig
 
 log = logging.getLogger(__name__)
@@ -73,8 +73,7 @@ def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     nbytes = math.prod(shape) * element_size(dtype)
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
-    buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    return torch.frombuffer(buffer, dtype=dtype).view(shape)
+    return mapped_zeros(nbytes)[0].view(dtype).view(shape)
 
 
 def available_memory() -> int | None:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 import torch
 
-from batchgen.engine.backends.cpu.memory import keep_freed_memory
+from batchgen.engine.backends.cpu.memory import keep_freed_memory, weights_on_huge_pages
 from batchgen.engine.backends.interface import AttentionMetadata
 from batchgen.engine.backends.select import default_backend, make_kernel_set
 from batchgen.engine.backends.torch.ops import fused_moe
@@ -65,6 +65,8 @@ class ModelRunner:
         self.balancer = ExpertBalancer(self.model, parallel, EplbConfig.from_dict(engine.eplb_config),
                                        self.profile.active_params) if parallel.balance_experts else None
         self.kernels.prepare_model(self.model)  # after the profile: it may replace modules (prepacking)
+        if self.device.type == "cpu":
+            weights_on_huge_pages(self.model)  # before anything (a recorded step) holds views of the weights
         log.info("model %s: %s on %s, attention backend %s; %s; weights %s", source.name, engine.dtype_choice.name,
                  self.device, self.kernels.attention.name, self.profile.summary(), self.profile.weight_format)
         self.num_blocks = 0
