@@ -21,6 +21,7 @@
 
 #include "decode_dots.h"
 #include "decode_tiles.h"
+#include "fp8.h"
 #include "paged.h"
 #include "vec.h"
 

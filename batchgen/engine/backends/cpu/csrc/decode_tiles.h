@@ -25,6 +25,7 @@
 #pragma once
 
 #include "amx.h"
+#include "fp8.h"
 
 #if defined(BATCHGEN_AMX)
 

@@ -8,6 +8,7 @@
 #include <torch/library.h>
 
 #include "activation.h"
+#include "fp8.h"
 #include "vec.h"
 
 #include <algorithm>

@@ -12,6 +12,7 @@
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 
+#include "fp8.h"
 #include "vec.h"
 
 #include <algorithm>
