@@ -117,3 +117,32 @@ def test_mapped_zeros_are_zeros_of_the_size_asked():
         assert advised == (huge and huge_pages_advisable())
         if advised:
             assert zeros.data_ptr() % HUGE_PAGE == 0
+
+
+# Weights of 4 MB (served from the heap once keep_freed_memory is set), moved; prints the growth of the resident
+# set in MB and the MB moved.
+MOVE_SCRIPT = """
+import torch
+from torch import nn
+from batchgen.engine.backends.cpu.memory import keep_freed_memory, weights_on_huge_pages
+def rss():
+    return int([l.split()[1] for l in open("/proc/self/status") if l.startswith("VmRSS")][0]) // 1024
+assert keep_freed_memory()
+model = nn.Module()
+for i in range(64):
+    model.register_buffer(f"w{i}", torch.ones(1 << 20))
+before = rss()
+moved = weights_on_huge_pages(model)
+print(rss() - before, moved >> 20)
+"""
+
+
+@glibc
+def test_the_weights_old_blocks_go_back_to_the_os():
+    if not huge_pages_advisable():
+        pytest.skip("no transparent huge pages here")
+    done = subprocess.run([sys.executable, "-c", MOVE_SCRIPT], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    growth, moved = map(int, done.stdout.split()[-2:])
+    assert moved == 256
+    assert growth < 32, f"the resident set grew by {growth} MB moving {moved} MB: the heap kept the old blocks"
