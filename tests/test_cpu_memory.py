@@ -61,6 +61,8 @@ class Tied(nn.Module):
         super().__init__()
         self.embed = nn.Embedding(3000, 96)
         self.proj = nn.Linear(96, 500)
+        with torch.inference_mode():  # as the CPU kernels' prepacking makes its packed weights
+            self.proj.weight = nn.Parameter(torch.randn(500, 96), requires_grad=False)
         self.head = nn.Linear(96, 3000, bias=False)
         self.head.weight = self.embed.weight  # tied: one Parameter in two modules
         self.norm = nn.Parameter(torch.randn(96))  # below the size moved

@@ -104,7 +104,7 @@ def _movable_storages(model: nn.Module, smallest: int) -> list[list[torch.Tensor
     return [ts for ts in groups.values() if _use_count(ts[0]) == len(ts) + 1]
 
 
-@torch.no_grad()
+@torch.inference_mode()  # prepacked weights are inference tensors, which only take in-place updates inside it
 def weights_on_huge_pages(model: nn.Module, smallest: int = 1 << 16) -> int:
     """Moves ``model``'s parameters and buffers (storages of at least ``smallest`` bytes) into one mapping on
     transparent huge pages; returns the bytes moved (0 where the OS gives none).
