@@ -11,7 +11,10 @@ import pytest
 import torch
 from torch import nn
 
+from batchgen.engine import LLM
 from batchgen.engine.backends.cpu.memory import HUGE_PAGE, mapped_zeros, weights_on_huge_pages
+from tests.engine_helpers import model_runner
+from tests.tiny_models import build_tiny_model
 
 glibc = pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc's mallopt")
 
@@ -148,3 +151,32 @@ def test_the_weights_old_blocks_go_back_to_the_os():
     growth, moved = map(int, done.stdout.split()[-2:])
     assert moved == 256
     assert growth < 32, f"the resident set grew by {growth} MB moving {moved} MB: the heap kept the old blocks"
+
+
+def loose_tensors(model: nn.Module, cache: set[int]) -> list[str]:
+    """Tensors that ``model``'s modules hold as plain attributes (outside their parameters and buffers), the KV
+    cache's views (``cache``: its storages' addresses) apart."""
+    known = {id(t) for t in (*model.parameters(), *model.buffers())}
+    return [f"{name}.{key}" for name, module in model.named_modules() for key, value in vars(module).items()
+            if isinstance(value, torch.Tensor) and id(value) not in known and
+            (value.layout != torch.strided or value.untyped_storage().data_ptr() not in cache)]
+
+
+@pytest.mark.parametrize("arch", ["llama", "deepseek-v3"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_cpu_engines_weights_prepacked_or_not_lie_on_huge_pages(tmp_path, arch, dtype):
+    """Whatever the CPU kernels make of the loaded weights (dot_linear's or oneDNN's packed copies, the latent
+    products' own W_UK), the model holds them as parameters and buffers, which the runner moves onto huge pages."""
+    folder = build_tiny_model(tmp_path / arch, arch, hidden=256, heads=4, kv_heads=2)
+    llm = LLM(str(folder), dtype=dtype, device="cpu", max_num_seqs=2, kv_cache_memory=4 << 20)
+    runner = model_runner(llm)
+    cache = {t.untyped_storage().data_ptr() for layer in runner.kv_cache for t in layer}
+    assert loose_tensors(runner.model, cache) == []
+    if arch == "deepseek-v3":
+        assert all(isinstance(m.absorbed, nn.Module) for m in runner.model.modules() if hasattr(m, "absorbed"))
+    large = [t for t in (*runner.model.parameters(), *runner.model.buffers())
+             if t.layout == torch.strided and t.untyped_storage().nbytes() >= 1 << 16]
+    assert len(large) > 3 * 2  # several weights a layer
+    if huge_pages_advisable():
+        assert len({t.untyped_storage().data_ptr() for t in large}) == 1
+        assert min(t.data_ptr() for t in large) % HUGE_PAGE == 0

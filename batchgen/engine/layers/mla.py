@@ -123,9 +123,10 @@ def _reorder_rows_on_load(param: nn.Parameter, order: torch.Tensor) -> None:
     param.weight_loader = loader
 
 
-class AbsorbedProducts:
+class AbsorbedProducts(nn.Module):
     """The absorbed decode's two products a head, over W_UK and W_UV (views of kv_b_proj's weight) by torch's
-    bmm. A kernel set may give a layer its own (:func:`batchgen.engine.backends.cpu.prepack.prepack_absorbed`)."""
+    bmm. A kernel set may give a layer its own (:func:`batchgen.engine.backends.cpu.prepack.prepack_absorbed`),
+    a submodule whose repacked weights are buffers: the model's tensors like any other."""
 
     def query(self, layer: "MLAAttention", q_nope: torch.Tensor) -> torch.Tensor:
         """``q_nope W_UK[h]`` for each head h: (B, H, nope) -> (B, H, kv_lora_rank)."""

@@ -74,14 +74,16 @@ class PrepackedLinear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.dot = dot_linear_runs() and self.in_features % 2 == 0
         if self.dot:
-            self.packed = pack_dot_weight(weight.detach().to(torch.bfloat16))
-            self.bias = None
+            packed = pack_dot_weight(weight.detach().to(torch.bfloat16))
             if bias is not None:
-                self.bias = torch.zeros(self.packed.shape[0] * DOT_BLOCK)
-                self.bias[: self.out_features] = bias.detach().float()
+                padded = torch.zeros(packed.shape[0] * DOT_BLOCK)
+                padded[: self.out_features] = bias.detach().float()
+                bias = padded
         else:
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
-            self.bias = bias
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+        # Buffers, not plain attributes: the model's own tensors, which the CPU runner moves onto huge pages.
+        self.register_buffer("packed", packed, persistent=False)
+        self.register_buffer("bias", None if bias is None else bias.detach(), persistent=False)
 
     def rows(self, x: torch.Tensor) -> torch.Tensor:
         """x's rows as the multiply takes them: 2-D, bf16, each row's inputs contiguous."""
@@ -122,8 +124,9 @@ class PrepackedGateUp(PrepackedLinear):
         nn.Module.__init__(self)
         self.out_features, self.in_features = weight.shape
         self.intermediate, self.dot = self.out_features // 2, True
-        self.packed = pack_dot_gated(weight.detach().to(torch.bfloat16), self.intermediate)
-        self.bias = None
+        self.register_buffer("packed", pack_dot_gated(weight.detach().to(torch.bfloat16), self.intermediate),
+                             persistent=False)
+        self.register_buffer("bias", None, persistent=False)
         if bias is not None:
             padded = torch.zeros(2, self.packed.shape[0] // 2 * DOT_BLOCK)
             padded[:, : self.intermediate] = bias.detach().float().view(2, self.intermediate)
@@ -216,8 +219,10 @@ class DotAbsorbedProducts(AbsorbedProducts):
     the absorbed decode's products in ``batchgen_cpu.dot_bmm`` (bf16 rows), in place of bmm's GEMMs."""
 
     def __init__(self, w_uk: torch.Tensor, w_uv: torch.Tensor):
-        self.uk = pack_dot_experts(w_uk.transpose(1, 2))  # (H, R, nope): q_nope W_UK[h] = q_nope (W_UK[h]^T)^T
-        self.uv = pack_dot_experts(w_uv)  # (H, v, R)
+        super().__init__()
+        # (H, R, nope): q_nope W_UK[h] = q_nope (W_UK[h]^T)^T
+        self.register_buffer("uk", pack_dot_experts(w_uk.transpose(1, 2)), persistent=False)
+        self.register_buffer("uv", pack_dot_experts(w_uv), persistent=False)  # (H, v, R)
         self.rank, self.v_dim = w_uk.shape[2], w_uv.shape[1]
 
     def query(self, layer: nn.Module, q_nope: torch.Tensor) -> torch.Tensor:

@@ -98,7 +98,8 @@ class SmallRowsProducts(AbsorbedProducts):
     kv_b_proj's weight; the values come out (B, H, v), rows o_proj takes as they are."""
 
     def __init__(self, w_uk: torch.Tensor):
-        self.uk = w_uk.transpose(1, 2).contiguous()
+        super().__init__()
+        self.register_buffer("uk", w_uk.transpose(1, 2).contiguous(), persistent=False)
 
     @staticmethod
     def per_head(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
