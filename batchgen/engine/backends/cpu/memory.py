@@ -113,10 +113,9 @@ def weights_on_huge_pages(model: nn.Module, smallest: int = 1 << 16) -> int:
     prefetchers stop. On a 2-core AVX2 machine the small-row linears read SmolLM2's fp32 weights 1.12x as fast
     on huge pages at 1 and 8 rows (a plain sum 1.17x): decode 1.02-1.08x at batch 1 and 8, the same at 64
     (bound by the multiplies); on a 2-core AVX512-BF16 one, bf16 weights in ``dot_linear``'s blocks, 1.08x and
-    1.07x. Prepacked copies count as they are buffers of their modules. Tensors sharing a storage (tied weights)
-    keep sharing it. The heap then hands
-    the weights' old blocks back to the OS (which :func:`keep_freed_memory` would otherwise keep: 0.5 GB for
-    SmolLM2 in fp32).
+    1.07x. The kernels' prepacked copies move too: they are buffers of their modules. Tensors sharing a storage
+    (tied weights) keep sharing it. The heap then hands the weights' old blocks back to the OS (which
+    :func:`keep_freed_memory` would otherwise keep: 0.5 GB for SmolLM2 in fp32).
     """
     groups = _movable_storages(model, smallest)
     if not groups:
