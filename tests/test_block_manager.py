@@ -142,3 +142,124 @@ def test_window_models_free_blocks_as_they_run(tiny_model_factory):
             held.append(sum(b >= 0 for b in running[0].block_table))
     assert len(prompt) + 40 > 6 * 16 and max(held[-10:]) <= -(-24 // 16) + 2
     assert engine.block_manager.num_free_blocks == len(engine.block_manager.blocks)
+
+
+def held_once(bm: BlockManager) -> bool:
+    """Every block is in exactly one place: held by sequences, blank, earmarked or cached; the count agrees."""
+    earmarked = [b for ids in bm.earmarks.values() for b in ids]
+    free = bm.blank + earmarked + list(bm.cached)
+    held = [b.block_id for b in bm.blocks if b.ref_count > 0]
+    return (sorted(free + held) == list(range(len(bm.blocks))) and bm.num_earmarked == len(earmarked)
+            and bm.num_free_blocks == len(free))
+
+
+def decode(bm: BlockManager, seqs: list[Sequence], steps: int) -> None:
+    """Each step every sequence gains a token and the blocks for it, as the scheduler's decode steps do."""
+    for step in range(steps):
+        for s in seqs:
+            s.token_ids.append(1000 + step)
+            bm.allocate(s, s.num_tokens)
+
+
+def is_run(table: list[int]) -> bool:
+    return table == list(range(table[0], table[0] + len(table)))
+
+
+def test_decoding_rows_extend_their_own_run_of_blocks():
+    tables = {}
+    for max_earmark in (64, 0):  # 0: no earmarks, blocks taken as rows cross a boundary interleave the rows
+        bm = BlockManager(num_blocks=128, block_size=4, max_earmark=max_earmark)
+        rows = [Sequence(i, [i] * 8, Params(max_tokens=12), seed=0) for i in range(4)]
+        for s in rows:
+            bm.admit(s)
+        decode(bm, rows, 12)
+        assert all(len(s.block_table) == 5 for s in rows) and held_once(bm)
+        tables[max_earmark] = [s.block_table for s in rows]
+    assert all(is_run(t) for t in tables[64]), tables[64]
+    assert not any(is_run(t) for t in tables[0]), tables[0]
+
+
+def test_earmarks_cap_at_the_context_at_max_earmark_and_at_an_eighth_of_the_cache():
+    bm = BlockManager(num_blocks=64, block_size=4, max_model_len=20)
+    bm.admit(Sequence(0, [1] * 8, Params(max_tokens=100), seed=0))
+    assert bm.earmarks[0] == [4, 3, 2]  # up to 20 tokens: 5 blocks, 2 of them the prompt's
+    bm = BlockManager(num_blocks=64, block_size=4)
+    bm.admit(Sequence(0, [1] * 8, Params(max_tokens=100), seed=0))
+    bm.admit(Sequence(1, [1] * 8, Params(max_tokens=100), seed=0))
+    assert len(bm.earmarks[0]) == bm.num_earmarked == 64 // 8 and 1 not in bm.earmarks
+    bm = BlockManager(num_blocks=64, block_size=4, max_earmark=2)
+    bm.admit(s := Sequence(0, [1] * 8, Params(max_tokens=100), seed=0))
+    assert bm.earmarks[0] == [3, 2]
+    bm.free_seq(s)
+    assert not bm.earmarks and bm.num_free_blocks == 64 and held_once(bm)
+    again = Sequence(1, [2] * 16, Params(max_tokens=1), seed=0)  # the freed run comes back ascending
+    bm.admit(again)
+    assert again.block_table == [0, 1, 2, 3]
+
+
+def test_others_take_earmarked_blocks_only_when_no_other_block_is_free():
+    bm = BlockManager(num_blocks=48, block_size=4)
+    cached = Sequence(0, list(range(8)), Params(max_tokens=1), seed=0)
+    bm.admit(cached)
+    bm.mark_scheduled(cached, 8)
+    bm.free_seq(cached)  # blocks 0 and 1 are findable by hash
+    bm.admit(Sequence(9, [9] * 151, Params(max_tokens=1), seed=0))  # 38 blocks, nothing to earmark
+    first = Sequence(1, [100] * 4, Params(max_tokens=12), seed=0)
+    bm.admit(first)  # a blank block and three earmarked ones after it
+    second = Sequence(2, [200] * 4, Params(max_tokens=12), seed=0)
+    bm.admit(second)  # the last blank ones
+    assert len(bm.blank) == 0 and bm.num_earmarked == 6 and held_once(bm)
+    marks = list(bm.earmarks[2])
+    third = Sequence(3, [300] * 15, Params(max_tokens=1), seed=0)  # four blocks, nothing to earmark
+    assert bm.can_admit(third)
+    bm.admit(third)  # the two cached blocks, then two of the newest earmarks, highest first
+    assert third.block_table == sorted([0, 1] + marks[:2]) and bm.earmarks[2] == marks[2:] and held_once(bm)
+    decode(bm, [second], 4)  # the second sequence grows into what it still has earmarked
+    assert second.block_table[1] == marks[2] and held_once(bm)
+    assert bm.num_cached_blocks(Sequence(4, list(range(9)), Params(), seed=0)) == 0
+
+
+def test_blocks_of_rejected_drafts_return_to_the_sequence_s_earmarks():
+    bm = BlockManager(num_blocks=32, block_size=4)
+    s = Sequence(0, [1] * 6, Params(max_tokens=20), seed=0)
+    bm.admit(s)
+    bm.allocate(s, 6 + 5)  # two drafts' worth of blocks beyond the prompt's
+    drafted = list(s.block_table)
+    bm.truncate(s, 7)
+    assert s.block_table == drafted[:2] and held_once(bm)
+    bm.allocate(s, 11)
+    assert s.block_table == drafted and is_run(drafted) and held_once(bm)
+    bm.free_seq(s)
+    assert bm.num_free_blocks == 32 and held_once(bm)
+
+
+def test_an_engine_s_decoding_rows_each_read_one_run_of_blocks(tiny_model):
+    llm = LLM(str(tiny_model), dtype="float32", device="cpu", max_num_seqs=8)
+    engine = llm.engine
+    for i in range(8):
+        prompt = llm.tokenizer.encode(f"{i}. {TEXT}")[:40]  # no shared prefix: each row has blocks of its own
+        engine.add_request(prompt, SamplingParams(max_tokens=48, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+        tables = [s.block_table for s in engine.scheduler.running]
+        assert all(is_run(t) for t in tables), tables
+    assert engine.block_manager.num_free_blocks == len(engine.block_manager.blocks) and held_once(engine.block_manager)
+
+
+def test_with_no_blank_block_left_earmarks_evict_the_oldest_cached_blocks():
+    bm = BlockManager(num_blocks=32, block_size=4, max_earmark=0)
+    old = Sequence(0, list(range(64)), Params(max_tokens=1), seed=0)
+    newer = Sequence(1, list(range(100, 164)), Params(max_tokens=1), seed=0)
+    for s in (old, newer):
+        bm.admit(s)
+        bm.mark_scheduled(s, 64)
+        bm.free_seq(s)  # 16 full blocks each, findable by hash, the old ones the oldest
+    assert not bm.blank and len(bm.cached) == 32
+    bm.max_earmark = 64
+    grows = Sequence(2, [7] * 4, Params(max_tokens=8), seed=0)
+    bm.admit(grows)  # a block and two earmarked: the old prompt's last three, the oldest freed, in order
+    assert grows.block_table == [13] and bm.earmarks[2] == [15, 14] and held_once(bm)
+    assert bm.num_cached_blocks(Sequence(3, list(range(100, 165)), Params(), seed=0)) == 16
+    assert bm.num_cached_blocks(Sequence(4, list(range(65)), Params(), seed=0)) == 13
+    decode(bm, [grows], 8)
+    assert grows.block_table == [13, 14, 15] and held_once(bm)

@@ -19,7 +19,7 @@ class Replica:
     def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int, window: int | None = None,
                  tiers: PrefixTiers | None = None):
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching, window=window,
-                                          record_completed=tiers is not None)
+                                          record_completed=tiers is not None, max_model_len=max_model_len)
         self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs,
                                    max_model_len, tiers)
         self.prompt_tokens = 0
