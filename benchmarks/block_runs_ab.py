@@ -1,0 +1,100 @@
+"""CPU decode with each row's growth blocks earmarked at admission against blocks taken as rows cross a block
+boundary, two engines in one process.
+
+    python benchmarks/block_runs_ab.py [--model smollm2-135m-instruct] [--batches 8 64] [--prompt-len 128]
+                                       [--new-tokens 128] [--rounds 10] [--prefix-caching] [--kv-cache-blocks N]
+
+An admitted sequence earmarks free blocks after its prompt's for the tokens it may still generate
+(``BlockManager.max_earmark``), so its decode steps extend one run of blocks. With ``max_earmark = 0`` each row
+takes the next free block when it crosses a block boundary; a batch's rows cross together, so their new blocks
+interleave (row r's at 512 + r, 576 + r, ...), and once freed they scatter later prompts' blocks too. Here two
+engines, alike but for that setting, decode the same ``--batch`` new random prompts each round, ``--new-tokens``
+each, taking turns (the order alternating between rounds: this machine's speed moves by a quarter between minutes,
+so only ratios taken in turns count); each engine keeps its own cache's history, as an engine running a job does.
+The first round starts from fresh caches. With ``--prefix-caching`` (the engine's default) freed blocks stay
+cached until evicted; ``--kv-cache-blocks`` sizes the caches so that they turn over within the rounds. Prints
+decode tok/s (the engines' decode-only steps) for each, the median of the rounds' ratios and every round's, the
+share of the rows' block pairs that lie next to each other at the last round's last full step, and whether both
+decoded the same tokens, with ``get_cpu_capability()`` and whether ``amx_bf16`` is in /proc/cpuinfo.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+from batchgen.engine import LLM, SamplingParams
+from decode_workload import amx_bf16_in_cpuinfo, kv_bytes_per_token, random_prompts
+
+
+def adjacent_share(tables: list[list[int]]) -> float:
+    """The share of consecutive block pairs in ``tables`` whose second block directly follows the first."""
+    pairs = [(a, b) for t in tables for a, b in zip(t, t[1:])]
+    return sum(b == a + 1 for a, b in pairs) / max(1, len(pairs))
+
+
+def decode(llm: LLM, prompts: list[list[int]], new_tokens: int) -> tuple[float, float, list[list[int]]]:
+    """(decode tok/s, adjacent block share at the last step with every row running, tokens out)."""
+    engine = llm.engine
+    engine.reset_metrics()
+    seqs = [engine.add_request(p, SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True))
+            for p in prompts]
+    share = 0.0
+    while engine.has_unfinished():
+        engine.step()
+        if len(engine.scheduler.running) == len(prompts):
+            share = adjacent_share([s.block_table for s in engine.scheduler.running])
+    m = engine.metrics
+    return m.decode_tokens / m.decode_time_s, share, [s.completion_token_ids for s in seqs]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--batches", type=int, nargs="+", default=[8, 64])
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--prefix-caching", action="store_true")
+    ap.add_argument("--kv-cache-blocks", type=int, help="KV cache size in blocks (default: the engine's budget)")
+    args = ap.parse_args()
+
+    for batch in args.batches:
+        settings = dict(dtype=args.dtype, device="cpu", max_num_seqs=batch, enable_prefix_caching=args.prefix_caching,
+                        max_num_batched_tokens=max(2048, batch * args.prompt_len))
+        if args.kv_cache_blocks:
+            probe = LLM(args.model, **settings, kv_cache_memory=64 << 20)
+            settings["kv_cache_memory"] = args.kv_cache_blocks * kv_bytes_per_token(probe) * probe.config.block_size
+            del probe
+        llms = {name: LLM(args.model, **settings) for name in ("earmarked", "at_boundaries")}
+        llms["at_boundaries"].engine.block_manager.max_earmark = 0
+        if batch == args.batches[0]:
+            print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}, amx_bf16 in /proc/cpuinfo: "
+                  f"{amx_bf16_in_cpuinfo()}, threads {torch.get_num_threads()}, "
+                  f"dtype {llms['earmarked'].engine.config.dtype_choice.name}; prompts of {args.prompt_len} tokens, "
+                  f"{args.new_tokens} out; prefix caching {args.prefix_caching}; "
+                  f"{len(llms['earmarked'].engine.block_manager.blocks)} blocks a cache")
+        vocab = llms["earmarked"].tokenizer.vocab_size
+        for llm in llms.values():
+            decode(llm, random_prompts(vocab, batch, args.prompt_len, seed=0), 4)  # records the batch's steps
+        rates: dict[str, list[float]] = {name: [] for name in llms}
+        shares, tokens = {}, {}
+        for r in range(args.rounds):
+            prompts = random_prompts(vocab, batch, args.prompt_len, seed=1 + r)  # new prompts: no prefix hits
+            for name in list(llms) if r % 2 == 0 else list(llms)[::-1]:
+                rate, shares[name], tokens[name] = decode(llms[name], prompts, args.new_tokens)
+                rates[name].append(rate)
+            if tokens["earmarked"] != tokens["at_boundaries"]:
+                raise SystemExit("the two engines decoded different tokens")
+        ratios = [a / b for a, b in zip(rates["earmarked"], rates["at_boundaries"], strict=True)]
+        print(f"batch={batch} earmarked_tok_s={statistics.median(rates['earmarked']):.1f} "
+              f"at_boundaries_tok_s={statistics.median(rates['at_boundaries']):.1f} "
+              f"ratio={statistics.median(ratios):.3f}x rounds=[{', '.join(f'{x:.3f}' for x in ratios)}] "
+              f"adjacent_blocks={shares['earmarked']:.2f}/{shares['at_boundaries']:.2f} same_tokens=yes")
+        del llms
+
+
+if __name__ == "__main__":
+    main()
