@@ -55,7 +55,7 @@ class BlockManager:
         self.max_model_len = max_model_len
         self.max_earmark = max_earmark
         self.max_earmarked = num_blocks // 8  # in all: earmarks never crowd out much of the prefix cache
-        self.earmarks: dict[int, list[int]] = {}  # seq_id -> its earmarked blank blocks, descending (pop: lowest)
+        self.earmarks: dict[int, list[int]] = {}  # seq_id -> its earmarked blocks (holding nothing), descending
         self.num_earmarked = 0
         self.enable_prefix_caching = enable_prefix_caching
         self.window = window
@@ -147,7 +147,7 @@ class BlockManager:
         return block_id
 
     def _take_unmarked(self) -> int:
-        """A blank block, else the oldest cached one (no longer findable; its hash stays until it is handed out)."""
+        """A blank block, else the oldest cached one, forgotten by the prefix cache."""
         if self.blank:
             return self.blank.pop()
         block_id = self.cached.popitem(last=False)[0]
