@@ -42,10 +42,10 @@ class BlockManager:
     An admitted sequence also earmarks free blocks, right after its prompt's, for the tokens it may still
     generate (up to ``max_earmark``, and an eighth of the cache in all): its decode steps then extend one run of
     blocks. Taken as each row crosses a block boundary, a batch's new blocks interleave its rows, and once freed
-    they scatter later prompts' blocks too (a steady batch of 64 then decoded 1.10x slower on CPU). Earmarks are
-    taken as new tokens' blocks are (blank first, then evicting the oldest cached) and stay free: other
-    sequences take them, newest earmarks first, only once no other free block is left. A sequence frees its
-    unused earmarks with its blocks, as one run.
+    they scatter later prompts' blocks too (a steady batch of 64 then decoded 1.05-1.12x slower on CPU).
+    Earmarks are taken as new tokens' blocks are (blank first, then evicting the oldest cached) and stay free:
+    other sequences take them, newest earmarks first, only once no other free block is left. A sequence frees
+    its unused earmarks with its blocks, as one run.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
