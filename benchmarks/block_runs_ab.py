@@ -1,21 +1,27 @@
-"""CPU decode with each row's growth blocks earmarked at admission against blocks taken as rows cross a block
-boundary, two engines in one process.
+"""CPU decode with the block manager's rules for runs of blocks against a rule before them, two engines in one
+process.
 
     python benchmarks/block_runs_ab.py [--model smollm2-135m-instruct] [--batches 8 64] [--prompt-len 128]
                                        [--new-tokens 128] [--rounds 10] [--prefix-caching] [--kv-cache-blocks N]
+                                       [--against no-earmarks|blank-partial-blocks]
 
 An admitted sequence earmarks free blocks after its prompt's for the tokens it may still generate
-(``BlockManager.max_earmark``), so its decode steps extend one run of blocks. With ``max_earmark = 0`` each row
-takes the next free block when it crosses a block boundary; a batch's rows cross together, so their new blocks
-interleave (row r's at 512 + r, 576 + r, ...), and once freed they scatter later prompts' blocks too. Here two
-engines, alike but for that setting, decode the same ``--batch`` new random prompts each round, ``--new-tokens``
-each, taking turns (the order alternating between rounds: this machine's speed moves by a quarter between minutes,
-so only ratios taken in turns count); each engine keeps its own cache's history, as an engine running a job does.
-The first round starts from fresh caches. With ``--prefix-caching`` (the engine's default) freed blocks stay
-cached until evicted; ``--kv-cache-blocks`` sizes the caches so that they turn over within the rounds. Prints
-decode tok/s (the engines' decode-only steps) for each, the median of the rounds' ratios and every round's, the
-share of the rows' block pairs that lie next to each other at the last round's last full step, and whether both
-decoded the same tokens, with ``get_cpu_capability()`` and whether ``amx_bf16`` is in /proc/cpuinfo.
+(``BlockManager.max_earmark``), so its decode steps extend one run of blocks. With ``--against no-earmarks``
+(``max_earmark = 0``) the other engine's rows take the next free block as they cross a block boundary; a batch's
+rows cross together, so their new blocks interleave (row r's at 512 + r, 576 + r, ...), and once freed they
+scatter later prompts' blocks too. With ``--against blank-partial-blocks`` the other engine keeps the earmarks but
+puts a freed block with no hash (a sequence's partial last block) on the blank stack, where the next prompt takes
+it, as the block manager did before; with prefix caching it now waits with the cached blocks, in the order blocks
+were freed, and comes back with its sequence's run.
+
+The two engines decode the same ``--batch`` new random prompts each round, ``--new-tokens`` each, taking turns
+(the order alternating between rounds: this machine's speed moves by a quarter between minutes, so only ratios
+taken in turns count); each engine keeps its own cache's history, as an engine running a job does. The first round
+starts from fresh caches. With ``--prefix-caching`` (the engine's default) freed blocks stay cached until evicted;
+``--kv-cache-blocks`` sizes the caches so that they turn over within the rounds. Prints decode tok/s (the engines'
+decode-only steps) for each, the median of the rounds' ratios and every round's, the share of the rows' block
+pairs that lie next to each other at the last round's last full step, and whether both decoded the same tokens,
+with ``get_cpu_capability()`` and whether ``amx_bf16`` is in /proc/cpuinfo.
 """
 from __future__ import annotations
 
@@ -25,7 +31,22 @@ import statistics
 import torch
 
 from batchgen.engine import LLM, SamplingParams
+from batchgen.engine.core.block_manager import BlockManager
 from decode_workload import amx_bf16_in_cpuinfo, kv_bytes_per_token, random_prompts
+
+
+def blank_partial_blocks(bm: BlockManager) -> None:
+    """The rule before: a freed block that is not findable by hash goes on the blank stack, taken first."""
+    def release(block_id: int) -> None:
+        block = bm.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            if block.hash is not None and bm.hash_to_block.get(block.hash) == block_id:
+                bm.cached[block_id] = None
+            else:
+                block.hash, block.token_ids = None, ()
+                bm.blank.append(block_id)
+    bm._release = release
 
 
 def adjacent_share(tables: list[list[int]]) -> float:
@@ -59,6 +80,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--prefix-caching", action="store_true")
     ap.add_argument("--kv-cache-blocks", type=int, help="KV cache size in blocks (default: the engine's budget)")
+    ap.add_argument("--against", choices=["no-earmarks", "blank-partial-blocks"], default="no-earmarks",
+                    help="the other engine's rule")
     args = ap.parse_args()
 
     for batch in args.batches:
@@ -68,15 +91,18 @@ def main() -> None:
             probe = LLM(args.model, **settings, kv_cache_memory=64 << 20)
             settings["kv_cache_memory"] = args.kv_cache_blocks * kv_bytes_per_token(probe) * probe.config.block_size
             del probe
-        llms = {name: LLM(args.model, **settings) for name in ("earmarked", "at_boundaries")}
-        llms["at_boundaries"].engine.block_manager.max_earmark = 0
+        llms = {name: LLM(args.model, **settings) for name in ("runs", "before")}
+        if args.against == "no-earmarks":
+            llms["before"].engine.block_manager.max_earmark = 0
+        else:
+            blank_partial_blocks(llms["before"].engine.block_manager)
         if batch == args.batches[0]:
             print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}, amx_bf16 in /proc/cpuinfo: "
                   f"{amx_bf16_in_cpuinfo()}, threads {torch.get_num_threads()}, "
-                  f"dtype {llms['earmarked'].engine.config.dtype_choice.name}; prompts of {args.prompt_len} tokens, "
+                  f"dtype {llms['runs'].engine.config.dtype_choice.name}; prompts of {args.prompt_len} tokens, "
                   f"{args.new_tokens} out; prefix caching {args.prefix_caching}; "
-                  f"{len(llms['earmarked'].engine.block_manager.blocks)} blocks a cache")
-        vocab = llms["earmarked"].tokenizer.vocab_size
+                  f"{len(llms['runs'].engine.block_manager.blocks)} blocks a cache")
+        vocab = llms["runs"].tokenizer.vocab_size
         for llm in llms.values():
             decode(llm, random_prompts(vocab, batch, args.prompt_len, seed=0), 4)  # records the batch's steps
         rates: dict[str, list[float]] = {name: [] for name in llms}
@@ -86,13 +112,13 @@ def main() -> None:
             for name in list(llms) if r % 2 == 0 else list(llms)[::-1]:
                 rate, shares[name], tokens[name] = decode(llms[name], prompts, args.new_tokens)
                 rates[name].append(rate)
-            if tokens["earmarked"] != tokens["at_boundaries"]:
+            if tokens["runs"] != tokens["before"]:
                 raise SystemExit("the two engines decoded different tokens")
-        ratios = [a / b for a, b in zip(rates["earmarked"], rates["at_boundaries"], strict=True)]
-        print(f"batch={batch} earmarked_tok_s={statistics.median(rates['earmarked']):.1f} "
-              f"at_boundaries_tok_s={statistics.median(rates['at_boundaries']):.1f} "
+        ratios = [a / b for a, b in zip(rates["runs"], rates["before"], strict=True)]
+        print(f"batch={batch} against={args.against} runs_tok_s={statistics.median(rates['runs']):.1f} "
+              f"before_tok_s={statistics.median(rates['before']):.1f} "
               f"ratio={statistics.median(ratios):.3f}x rounds=[{', '.join(f'{x:.3f}' for x in ratios)}] "
-              f"adjacent_blocks={shares['earmarked']:.2f}/{shares['at_boundaries']:.2f} same_tokens=yes")
+              f"adjacent_blocks={shares['runs']:.2f}/{shares['before']:.2f} same_tokens=yes")
         del llms
 
 

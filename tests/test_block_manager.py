@@ -50,28 +50,38 @@ def test_freed_blocks_are_reclaimed_by_hash_until_reused():
     assert again.num_computed_tokens == 0
 
 
-def test_new_tokens_take_the_latest_blank_block_before_evicting_cached_ones():
+def test_new_tokens_take_blank_blocks_then_evict_in_the_order_blocks_were_freed():
     bm = BlockManager(num_blocks=7, block_size=4)
     cached = seq(0, list(range(8)))  # two full blocks, findable once scheduled
     bm.admit(cached)
     bm.mark_scheduled(cached, 8)
-    first, second = seq(1, [100, 101]), seq(2, [200, 201])  # partial blocks hold nothing findable
+    partial = seq(1, [100, 101])  # holds tokens, nothing findable
+    bm.admit(partial)
+    bm.free_seq(partial)
+    bm.free_seq(cached)  # its last block first
+    assert list(bm.cached) == [2, 1, 0] and bm.num_free_blocks == 7
+    latest = seq(2, [300])  # a never-used block before any block that held tokens
+    bm.admit(latest)
+    assert latest.block_table == [3]
+    fresh = seq(3, list(range(400, 413)))  # four blocks: the last blank ones, then the first freed
+    bm.admit(fresh)
+    assert fresh.block_table == [2, 4, 5, 6] and list(bm.cached) == [1, 0]
+    bm.free_seq(latest)
+    again = seq(4, list(range(9)))
+    assert bm.admit(again) == 8 and again.block_table == [0, 1, 3]
+
+
+def test_without_prefix_caching_the_latest_freed_block_comes_back_first():
+    bm = BlockManager(num_blocks=7, block_size=4, enable_prefix_caching=False)
+    first, second = seq(0, [100, 101]), seq(1, [200, 201])
     bm.admit(first)
     bm.admit(second)
-    blank_order = [second.block_table[0], first.block_table[0]]  # freed first, then second: second's comes back first
-    bm.free_seq(cached)
     bm.free_seq(first)
     bm.free_seq(second)
-    assert bm.num_free_blocks == 7
-    latest = seq(3, [300])  # one block: the blank one freed last
+    latest, after = seq(2, [300]), seq(3, [400])
     bm.admit(latest)
-    assert latest.block_table == blank_order[:1]
-    fresh = seq(5, list(range(400, 412)))  # three blocks: the other blank one, then never-used ones
-    bm.admit(fresh)
-    assert blank_order[1] in fresh.block_table and len(set(fresh.block_table + latest.block_table)) == 4
-    assert not set(fresh.block_table) & {0, 1}, "cached blocks evicted while blank ones were free"
-    again = seq(4, list(range(9)))
-    assert bm.admit(again) == 8 and again.block_table[:2] == [0, 1]
+    bm.admit(after)
+    assert latest.block_table == [1] and after.block_table == [0] and not bm.cached
 
 
 def test_blocks_freed_together_come_back_in_ascending_order():
@@ -190,11 +200,11 @@ def test_earmarks_cap_at_the_context_at_max_earmark_and_at_an_eighth_of_the_cach
     bm = BlockManager(num_blocks=64, block_size=4, max_earmark=2)
     bm.admit(s := Sequence(0, [1] * 8, Params(max_tokens=100), seed=0))
     assert bm.earmarks[0] == [3, 2]
-    bm.free_seq(s)
-    assert not bm.earmarks and bm.num_free_blocks == 64 and held_once(bm)
-    again = Sequence(1, [2] * 16, Params(max_tokens=1), seed=0)  # the freed run comes back ascending
+    bm.free_seq(s)  # its prompt's blocks held tokens: they wait with the freed ones; its earmarks are blank
+    assert not bm.earmarks and bm.num_free_blocks == 64 and held_once(bm) and list(bm.cached) == [1, 0]
+    again = Sequence(1, [2] * 16, Params(max_tokens=1), seed=0)  # the earmarks come back ascending
     bm.admit(again)
-    assert again.block_table == [0, 1, 2, 3]
+    assert again.block_table == [2, 3, 4, 5]
 
 
 def test_others_take_earmarked_blocks_only_when_no_other_block_is_free():

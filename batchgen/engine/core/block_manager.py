@@ -30,11 +30,13 @@ def chain_hash(prev_hash: int | None, token_ids: tuple[int, ...]) -> int:
 class BlockManager:
     """Hands out fixed-size KV blocks; full, computed blocks stay findable by hash until reused.
 
-    Freed blocks keep their hash and go to the back of a least-recently-freed list, so a later request with the
-    same prefix can reclaim them; blocks are only wiped when handed out for new tokens. New tokens take a blank
-    block first (one that holds nothing findable), the most recently freed of them: its memory is still mapped
-    and likely cached, where a never-used block of a lazily mapped cache costs page faults on its first write
-    (a tenth of a decode step on a small VM). Only when no blank block is left is the oldest cached one evicted.
+    With prefix caching, a freed block that held tokens goes to the back of a least-recently-freed list, keeping
+    its hash where it has one, so a later request with the same prefix can reclaim it; blocks are only wiped when
+    handed out for new tokens. New tokens take a blank block first (one that holds no tokens: never used, an
+    unused earmark, or any freed block without prefix caching), the most recently freed of them: its memory is
+    still mapped and likely cached, where a never-used block of a lazily mapped cache costs page faults on its
+    first write (a tenth of a decode step on a small VM). Only when no blank block is left is the oldest freed
+    one evicted.
     With a ``window`` (every attention layer reads only its latest ``window`` keys), a sequence's blocks that
     fall wholly before the window of its next token are freed as it runs; its block table keeps -1 in their
     place.
@@ -231,14 +233,20 @@ class BlockManager:
             seq.num_released_blocks = i + 1
 
     def _release(self, block_id: int) -> None:
+        """One holder fewer; at none the block is free. With prefix caching it joins the cached blocks in the
+        order blocks are freed, findable by hash where it has one: a sequence's blocks, freed together, are then
+        evicted together and come back as one run (a partial last block on the blank stack would go to the next
+        prompt, splitting its blocks: after the cache turned over, a batch of 64 then decoded 1.04x slower)."""
         block = self.blocks[block_id]
         block.ref_count -= 1
-        if block.ref_count == 0:
-            if block.hash is not None and self.hash_to_block.get(block.hash) == block_id:
-                self.cached[block_id] = None
-            else:
-                block.hash, block.token_ids = None, ()
-                self.blank.append(block_id)
+        if block.ref_count:
+            return
+        if block.hash is None or self.hash_to_block.get(block.hash) != block_id:
+            block.hash, block.token_ids = None, ()
+        if self.enable_prefix_caching:
+            self.cached[block_id] = None
+        else:
+            self.blank.append(block_id)
 
     def truncate(self, seq: Sequence, num_tokens: int) -> None:
         """Frees the sequence's trailing blocks past its first ``num_tokens`` tokens (rejected draft tokens)."""
