@@ -19,6 +19,7 @@
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
+#include "decode_ahead.h"
 #include "decode_dots.h"
 #include "decode_tiles.h"
 #include "fp8.h"
@@ -61,31 +62,6 @@ struct SplitScratch {
     if constexpr (std::is_same_v<Q, float>) return q32.data();
     else return q16.data();
   }
-};
-
-// The next chunk's cache lines, asked for a few at a time as the current chunk's work steps along: all at once
-// they would fill the miss queues and stall that work (on a cold step here, 1.3x slower), and reading a chunk
-// head by head is no order the hardware's prefetchers follow. Each step of a tile reads 4 x Vec::size() values of
-// the cache (a score step 4 rows' next vector, a value step a row's 4 vectors), so as many lines keep pace: 2 for
-// fp32 on AVX2, 4 on AVX-512, 2 for bf16 there (AVX-512 bf16 rows at 4 lines a step ran 0.91x, at 1 0.88x).
-inline int64_t ahead_lines(int64_t elem_bytes) { return std::max<int64_t>(1, 4 * Vec::size() * elem_bytes / 64); }
-
-class Ahead {
- public:
-  Ahead(const void* cache, const int64_t* rows, int64_t count, int64_t elem_bytes, int64_t row_bytes)
-      : cache_(static_cast<const char*>(cache)), rows_(rows), count_(count), elem_(elem_bytes),
-        lines_((row_bytes + 63) / 64), per_step_(ahead_lines(elem_bytes)) {}
-  void operator()() {
-    for (int64_t k = 0; k < per_step_ && row_ < count_; ++k) {
-      __builtin_prefetch(cache_ + rows_[row_] * elem_ + line_ * 64);
-      if (++line_ == lines_) line_ = 0, ++row_;
-    }
-  }
-
- private:
-  const char* cache_;
-  const int64_t* rows_;
-  int64_t count_, elem_, lines_, per_step_, row_ = 0, line_ = 0;
 };
 
 // s[g][c] = q_g . row_c for a group's heads (fp32 queries, or bf16 for the dot tiles) and n rows (fp32 or bf16);
@@ -225,10 +201,13 @@ void attend_split(const Decode<T, C>& a, const Item* it, const Item* after, int6
   const int64_t next_count = after ? std::min(kChunk, after->last - after->first) : 0;
   if (after) offsets(*after, next_count, next);
   const int64_t row_bytes = span * D * sizeof(C);
-  // What a chunk [c0, c0 + kChunk) asks for meanwhile: the same cache's next chunk, else `last` (count rows).
+  // What a chunk [c0, c0 + kChunk) asks for meanwhile: the same cache's next chunk (into L2 only where it does
+  // not follow this one in memory), else `last` (count rows).
   auto ahead_of = [&](const C* cache, int64_t c0, const C* last_cache, const int64_t* last, int64_t count) {
-    return c0 + kChunk < n ? Ahead(cache, rows + c0 + kChunk, std::min(kChunk, n - c0 - kChunk), sizeof(C), row_bytes)
-                           : Ahead(last_cache, last, count, sizeof(C), row_bytes);
+    const int64_t next = c0 + kChunk;
+    if (next >= n) return Ahead(last_cache, last, count, sizeof(C), row_bytes);
+    const bool seam = rows[next] != rows[next - 1] + a.cache_row;
+    return Ahead(cache, rows + next, std::min(kChunk, n - next), sizeof(C), row_bytes, seam);
   };
   // KV head h's rows of a chunk as the tiles read them: fp32 and bf16 in place, fp8 widened first (to R).
   using R = std::conditional_t<kFp8<C>, std::conditional_t<std::is_same_v<Q, float>, float, at::BFloat16>, C>;
