@@ -19,6 +19,7 @@
 #include "decode_dots.h"
 #include "decode_tiles.h"
 #include "paged.h"
+#include "split_walk.h"
 #include "vec.h"
 
 #include <algorithm>
