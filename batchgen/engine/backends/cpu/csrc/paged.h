@@ -18,14 +18,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <limits>
 #include <memory>
 #include <type_traits>
 #include <vector>
 
 namespace batchgen_cpu {
-
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // The per-head op's two passes (decode.cpp), for any head layout whose values are the first `value_width`
 // dims of a cache row: q (B, Hq, D), caches (blocks, block_size, Hkv, D), out (B, Hq, value_width). The latent

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <tuple>
 #include <type_traits>
 
@@ -22,6 +23,7 @@ namespace batchgen_cpu {
 
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kStep = 2 * Vec::size();  // one Vectorized<BFloat16>, two of float
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 #if defined(CPU_CAPABILITY_AVX512)
 inline __m512 bf16x16_to_ps(const void* p) {  // bf16 is the top half of an fp32
