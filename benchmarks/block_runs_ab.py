@@ -3,7 +3,7 @@ process.
 
     python benchmarks/block_runs_ab.py [--model smollm2-135m-instruct] [--batches 8 64] [--prompt-len 128]
                                        [--new-tokens 128] [--rounds 10] [--prefix-caching] [--kv-cache-blocks N]
-                                       [--against no-earmarks|blank-partial-blocks]
+                                       [--against no-earmarks|blank-partial-blocks|oldest-first]
 
 An admitted sequence earmarks free blocks after its prompt's for the tokens it may still generate
 (``BlockManager.max_earmark``), so its decode steps extend one run of blocks. With ``--against no-earmarks``
@@ -12,7 +12,9 @@ rows cross together, so their new blocks interleave (row r's at 512 + r, 576 + r
 scatter later prompts' blocks too. With ``--against blank-partial-blocks`` the other engine keeps the earmarks but
 puts a freed block with no hash (a sequence's partial last block) on the blank stack, where the next prompt takes
 it, as the block manager did before; with prefix caching it now waits with the cached blocks, in the order blocks
-were freed, and comes back with its sequence's run.
+were freed, and comes back with its sequence's run. With ``--against oldest-first`` the other engine evicts the
+oldest cached blocks, wherever they lie (``eviction_window = 1``), where the block manager now picks whole runs
+among more of the oldest.
 
 The two engines decode the same ``--batch`` new random prompts each round, ``--new-tokens`` each, taking turns
 (the order alternating between rounds: this machine's speed moves by a quarter between minutes, so only ratios
@@ -80,7 +82,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--prefix-caching", action="store_true")
     ap.add_argument("--kv-cache-blocks", type=int, help="KV cache size in blocks (default: the engine's budget)")
-    ap.add_argument("--against", choices=["no-earmarks", "blank-partial-blocks"], default="no-earmarks",
+    ap.add_argument("--against", choices=["no-earmarks", "blank-partial-blocks", "oldest-first"], default="no-earmarks",
                     help="the other engine's rule")
     args = ap.parse_args()
 
@@ -94,6 +96,8 @@ def main() -> None:
         llms = {name: LLM(args.model, **settings) for name in ("runs", "before")}
         if args.against == "no-earmarks":
             llms["before"].engine.block_manager.max_earmark = 0
+        elif args.against == "oldest-first":
+            llms["before"].engine.block_manager.eviction_window = 1
         else:
             blank_partial_blocks(llms["before"].engine.block_manager)
         if batch == args.batches[0]:

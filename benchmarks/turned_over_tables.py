@@ -2,13 +2,15 @@
 
     python benchmarks/turned_over_tables.py [--model smollm2-135m-instruct] [--requests 120] [--batch 16]
                                             [--prompt-lens 200 700] [--kv-cache-mib 400] [--layers 30] [--rounds 5]
+                                            [--eviction-window N]
 
 A fresh engine hands each sequence blocks in order; a job that has run through its KV budget hands out blocks its
 finished sequences freed, wherever they lie. This runs a job-like stream (prompts of 200-700 random tokens by default,
 16-48 out, prefix caching on) through a cache small enough to turn over, keeps the block tables and contexts of its
 last full decode steps, and times the decode op over random caches of SmolLM2's shape through those tables and
 through tables giving each row consecutive blocks (rounds alternating). Prints how often a row's next block
-follows its last, the median time ratio, and the CPU's vector level and whether it has AMX.
+follows its last, the median time ratio, and the CPU's vector level and whether it has AMX. ``--eviction-window 1``
+evicts the oldest cached blocks wherever they lie (the block manager picks runs among more of the oldest).
 """
 from __future__ import annotations
 
@@ -33,6 +35,8 @@ def turned_over_steps(args: argparse.Namespace) -> tuple[LLM, list[tuple[Tables,
     """The (block tables, context lengths) of the stream's full decode steps, in order."""
     llm = LLM(resolve_model_path(args.model), dtype="auto", device="cpu", max_num_seqs=args.batch,
               max_num_batched_tokens=4096, enable_prefix_caching=True, kv_cache_memory=args.kv_cache_mib << 20)
+    if args.eviction_window is not None:
+        llm.engine.block_manager.eviction_window = args.eviction_window
     rng = random.Random(0)
     vocab = llm.tokenizer.vocab_size
     engine = llm.engine
@@ -70,6 +74,7 @@ def main() -> None:
     parser.add_argument("--kv-cache-mib", type=int, default=400)
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--eviction-window", type=int, help="the block manager's (default: its own)")
     args = parser.parse_args()
     if not load_kernels():
         raise SystemExit("the CPU kernels are not built here")

@@ -1,8 +1,12 @@
 """Block manager invariants: prefix hits, reclaiming freed blocks, and no leaks after a run."""
 from __future__ import annotations
 
+import itertools
+import random
+
 from batchgen.engine import LLM, SamplingParams
-from batchgen.engine.core.block_manager import BlockManager
+from batchgen.engine.core import block_manager
+from batchgen.engine.core.block_manager import BlockManager, fewest_runs
 from batchgen.engine.core.sequence import Sequence
 from batchgen.engine.sampling.params import SamplingParams as Params
 from tests.engine_helpers import TEXT
@@ -273,3 +277,68 @@ def test_with_no_blank_block_left_earmarks_evict_the_oldest_cached_blocks():
     assert bm.num_cached_blocks(Sequence(4, list(range(65)), Params(), seed=0)) == 13
     decode(bm, [grows], 8)
     assert grows.block_table == [13, 14, 15] and held_once(bm)
+
+
+def runs_in(ids: list[int]) -> int:
+    return sum(1 for i, b in enumerate(ids) if i == 0 or b != ids[i - 1] + 1)
+
+
+def test_evictions_take_as_few_runs_as_any_choice_of_the_candidates():
+    rng = random.Random(0)
+    for _ in range(300):
+        candidates = rng.sample(range(24), rng.randint(1, 10))
+        count = rng.randint(1, len(candidates))
+        taken = fewest_runs(candidates, count)
+        fewest = min(runs_in(sorted(c)) for c in itertools.combinations(candidates, count))
+        assert len(taken) == len(set(taken)) == count and set(taken) <= set(candidates) and taken == sorted(taken)
+        assert runs_in(taken) == fewest, (candidates, count, taken)
+
+
+def test_evictions_skip_blocks_found_by_hash_until_their_turn():
+    bm = BlockManager(num_blocks=7, block_size=4, max_earmark=0)
+    a, b, c = seq(0, range(8)), seq(1, range(100, 108)), seq(2, range(200, 208))
+    for s in (a, b, c):
+        bm.admit(s)
+        bm.mark_scheduled(s, 8)
+    for s in (a, c, b):
+        bm.free_seq(s)
+    reuse = seq(3, [*range(100, 108), 9])  # finds b's two blocks, then takes the last blank one
+    assert bm.admit(reuse) == 8 and reuse.block_table == [2, 3, 6]
+    bm.free_seq(reuse)
+    assert not bm.blank and list(bm.cached) == [1, 0, 5, 4, 6, 3, 2]
+    fresh = seq(4, range(300, 312))  # oldest first would give [0, 1, 5]; all seven in one run would take 2
+    bm.admit(fresh)
+    assert fresh.block_table == [4, 5, 6] and list(bm.cached) == [1, 0, 3, 2] and held_once(bm)
+    assert bm.num_cached_blocks(seq(5, [*range(100, 108), 9])) == 2
+
+
+def stream_adjacency(window: int) -> float:
+    """Share of running rows' block pairs in order once a cache has turned over, for a stream of random prompts."""
+    bm = BlockManager(num_blocks=256, block_size=4, max_earmark=8)
+    bm.eviction_window = window
+    rng = random.Random(1)
+    waiting = [Sequence(i, [rng.randrange(10**6) for _ in range(rng.randint(20, 90))],
+                        Params(max_tokens=rng.randint(4, 24)), seed=0) for i in range(300)]
+    running, pairs = [], []
+    while waiting or running:
+        while waiting and len(running) < 8 and bm.can_admit(waiting[0]):
+            s = waiting.pop(0)
+            bm.admit(s)
+            bm.mark_scheduled(s, s.num_tokens)
+            running.append(s)
+        decode(bm, running, 1)
+        for s in running:
+            bm.mark_scheduled(s, s.num_tokens)
+        if len(waiting) < 200:  # past the first turn of the cache
+            pairs += [b == a + 1 for s in running for a, b in zip(s.block_table, s.block_table[1:])]
+        for s in [s for s in running if s.num_tokens - s.num_prompt_tokens >= s.params.max_tokens]:
+            running.remove(s)
+            bm.free_seq(s)
+    assert held_once(bm) and bm.num_free_blocks == 256
+    return sum(pairs) / len(pairs)
+
+
+def test_a_turned_over_cache_gives_new_rows_runs_of_blocks():
+    oldest_first = stream_adjacency(window=1)  # the oldest freed blocks, wherever they lie
+    runs = stream_adjacency(window=block_manager.EVICTION_WINDOW)
+    assert runs > 0.97 and oldest_first < 0.95, (runs, oldest_first)
