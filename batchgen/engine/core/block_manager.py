@@ -38,13 +38,14 @@ def fewest_runs(candidates: list[int], count: int) -> list[int]:
     the oldest block among those that cover what is still wanted (from that block's end), else the longest run (of
     equal ones, the one with the older block), and on."""
     age = {block_id: i for i, block_id in enumerate(candidates)}
-    runs: list[tuple[int, int, list[int]]] = []  # (length, -age of its oldest block, ids)
+    groups: list[list[int]] = []
     for block_id in sorted(candidates):
-        if runs and block_id == runs[-1][2][-1] + 1:
-            runs[-1][2].append(block_id)
+        if groups and block_id == groups[-1][-1] + 1:
+            groups[-1].append(block_id)
         else:
-            runs.append((0, 0, [block_id]))
-    runs = sorted((len(ids), -min(age[b] for b in ids), ids) for _, _, ids in runs)
+            groups.append([block_id])
+    # (length, minus the age of its oldest block, ids): shortest first, of equal length the older last
+    runs = sorted((len(ids), -min(age[b] for b in ids), ids) for ids in groups)
     taken: list[int] = []
     while len(taken) < count:
         wanted = count - len(taken)
