@@ -4,6 +4,7 @@ process.
     python benchmarks/block_runs_ab.py [--model smollm2-135m-instruct] [--batches 8 64] [--prompt-len 128]
                                        [--new-tokens 128] [--rounds 10] [--prefix-caching] [--kv-cache-blocks N]
                                        [--against no-earmarks|blank-partial-blocks|oldest-first]
+                                       [--stream REQUESTS]
 
 An admitted sequence earmarks free blocks after its prompt's for the tokens it may still generate
 (``BlockManager.max_earmark``), so its decode steps extend one run of blocks. With ``--against no-earmarks``
@@ -23,11 +24,14 @@ starts from fresh caches. With ``--prefix-caching`` (the engine's default) freed
 ``--kv-cache-blocks`` sizes the caches so that they turn over within the rounds. Prints decode tok/s (the engines'
 decode-only steps) for each, the median of the rounds' ratios and every round's, the share of the rows' block
 pairs that lie next to each other at the last round's last full step, and whether both decoded the same tokens,
-with ``get_cpu_capability()`` and whether ``amx_bf16`` is in /proc/cpuinfo.
+with ``get_cpu_capability()`` and whether ``amx_bf16`` is in /proc/cpuinfo. With ``--stream N`` each round is N
+requests of 200-700 random tokens and 16-48 out, as a job's rows come, at most the batch's rows at once (the
+adjacent share then counts every step of the last round).
 """
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 
 import torch
@@ -57,19 +61,33 @@ def adjacent_share(tables: list[list[int]]) -> float:
     return sum(b == a + 1 for a, b in pairs) / max(1, len(pairs))
 
 
-def decode(llm: LLM, prompts: list[list[int]], new_tokens: int) -> tuple[float, float, list[list[int]]]:
-    """(decode tok/s, adjacent block share at the last step with every row running, tokens out)."""
+Requests = list[tuple[list[int], int]]  # (prompt, tokens out)
+
+
+def decode(llm: LLM, requests: Requests) -> tuple[float, float, list[list[int]]]:
+    """(decode tok/s; the share of adjacent block pairs in the running rows' tables: over every step with a
+    stream, else at the last step with every row running; tokens out)."""
     engine = llm.engine
     engine.reset_metrics()
-    seqs = [engine.add_request(p, SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True))
-            for p in prompts]
-    share = 0.0
+    seqs = [engine.add_request(p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)) for p, n in requests]
+    share, pairs = 0.0, [0, 0]
     while engine.has_unfinished():
         engine.step()
-        if len(engine.scheduler.running) == len(prompts):
-            share = adjacent_share([s.block_table for s in engine.scheduler.running])
+        tables = [s.block_table for s in engine.scheduler.running]
+        if len(tables) == len(requests):
+            share = adjacent_share(tables)
+        pairs[0] += sum(b == a + 1 for t in tables for a, b in zip(t, t[1:]))
+        pairs[1] += sum(max(0, len(t) - 1) for t in tables)
     m = engine.metrics
-    return m.decode_tokens / m.decode_time_s, share, [s.completion_token_ids for s in seqs]
+    adjacent = share or pairs[0] / max(1, pairs[1])
+    return m.decode_tokens / m.decode_time_s, adjacent, [s.completion_token_ids for s in seqs]
+
+
+def stream(vocab: int, count: int, seed: int) -> Requests:
+    """``count`` requests of 200-700 random tokens, 16-48 out, as a job's rows come."""
+    rng = random.Random(seed)
+    return [([rng.randrange(3, vocab) for _ in range(rng.randint(200, 700))], rng.randint(16, 48))
+            for _ in range(count)]
 
 
 def main() -> None:
@@ -82,13 +100,15 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--prefix-caching", action="store_true")
     ap.add_argument("--kv-cache-blocks", type=int, help="KV cache size in blocks (default: the engine's budget)")
+    ap.add_argument("--stream", type=int, metavar="REQUESTS",
+                    help="each round, this many requests of 200-700 tokens, 16-48 out, at most --batches rows at once")
     ap.add_argument("--against", choices=["no-earmarks", "blank-partial-blocks", "oldest-first"], default="no-earmarks",
                     help="the other engine's rule")
     args = ap.parse_args()
 
     for batch in args.batches:
         settings = dict(dtype=args.dtype, device="cpu", max_num_seqs=batch, enable_prefix_caching=args.prefix_caching,
-                        max_num_batched_tokens=max(2048, batch * args.prompt_len))
+                        max_num_batched_tokens=max(4096 if args.stream else 2048, batch * args.prompt_len))
         if args.kv_cache_blocks:
             probe = LLM(args.model, **settings, kv_cache_memory=64 << 20)
             settings["kv_cache_memory"] = args.kv_cache_blocks * kv_bytes_per_token(probe) * probe.config.block_size
@@ -101,20 +121,24 @@ def main() -> None:
         else:
             blank_partial_blocks(llms["before"].engine.block_manager)
         if batch == args.batches[0]:
+            workload = (f"a stream of {args.stream} requests of 200-700 tokens, 16-48 out" if args.stream else
+                        f"prompts of {args.prompt_len} tokens, {args.new_tokens} out")
             print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}, amx_bf16 in /proc/cpuinfo: "
                   f"{amx_bf16_in_cpuinfo()}, threads {torch.get_num_threads()}, "
-                  f"dtype {llms['runs'].engine.config.dtype_choice.name}; prompts of {args.prompt_len} tokens, "
-                  f"{args.new_tokens} out; prefix caching {args.prefix_caching}; "
+                  f"dtype {llms['runs'].engine.config.dtype_choice.name}; {workload}; "
+                  f"prefix caching {args.prefix_caching}; "
                   f"{len(llms['runs'].engine.block_manager.blocks)} blocks a cache")
         vocab = llms["runs"].tokenizer.vocab_size
         for llm in llms.values():
-            decode(llm, random_prompts(vocab, batch, args.prompt_len, seed=0), 4)  # records the batch's steps
+            decode(llm, [(p, 4) for p in random_prompts(vocab, batch, args.prompt_len, seed=0)])  # records steps
         rates: dict[str, list[float]] = {name: [] for name in llms}
         shares, tokens = {}, {}
         for r in range(args.rounds):
-            prompts = random_prompts(vocab, batch, args.prompt_len, seed=1 + r)  # new prompts: no prefix hits
+            # new prompts each round: no prefix hits
+            requests = (stream(vocab, args.stream, seed=1 + r) if args.stream else
+                        [(p, args.new_tokens) for p in random_prompts(vocab, batch, args.prompt_len, seed=1 + r)])
             for name in list(llms) if r % 2 == 0 else list(llms)[::-1]:
-                rate, shares[name], tokens[name] = decode(llms[name], prompts, args.new_tokens)
+                rate, shares[name], tokens[name] = decode(llms[name], requests)
                 rates[name].append(rate)
             if tokens["runs"] != tokens["before"]:
                 raise SystemExit("the two engines decoded different tokens")
