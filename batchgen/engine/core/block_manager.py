@@ -221,6 +221,8 @@ class BlockManager:
         time over contiguous tables at prompts of 1,500-3,000 tokens, 1.18-1.27x at 200-700; in ascending order
         1.00-1.02x and 1.16-1.23x (``benchmarks/turned_over_tables.py``)."""
         needed = self.blocks_needed(seq, num_tokens)
+        if not needed and not earmark:  # most decode steps
+            return
         own = min(needed, len(self.earmarks.get(seq.seq_id, ())))
         taken = [self._take_earmarked(seq.seq_id, lowest=True) for _ in range(own)]
         unmarked = min(needed - own, len(self.blank) + len(self.cached))
