@@ -38,7 +38,7 @@ import torch
 
 from batchgen.engine import LLM, SamplingParams
 from batchgen.engine.core.block_manager import BlockManager
-from decode_workload import amx_bf16_in_cpuinfo, kv_bytes_per_token, random_prompts
+from decode_workload import adjacent_share, amx_bf16_in_cpuinfo, kv_bytes_per_token, random_prompts
 
 
 def blank_partial_blocks(bm: BlockManager) -> None:
@@ -53,12 +53,6 @@ def blank_partial_blocks(bm: BlockManager) -> None:
                 block.hash, block.token_ids = None, ()
                 bm.blank.append(block_id)
     bm._release = release
-
-
-def adjacent_share(tables: list[list[int]]) -> float:
-    """The share of consecutive block pairs in ``tables`` whose second block directly follows the first."""
-    pairs = [(a, b) for t in tables for a, b in zip(t, t[1:])]
-    return sum(b == a + 1 for a, b in pairs) / max(1, len(pairs))
 
 
 Requests = list[tuple[list[int], int]]  # (prompt, tokens out)

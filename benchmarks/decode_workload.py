@@ -193,6 +193,12 @@ def mean_context(first: int, steps: int) -> float:
     return first + (steps - 1) / 2
 
 
+def adjacent_share(tables: list[list[int]]) -> float:
+    """The share of consecutive block pairs in ``tables`` whose second block directly follows the first."""
+    pairs = [(a, b) for t in tables for a, b in zip(t, t[1:])]
+    return sum(b == a + 1 for a, b in pairs) / max(1, len(pairs))
+
+
 def amx_bf16_in_cpuinfo() -> bool:
     try:
         with open("/proc/cpuinfo") as f:

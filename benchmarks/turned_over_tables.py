@@ -26,7 +26,7 @@ from batchgen.engine.backends.cpu import ops
 from batchgen.engine.backends.cpu.build import load_kernels
 from batchgen.engine.executor.model_runner import padded_block_tables
 from batchgen.engine.loading.hub import resolve_model_path
-from decode_workload import amx_bf16_in_cpuinfo
+from decode_workload import adjacent_share, amx_bf16_in_cpuinfo
 
 Tables = list[list[int]]
 
@@ -50,11 +50,6 @@ def turned_over_steps(args: argparse.Namespace) -> tuple[LLM, list[tuple[Tables,
         if len(running) == args.batch and all(s.num_computed_tokens >= s.num_prompt_tokens for s in running):
             steps.append(([list(s.block_table) for s in running], [s.num_computed_tokens for s in running]))
     return llm, steps
-
-
-def follows(tables: Tables) -> float:
-    pairs = [(a, b) for t in tables for a, b in zip(t, t[1:])]
-    return sum(b == a + 1 for a, b in pairs) / max(1, len(pairs))
 
 
 def in_order(tables: Tables) -> Tables:
@@ -109,7 +104,7 @@ def main() -> None:
     print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}, amx_bf16 {amx_bf16_in_cpuinfo()}, "
           f"threads {torch.get_num_threads()}; {len(steps)} full decode steps of {args.batch} rows, "
           f"{llm.engine.block_manager.num_free_blocks} blocks free at the end")
-    early, late = (statistics.mean(follows(t) for t, _ in part) for part in (first, last))
+    early, late = (statistics.mean(adjacent_share(t) for t, _ in part) for part in (first, last))
     print(f"a row's next block follows its last: first third of the steps {early:.2f}, last third {late:.2f}")
     print(f"decode op over the last steps' tables: {statistics.median(engine_ms):.3f} ms a layer, "
           f"{statistics.median(ratios):.3f}x the time over tables in order (median of {len(ratios)})")

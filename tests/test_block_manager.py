@@ -312,6 +312,27 @@ def test_evictions_skip_blocks_found_by_hash_until_their_turn():
     assert bm.num_cached_blocks(seq(5, [*range(100, 108), 9])) == 2
 
 
+def test_blocks_restored_from_a_lower_tier_wait_their_turn_as_prefixes():
+    bm = BlockManager(num_blocks=7, block_size=4, max_earmark=0)
+    a, b, c = seq(0, range(8)), seq(1, [*range(100, 108), 9]), seq(2, range(200, 208))
+    bm.admit(a)
+    bm.mark_scheduled(a, 8)
+    bm.admit(b)  # its two full blocks' KV comes from the prefix store
+    bm.mark_restored(b, 0)
+    bm.mark_restored(b, 1)
+    bm.mark_scheduled(b, 1)
+    bm.admit(c)
+    bm.mark_scheduled(c, 8)
+    assert (a.block_table, b.block_table, c.block_table) == ([0, 1], [2, 3, 4], [5, 6])
+    for s in (a, c, b):
+        bm.free_seq(s)
+    assert list(bm.cached) == [1, 0, 6, 5, 4, 3, 2]
+    fresh = seq(4, range(300, 312))  # all seven in one run would take [0, 1, 2], the restored block 2 with them
+    bm.admit(fresh)
+    assert fresh.block_table == [4, 5, 6] and list(bm.cached) == [1, 0, 3, 2] and held_once(bm)
+    assert bm.num_cached_blocks(seq(5, [*range(100, 108), 9])) == 2
+
+
 def stream_adjacency(window: int) -> float:
     """Share of running rows' block pairs in order once a cache has turned over, for a stream of random prompts."""
     bm = BlockManager(num_blocks=256, block_size=4, max_earmark=8)

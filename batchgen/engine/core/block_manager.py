@@ -258,10 +258,12 @@ class BlockManager:
             seq.num_hashed_blocks = i + 1
 
     def mark_restored(self, seq: Sequence, i: int) -> None:
-        """The sequence's i-th block (its next uncomputed one) got its KV from a lower tier: register it."""
+        """The sequence's i-th block (its next uncomputed one) got its KV from a lower tier: register it. It was
+        found by hash there, so eviction treats it as a shared prefix (``Block.reused``)."""
         assert i == seq.num_hashed_blocks == seq.num_computed_tokens // self.block_size
         block = self.blocks[seq.block_table[i]]
         block.hash, block.token_ids = self._full_block(seq, i)
+        block.reused = True
         self.hash_to_block.setdefault(block.hash, block.block_id)
         seq.num_hashed_blocks = i + 1
         seq.num_computed_tokens += self.block_size

@@ -26,8 +26,8 @@ SOURCE_DIR = Path(__file__).parent / "csrc"
 SOURCES = ("amx_linear.cpp", "attention.cpp", "decode.cpp", "dot_linear.cpp", "elementwise.cpp", "latent_decode.cpp",
            "moe.cpp", "replay.cpp", "small_linear.cpp")
 HEADERS = ("activation.h", "amx.h", "attention_amx.h", "decode_ahead.h", "decode_dots.h", "decode_tiles.h",
-           "dot_blocks.h", "fp8.h", "paged.h", "small_linear.h", "small_linear_tiles.h", "softmax_rows.h",
-           "split_walk.h", "varlen.h", "vec.h")
+           "decode_values.h", "dot_blocks.h", "fp8.h", "paged.h", "small_linear.h", "small_linear_tiles.h",
+           "softmax_rows.h", "split_walk.h", "varlen.h", "vec.h")
 DISABLE_ENV = "BATCHGEN_CPU_KERNELS"  # "0" turns the fused kernels off
 # -fopenmp: at::parallel_for runs its work on torch's threads only in code compiled with OpenMP (without it the
 # pragma in ATen's header is ignored and every kernel runs on one thread).
