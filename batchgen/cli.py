@@ -137,12 +137,14 @@ def openai_batch(input_path: str, output_path: str, model: str, overrides: tuple
                  overwrite: bool, force_unlock: bool, grace_s: float, quiet: bool, verbose: bool) -> None:
     """Run an OpenAI Batch request file; writes result lines (part-N.jsonl) and error lines (errors-N.jsonl).
 
-    Each line's own settings apply. Lines that leave them out get the API's defaults (temperature 1, top_p 1)
-    with seed 0, and at most 4096 tokens; --set sampling.KEY=VALUE changes these defaults.
+    Each line's own settings apply. Prompts may fill the model's context. Lines that leave them out get the API's
+    defaults (temperature 1, top_p 1) and at most 4096 tokens; a line without a seed gets its own, from its custom_id. --set sampling.KEY=VALUE
+    changes these defaults.
     """
     data = {"name": "openai-batch", "model": {"path": model},
             "input": {"path": input_path, "format": "openai"},
             "sampling": {"temperature": 1.0, "max_tokens": 4096},
+            "batching": {"max_prompt_tokens": 1 << 20},  # as the API: prompts up to the model's context
             "output": {"path": output_path, "format": "openai"}}
     try:
         spec = spec_from_dict(data, overrides)

@@ -138,11 +138,11 @@ def test_openai_request_over_the_character_limit_is_refused_before_tokenizing(ti
             "body": {"model": "m", "messages": [{"role": "system", "content": "Be brief."},
                                                 {"role": "user", "content": "x" * 5000}]}}
     with pytest.raises(RenderError, match=r"prompt has 5009 characters > max 1000"):
-        prompts.build(chat)
+        prompts.build(chat, "a")
     completion = {"custom_id": "b", "method": "POST", "url": "/v1/completions",
                   "body": {"model": "m", "prompt": "y" * 1001}}
     with pytest.raises(RenderError, match="prompt_too_long"):
-        prompts.build(completion)
+        prompts.build(completion, "b")
     completion["body"]["prompt"] = "y" * 1000
-    ids, _ = prompts.build(completion)
+    ids, _ = prompts.build(completion, "b")
     assert ids == tiny_llm.tokenizer.encode("y" * 1000)

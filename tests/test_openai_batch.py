@@ -53,6 +53,7 @@ BAD = {  # custom_id the error record carries -> the line
     "n2": line("n2", n=2),
     "t1": line("t1", tools=[{"type": "function"}]),
     "s1": line("s1", response_format={"type": "json_schema", "json_schema": {"schema": {"type": "objekt"}}}),
+    "sd": line("sd", seed=2**64),  # past int64: this line's error, not the job's
 }
 
 
@@ -107,7 +108,8 @@ def test_openai_batch_round_trip(tmp_path, tiny_llm):
     assert stats["rows"] == len(GOOD) + len(BAD) and stats["error_rows"] == len(BAD)
     codes = {k: e["error"]["code"] for k, e in errors.items()}
     assert codes["c1#dup1"] == "duplicate_id" and codes["requests.jsonl:5"] == "invalid_input"
-    assert {codes[k] for k in ("u1", "n2", "t1", "s1")} == {"invalid_request"}
+    assert {codes[k] for k in ("u1", "n2", "t1", "s1", "sd")} == {"invalid_request"}
+    assert "body.seed" in errors["sd"]["error"]["message"]
     assert "tools" in errors["t1"]["error"]["message"] and "/v1/embeddings" in errors["u1"]["error"]["message"]
 
     body = {k: r["response"]["body"] for k, r in results.items()}
@@ -121,6 +123,24 @@ def test_openai_batch_round_trip(tmp_path, tiny_llm):
     assert len(text_logprobs["tokens"]) == body["p1"]["usage"]["completion_tokens"]
     assert body["p1"]["object"] == "text_completion" and body["c1"]["object"] == "chat.completion"
     assert body["c1"]["choices"][0]["logprobs"] is None
+
+
+def test_repeated_lines_sample_apart_unless_they_share_a_seed(tmp_path, tiny_llm):
+    """Lines without a seed are independent samples, as the API's are; lines with one seed agree; a rerun
+    gives every line its tokens again."""
+    prompt = [{"role": "user", "content": "Name a colour."}]
+    lines = [line(f"r{i}", messages=prompt, max_tokens=8, temperature=1.0) for i in range(3)]
+    lines += [line(f"s{i}", messages=prompt, max_tokens=8, temperature=1.0, seed=7) for i in range(2)]
+    inp = tmp_path / "requests.jsonl"
+    inp.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    texts = []
+    for name in ("a", "b"):
+        run_job(spec_from_dict(openai_spec(inp, tmp_path / name)), llm=tiny_llm, quiet=True)
+        results, errors = check_results(tmp_path / name)
+        assert not errors and len(results) == len(lines)
+        texts.append({k: r["response"]["body"]["choices"][0]["message"]["content"] for k, r in results.items()})
+    assert texts[0] == texts[1]
+    assert len({texts[0][f"r{i}"] for i in range(3)}) == 3 and texts[0]["s0"] == texts[0]["s1"]
 
 
 def test_resume_keeps_every_custom_id_exactly_once(tmp_path, tiny_llm):

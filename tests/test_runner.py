@@ -157,3 +157,18 @@ def test_prefetcher_order_errors_and_close():
     assert [next(it) for _ in range(3)] == [0, 1, 2]
     p.close()
     assert not p._thread.is_alive() and len(pulled) <= 3 + 4 + 2  # bounded read-ahead
+
+
+def test_sampled_rows_draw_apart_and_a_rerun_draws_the_same(tmp_path, tiny_model, tiny_llm):
+    """Rows of one seeded job sample independently (equal prompts differ), and each row samples as before in a
+    rerun that reads the rows in another order."""
+    rows = [{"id": f"d{i}", "text": "one document" + " more" * (i % 2), "title": "t"} for i in range(6)]
+    sampling = {"max_tokens": 8, "temperature": 1.0, "ignore_eos": True}
+    outputs = []
+    for name, order in (("a", rows), ("b", rows[::-1])):
+        inp = write_jsonl(tmp_path / f"{name}.jsonl", order)
+        run_job(make_spec(tiny_model, inp, tmp_path / name, sampling=sampling), llm=tiny_llm, quiet=True)
+        outputs.append({r["id"]: r["output"] for r in read_output(str(tmp_path / name))})
+    assert len(outputs[0]) == len(outputs[1]) == len(rows)
+    assert outputs[0] == outputs[1]
+    assert len({outputs[0][f"d{i}"] for i in (0, 2, 4)}) == 3  # one prompt, three samples

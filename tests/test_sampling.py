@@ -180,3 +180,30 @@ def test_top_k_and_top_p_sample_the_renormalised_truncated_distribution(temperat
     want = expected[allowed] * rows
     chi2 = float(((counts[allowed] - want) ** 2 / want).sum())
     assert chi2 < CHI2_999[int(allowed.sum()) - 1], (chi2, counts.tolist(), want.tolist())
+
+
+def test_ties_and_a_top_p_below_float32_keep_argmax_token():
+    """top_k=1 takes the first of equal logits as greedy does; a top_p that float32 rounds to 0 keeps the top token."""
+    logits = torch.tensor([[0.5, 2.0, -1.0, 2.0, 1.0]] * 2)
+    batch = SamplingBatch(temperatures=torch.ones(2), top_ks=torch.tensor([1, 0]),
+                          top_ps=torch.tensor([1.0, 1e-300], dtype=torch.float64).float(),
+                          seeds=torch.tensor([3, 4]), steps=torch.zeros(2, dtype=torch.int64), want_logprobs=False,
+                          all_greedy=False, any_top_k_or_p=True)
+    assert batch.top_ps[1] == 0
+    tokens, _ = sample(logits, batch)
+    assert tokens.tolist() == [1, 1] == logits.max(dim=-1).indices.tolist()
+
+
+def test_a_single_prompt_is_a_batch_of_one(llm):
+    params = SamplingParams(max_tokens=4, temperature=0)
+    [one] = llm.generate(TEXT, params)
+    [ids] = llm.generate(llm.tokenizer.encode(TEXT), params)
+    assert one.token_ids == ids.token_ids == llm.generate([TEXT], params)[0].token_ids
+
+
+@pytest.mark.parametrize("fields", [{"seed": 2**63}, {"seed": -(2**63) - 1}, {"seed": 1.5}, {"max_tokens": None},
+                                    {"max_tokens": 2.0}])
+def test_out_of_range_seeds_and_max_tokens_raise(fields):
+    with pytest.raises(ValueError, match=next(iter(fields))):
+        SamplingParams(**fields)
+    assert SamplingParams(seed=2**63 - 1).seed == 2**63 - 1 and SamplingParams(seed=-(2**63)).seed == -(2**63)

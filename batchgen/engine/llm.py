@@ -76,7 +76,10 @@ class LLM:
 
     def generate(self, prompts: Seq[Prompt], params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
-        """Generates for every prompt; outputs come back in the prompts' order."""
+        """Generates for every prompt; outputs come back in the prompts' order. A single prompt (a string, or
+        one list of token ids) is a batch of one."""
+        if isinstance(prompts, str) or (len(prompts) > 0 and all(isinstance(t, int) for t in prompts)):
+            prompts = [prompts]  # type: ignore[list-item]
         params = params or SamplingParams()
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)

@@ -142,7 +142,7 @@ def _sampling(body: dict, chat: bool) -> dict[str, Any]:
         if value is not None:
             out[name] = float(value)
     if body.get("seed") is not None:
-        out["seed"] = _number(body, "seed", int)
+        out["seed"] = _number(body, "seed", int, -(2**63), 2**63 - 1)  # an int64, as the API takes
     stop = body.get("stop")
     if stop is not None:
         stops = [stop] if isinstance(stop, str) else stop

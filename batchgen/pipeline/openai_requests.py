@@ -6,7 +6,7 @@ from typing import Any, Mapping
 from batchgen.engine import SamplingParams
 from batchgen.io.openai_batch import CHAT_URL, COMPLETIONS_URL, BatchRequestError, parse_request
 from batchgen.pipeline.render import PromptTokenizer, RenderError
-from batchgen.pipeline.sampling import SamplingSpec, schema_problem
+from batchgen.pipeline.sampling import SamplingSpec, row_seed, schema_problem
 
 CARRY_COLUMNS = ["url"]  # what the OpenAI Batch writer needs besides the row id (the custom_id)
 
@@ -31,7 +31,9 @@ class OpenAIPrompts:
         self.sampling = sampling
         self.max_chars = max_chars  # longer prompts are refused before they are tokenized
 
-    def build(self, values: Mapping[str, Any]) -> tuple[list[int], SamplingParams]:
+    def build(self, values: Mapping[str, Any], row_id: str) -> tuple[list[int], SamplingParams]:
+        """A line without a ``seed`` samples with the row's own (``row_seed``), not the spec's: repeated lines
+        are independent samples, as the API's unseeded requests are."""
         try:
             request = parse_request(dict(values))
         except BatchRequestError as e:
@@ -41,8 +43,9 @@ class OpenAIPrompts:
         if problem:
             where = f"body.response_format.json_schema.schema{problem[0]}"
             raise RenderError("invalid_request", f"{where}: not a valid JSON Schema: {problem[1]}")
+        seed = {} if "seed" in request.sampling else {"seed": row_seed(self.sampling.seed, row_id)}
         try:
-            params = self.sampling.params(**request.sampling)
+            params = self.sampling.params(**request.sampling, **seed)
         except ValueError as e:
             raise RenderError("invalid_request", str(e)) from None
         size = prompt_chars(request.messages, request.prompt)

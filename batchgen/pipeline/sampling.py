@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 from functools import lru_cache
 from typing import Annotated, Any, get_type_hints
@@ -56,6 +57,15 @@ class SamplingSpec(create_model("SamplingFields", __base__=_Fields, **_fields())
     def params(self, **overrides: Any) -> SamplingParams:
         """The engine's parameters for a request; ``overrides`` (engine field names) replace the job's values."""
         return SamplingParams(**{**self.model_dump(), **overrides})
+
+
+def row_seed(job_seed: int | None, row_id: str) -> int | None:
+    """A row's own seed: the job's seed mixed with the row's id, so that rows sample independently of one another
+    (equal prompts give different samples) and a rerun samples each row as before, in any batch or replica."""
+    if job_seed is None:
+        return None
+    key = f"{job_seed}\0{row_id}".encode("utf-8", "surrogatepass")
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 2
 
 
 def _json_path(path: Any) -> str:

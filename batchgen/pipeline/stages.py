@@ -1,6 +1,7 @@
 """The row stages before the engine: id assignment, skip on resume, render + tokenize, truncate, sort."""
 from __future__ import annotations
 
+import copy
 import threading
 from dataclasses import dataclass, field
 from itertools import islice
@@ -13,6 +14,7 @@ from batchgen.pipeline.errors import JobError
 from batchgen.pipeline.openai_requests import OpenAIPrompts
 from batchgen.pipeline.render import PromptRenderer, PromptTokenizer, RenderError, TruncateMode, fit_chars, truncate
 from batchgen.pipeline.rows import Request, ResultRow, carried_values, error_row
+from batchgen.pipeline.sampling import row_seed
 from batchgen.pipeline.spec import JobSpec
 
 DUP_MARK = "#dup"
@@ -65,9 +67,10 @@ class IdAssigner(Protocol):
 
 
 class PromptSource(Protocol):
-    """Turns a row's values into prompt token ids and the request's sampling; raises RenderError."""
+    """Turns a row's values into prompt token ids and the request's sampling (its seed the row's own, see
+    ``row_seed``); raises RenderError."""
 
-    def build(self, values: Mapping[str, Any]) -> tuple[list[int], SamplingParams]: ...
+    def build(self, values: Mapping[str, Any], row_id: str) -> tuple[list[int], SamplingParams]: ...
 
 
 @dataclass
@@ -80,9 +83,13 @@ class TemplatePrompts:
     max_chars: int
     truncate_mode: TruncateMode
 
-    def build(self, values: Mapping[str, Any]) -> tuple[list[int], SamplingParams]:
+    def build(self, values: Mapping[str, Any], row_id: str) -> tuple[list[int], SamplingParams]:
         text = fit_chars(self.renderer.render_text(values), self.max_chars, self.truncate_mode)
-        return self.renderer.encode(text), self.params
+        params = self.params
+        if params.seed is not None:
+            params = copy.copy(params)  # the spec's checked fields, with the row's own seed
+            params.seed = row_seed(self.params.seed, row_id)
+        return self.renderer.encode(text), params
 
 
 def prompt_source(spec: JobSpec, tokenizer: PromptTokenizer) -> PromptSource:
@@ -127,7 +134,7 @@ class Preparer:
                 yield error_row(row_id, carried, "invalid_input", row.error, row.source)
             else:
                 try:
-                    ids, params = self.prompts.build(row.values)
+                    ids, params = self.prompts.build(row.values, row_id)
                     if len(ids) > self.max_prompt_tokens:
                         ids = truncate(ids, self.max_prompt_tokens, self.truncate_mode)
                         self.truncated += 1

@@ -14,6 +14,7 @@ PARAM_LIMITS: dict[str, dict[str, float]] = {
 }
 _COMPARE = {"ge": (operator.ge, ">="), "gt": (operator.gt, ">"), "le": (operator.le, "<=")}
 CONSTRAINTS = ("json_schema", "regex", "choice")
+SEED_RANGE = (-(2**63), 2**63 - 1)  # a seed is an int64 on the device
 
 
 @dataclass
@@ -44,6 +45,10 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if self.seed is not None and not (isinstance(self.seed, int) and SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]):
+            raise ValueError(f"seed must be an integer from -2**63 to 2**63 - 1, got {self.seed!r}")
         for name, limits in PARAM_LIMITS.items():
             value = getattr(self, name)
             for kind, bound in limits.items():

@@ -134,12 +134,13 @@ def sampling_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 
 def _apply_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
     """Masks tokens outside each row's top-k and top-p nucleus with -inf."""
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)  # ties keep argmax's first index
     vocab = logits.shape[-1]
     ranks = torch.arange(vocab, device=logits.device)[None, :]
     k = torch.where(top_ks > 0, top_ks, vocab)[:, None]
     sorted_logits = sorted_logits.masked_fill(ranks >= k, float("-inf"))
     probs = sorted_logits.softmax(dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs  # keep a token while the mass before it is < top_p
-    sorted_logits = sorted_logits.masked_fill(mass_before >= top_ps[:, None], float("-inf"))
+    outside = (mass_before >= top_ps[:, None]) & (ranks > 0)  # the top token stays, however small top_p is
+    sorted_logits = sorted_logits.masked_fill(outside, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter_(1, order, sorted_logits)
