@@ -34,7 +34,8 @@ import torch
 
 from batchgen.engine import LLM, SamplingParams
 from batchgen.engine.dtype import KV_CACHE_DTYPES
-from batchgen.engine.loading.hub import cache_dir, resolve_model_path
+from batchgen.engine.loading.hub import resolve_model_path
+from batchgen.io.paths import cache_dir
 from compare_hf import hf_model
 from compare_vllm import hf_folder, run_vllm
 from decode_workload import (amx_bf16_in_cpuinfo, kv_bytes_per_token, linear_shapes, mean_context, random_prompts,

@@ -100,7 +100,8 @@ def main() -> None:
 
     from batchgen.bench.workload import from_documents
     from batchgen.engine import LLM, SamplingParams
-    from batchgen.engine.loading.hub import cache_dir, resolve_model_path
+    from batchgen.engine.loading.hub import resolve_model_path
+    from batchgen.io.paths import cache_dir
 
     folder = hf_folder(resolve_model_path(args.model), cache_dir() / "bench" / f"{args.model}-safetensors")
     llm = LLM(resolve_model_path(args.model), dtype=args.dtype, device="cpu",

@@ -68,7 +68,7 @@ def load_baseline(ref: str, source: str = BASELINE_SOURCE) -> str:
     sha = subprocess.run(["git", "-C", str(root), "rev-parse", "--short=12", ref], check=True, capture_output=True,
                          text=True).stdout.strip()
     namespace = f"batchgen_cpu_{sha}"
-    from batchgen.engine.loading.hub import cache_dir
+    from batchgen.io.paths import cache_dir
 
     folder = cache_dir() / "cpu" / f"baseline-{sha}-{Path(source).stem}"
     folder.mkdir(parents=True, exist_ok=True)

@@ -13,6 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from batchgen.io import InputError, expand_inputs, read_columns, read_rows, redact, storage_options_for
+from batchgen.io.fingerprint import tree_digest
 from batchgen.io.retry import BOTO_SINGLE_ATTEMPT
 
 
@@ -265,3 +266,24 @@ def test_stream_resumes_after_transient_error(tmp_path, monkeypatch):
     assert [r.values["i"] for r in got] == list(range(400)) and opened.count(jsonl) == 2
     got = list(read_rows([parquet], batch_rows=32))
     assert [r.values["n"] for r in got] == list(range(400)) and opened.count(parquet) >= 2
+
+
+def test_file_digests_cover_every_byte_and_are_read_once_per_version(tmp_path, monkeypatch):
+    """A model file's digest counts every byte, is remembered while the file keeps its path, size, mtime and
+    inode, and is taken again once any of them changes."""
+    monkeypatch.setenv("BATCHGEN_CACHE", str(tmp_path / "cache"))
+    model = tmp_path / "model.bin"
+    data = bytearray(os.urandom(3 << 20))
+    model.write_bytes(data)
+    first = tree_digest(str(model))
+    stat = model.stat()
+    data[len(data) // 2] ^= 1
+    with open(model, "r+b") as f:  # the same inode and size, the old mtime put back: the remembered digest
+        f.write(data)
+    os.utime(model, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert tree_digest(str(model)) == first
+    os.utime(model, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))  # a write moves the mtime: read again
+    assert tree_digest(str(model)) != first
+    data[len(data) // 2] ^= 1
+    model.write_bytes(data)
+    assert tree_digest(str(model)) == first  # the first content again, whatever the file's times

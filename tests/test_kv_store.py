@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -11,13 +13,18 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from batchgen.engine import LLM, SamplingParams
 from batchgen.engine.config import EngineConfig
-from batchgen.engine.kv_store import KVIdentity, KVStore
-from batchgen.engine.kv_store.format import BlockMiss, decode_block, encode_block
+from batchgen.engine.kv_store import KVIdentity, KVStore, kv_identity
+from batchgen.engine.kv_store.estimate import rank_kv_layout
+from batchgen.engine.kv_store.format import BlockMiss, decode_block, encode_block, weights_digest
 from batchgen.engine.kv_store.host import HostCache
 from batchgen.engine.kv_store.store import object_name
+from batchgen.engine.loading.loader import load_model_source
+from batchgen.engine.models.registry import model_config
+from batchgen.engine.quantization.checkpoint import convert_folder
 from tests.engine_helpers import TEXT
 from tests.s3_server import moto_server, s3  # noqa: F401
 
@@ -269,3 +276,50 @@ def test_wait_for_a_load_is_bounded_by_the_compute_it_saves():
     assert tiers._wait_limit(seq) == pytest.approx(0.8)
     tiers.seconds_per_token = 1e-9
     assert tiers._wait_limit(seq) == MIN_WAIT_S
+
+
+# ---- the identity of a real engine's blocks ---------------------------------------------------------
+def namespace(model: Path, max_model_len: int | None = None, **engine) -> str:
+    """The store folder an engine with these settings would read and write, as the engine derives it."""
+    config = EngineConfig(model=str(model), dtype="float32", device="cpu", **engine)
+    source = load_model_source(config.model, config.storage_options)
+    cfg = model_config(source.config)
+    positions = cfg.context_len(max_model_len)
+    return kv_identity(config, source, cfg, rank_kv_layout(config, cfg, positions), positions).namespace()
+
+
+def test_a_checkpoint_changed_in_one_tensor_mid_file_has_its_own_blocks(tmp_path):
+    """Files of several MiB, equal but for one byte in the middle: another model, so other blocks."""
+    original = tmp_path / "a"
+    original.mkdir()
+    (original / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    save_file({f"t{i}": torch.randn(256, 1024) for i in range(6)}, str(original / "model.safetensors"))
+    changed = tmp_path / "b"
+    shutil.copytree(original, changed)
+    data = bytearray((changed / "model.safetensors").read_bytes())
+    assert len(data) > 4 * (1 << 20)
+    data[len(data) // 2] ^= 0x40
+    (changed / "model.safetensors").write_bytes(bytes(data))
+    config = json.loads((original / "config.json").read_text())
+    assert weights_digest(str(original), config) != weights_digest(str(changed), config)
+    assert weights_digest(str(original), config) == weights_digest(str(shutil.copytree(original, tmp_path / "c")),
+                                                                   config)  # a copy is the same model
+
+
+def test_longrope_blocks_are_named_by_the_factors_the_context_picks(tiny_model_factory):
+    """LongRoPE's table takes its long factors once max_model_len passes the original context (16 here)."""
+    phi3 = tiny_model_factory("phi3")
+    short, also_short, long = (namespace(phi3, n) for n in (8, 16, 256))
+    assert short == also_short != long
+    llama = tiny_model_factory("llama")
+    assert namespace(llama, 32) == namespace(llama, 64)  # no other scaling takes anything from the context
+
+
+def test_fp8_weights_kept_and_dequantized_have_their_own_blocks(tiny_model_factory, tmp_path):
+    """FP8 weights kept multiply FP8-quantized activations: other keys and values than the dequantized weights."""
+    fp8 = tmp_path / "fp8"
+    fp8.mkdir()
+    convert_folder(tiny_model_factory("llama"), fp8, "block")
+    dequantized = namespace(fp8, attention_backend="triton", fp8_weights="dequantize")
+    assert namespace(fp8, attention_backend="triton", fp8_weights="fp8") != dequantized
+    assert namespace(fp8, attention_backend="triton", fp8_weights="auto") == dequantized  # no FP8 GEMM on a CPU

@@ -144,7 +144,7 @@ def _one_core_gflops(dtype: torch.dtype) -> float:
 
 def matmul_rates(features: CpuFeatures) -> dict[str, float]:
     """GFLOP/s of a small matmul in bf16 and fp32, measured once per machine and cached on disk."""
-    from batchgen.engine.loading.hub import cache_dir
+    from batchgen.io.paths import cache_dir
 
     path = cache_dir() / "cpu" / f"matmul-{features.key()}-torch{torch.__version__}.json"
     try:

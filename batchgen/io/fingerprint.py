@@ -6,12 +6,14 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import posixpath
 from collections import defaultdict
 from datetime import datetime
 from typing import Any
 
-from batchgen.io.paths import filesystem
+from batchgen.io.atomic import write_atomic
+from batchgen.io.paths import cache_dir, filesystem
 from batchgen.io.redaction import redact
 from batchgen.io.retry import retry
 
@@ -78,34 +80,38 @@ def difference(before: dict[str, Any], now: dict[str, Any]) -> str | None:
     return ", ".join(changes) or None
 
 
-FULL_HASH_BYTES = 64 << 20  # files up to this size are hashed whole
-SAMPLED_BLOCKS, BLOCK_BYTES = 16, 1 << 20  # larger ones: this many evenly spaced blocks, first and last included
+READ_BYTES = 8 << 20
 
 
-def _file_hash(fs: Any, path: str, size: int) -> str:
-    """sha256 of the whole file when it is small, else of its size and sampled blocks.
+def file_hash(path: str) -> str:
+    """sha256 of a local file's whole content, kept in ``cache_dir()/digests`` under its path, size, modification
+    time and inode: a multi-GB checkpoint is read once, and then again only when it changes.
 
-    Sampling keeps a multi-GB checkpoint's digest to a 16 MiB read. The first block holds the GGUF / safetensors
-    header (tensor names, types, offsets, metadata); retraining or requantizing changes nearly every block, so a
-    changed model is told apart, while a copy (new mtime, same bytes) keeps its digest.
-    """
-    h = hashlib.sha256(str(size).encode())
-    with fs.open(path, "rb") as f:
-        if size <= FULL_HASH_BYTES:
-            for chunk in iter(lambda: f.read(BLOCK_BYTES), b""):
-                h.update(chunk)
-            return h.hexdigest()
-        step = (size - BLOCK_BYTES) // (SAMPLED_BLOCKS - 1)
-        for i in range(SAMPLED_BLOCKS):
-            f.seek(i * step)
-            h.update(f.read(BLOCK_BYTES))
-    return h.hexdigest()
+    Every byte counts: a checkpoint that differs from another in a few tensors (a merged adapter, one layer
+    retrained) must not pass for it, while a copy (new mtime, same bytes) keeps its digest."""
+    st = os.stat(path)
+    key = f"{os.path.realpath(path)}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ino}\0{st.st_dev}"
+    memo = cache_dir() / "digests" / hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()
+    try:
+        return memo.read_text().strip()
+    except OSError:
+        pass
+    h = hashlib.sha256(str(st.st_size).encode())
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(READ_BYTES), b""):
+            h.update(chunk)
+    digest = h.hexdigest()
+    try:
+        write_atomic(memo, digest.encode())
+    except OSError as e:  # a read-only home: the digest is still right, only not remembered
+        log.debug("cannot remember the digest of %s: %s", path, e)
+    return digest
 
 
 def tree_digest(url: str, storage_options: dict[str, Any] | None = None) -> str:
     """A digest of a file or of a folder's files (hidden ones skipped): their relative names and contents.
 
-    Local files are read (see ``_file_hash``); remote ones are never downloaded: their size and etag (else
+    Local files are read (see ``file_hash``); remote ones are never downloaded: their size and etag (else
     modification time) stand for their content.
     """
     fs, path = filesystem(url, storage_options)
@@ -120,6 +126,6 @@ def tree_digest(url: str, storage_options: dict[str, Any] | None = None) -> str:
         if any(part.startswith(".") for part in rel.split("/")):
             continue
         info = infos[name]
-        content = _file_hash(fs, name, int(info["size"])) if local else json.dumps(_fingerprint(info), default=str)
+        content = file_hash(name) if local else json.dumps(_fingerprint(info), default=str)
         h.update(f"{rel}\0{content}\0".encode())
     return h.hexdigest()

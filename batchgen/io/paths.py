@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import os
+from pathlib import Path
 from typing import Any
 
 import fsspec
@@ -13,12 +14,17 @@ from batchgen.io.errors import InputError
 from batchgen.io.redaction import redact, remember_secrets_in, remember_url_credentials
 from batchgen.io.retry import BOTO_SINGLE_ATTEMPT, retry, single_attempt
 
-__all__ = ["expand_inputs", "read_bytes", "redact", "storage_options_for", "filesystem", "DATA_SUFFIXES"]
+__all__ = ["cache_dir", "expand_inputs", "read_bytes", "redact", "storage_options_for", "filesystem", "DATA_SUFFIXES"]
 
 S3_PROTOCOLS = ("s3", "s3a")
 _CREDENTIAL_OPTIONS = ("key", "secret", "token", "username", "password", "anon", "profile", "session")
 _GLOB_CHARS = "*?["
 DATA_SUFFIXES = (".parquet", ".pq", ".jsonl", ".json", ".ndjson")
+
+
+def cache_dir() -> Path:
+    """``$BATCHGEN_CACHE`` or ``~/.cache/batchgen``: fetched models, built kernels, measured rates, file digests."""
+    return Path(os.environ.get("BATCHGEN_CACHE") or "~/.cache/batchgen").expanduser()
 
 
 def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:

@@ -71,8 +71,8 @@ class LLMEngine:
         source = load_model_source(config.model, config.storage_options)
         self.model_config = model_config(source.config)
         self.tokenizer = source.tokenizer
-        self.max_model_len = self.model_config.context_len(config.max_model_len)
-        self.executor = make_executor(config, self.model_config, source, self.max_model_len)
+        self.max_model_len = built_len = self.model_config.context_len(config.max_model_len)
+        self.executor = make_executor(config, self.model_config, source, built_len)
         capacity = self.executor.num_blocks * config.block_size
         if capacity < self.max_model_len:
             log.warning("KV cache holds %d tokens; max_model_len lowered from %d", capacity, self.max_model_len)
@@ -80,7 +80,7 @@ class LLMEngine:
         window = self.executor.kv_layout.window  # every layer slides: blocks out of it are freed while running
         # Host and store tiers below the device prefix cache, shared by the replicas.
         self.prefix_tiers = build_prefix_tiers(config, source, self.model_config, self.executor.rank_kv_layout,
-                                               self.executor.kv_shards)
+                                               built_len, self.executor.kv_shards)
         self.replicas = [Replica(config, self.executor.num_blocks, self.max_model_len, window, self.prefix_tiers)
                          for _ in range(config.data_parallel_size)]
         # Replicas whose MoE layers exchange tokens must all run every step, idle or not.

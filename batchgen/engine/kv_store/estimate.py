@@ -12,8 +12,8 @@ from batchgen.engine.config import EngineConfig, ModelConfig
 from batchgen.engine.core.block_manager import chain_hash
 from batchgen.engine.core.kv_cache import KVLayout
 from batchgen.engine.kv_store import kv_identity
-from batchgen.engine.kv_store.format import WEIGHT_SUFFIXES
 from batchgen.engine.kv_store.store import KVStore
+from batchgen.engine.loading.hub import WEIGHT_SUFFIXES
 from batchgen.engine.loading.model_source import ModelSource
 from batchgen.engine.models.registry import build_model
 from batchgen.engine.parallel.context import ParallelContext
@@ -62,8 +62,9 @@ class PromptSample:
 def rank_kv_layout(config: EngineConfig, model: ModelConfig, max_model_len: int) -> KVLayout:
     """What one tensor-parallel rank's cache holds per token, from the model's shape alone (built on meta)."""
     kernels = make_kernel_set("torch")
+    # The cache's shapes do not depend on how the weights multiply: dequantized weights build anywhere.
     methods = choose_weight_methods(model.quantization, kernels, config.torch_device(), config.torch_dtype,
-                                    config.fp8_weights)
+                                    "dequantize")
     rank0 = ParallelContext(tp=CommGroup(0, config.tensor_parallel_size), dp=CommGroup(0, config.data_parallel_size),
                             expert_parallel=config.expert_parallel(model))
     return build_model(model, kernels, max_model_len, config.torch_dtype, "meta", rank0, methods).kv_layout()
@@ -86,7 +87,7 @@ def estimate_store_hits(config: EngineConfig, source: ModelSource, model: ModelC
                         sample: PromptSample) -> StoreEstimate:
     """Looks the sampled prompts' blocks up in ``config.prefix_cache_store`` (tensor-parallel rank 0's
     namespace: every rank writes its shard of a block together)."""
-    identity = kv_identity(config, source, model, rank_kv_layout(config, model, max_model_len))
+    identity = kv_identity(config, source, model, rank_kv_layout(config, model, max_model_len), max_model_len)
     store = KVStore(config.prefix_cache_store, identity.namespace(), config.storage_options)
     known: dict[int, bool] = {}  # prompts sharing a prefix look its blocks up once
 

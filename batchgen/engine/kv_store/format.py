@@ -11,17 +11,16 @@ import hashlib
 import json
 import struct
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
+
+from batchgen.io.fingerprint import tree_digest
 
 MAGIC = b"BGKVBLK\x01"
 KV_FORMAT_VERSION = 1
 DIGEST_SIZE = 16
 _LENGTH = struct.Struct("<I")
-SAMPLE_BYTES = 1 << 20  # of each weight file's head and tail, in the weights digest
-WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".bin")
 
 
 class BlockMiss(Exception):
@@ -37,19 +36,11 @@ def _digest(data: bytes) -> bytes:
 
 
 def weights_digest(path: str, config: dict[str, Any]) -> str:
-    """Identifies a model's weights without reading them all: its config, and each weight file's name,
-    size, and first and last MiB (a fine-tuned or re-quantized checkpoint differs in those)."""
+    """Identifies a model: its config and the content of every file of its local copy (``tree_digest``: each
+    file read once, then remembered while it is unchanged), so a checkpoint that differs in one tensor has
+    blocks of its own."""
     h = hashlib.blake2b(json.dumps(config, sort_keys=True, default=str).encode(), digest_size=DIGEST_SIZE)
-    root = Path(path)
-    files = [root] if root.is_file() else sorted(p for p in root.iterdir()
-                                                 if p.suffix in WEIGHT_SUFFIXES)
-    for f in files:
-        size = f.stat().st_size
-        h.update(f"{f.name}:{size}".encode())
-        with open(f, "rb") as fh:
-            h.update(fh.read(SAMPLE_BYTES))
-            fh.seek(max(0, size - SAMPLE_BYTES))
-            h.update(fh.read(SAMPLE_BYTES))
+    h.update(tree_digest(path).encode())
     return h.hexdigest()
 
 
@@ -63,7 +54,7 @@ class KVIdentity:
     block_size: int
     tp_rank: int = 0
     tp_size: int = 1
-    rope: str = ""  # theta and scaling, as JSON
+    rope: str = ""  # rope_description
     version: int = KV_FORMAT_VERSION
 
     def namespace(self) -> str:
@@ -73,8 +64,9 @@ class KVIdentity:
         return _digest(text.encode()).hex()
 
 
-def rope_description(theta: float, scaling: dict | None) -> str:
-    return json.dumps({"theta": theta, "scaling": scaling}, sort_keys=True, default=str)
+def rope_description(theta: float, scaling: dict | None, context: str | None = None) -> str:
+    """The rotary table's inputs: ``context`` is what it takes from the engine's context (``rope_context``)."""
+    return json.dumps({"theta": theta, "scaling": scaling, "context": context}, sort_keys=True, default=str)
 
 
 def dtype_name(dtype: torch.dtype) -> str:

