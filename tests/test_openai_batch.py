@@ -7,7 +7,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from batchgen.io.openai_batch import BatchRequestError, parse_request
+from batchgen.io.openai_batch import BatchRequestError, parse_request, result_line
 from batchgen.pipeline.runner import run_job
 from batchgen.pipeline.spec import spec_from_dict
 from batchgen.report import build_report
@@ -244,3 +244,16 @@ def test_cut_requests_are_length_results_and_errors_count_their_tokens(tmp_path,
     bodies = [r["response"]["body"]["usage"] for r in results.values()] + [spent]
     assert stats["prompt_tokens"] == sum(u["prompt_tokens"] for u in bodies)
     assert stats["completion_tokens"] == sum(u["completion_tokens"] for u in bodies)
+
+
+def test_logprobs_carry_each_tokens_own_bytes_and_offsets_count_characters():
+    """A character split across tokens: chat logprobs give each token's own bytes; completion offsets count the
+    characters before each token, the split one where it ends."""
+    pieces = [b"Hi", b" \xf0\x9f", b"\x98\x80", b"!"]  # "Hi 😀!": the emoji's 4 bytes over two tokens
+    tokens = [{"token": b.decode("utf-8", "replace"), "bytes": list(b), "logprob": -0.5} for b in pieces]
+    row = {"custom_id": "a", "model": "m", "output": "Hi 😀!", "finish_reason": "stop", "prompt_tokens": 3,
+           "completion_tokens": 4, "logprobs": tokens}
+    chat = result_line({**row, "url": CHAT}, 0)["response"]["body"]["choices"][0]["logprobs"]["content"]
+    assert [bytes(t["bytes"]) for t in chat] == pieces and b"".join(pieces).decode() == row["output"]
+    text = result_line({**row, "url": COMPLETIONS}, 0)["response"]["body"]["choices"][0]["logprobs"]
+    assert text["text_offset"] == [0, 2, 3, 4] and row["output"][text["text_offset"][-1]:] == "!"

@@ -44,6 +44,19 @@ def assert_same_as_hf(ours: ModelTokenizer, hf, texts=TRICKY, chats=CHATS) -> No
     assert ours.pad_token_id == hf.pad_token_id
 
 
+def assert_token_bytes(ours: ModelTokenizer, texts=TRICKY) -> None:
+    """Each token's bytes, joined, are the decoded text (multi-byte characters split across tokens included); a
+    decoder that drops the prefix space it added leaves that space out of the text, not out of the first token."""
+    for text in texts:
+        ids = ours.encode(text, add_special_tokens=False)
+        pieces = ours.token_bytes(ids)
+        assert len(pieces) == len(ids)
+        decoded = ours.decode(ids, skip_special_tokens=False)
+        assert b"".join(pieces).decode() in (decoded, " " + decoded), text
+    emoji = ours.encode("😀", add_special_tokens=False)
+    assert len(emoji) > 1 and b"".join(ours.token_bytes(emoji)).decode() in ("😀", " 😀")
+
+
 # ---- HF folders -------------------------------------------------------------------------------------
 def test_hf_dir_matches_transformers(tiny_model):
     from transformers import AutoTokenizer
@@ -158,6 +171,7 @@ def test_gguf_byte_level_bpe_matches_transformers(tiny_model, tmp_path, pre, add
     path = _write_gguf(tmp_path / "tok.gguf", lambda w: write_tokenizer_metadata(w, tiny_model, pre, add_bos))
     ours = tokenizer_from_gguf(str(path))
     assert_same_as_hf(ours, _hf_gguf_tokenizer(path))
+    assert_token_bytes(ours)
     assert (ours.encode("x")[0] == ours.bos_token_id) == bool(add_bos)
     assert len(ours.encode("<|im_start|>", add_special_tokens=False)) == 1
 
@@ -196,6 +210,7 @@ def test_gguf_sentencepiece_bpe_matches_transformers(tmp_path):
         assert ids == hf.encode(text), text
         assert ours.decode(ids) == hf.decode(ids, skip_special_tokens=True), text
         assert ours.decode(ids, skip_special_tokens=False) == hf.decode(ids, skip_special_tokens=False), text
+    assert_token_bytes(ours, texts)
     assert ours.encode("fox")[0] == ours.bos_token_id == 1  # llama vocabularies add BOS by default
     assert ours.apply_chat_template(CHATS[0]) == hf.apply_chat_template(CHATS[0], tokenize=True, return_dict=False)
 
@@ -254,6 +269,7 @@ def test_gguf_gemma_sentencepiece_matches_transformers(tmp_path):
                                      chat_template=GEMMA_CHAT)
     ours, hf = tokenizer_from_gguf(str(path)), _hf_gguf_tokenizer(path)
     assert_same_as_hf(ours, hf, texts=SENTENCEPIECE_TRICKY)
+    assert_token_bytes(ours, SENTENCEPIECE_TRICKY)
     assert ours.encode("fox")[0] == ours.bos_token_id == 2
     assert ours.decode(ours.encode("  two   spaces"), skip_special_tokens=True) == "  two   spaces"
     assert len(ours.encode("<start_of_turn>", add_special_tokens=False)) == 1

@@ -5,7 +5,7 @@ import json
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from tokenizers import AddedToken, processors
 from tokenizers.models import BPE
@@ -46,6 +46,22 @@ def _compile_template(source: str):
     return env.from_string(source)
 
 
+@lru_cache(maxsize=1)
+def _byte_level_chars() -> dict[str, int]:
+    """Byte-level BPE's printable stand-ins for the 256 bytes (GPT-2's table), char -> byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+                 *range(ord("\xae"), ord("\xff") + 1)]
+    extra = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + i): b for i, b in enumerate(extra)}}
+
+
+def _decoder_steps(decoder: dict | None) -> set[str]:
+    """The types of a tokenizer's decoder steps (a Sequence's and its own)."""
+    if not decoder:
+        return set()
+    return {decoder["type"], *(step["type"] for step in decoder.get("decoders") or ())}
+
+
 def _clean_up_spaces(text: str) -> str:
     for a, b in ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
                  (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re")):
@@ -62,6 +78,7 @@ class ModelTokenizer:
                  add_eos_token: bool | None = None, clean_up_tokenization_spaces: bool = False,
                  extra_special_tokens: Sequence[str] = ()) -> None:
         self._tok = tokenizer
+        self._piece_bytes: Callable[[str], bytes] | None = None  # built on first use by token_bytes
         self.bos_token = bos_token
         self.eos_token = eos_tokens[0] if eos_tokens else None
         self.pad_token = pad_token
@@ -161,6 +178,25 @@ class ModelTokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         text = self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
         return _clean_up_spaces(text) if self.clean_up_tokenization_spaces else text
+
+    def token_bytes(self, ids: Sequence[int]) -> list[bytes]:
+        """Each token's own bytes, which may be part of a character (OpenAI logprobs' ``bytes``): the decoded
+        text of the tokens together is their bytes joined."""
+        if self._piece_bytes is None:
+            steps = _decoder_steps(json.loads(self._tok.to_str()).get("decoder"))
+            chars = _byte_level_chars()
+            added = {t.content for t in self._tok.get_added_tokens_decoder().values()}
+
+            def piece_bytes(piece: str) -> bytes:
+                if piece in added:
+                    return piece.encode()
+                if "ByteLevel" in steps:
+                    return bytes(chars[c] for c in piece) if all(c in chars for c in piece) else piece.encode()
+                if "ByteFallback" in steps and len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+                    return bytes([int(piece[3:5], 16)])
+                return piece.replace("\u2581", " ").encode()
+            self._piece_bytes = piece_bytes
+        return [self._piece_bytes(self._tok.id_to_token(i) or "") for i in ids]
 
     # ---- chat ---------------------------------------------------------------------------------------
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,

@@ -5,6 +5,7 @@ the pipeline turns into that line's error record. Sampling settings come out und
 """
 from __future__ import annotations
 
+import codecs
 import hashlib
 import json
 import time
@@ -198,21 +199,21 @@ def _ids(custom_id: str) -> str:
 def _logprobs(tokens: list[dict[str, Any]] | None, chat: bool) -> dict[str, Any] | None:
     if tokens is None:
         return None
+    pieces = [bytes(t["bytes"]) if "bytes" in t else t["token"].encode() for t in tokens]
     if chat:
-        return {"content": [{"token": t["token"], "logprob": t["logprob"],
-                             "bytes": list(t["token"].encode("utf-8")), "top_logprobs": []} for t in tokens],
-                "refusal": None}
-    offsets, at = [], 0
-    for t in tokens:
+        return {"content": [{"token": t["token"], "logprob": t["logprob"], "bytes": list(b), "top_logprobs": []}
+                            for t, b in zip(tokens, pieces)], "refusal": None}
+    offsets, at, text = [], 0, codecs.getincrementaldecoder("utf-8")("replace")
+    for b in pieces:  # the characters before each token: one split across tokens counts once, where it ends
         offsets.append(at)
-        at += len(t["token"])
+        at += len(text.decode(b))
     return {"tokens": [t["token"] for t in tokens], "token_logprobs": [t["logprob"] for t in tokens],
             "top_logprobs": None, "text_offset": offsets}
 
 
 def result_line(row: dict[str, Any], created: int) -> dict[str, Any]:
     """The output-file line of a finished request: ``row`` has custom_id, url, model, output, finish_reason,
-    prompt_tokens, completion_tokens and optionally logprobs (``[{token, logprob}]``)."""
+    prompt_tokens, completion_tokens and optionally logprobs (``[{token, bytes, logprob}]``)."""
     suffix, chat = _ids(row["custom_id"]), row["url"] == CHAT_URL
     usage = _usage(row)
     logprobs = _logprobs(row.get("logprobs"), chat)

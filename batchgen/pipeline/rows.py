@@ -48,7 +48,7 @@ class ResultRow:
     finish_reason: str
     error: dict[str, str] | None = None
     cached_tokens: int = 0
-    logprobs: list[dict[str, Any]] | None = None  # [{token, logprob}] when the request asked for them
+    logprobs: list[dict[str, Any]] | None = None  # [{token, bytes, logprob}] when the request asked for them
     source: str = ""
 
     @property
@@ -88,7 +88,9 @@ def engine_row(req: Request, out: RequestOutput, tokenizer: Any) -> ResultRow:
         return error_row(req.row_id, req.carried, *problem, source=req.source, **spent)
     logprobs = None
     if out.logprobs is not None:
-        logprobs = [{"token": tokenizer.decode([t]), "logprob": lp} for t, lp in zip(out.token_ids, out.logprobs)]
+        pieces = tokenizer.token_bytes(out.token_ids)  # a token may hold part of a character: its bytes say which
+        logprobs = [{"token": b.decode("utf-8", "replace"), "bytes": list(b), "logprob": lp}
+                    for b, lp in zip(pieces, out.logprobs)]
     return ResultRow(req.row_id, req.carried, out.text, len(out.prompt_token_ids), len(out.token_ids),
                      out.finish_reason or "stop", None, out.num_cached_tokens, logprobs, req.source)
 
