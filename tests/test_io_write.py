@@ -262,3 +262,15 @@ def test_cleanup_spares_the_probe_of_a_racing_run_and_tolerates_files_already_go
     monkeypatch.undo()
     w.write_part(rows(["a"]))
     assert [r["row_id"] for r in read_output(str(out))] == ["a"]
+
+
+def test_part_files_no_run_recorded_are_refused_and_kept(tmp_path):
+    """A folder whose part-named files no batchgen run wrote: resuming into it would replace them."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "part-00000.parquet").write_bytes(b"someone else's data")
+    with pytest.raises(OutputError, match=r"part-00000.parquet\) that no batchgen run recorded"):
+        OutputWriter(str(out))
+    assert (out / "part-00000.parquet").read_bytes() == b"someone else's data"
+    OutputWriter(str(out), overwrite=True).write_part(rows(["a"]))  # asked for: they go
+    assert read_output(str(out)) == rows(["a"])

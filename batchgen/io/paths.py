@@ -11,6 +11,7 @@ import fsspec
 from fsspec.core import split_protocol
 
 from batchgen.io.errors import InputError
+from batchgen.io.manifest import STATS, TELEMETRY
 from batchgen.io.redaction import redact, remember_secrets_in, remember_url_credentials
 from batchgen.io.retry import BOTO_SINGLE_ATTEMPT, retry, single_attempt
 
@@ -118,9 +119,10 @@ def _expand_one(url: str, storage_options: dict[str, Any] | None) -> list[str]:
             paths = [p for p, info in found.items()
                      if info.get("type") != "directory" and not _hidden_below(fixed, p)]
         elif retry(lambda: fs.isdir(path), what=f"isdir {url}"):
-            # a folder stands for the data files under it, as written by OutputWriter or Spark
+            # a folder stands for the data files under it, as written by OutputWriter (not its stats) or Spark
             found = retry(lambda: fs.find(path), what=f"list {url}")
-            paths = [p for p in found if _is_data_file(p) and not _hidden_below(path, p)]
+            paths = [p for p in found if _is_data_file(p) and not _hidden_below(path, p)
+                     and p.rsplit("/", 1)[-1] not in (STATS, TELEMETRY)]
         elif retry(lambda: fs.isfile(path), what=f"stat {url}"):
             paths = [path]
         else:

@@ -86,6 +86,7 @@ class OutputWriter:
         self.refresh()
         self._check_resume_format()
         if not overwrite:
+            self._refuse_foreign_parts()
             self.cleanup_uncommitted()
         if self.fmt == "parquet" and self._entries:
             self._seed_types()
@@ -142,6 +143,17 @@ class OutputWriter:
         if paths:
             self._guard(lambda: retry(lambda: self.fs.rm(paths), what="delete bad manifest entries"),
                         "delete bad manifest entries in")
+
+    def _refuse_foreign_parts(self) -> None:
+        """A folder no batchgen run has written (no manifest, _job.json, stats or _SUCCESS) whose files are named
+        as parts are someone else's: resuming would delete or overwrite them as a killed run's leftovers."""
+        names = self._guard(lambda: list_names(self.fs, self.root), "list")
+        parts = sorted(n for n in names if PART_RE.match(n))
+        if parts and not {MANIFEST_DIR, JOB, STATS, SUCCESS} & set(names):
+            shown = ", ".join(parts[:3]) + (f" and {len(parts) - 3} more" if len(parts) > 3 else "")
+            raise OutputError(redact(f"{self.path} holds files named as output parts ({shown}) that no batchgen "
+                                     f"run recorded; they would be replaced. Choose an empty or new folder, or pass "
+                                     f"--overwrite to delete them"))
 
     def _check_resume_format(self) -> None:
         other = sorted({e.format for e in self._entries.values()} - {self.fmt})

@@ -93,7 +93,8 @@ def plan_run(spec: JobSpec, writer: OutputWriter, files: list[str], carry: list[
              limit: int | None, quiet: bool, wall_start: float, started_at: str) -> RunPlan:
     """Reads what earlier runs committed into ``writer``'s folder and checks the inputs against it."""
     committed, previous = writer.committed_row_ids(), writer.committed_stats()
-    inputs, recorded = preflight.check_inputs_unchanged(writer, files, spec.storage_options)
+    inputs, recorded = preflight.check_inputs_unchanged(writer, files, spec.storage_options,
+                                                        positional_ids=spec.input.id_column is None)
     log.info("%s: %d input file(s) -> %s%s", spec.name, len(files), spec.resolved()["output"]["path"],
              f" (resuming: {len(committed)} rows already committed)" if committed else "")
     schema = PartSchema(spec.input.id_column or "id", carry)

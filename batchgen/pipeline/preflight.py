@@ -10,9 +10,10 @@ from jinja2 import Environment, nodes
 from batchgen.engine import LLM
 from batchgen.engine.loading.loader import load_model_source
 from batchgen.engine.models.registry import model_config
-from batchgen.io import InputError, OutputError, OutputWriter, expand_inputs, read_columns, redact
+from batchgen.io import InputError, OutputError, OutputWriter, count_rows, expand_inputs, read_columns, redact
 from batchgen.io.fingerprint import difference, fingerprints
 from batchgen.io.lease import LeaseSettings
+from batchgen.io.paths import filesystem
 from batchgen.pipeline.errors import JobError
 from batchgen.pipeline.openai_requests import CARRY_COLUMNS as OPENAI_CARRY
 from batchgen.pipeline.render import required_columns
@@ -63,6 +64,7 @@ def check_inputs(spec: JobSpec) -> list[str]:
     opts = spec.storage_options
     try:
         files = expand_inputs(spec.input.path, opts)
+        _refuse_output_among(files, spec)
         template = spec.prompt.template if spec.prompt is not None else ""
         needed = required_columns(template) - optional_columns(template)
         if spec.input.id_column:
@@ -71,7 +73,10 @@ def check_inputs(spec: JobSpec) -> list[str]:
             return files
         lacking: dict[str, list[str]] = {}
         for f in files:
-            for col in sorted(needed - read_columns([f], spec.input.format, opts)):
+            columns = read_columns([f], spec.input.format, opts)
+            if not columns and count_rows([f], spec.input.format, opts) == 0:
+                continue  # a file with no rows lacks nothing: it adds none
+            for col in sorted(needed - columns):
                 lacking.setdefault(col, []).append(f)
     except InputError as e:
         raise JobError(str(e)) from None
@@ -81,6 +86,18 @@ def check_inputs(spec: JobSpec) -> list[str]:
         raise JobError(f"the job needs column(s) {cols}, missing from input file(s) "
                        f"{_files_list(where)}")
     return files
+
+
+def _refuse_output_among(files: list[str], spec: JobSpec) -> None:
+    """Raises JobError when an input file lies in the output folder: a run would mix its rows with the input's
+    files, and --overwrite or the cleanup of a killed run's parts would delete them."""
+    fs, out = filesystem(spec.output.path, spec.storage_options)
+    out = out.rstrip("/") + "/"
+    for f in files:
+        other_fs, path = filesystem(f, spec.storage_options)
+        if other_fs.protocol == fs.protocol and path.startswith(out):
+            raise JobError(redact(f"input file {f} lies in the output folder {spec.output.path}: choose an output "
+                                  f"folder apart from the input"))
 
 
 def open_output(spec: JobSpec, overwrite: bool, force_unlock: bool = False) -> OutputWriter:
@@ -104,14 +121,20 @@ def _recorded_inputs(writer: OutputWriter) -> dict[str, dict[str, Any]]:
     return recorded
 
 
-def check_inputs_unchanged(writer: OutputWriter, files: list[str], storage_options: dict[str, Any]
-                           ) -> tuple[dict[str, dict[str, Any]], set[str]]:
+def check_inputs_unchanged(writer: OutputWriter, files: list[str], storage_options: dict[str, Any],
+                           positional_ids: bool = False) -> tuple[dict[str, dict[str, Any]], set[str]]:
     """(fingerprint of each input file now, files whose fingerprint earlier parts already hold); warns,
-    naming the file, about each input whose committed rows came from other content."""
+    naming the file, about each input whose committed rows came from other content. With ``positional_ids``
+    (no id column: a row is known by its file and line) a file whose size or etag changed is refused: its
+    committed rows could stand for other lines now."""
     current, recorded = fingerprints(files, storage_options), _recorded_inputs(writer)
     for url, now in current.items():
         before = recorded.get(redact(url))
         change = difference(before, now) if before else None
+        if change and positional_ids and any(before.get(k) not in (None, now.get(k)) for k in ("size", "etag")):
+            raise JobError(redact(f"input file {url} changed since its rows were first committed ({change}); "
+                                  f"without input.id_column a row is known by its position, so the committed rows "
+                                  f"may no longer be the file's. Restore the file, or rerun with --overwrite"))
         if change:
             log.warning("input file %s changed since its rows were first committed (%s); the committed rows "
                         "are kept as they are, the others are read from the file as it is now (use "
