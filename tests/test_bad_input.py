@@ -136,3 +136,48 @@ def test_carry_column_clash_is_a_spec_error(tmp_path, tiny_model):
     with pytest.raises(SpecError, match=r"output.carry_columns: 'output' clashes"):
         run_job(make_spec(tiny_model, inp, tmp_path / "out", output={"carry_columns": ["output"]}),
                 quiet=True)
+
+
+def test_an_input_in_the_output_folder_is_refused_and_kept(tmp_path, tiny_model, tiny_llm):
+    folder = tmp_path / "shards"
+    inp = write_jsonl(folder / "part-00000.jsonl", records(2))
+    with pytest.raises(JobError, match="lies in the output folder"):
+        run_job(make_spec(tiny_model, folder, folder), llm=tiny_llm, quiet=True, overwrite=True)
+    assert inp.read_text() == "".join(json.dumps(r) + "\n" for r in records(2))
+
+
+def test_an_empty_jsonl_file_among_the_inputs_adds_no_rows(tmp_path, tiny_model, tiny_llm):
+    write_jsonl(tmp_path / "in" / "a.jsonl", records(3))
+    (tmp_path / "in" / "b.jsonl").write_text("")
+    stats, rows = run(tmp_path, tiny_model, tiny_llm, tmp_path / "in")
+    assert stats["rows"] == 3 and sorted(by_id(rows)) == ["r0", "r1", "r2"]
+
+
+def test_carried_values_of_mixed_types_are_kept_as_json_text(tmp_path, tiny_model, tiny_llm):
+    """One part mixing types, and a later part that the first part's types would change: every carried value
+    comes back as it was (as JSON text where no one type holds it)."""
+    recs = [{"id": "a", "text": "fox", "score": 1, "tags": ["x"]}, {"id": "b", "text": "dog", "score": 2.7,
+                                                                     "tags": "abc"},
+            {"id": "c", "text": "cat", "score": "high", "tags": {"k": 1}}]
+    inp = write_jsonl(tmp_path / "in.jsonl", recs)
+    stats, rows = run(tmp_path, tiny_model, tiny_llm, inp, batching={"sort": False},
+                      output={"carry_columns": ["score", "tags"], "rows_per_part": 1})
+    got = by_id(rows)
+    assert len(got) == len(recs) and stats["ok_rows"] == 3
+    for r in recs:
+        for key in ("score", "tags"):
+            value = got[r["id"]][key]
+            assert (json.loads(value) if isinstance(value, str) and not isinstance(r[key], str) else value) == r[key]
+
+
+def test_positional_ids_refuse_a_changed_input_on_resume(tmp_path, tiny_model, tiny_llm):
+    """Without an id column a row is its file and line: rows inserted above committed ones would shift them."""
+    recs = [{k: v for k, v in r.items() if k != "id"} for r in records(4)]
+    inp = write_jsonl(tmp_path / "in.jsonl", recs)
+    spec = make_spec(tiny_model, inp, tmp_path / "out", input={"path": str(inp), "id_column": None})
+    run_job(spec, llm=tiny_llm, quiet=True, limit=2)
+    write_jsonl(inp, [{"text": "inserted first", "title": "t"}] + recs)
+    with pytest.raises(JobError, match="without input.id_column a row is known by its position"):
+        run_job(spec, llm=tiny_llm, quiet=True)
+    stats = run_job(spec, llm=tiny_llm, quiet=True, overwrite=True)
+    assert stats["rows"] == 5

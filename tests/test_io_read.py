@@ -287,3 +287,21 @@ def test_file_digests_cover_every_byte_and_are_read_once_per_version(tmp_path, m
     data[len(data) // 2] ^= 1
     model.write_bytes(data)
     assert tree_digest(str(model)) == first  # the first content again, whatever the file's times
+
+
+def test_a_line_nested_past_the_parser_is_an_error_row(tmp_path):
+    path = tmp_path / "deep.jsonl"
+    path.write_text('{"text": "a"}\n' + '{"text": ' + "[" * 100_000 + "]" * 100_000 + "}\n" + '{"text": "b"}\n')
+    got = list(read_rows([str(path)]))
+    assert len(got) == 3 and [r.values.get("text") for r in (got[0], got[2])] == ["a", "b"]
+    assert "nested too deeply" in got[1].error
+
+
+def test_a_finished_output_folder_reads_as_its_parts(tmp_path):
+    """stats.json and telemetry.json beside the parts are not input rows."""
+    out = tmp_path / "out"
+    out.mkdir()
+    pq.write_table(pa.table({"id": ["a"], "output": ["x"]}), out / "part-00000.parquet")
+    for name in ("stats.json", "telemetry.json"):
+        (out / name).write_text("{}")
+    assert expand_inputs(str(out)) == [str(out / "part-00000.parquet")]

@@ -266,3 +266,14 @@ def test_executor_section(tmp_path, monkeypatch):
 def test_yaml_error_names_the_line(tmp_path):
     err = errors_of(load_spec, write(tmp_path, MINIMAL + "sampling: {max_tokens: 1\n"))[0]
     assert err.startswith(f"{tmp_path / 'job.yaml'}:11:") and "invalid YAML" in err
+
+
+def test_unknown_filters_binary_specs_and_out_of_range_seeds_are_spec_errors(tmp_path):
+    base = {"name": "j", "model": {"path": "m"}, "input": {"path": "in.jsonl"}, "output": {"path": "out/"}}
+    template = errors_of(spec_from_dict, {**base, "prompt": {"template": "{{ text | nosuchfilter }}"}})
+    assert template == ["prompt.template: template error at line 1: No filter named 'nosuchfilter'."]
+    seed = errors_of(spec_from_dict, {**base, "prompt": {"template": "{{ text }}"}, "sampling": {"seed": 2**64}})
+    assert len(seed) == 1 and seed[0].startswith("sampling.seed: Input should be less than or equal to")
+    binary = tmp_path / "spec.yaml"
+    binary.write_bytes(b"\xff\xfe model: m")
+    assert errors_of(load_spec, str(binary)) == [f"{binary}: not a YAML text file: invalid UTF-8 at byte 0"]

@@ -80,6 +80,8 @@ def test_spec_errors_name_their_key_path(tmp_path, monkeypatch):
     assert errors({**base, "sampling": {"regex": "a", "choice": ["a"]}}) == [
         "sampling: at most one of json_schema, regex, choice may be set, got regex, choice"]
     assert errors({**base, "sampling": {"choice": []}})[0].startswith("sampling.choice:")
+    assert errors({**base, "sampling": {"regex": "("}}) == [
+        "sampling.regex: Regex parsing error at position 2: The parenthesis is not closed."]
     monkeypatch.setattr("batchgen.pipeline.sampling.structured_available", lambda: False)
     assert "pip install 'batchgen[structured]'" in errors({**base, "sampling": {"json_schema": SCHEMA}})[0]
 

@@ -194,6 +194,8 @@ def _parse_line(raw: bytes | Oversized, url: str, lineno: int) -> tuple[dict | N
         obj = json.loads(text)
     except json.JSONDecodeError as exc:
         return None, f"{where}: malformed JSON: {exc.msg} at column {exc.colno}"
+    except RecursionError:
+        return None, f"{where}: JSON nested too deeply to read"
     if not isinstance(obj, dict):
         return None, f"{where}: expected a JSON object, got {type(obj).__name__}"
     return obj, None

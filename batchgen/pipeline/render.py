@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 from typing import Any, Literal, Mapping, Protocol, Sequence
 
-from jinja2 import StrictUndefined, TemplateSyntaxError, UndefinedError, meta
+from jinja2 import StrictUndefined, TemplateAssertionError, TemplateSyntaxError, UndefinedError, meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 TruncateMode = Literal["error", "left", "right"]
@@ -32,9 +32,12 @@ class RenderError(Exception):
 
 
 def check_template(template: str) -> None:
-    """Raises ``ValueError`` naming the line of a Jinja2 syntax error."""
+    """Raises ``ValueError`` naming the line of a Jinja2 syntax error, or of a filter or test that does not exist
+    (compiling finds those)."""
     try:
-        _ENV.parse(template)
+        _ENV.from_string(template)
+    except TemplateAssertionError as e:  # an unknown filter or test
+        raise ValueError(f"template error at line {e.lineno}: {e.message}") from None
     except TemplateSyntaxError as e:
         raise ValueError(f"template syntax error at line {e.lineno}: {e.message}") from None
 

@@ -1,7 +1,9 @@
 """Output rows: one per input row, ok or error, and the Parquet schema that keeps parts consistent."""
 from __future__ import annotations
 
+import json
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -102,12 +104,32 @@ def openai_record(row: ResultRow, model: str, default_url: str) -> dict[str, Any
             "completion_tokens": row.completion_tokens, "error": row.error, "logprobs": row.logprobs}
 
 
+def _same(a: Any, b: Any) -> bool:
+    return a == b or (isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b))
+
+
+def _holds(values: list[Any], dtype: pa.DataType | None) -> pa.DataType | None:
+    """``dtype`` (inferred when None) if an Arrow array of it gives the values back as they are, else None."""
+    try:
+        array = pa.array(values, type=dtype)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, OverflowError, TypeError):
+        return None
+    back = array.to_pylist()
+    return array.type if len(back) == len(values) and all(map(_same, back, values)) else None
+
+
+def _json_text(value: Any) -> str | None:
+    return value if value is None or isinstance(value, str) else json.dumps(value, ensure_ascii=False, default=str)
+
+
 @dataclass
 class PartSchema:
     """Parquet schema of output parts: fixed result columns, carried columns typed by their first values.
 
     Remembering carried column types keeps every part of a job on one schema, so the folder reads back
-    as a single dataset; a column that is null throughout a part stays typed as in earlier parts.
+    as a single dataset; a column that is null throughout a part stays typed as in earlier parts. Values that
+    no one type holds as they are (mixed types, or a part's values that its earlier type would change) are
+    written as JSON text instead: carried values are never changed nor dropped.
     """
 
     id_column: str
@@ -120,25 +142,31 @@ class PartSchema:
             if name in self.carry_columns and not pa.types.is_null(dtype):
                 self.carry_types.setdefault(name, dtype)
 
-    def _carry_type(self, name: str, values: list[Any]) -> pa.DataType:
+    def _carry_type(self, name: str, values: list[Any]) -> pa.DataType | None:
+        """The column's type, or None where its values go as JSON text."""
         known = self.carry_types.get(name)
-        if known is not None:
-            try:
-                pa.array(values, type=known)
-                return known
-            except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError):
-                log.warning("carried column %r changes type between parts", name)
-        try:
-            inferred = pa.array(values).type
-        except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError):
-            raise ValueError(f"carried column {name!r} mixes value types; it cannot be written to Parquet")
-        if not pa.types.is_null(inferred):
-            self.carry_types.setdefault(name, inferred)
-        return inferred
+        held = _holds(values, known)
+        if held is not None:
+            if known is None and not pa.types.is_null(held):
+                self.carry_types[name] = held
+            return held
+        if known is None:
+            log.warning("carried column %r mixes value types: written as JSON text", name)
+            self.carry_types[name] = pa.string()
+        elif not pa.types.is_string(known):
+            log.warning("carried column %r: values that its type from earlier parts (%s) would change are "
+                        "written as JSON text in this part", name, known)
+        return None
 
     def for_rows(self, rows: list[dict[str, Any]]) -> pa.Schema:
+        """The part's schema; carried values that go as JSON text are turned into it in ``rows``."""
         fields = [pa.field(self.id_column, pa.string())]
         for name in self.carry_columns:
-            fields.append(pa.field(name, self._carry_type(name, [r.get(name) for r in rows])))
+            dtype = self._carry_type(name, [r.get(name) for r in rows])
+            if dtype is None:
+                dtype = pa.string()
+                for r in rows:
+                    r[name] = _json_text(r.get(name))
+            fields.append(pa.field(name, dtype))
         fields += [pa.field(name, _RESULT_TYPES[name]) for name in RESULT_COLUMNS]
         return pa.schema(fields)

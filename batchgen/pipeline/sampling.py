@@ -10,7 +10,7 @@ from typing import Annotated, Any, get_type_hints
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, create_model, model_validator
 
 from batchgen.engine.sampling.params import CONSTRAINTS, PARAM_LIMITS, SamplingParams
-from batchgen.engine.sampling.structured import EXTRA_HINT, structured_available
+from batchgen.engine.sampling.structured import EXTRA_HINT, regex_problem, structured_available
 from batchgen.io import InputError, read_bytes, redact
 
 # Where a job differs from the engine: deterministic, longer outputs by default.
@@ -94,7 +94,10 @@ def check_constraints(sampling: SamplingSpec, storage_options: dict[str, Any]) -
     given = [name for name in CONSTRAINTS if getattr(sampling, name) is not None]
     if not given:
         return []
-    errors = [] if structured_available() else [f"sampling.{given[0]}: {EXTRA_HINT}"]
+    available = structured_available()
+    errors = [] if available else [f"sampling.{given[0]}: {EXTRA_HINT}"]
+    if available and sampling.regex is not None and (problem := regex_problem(sampling.regex)):
+        errors.append(f"sampling.regex: {problem}")
     schema = sampling.json_schema
     if isinstance(schema, str):
         try:

@@ -351,6 +351,8 @@ def load_spec(path: str, overrides: Sequence[str] = (), env: Mapping[str, str] |
         text = Path(path).read_text(encoding="utf-8")
     except OSError as e:
         raise SpecError([f"{path}: cannot read spec: {e.strerror or e}"]) from None
+    except UnicodeDecodeError as e:
+        raise SpecError([f"{path}: not a YAML text file: invalid UTF-8 at byte {e.start}"]) from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
@@ -358,6 +360,8 @@ def load_spec(path: str, overrides: Sequence[str] = (), env: Mapping[str, str] |
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else path
         problem = getattr(e, "problem", None) or str(e).replace("\n", " ")
         raise SpecError([f"{where}: invalid YAML: {problem}"]) from None
+    if data is None:
+        data = {}  # an empty file: the missing sections are named below
     if isinstance(data, dict) and "name" not in data:
         data["name"] = Path(path).stem
     return spec_from_dict(data, overrides, env)

@@ -11,10 +11,10 @@ PARAM_LIMITS: dict[str, dict[str, float]] = {
     "temperature": {"ge": 0},
     "top_p": {"gt": 0, "le": 1},
     "top_k": {"ge": 0},
+    "seed": {"ge": -(2**63), "le": 2**63 - 1},  # an int64 on the device
 }
 _COMPARE = {"ge": (operator.ge, ">="), "gt": (operator.gt, ">"), "le": (operator.le, "<=")}
 CONSTRAINTS = ("json_schema", "regex", "choice")
-SEED_RANGE = (-(2**63), 2**63 - 1)  # a seed is an int64 on the device
 
 
 @dataclass
@@ -47,14 +47,14 @@ class SamplingParams:
             self.stop = [self.stop]
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if self.seed is not None and not (isinstance(self.seed, int) and SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]):
-            raise ValueError(f"seed must be an integer from -2**63 to 2**63 - 1, got {self.seed!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
         for name, limits in PARAM_LIMITS.items():
             value = getattr(self, name)
             for kind, bound in limits.items():
                 holds, symbol = _COMPARE[kind]
-                if not holds(value, bound):
-                    raise ValueError(f"{name} must be {symbol} {bound:g}, got {value}")
+                if value is not None and not holds(value, bound):
+                    raise ValueError(f"{name} must be {symbol} {bound}, got {value}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
         given = [name for name in CONSTRAINTS if getattr(self, name) is not None]

@@ -119,6 +119,17 @@ class GrammarCompiler:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
+def regex_problem(regex: str) -> str | None:
+    """Why xgrammar cannot take ``regex`` as a constraint (its parser's message), or None."""
+    import xgrammar as xgr
+
+    try:
+        xgr.Grammar.from_regex(regex)
+    except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError for a regex it cannot parse
+        return " ".join(str(e).split()).split(": ", 1)[-1]  # without the "[time] file.cc:line" prefix
+    return None
+
+
 class GrammarError(ValueError):
     """A constraint that cannot be compiled (an unsupported schema, a bad regex)."""
 
