@@ -65,5 +65,15 @@ def test_show_refuses_unknown_columns_and_empty_folders(tmp_path, tiny_model, ti
     res = invoke("show", str(out), "--columns", "id,nope")
     assert res.exit_code == 1 and "error: no column(s) nope in" in res.stderr and "its columns: id," in res.stderr
     res = invoke("show", str(tmp_path / "nothing"))
+    assert res.exit_code == 1 and "no such output folder" in res.stderr
+    (tmp_path / "empty").mkdir()
+    res = invoke("show", str(tmp_path / "empty"))
     assert res.exit_code == 1 and "holds no committed rows" in res.stderr
     assert json.loads((out / "stats.json").read_text())["rows"] == 6  # show changed nothing
+
+
+def test_show_prints_a_finished_job_of_no_rows(tmp_path, tiny_model, tiny_llm):  # noqa: F811
+    (tmp_path / "in.jsonl").write_text("")
+    run_job(make_spec(tiny_model, tmp_path / "in.jsonl", tmp_path / "out"), llm=tiny_llm, quiet=True)
+    res = invoke("show", str(tmp_path / "out"))
+    assert res.exit_code == 0 and "no rows" in res.output

@@ -8,7 +8,9 @@ from typing import Any, Iterator
 import polars as pl
 
 from batchgen.io import OutputError, OutputFolder, redact
+from batchgen.io.manifest import SUCCESS
 from batchgen.io.parts import deserialize_rows
+from batchgen.io.retry import retry
 from batchgen.report.data import ReportError
 
 MAX_CELL_CHARS = 60
@@ -51,9 +53,13 @@ def iter_rows(path: str, storage_options: dict[str, Any] | None = None) -> Itera
     try:
         folder = OutputFolder(path, storage_options)
         entries = folder.entries()
+        finished = not entries and folder.read_json(SUCCESS) is not None
+        exists = bool(entries) or retry(lambda: folder.fs.exists(folder.root), what=f"stat {redact(path)}")
     except OutputError as e:
         raise ReportError(str(e)) from None
-    if not entries:
+    if not exists:
+        raise ReportError(redact(f"no such output folder: {path}"))
+    if not entries and not finished:  # a finished job of no rows has none to show
         raise ReportError(redact(f"{path} holds no committed rows"))
     for entry in entries:
         for name in entry.files:
