@@ -123,6 +123,20 @@ def test_changed_weights_are_refused(tmp_path, tiny_model, loads):
     assert snapshot(out) == before
 
 
+def test_an_older_kind_of_weights_digest_resumes_and_is_recorded_anew(tmp_path, tiny_model, loads):
+    """Outputs that recorded the weights by an older digest (large files sampled) resume, and record the new one."""
+    job, out = job_file(tmp_path, tiny_model), tmp_path / "out"
+    assert invoke("run", str(job), "--limit", "2", "--quiet").exit_code == 0
+    recorded = json.loads((out / "_job.json").read_text())
+    now = recorded["values"]["model.weights"]
+    recorded["values"]["model.weights"] = "sha256:" + now.split(":", 1)[1][::-1]
+    (out / "_job.json").write_text(json.dumps(recorded))
+    res = invoke("run", str(job), "--quiet")
+    assert res.exit_code == 0, res.output
+    assert json.loads((out / "_job.json").read_text())["values"]["model.weights"] == now
+    check_output(out, stats_of(out), IDS)
+
+
 def test_neutral_edits_resume(tmp_path, tiny_model, loads, engine_calls):
     job, out = job_file(tmp_path, tiny_model), tmp_path / "out"
     assert invoke("run", str(job), "--limit", "4", "--quiet").exit_code == 0

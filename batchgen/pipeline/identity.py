@@ -33,6 +33,9 @@ OUTPUT_KEYS: tuple[str, ...] = (
 # resume (add an entry when renaming a key of OUTPUT_KEYS).
 RENAMED_KEYS: dict[str, str] = {}
 WEIGHTS_KEY = "model.weights"  # not a spec key: the digest of the model's files (see io.fingerprint.tree_digest)
+# How that digest is taken, its prefix; outputs that recorded an older kind ("sha256": large files sampled) are
+# taken as made by the weights they find, and record the new kind.
+WEIGHTS_DIGEST = "sha256-full"
 
 
 def spec_values(spec: JobSpec, keys: tuple[str, ...] = OUTPUT_KEYS) -> dict[str, Any]:
@@ -59,7 +62,7 @@ def weights_digest(model_path: str, storage_options: dict[str, Any]) -> str:
     listing (sizes and etags, nothing downloaded)."""
     remote = "://" in model_path and not model_path.startswith("file://")
     path = model_path if remote else resolve_model_path(model_path, storage_options)  # checks it, names built-ins
-    return "sha256:" + tree_digest(path, storage_options)
+    return f"{WEIGHTS_DIGEST}:" + tree_digest(path, storage_options)
 
 
 @dataclass(frozen=True)
@@ -99,6 +102,11 @@ class JobIdentity:
     def changes(self, recorded: JobIdentity) -> list[Change]:
         """Every key whose value differs from ``recorded`` (a key only one side has counts as changed)."""
         keys = sorted(set(self.values) | set(recorded.values))
+        old = str(recorded.values.get(WEIGHTS_KEY) or "").split(":", 1)[0]
+        if old and old != WEIGHTS_DIGEST:
+            log.warning("the output recorded its model's weights by an older digest (%s); they are taken as the "
+                        "weights found now", old)
+            keys.remove(WEIGHTS_KEY)
         return [Change(k, recorded.values.get(k), self.values.get(k)) for k in keys
                 if recorded.values.get(k) != self.values.get(k)]
 
