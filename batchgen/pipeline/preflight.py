@@ -5,6 +5,7 @@ import logging
 from collections import Counter
 from typing import Any
 
+from fsspec.core import split_protocol
 from jinja2 import Environment, nodes
 
 from batchgen.engine import LLM
@@ -92,10 +93,9 @@ def _refuse_output_among(files: list[str], spec: JobSpec) -> None:
     """Raises JobError when an input file lies in the output folder: a run would mix its rows with the input's
     files, and --overwrite or the cleanup of a killed run's parts would delete them."""
     fs, out = filesystem(spec.output.path, spec.storage_options)
-    out = out.rstrip("/") + "/"
+    out, protocol = out.rstrip("/") + "/", split_protocol(spec.output.path)[0] or "file"
     for f in files:
-        other_fs, path = filesystem(f, spec.storage_options)
-        if other_fs.protocol == fs.protocol and path.startswith(out):
+        if (split_protocol(f)[0] or "file") == protocol and fs._strip_protocol(f).startswith(out):
             raise JobError(redact(f"input file {f} lies in the output folder {spec.output.path}: choose an output "
                                   f"folder apart from the input"))
 
