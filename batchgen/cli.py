@@ -138,8 +138,8 @@ def openai_batch(input_path: str, output_path: str, model: str, overrides: tuple
     """Run an OpenAI Batch request file; writes result lines (part-N.jsonl) and error lines (errors-N.jsonl).
 
     Each line's own settings apply. Prompts may fill the model's context. Lines that leave them out get the API's
-    defaults (temperature 1, top_p 1) and at most 4096 tokens; a line without a seed gets its own, from its custom_id. --set sampling.KEY=VALUE
-    changes these defaults.
+    defaults (temperature 1, top_p 1) and at most 4096 tokens; a line without a seed gets its own, from its
+    custom_id. --set sampling.KEY=VALUE changes these defaults.
     """
     data = {"name": "openai-batch", "model": {"path": model},
             "input": {"path": input_path, "format": "openai"},
