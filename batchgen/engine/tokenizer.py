@@ -47,12 +47,11 @@ def _compile_template(source: str):
 
 
 @lru_cache(maxsize=1)
-def _byte_level_chars() -> dict[str, int]:
-    """Byte-level BPE's printable stand-ins for the 256 bytes (GPT-2's table), char -> byte."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
-                 *range(ord("\xae"), ord("\xff") + 1)]
+def byte_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character table used by byte-level BPE vocabularies."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
     extra = [b for b in range(256) if b not in printable]
-    return {**{chr(b): b for b in printable}, **{chr(256 + i): b for i, b in enumerate(extra)}}
+    return {**{b: chr(b) for b in printable}, **{b: chr(256 + i) for i, b in enumerate(extra)}}
 
 
 def _decoder_steps(decoder: dict | None) -> set[str]:
@@ -184,7 +183,7 @@ class ModelTokenizer:
         text of the tokens together is their bytes joined."""
         if self._piece_bytes is None:
             steps = _decoder_steps(json.loads(self._tok.to_str()).get("decoder"))
-            chars = _byte_level_chars()
+            chars = {c: b for b, c in byte_to_unicode().items()}
             added = {t.content for t in self._tok.get_added_tokens_decoder().values()}
 
             def piece_bytes(piece: str) -> bytes:

@@ -9,7 +9,7 @@ from typing import Any, Callable, Protocol
 
 import pyarrow as pa
 
-from batchgen.io import OutputError, redact
+from batchgen.io import redact
 from batchgen.pipeline.rows import PartSchema, ResultRow
 from batchgen.pipeline.stats import Counts
 
@@ -119,10 +119,7 @@ class PartSink:
         for r in rows:
             counts.add_row(r)
         dicts = [self.to_record(r) for r in rows]
-        try:
-            schema = self.schema.for_rows(dicts) if self.writer.fmt == "parquet" else None
-        except ValueError as e:
-            raise OutputError(str(e)) from None
+        schema = self.schema.for_rows(dicts) if self.writer.fmt == "parquet" else None
         stats: dict[str, Any] = {**counts.to_dict(), "job_digest": self.job_digest}
         first = sorted({r.source for r in rows if r.source in self.inputs} - self.recorded)
         if first:

@@ -7,7 +7,7 @@ from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tok
 from tokenizers import Tokenizer as _HFTokenizer
 
 from batchgen.engine.loading.gguf.metadata import field_value, gguf_fields
-from batchgen.engine.tokenizer import ModelTokenizer
+from batchgen.engine.tokenizer import ModelTokenizer, byte_to_unicode
 
 # GGUF token types (gguf.TokenType): only these two change how the tokenizer is built.
 _CONTROL, _USER_DEFINED = 3, 4
@@ -25,21 +25,9 @@ PRE_TOKENIZER_SPLITS = {
 }
 
 
-def _byte_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable character table used by byte-level BPE vocabularies."""
-    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
-    table = {b: chr(b) for b in printable}
-    extra = 0
-    for b in range(256):
-        if b not in table:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return table
-
-
 def _byte_level_vocab(tokens: list[str]) -> dict[str, int]:
     alphabet = set(pre_tokenizers.ByteLevel.alphabet())
-    table = _byte_to_unicode()
+    table = byte_to_unicode()
     # Some converters store a few tokens as raw text; respell those in the byte alphabet.
     return {tok if set(tok) <= alphabet else "".join(table[b] for b in tok.encode("utf-8")): i
             for i, tok in enumerate(tokens)}
