@@ -246,6 +246,28 @@ def test_cut_requests_are_length_results_and_errors_count_their_tokens(tmp_path,
     assert stats["completion_tokens"] == sum(u["completion_tokens"] for u in bodies)
 
 
+def test_a_schema_no_output_could_follow_is_that_lines_error(tmp_path, tiny_llm):
+    """Schemas nested past the checker, referring outside themselves or that constrained decoding cannot compile
+    are invalid_request lines; the other lines run."""
+    deep: dict = {"type": "integer"}
+    for _ in range(200):
+        deep = {"type": "object", "properties": {"x": deep}, "required": ["x"]}
+    bad = {"deep": deep, "remote": {"type": "object", "properties": {"b": {"$ref": "http://example.com/x.json"}}},
+           "empty_range": {"type": "integer", "minimum": 10, "maximum": 1}}
+    lines = [line(name, max_tokens=5, response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": s}})
+             for name, s in bad.items()] + [line("plain", max_tokens=5)]
+    inp, out = tmp_path / "requests.jsonl", tmp_path / "out"
+    inp.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    run_job(spec_from_dict(openai_spec(inp, out)), llm=tiny_llm, quiet=True)
+    results, errors = check_results(out)
+    assert sorted(results) == ["plain"] and sorted(errors) == sorted(bad)
+    messages = {k: e["error"]["message"] for k, e in errors.items()}
+    assert all(e["error"]["code"] == "invalid_request" for e in errors.values())
+    assert messages["deep"].endswith("schema: nested too deeply to check")
+    assert "only references inside the schema" in messages["remote"]
+    assert messages["empty_range"].endswith("cannot compile: Invalid range: minimum greater than maximum")
+
+
 def test_logprobs_carry_each_tokens_own_bytes_and_offsets_count_characters():
     """A character split across tokens: chat logprobs give each token's own bytes; completion offsets count the
     characters before each token, the split one where it ends."""

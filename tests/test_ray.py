@@ -204,6 +204,34 @@ def test_the_board_counts_attempts_and_refuses_windows_after_a_stop():
     assert snapshot.generating_s() >= 0 and snapshot.replicas[1].windows == 1 and snapshot.replicas[0].windows == 0
 
 
+def test_a_replica_reports_an_unexpected_error_to_the_board(monkeypatch):
+    """Ray Data hands the driver its UserCodeException without the replica's error: the replica reports that error
+    to the board first, and the driver's message is the report."""
+    from types import SimpleNamespace
+
+    from batchgen.pipeline.executors.ray import _job_error
+    from batchgen.pipeline.executors import ray_replica
+    from batchgen.pipeline.executors.ray_replica import EngineReplica
+
+    monkeypatch.setattr(ray_replica, "load_window", lambda payload: payload)
+    reports: list[str] = []
+    replica = object.__new__(EngineReplica)
+    replica.job = SimpleNamespace(board=SimpleNamespace(fail=SimpleNamespace(remote=reports.append)))
+
+    def fails(key, window):
+        raise LookupError("Unresolvable: http://example.com/x.json\n(more lines)")
+
+    replica.run_window = fails
+    with pytest.raises(LookupError):
+        replica({"window": ["s00000-w00000"], "payload": [b""]})
+    assert reports == ["the job failed on Ray: LookupError: Unresolvable: http://example.com/x.json"]
+    assert str(_job_error(RuntimeError("UDF failed to process a data block."), reports[0])) == reports[0]
+    replica.run_window = lambda key, window: (_ for _ in ()).throw(JobError("the job's own error"))
+    with pytest.raises(JobError):
+        replica({"window": ["s00000-w00000"], "payload": [b""]})
+    assert len(reports) == 1  # the driver finds the job's own errors itself
+
+
 @pytest.mark.timeout(120)
 def test_planned_ids_equal_reading_order(ray_cluster, tmp_path):
     files, ids = job_inputs(tmp_path)

@@ -82,6 +82,18 @@ def test_spec_errors_name_their_key_path(tmp_path, monkeypatch):
     assert errors({**base, "sampling": {"choice": []}})[0].startswith("sampling.choice:")
     assert errors({**base, "sampling": {"regex": "("}}) == [
         "sampling.regex: Regex parsing error at position 2: The parenthesis is not closed."]
+    # valid JSON Schemas that no output could be decoded or checked against: spec errors, not a job of error rows
+    assert errors({**base, "sampling": {"json_schema": {"type": "integer", "minimum": 10, "maximum": 1}}}) == [
+        "sampling.json_schema: a JSON Schema that constrained decoding cannot compile: Invalid range: minimum "
+        "greater than maximum"]
+    remote = {"type": "object", "properties": {"b": {"$ref": "http://example.com/x.json"}}}
+    assert errors({**base, "sampling": {"json_schema": remote}}) == [
+        "sampling.json_schema.properties.b.$ref: only references inside the schema (\"#/...\") are followed, got "
+        "'http://example.com/x.json'"]
+    deep: dict = {"type": "integer"}
+    for _ in range(200):
+        deep = {"type": "object", "properties": {"x": deep}}
+    assert errors({**base, "sampling": {"json_schema": deep}}) == ["sampling.json_schema: nested too deeply to check"]
     monkeypatch.setattr("batchgen.pipeline.sampling.structured_available", lambda: False)
     assert "pip install 'batchgen[structured]'" in errors({**base, "sampling": {"json_schema": SCHEMA}})[0]
 
@@ -114,6 +126,21 @@ def test_json_cut_short_by_max_tokens_is_a_length_result_and_a_stop_string_an_er
     assert [r["error"]["code"] for r in rows] == ["incomplete_json"] * 3
     # an error row counts the tokens it spent, and stats.json counts them
     assert all(r["prompt_tokens"] > 0 and r["completion_tokens"] >= 1 for r in rows) and stats["prompt_tokens"] > 0
+
+
+def test_a_stop_string_that_cuts_a_choice_or_a_regex_match_is_an_error(tmp_path, tiny_model, tiny_llm):
+    """The grammar matched the text before the stop string was cut from it: what is left is no choice, no match."""
+    inp = write_jsonl(tmp_path / "in.jsonl", records(3))
+    for name, sampling, code in [("choice", {"choice": ["yes", "no"], "stop": ["s", "o"]}, "incomplete_output"),
+                                 ("regex", {"regex": "[0-9]{2}x", "stop": ["x"]}, "incomplete_output"),
+                                 ("json", {"json_schema": SCHEMA, "stop": ["}"], "max_tokens": 80, "temperature": 1.0},
+                                  "incomplete_json")]:
+        spec = make_spec(tiny_model, inp, tmp_path / name, sampling=sampling)
+        rows = check_output(tmp_path / name, run_job(spec, llm=tiny_llm, quiet=True), ["r0", "r1", "r2"])
+        assert [(r["error"] or {}).get("code") for r in rows] == [code] * 3, name
+    kept = make_spec(tiny_model, inp, tmp_path / "kept", sampling={"choice": ["yes", "no"], "stop": ["maybe"]})
+    rows = check_output(tmp_path / "kept", run_job(kept, llm=tiny_llm, quiet=True), ["r0", "r1", "r2"])
+    assert all(r["error"] is None and r["output"] in ("yes", "no") for r in rows)
 
 
 @pytest.mark.slow

@@ -42,7 +42,7 @@ class OpenAIPrompts:
         problem = schema_problem(schema) if schema is not None else None
         if problem:
             where = f"body.response_format.json_schema.schema{problem[0]}"
-            raise RenderError("invalid_request", f"{where}: not a valid JSON Schema: {problem[1]}")
+            raise RenderError("invalid_request", f"{where}: {problem[1]}")
         seed = {} if "seed" in request.sampling else {"seed": row_seed(self.sampling.seed, row_id)}
         try:
             params = self.sampling.params(**request.sampling, **seed)

@@ -10,7 +10,8 @@ from typing import Annotated, Any, get_type_hints
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, create_model, model_validator
 
 from batchgen.engine.sampling.params import CONSTRAINTS, PARAM_LIMITS, SamplingParams
-from batchgen.engine.sampling.structured import EXTRA_HINT, regex_problem, structured_available
+from batchgen.engine.sampling.structured import (EXTRA_HINT, json_schema_problem, regex_problem,
+                                                 structured_available)
 from batchgen.io import InputError, read_bytes, redact
 
 # Where a job differs from the engine: deterministic, longer outputs by default.
@@ -73,16 +74,40 @@ def _json_path(path: Any) -> str:
 
 
 def schema_problem(schema: Any) -> tuple[str, str] | None:
-    """(key path inside the schema, message) when ``schema`` is not a valid JSON Schema, else None."""
+    """(key path inside the schema, message) when ``schema`` is not a valid JSON Schema, refers outside itself, or
+    is one that constrained decoding cannot compile (where xgrammar is installed); else None."""
     from jsonschema.exceptions import SchemaError
     from jsonschema.validators import validator_for
 
     if not isinstance(schema, dict):
-        return "", f"expected a JSON Schema object, got {type(schema).__name__}"
+        return "", f"not a valid JSON Schema: expected an object, got {type(schema).__name__}"
     try:
         validator_for(schema).check_schema(schema)
+        outside = _outside_reference(schema)
+        if outside:
+            return outside
+        problem = json_schema_problem(json.dumps(schema)) if structured_available() else None
     except SchemaError as e:
-        return _json_path(e.path), e.message
+        return _json_path(e.path), f"not a valid JSON Schema: {e.message}"
+    except RecursionError:
+        return "", "nested too deeply to check"
+    return ("", f"a JSON Schema that constrained decoding cannot compile: {problem}") if problem else None
+
+
+def _outside_reference(schema: dict[str, Any]) -> tuple[str, str] | None:
+    """(where, message) for the first ``$ref`` that does not point inside the schema ("#..."): nothing is fetched
+    from elsewhere, so no output could be checked against it."""
+    stack: list[tuple[tuple[Any, ...], Any]] = [((), schema)]
+    while stack:
+        path, node = stack.pop()
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and not ref.startswith("#"):
+                return (_json_path(path + ("$ref",)),
+                        f"only references inside the schema (\"#/...\") are followed, got {ref!r}")
+            stack.extend((path + (k,), v) for k, v in reversed(node.items()))
+        elif isinstance(node, list):
+            stack.extend((path + (i,), v) for i, v in reversed(list(enumerate(node))))
     return None
 
 
@@ -110,7 +135,7 @@ def check_constraints(sampling: SamplingSpec, storage_options: dict[str, Any]) -
     if schema is not None:
         problem = schema_problem(schema)
         if problem:
-            errors.append(f"sampling.json_schema{problem[0]}: not a valid JSON Schema: {problem[1]}")
+            errors.append(f"sampling.json_schema{problem[0]}: {problem[1]}")
     return errors
 
 
@@ -136,12 +161,15 @@ def output_problem(params: SamplingParams, text: str, grammar_complete: bool | N
     if params.json_schema is None:
         return None
     schema = params.json_schema
-    validator = _validator(schema if isinstance(schema, str) else json.dumps(schema))
     try:
         value = json.loads(text)
     except ValueError as e:
         return "schema_violation", f"the output is not valid JSON: {e}"
-    error = next(iter(validator.iter_errors(value)), None)
+    try:
+        validator = _validator(schema if isinstance(schema, str) else json.dumps(schema))
+        error = next(iter(validator.iter_errors(value)), None)
+    except Exception as e:  # noqa: BLE001 - a schema the validator cannot follow: this row's error, not the job's
+        return "schema_violation", f"the output could not be checked against the schema: {type(e).__name__}: {e}"
     if error is not None:
         where = _json_path(error.path).lstrip(".") or "the output"
         return "schema_violation", f"{where}: {error.message}"

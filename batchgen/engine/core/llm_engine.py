@@ -389,10 +389,11 @@ class LLMEngine:
         return {**tier_hits(steps), **tiers.take_counters()}
 
     def _output(self, seq: Sequence) -> RequestOutput:
+        text, cut = output_text(seq, self.tokenizer)
+        # A stop string cuts the text the grammar matched: what is left is not a whole match.
+        complete = seq.grammar.is_complete and not cut if seq.grammar is not None else None
         return RequestOutput(
             request_id=seq.seq_id, prompt_token_ids=seq.token_ids[:seq.num_prompt_tokens],
-            token_ids=seq.completion_token_ids, text=output_text(seq, self.tokenizer),
+            token_ids=seq.completion_token_ids, text=text,
             finish_reason=seq.finish_reason, logprobs=list(seq.logprobs) if seq.params.logprobs else None,
-            num_cached_tokens=seq.num_cached_tokens,
-            grammar_complete=seq.grammar.is_complete if seq.grammar is not None else None,
-            probs=seq.probs)
+            num_cached_tokens=seq.num_cached_tokens, grammar_complete=complete, probs=seq.probs)

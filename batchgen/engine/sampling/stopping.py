@@ -31,11 +31,11 @@ def _stop_string_end(seq: Sequence, tokenizer) -> int | None:
     return min(hits) if hits else None
 
 
-def output_text(seq: Sequence, tokenizer) -> str:
-    """The decoded completion, cut before the first stop string."""
+def output_text(seq: Sequence, tokenizer) -> tuple[str, bool]:
+    """The decoded completion cut before the first stop string, and whether a stop string cut it."""
     text = tokenizer.decode(seq.completion_token_ids)
     if seq.params.stop:
         hits = [i for i in (text.find(s) for s in seq.params.stop) if i >= 0]
         if hits:
-            text = text[:min(hits)]
-    return text
+            return text[:min(hits)], True
+    return text, False

@@ -9,10 +9,12 @@ import importlib.util
 import itertools
 import json
 import logging
+import re
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any, Sequence
 
 import torch
@@ -113,10 +115,15 @@ class GrammarCompiler:
                 return CompiledConstraint(compiler.compile_regex(text))
             return CompiledConstraint(compiler.compile_grammar(choice_grammar(json.loads(text))))
         except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError and friends for bad grammars
-            raise GrammarError(f"cannot compile the {kind} constraint: {' '.join(str(e).split())}") from None
+            raise GrammarError(f"cannot compile the {kind} constraint: {xgrammar_message(e)}") from None
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def xgrammar_message(e: BaseException) -> str:
+    """An xgrammar error's message on one line, without its "[time] file.cc:line:" prefix."""
+    return re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", " ".join(str(e).split()))
 
 
 def regex_problem(regex: str) -> str | None:
@@ -126,7 +133,21 @@ def regex_problem(regex: str) -> str | None:
     try:
         xgr.Grammar.from_regex(regex)
     except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError for a regex it cannot parse
-        return " ".join(str(e).split()).split(": ", 1)[-1]  # without the "[time] file.cc:line" prefix
+        return xgrammar_message(e)
+    return None
+
+
+@lru_cache(maxsize=256)
+def json_schema_problem(schema_json: str) -> str | None:
+    """Why xgrammar cannot compile the JSON Schema ``schema_json`` as a constraint (as the engine compiles it), or
+    None. A valid JSON Schema may still be one it refuses: an empty range, an empty enum, a reference it cannot
+    follow."""
+    import xgrammar as xgr
+
+    try:
+        xgr.Grammar.from_json_schema(schema_json, any_whitespace=False, separators=(",", ":"))
+    except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError and friends
+        return xgrammar_message(e)
     return None
 
 

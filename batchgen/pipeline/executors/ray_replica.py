@@ -17,6 +17,7 @@ import numpy as np
 
 from batchgen.engine import LLM
 from batchgen.engine.flops import engine_peak_flops
+from batchgen.io import InputError, OutputError, redact
 from batchgen.io.committer import PartCommitter
 from batchgen.io.store import Store
 from batchgen.io.paths import filesystem
@@ -183,7 +184,14 @@ class EngineReplica:
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, list[Any]]:
         keys = [str(k) for k in batch["window"]]
-        rows = [self.run_window(k, load_window(p)) for k, p in zip(keys, batch["payload"])]
+        try:
+            rows = [self.run_window(k, load_window(p)) for k, p in zip(keys, batch["payload"])]
+        except (JobError, InputError, OutputError):
+            raise
+        except Exception as e:  # Ray Data hands the driver its own wrapper without this cause: report it
+            first = (str(e).strip().splitlines() or [""])[0]
+            self.job.board.fail.remote(redact(f"the job failed on Ray: {type(e).__name__}: {first}"))
+            raise
         return {"window": keys, "rows": rows, "replica": [self.link.index] * len(keys)}
 
     def _committer(self, scope: str, retry: bool) -> PartCommitter:
