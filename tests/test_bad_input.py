@@ -146,6 +146,25 @@ def test_an_input_in_the_output_folder_is_refused_and_kept(tmp_path, tiny_model,
     assert inp.read_text() == "".join(json.dumps(r) + "\n" for r in records(2))
 
 
+def test_an_output_folder_inside_an_input_folder_or_glob_is_refused_before_any_run(tmp_path, tiny_model, tiny_llm):
+    """Its parts would be the next run's input rows: refused on the first run, not only on the rerun."""
+    cases = [("{d}", "out", "jsonl", True), ("{d}/**/*.jsonl", "deep/out", "jsonl", True),
+             # where the input would not take the parts: a glob of another name or format, a hidden folder
+             ("{d}/in*.jsonl", "out", "jsonl", False), ("{d}/*.jsonl", "out", "jsonl", False),
+             ("{d}/**/*.jsonl", "out", "parquet", False), ("{d}", "_out", "jsonl", False)]
+    for i, (inp, out, fmt, refused) in enumerate(cases):
+        data = tmp_path / str(i)
+        write_jsonl(data / "in.jsonl", records(2))
+        spec = make_spec(tiny_model, inp.format(d=data), data / out, output={"format": fmt})
+        if refused:
+            with pytest.raises(JobError, match="lies inside the input"):
+                run_job(spec, llm=tiny_llm, quiet=True)
+            assert not (data / out).exists()
+        else:
+            assert run_job(spec, llm=tiny_llm, quiet=True)["rows"] == 2
+            assert run_job(spec, llm=tiny_llm, quiet=True)["rows"] == 2, (inp, out)
+
+
 def test_an_empty_jsonl_file_among_the_inputs_adds_no_rows(tmp_path, tiny_model, tiny_llm):
     write_jsonl(tmp_path / "in" / "a.jsonl", records(3))
     (tmp_path / "in" / "b.jsonl").write_text("")

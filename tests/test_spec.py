@@ -6,6 +6,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import yaml
 
 from batchgen.pipeline.executors.ray_extra import RAY_EXTRA_HINT, ray_available
 from batchgen.pipeline.render import required_columns
@@ -106,6 +107,18 @@ def test_missing_required_keys_and_wrong_shapes():
     assert "prompt.template: required key is missing" in errs
     assert errors_of(spec_from_dict, ["a", "list"]) == [
         "<spec>: expected a mapping at the top level, got list"]
+
+
+def test_a_storage_scheme_without_its_slashes_is_an_error_not_a_local_folder(tmp_path):
+    base = {"name": "x", **yaml.safe_load(MINIMAL)}
+    errs = errors_of(spec_from_dict, {**base, "output": {"path": "s3:/bkt/out/"},
+                                      "input": {"path": ["data/in.jsonl", "gs:bkt/in.jsonl"]},
+                                      "model": {"path": "hf:/org/model"}}, env={})
+    assert sorted(errs) == ["input.path: 'gs:bkt/in.jsonl' is not a URL: gs locations are written gs://...",
+                            "model.path: 'hf:/org/model' is not a URL: hf locations are written hf://...",
+                            "output.path: 's3:/bkt/out/' is not a URL: s3 locations are written s3://..."]
+    for fine in ("s3://bkt/out/", "file:/tmp/out", "out:2024/x", str(tmp_path / "out")):
+        assert spec_from_dict({**base, "output": {"path": fine}}, env={}).output.path == fine
 
 
 def test_unreadable_and_malformed_files(tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +72,16 @@ def storage_options_for(url: str, storage_options: dict[str, Any] | None = None)
     return opts
 
 
+def url_problem(url: str) -> str | None:
+    """Why ``url`` is no location, or None: a storage scheme without its "//" ("s3:/bucket/key", "s3:bucket"),
+    which fsspec would take as a local folder named "s3:"."""
+    m = re.match(r"([A-Za-z][A-Za-z0-9+.-]*):(?!//)", url)
+    scheme = m.group(1).lower() if m else ""
+    if scheme not in ("", "file", "local", "data") and scheme in fsspec.available_protocols():
+        return redact(f"{url!r} is not a URL: {scheme} locations are written {scheme}://...")
+    return None
+
+
 def filesystem(
     url: str, storage_options: dict[str, Any] | None = None
 ) -> tuple[fsspec.AbstractFileSystem, str]:
@@ -134,6 +145,45 @@ def _expand_one(url: str, storage_options: dict[str, Any] | None) -> list[str]:
     if not paths:
         raise InputError(redact(f"input path matches no files: {url}"))
     return [_full_url(url, fs, p) for p in paths]
+
+
+def _glob_regex(pattern: str) -> re.Pattern[str]:
+    """fsspec's glob rules as a regex: ``**`` crosses folders, ``*`` and ``?`` do not, ``[...]`` a class."""
+    out, i = [], 0
+    while i < len(pattern):
+        c = pattern[i]
+        if pattern.startswith("**", i):
+            out.append(".*")
+            i += 2
+            continue
+        if c == "*":
+            out.append("[^/]*")
+        elif c == "?":
+            out.append("[^/]")
+        elif c == "[" and "]" in pattern[i + 1:]:
+            end = pattern.index("]", i + 1)
+            body = pattern[i + 1:end]
+            out.append("[" + ("^" + body[1:] if body.startswith("!") else body) + "]")
+            i = end
+        else:
+            out.append(re.escape(c))
+        i += 1
+    return re.compile("".join(out))
+
+
+def would_list(url: str, candidate: str, storage_options: dict[str, Any] | None = None) -> bool:
+    """Whether expanding the input ``url`` (a folder or glob) would take the data file ``candidate`` (a URL on
+    the same filesystem), by :func:`expand_inputs`' rules; nothing needs to exist."""
+    if (split_protocol(url)[0] or "file") != (split_protocol(candidate)[0] or "file"):
+        return False
+    fs, path = filesystem(url, storage_options)
+    target = fs._strip_protocol(candidate)
+    if any(c in path for c in _GLOB_CHARS):
+        fixed = path[: min(path.index(c) for c in _GLOB_CHARS if c in path)].rsplit("/", 1)[0]
+        return bool(_glob_regex(path).fullmatch(target)) and not _hidden_below(fixed, target)
+    root = path.rstrip("/")
+    return (target.startswith(root + "/") and _is_data_file(target) and not _hidden_below(root, target)
+            and retry(lambda: fs.isdir(path), what=f"isdir {url}"))
 
 
 def expand_inputs(paths: str | list[str], storage_options: dict[str, Any] | None = None) -> list[str]:

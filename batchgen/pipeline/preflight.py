@@ -14,7 +14,8 @@ from batchgen.engine.models.registry import model_config
 from batchgen.io import InputError, OutputError, OutputWriter, count_rows, expand_inputs, read_columns, redact
 from batchgen.io.fingerprint import difference, fingerprints
 from batchgen.io.lease import LeaseSettings
-from batchgen.io.paths import filesystem
+from batchgen.io.manifest import PartId, part_name
+from batchgen.io.paths import filesystem, would_list
 from batchgen.pipeline.errors import JobError
 from batchgen.pipeline.openai_requests import CARRY_COLUMNS as OPENAI_CARRY
 from batchgen.pipeline.render import required_columns
@@ -90,14 +91,21 @@ def check_inputs(spec: JobSpec) -> list[str]:
 
 
 def _refuse_output_among(files: list[str], spec: JobSpec) -> None:
-    """Raises JobError when an input file lies in the output folder: a run would mix its rows with the input's
-    files, and --overwrite or the cleanup of a killed run's parts would delete them."""
+    """Raises JobError when an input file lies in the output folder (a run would mix its rows with the input's
+    files, and --overwrite or the cleanup of a killed run's parts would delete them), or when the output folder
+    lies where an input folder or glob would take its parts as input rows on the next run."""
     fs, out = filesystem(spec.output.path, spec.storage_options)
     out, protocol = out.rstrip("/") + "/", split_protocol(spec.output.path)[0] or "file"
     for f in files:
         if (split_protocol(f)[0] or "file") == protocol and fs._strip_protocol(f).startswith(out):
             raise JobError(redact(f"input file {f} lies in the output folder {spec.output.path}: choose an output "
                                   f"folder apart from the input"))
+    part = spec.output.path.rstrip("/") + "/" + part_name(PartId(), spec.output.format)
+    paths = [spec.input.path] if isinstance(spec.input.path, str) else spec.input.path
+    for path in paths:
+        if would_list(path, part, spec.storage_options):
+            raise JobError(redact(f"the output folder {spec.output.path} lies inside the input {path}: a rerun "
+                                  f"would read its parts as input rows; choose an output folder outside the input"))
 
 
 def open_output(spec: JobSpec, overwrite: bool, force_unlock: bool = False) -> OutputWriter:

@@ -7,12 +7,13 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Any, Literal, Mapping, Sequence, get_args, get_origin
+from typing import Annotated, Any, Literal, Mapping, Sequence, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from batchgen.engine.config import EngineConfig
+from batchgen.io.paths import url_problem
 from batchgen.io.redaction import redact
 from batchgen.pipeline.engine_spec import EngineSpec, move_legacy_keys, renamed_path
 from batchgen.pipeline.executors.ray_extra import RAY_EXTRA_HINT, ray_available
@@ -34,11 +35,21 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+def _location(url: str) -> str:
+    problem = url_problem(url)
+    if problem:
+        raise ValueError(problem)
+    return url
+
+
+Location = Annotated[str, Field(min_length=1), AfterValidator(_location)]
+
+
 class ModelSpec(_Section):
     """``path``: a built-in model name, a local folder or .gguf file, or an fsspec URL. How the engine runs it
     (dtype, device, parallel sizes, ...) is the ``engine`` section's."""
 
-    path: str = Field(min_length=1)
+    path: Location
 
 
 class InputSpec(_Section):
@@ -48,7 +59,7 @@ class InputSpec(_Section):
     prompt and sampling settings (the spec's are the defaults).
     """
 
-    path: OneOrMany = Field(min_length=1)
+    path: Annotated[OneOrMany, AfterValidator(lambda paths: [_location(p) for p in paths])] = Field(min_length=1)
     format: Literal["auto", "parquet", "jsonl", "openai"] = "auto"
     id_column: str | None = None
     max_row_bytes: int = Field(default=32 << 20, ge=1)  # a longer JSONL line or Parquet row is an error row
@@ -98,7 +109,7 @@ class OutputSpec(_Section):
     ``format: openai`` writes OpenAI Batch result lines (``part-N.jsonl``) and error lines (``errors-N.jsonl``).
     """
 
-    path: str = Field(min_length=1)
+    path: Location
     format: Literal["parquet", "jsonl", "openai"] = "parquet"
     carry_columns: OneOrMany = []
     rows_per_part: int = Field(default=512, ge=1)  # finished rows per part file, the unit of resume
