@@ -68,21 +68,30 @@ def _mtime(info: dict[str, Any]) -> float:
     return 0.0
 
 
+# A block object's path ends <namespace>/<key[:2]>/<key>.kv (store.object_name); a writer's temp file is that name
+# hidden, with the temp mark and a random suffix. Nothing else under the URL is the store's.
+_OBJECT = re.compile(r"(?:^|/)([0-9a-f]{32})/([0-9a-f]{2})/(\.?)(\2[0-9a-f]{14})" + re.escape(SUFFIX)
+                     + r"(" + re.escape(TEMP_MARK) + r"[0-9a-f]+)?$")
+
+
+class NoStore(FileNotFoundError):
+    """Nothing is at the store's URL (a mistyped one, or a store never written)."""
+
+
 def list_objects(url: str, storage_options: dict | None = None) -> list[StoredObject]:
-    """Every block object (and leftover temp file) under the store at ``url``."""
+    """Every block object (and leftover temp file) of the store at ``url`` (its root, or one namespace's folder);
+    other files under it are not the store's and are never listed. Raises NoStore where nothing is at ``url``."""
     fs, root = filesystem(url, storage_options)
     root = root.rstrip("/")
     if not retry(lambda: fs.exists(root), what="look up the store"):
-        return []
+        raise NoStore(f"no prefix store at {url}")
     found = retry(lambda: fs.find(root, detail=True), what="list the store")
     out = []
     for path, info in sorted(found.items()):
-        name = posixpath.basename(path)
-        temp = TEMP_MARK in name
-        if not (temp or name.endswith(SUFFIX)):
+        match = _OBJECT.search(path)
+        if match is None or bool(match.group(3)) != bool(match.group(5)):  # a temp file's name is hidden
             continue
-        relative = path[len(root):].lstrip("/") if path.startswith(root) else path.lstrip("/")
-        out.append(StoredObject(path, relative.split("/", 1)[0], int(info.get("size") or 0), _mtime(info), temp))
+        out.append(StoredObject(path, match.group(1), int(info.get("size") or 0), _mtime(info), bool(match.group(5))))
     return out
 
 
@@ -90,7 +99,8 @@ def usage(objects: list[StoredObject]) -> dict[str, Usage]:
     """Objects and bytes per namespace (one model, dtype, layout and block size each)."""
     by_namespace: dict[str, Usage] = {}
     for obj in objects:
-        by_namespace.setdefault(obj.namespace, Usage()).add(obj)
+        if not obj.temp:  # a writer's unfinished file is no block (prune removes it once stale)
+            by_namespace.setdefault(obj.namespace, Usage()).add(obj)
     return by_namespace
 
 
@@ -113,5 +123,12 @@ def prune(url: str, max_bytes: int | None = None, older_than_s: float | None = N
     if doomed and not dry_run:
         fs, _ = filesystem(url, storage_options)
         paths = [o.path for o in doomed]
-        retry(lambda: fs.rm(paths), what="prune the store")
+        try:
+            retry(lambda: fs.rm(paths), what="prune the store")
+        except FileNotFoundError:  # another prune took some first: the rest one at a time
+            for path in paths:
+                try:
+                    retry(lambda: fs.rm_file(path), what="prune the store")
+                except FileNotFoundError:
+                    pass
     return PruneResult(len(doomed), sum(o.size for o in doomed), len(kept), sum(o.size for o in kept))
