@@ -64,6 +64,21 @@ def test_tensor_and_expert_parallel_with_rebalancing_equals_one_process(tiny_mod
     assert f"busiest rank {max(ratios):.2f}x the mean at worst (MoE layer {ratios.index(max(ratios))})" in lines[-1]
 
 
+@pytest.mark.timeout(300)
+def test_redundant_slots_that_even_out_the_experts_over_the_ranks_are_taken(tiny_model_factory):
+    """8 experts over 3 ranks do not divide; with 1 redundant slot the 9 slots do, and outputs are one process's."""
+    path = tiny_model_factory("deepseek-v3")
+    single = make_llm(path)
+    prompts, params = workload(single)
+    expected = single.generate(prompts, params)
+    with make_llm(path, data_parallel_size=3, enable_expert_parallel=True, enable_eplb=True,
+                  eplb_config={**EPLB, "num_redundant_experts": 1}) as llm:
+        pids = llm.engine.executor.pids
+        assert_same_outputs(expected, llm.generate(prompts, params))
+        assert llm.metrics()["eplb"]["rebalances"] >= 1
+    assert_gone(pids)
+
+
 def test_eplb_settings_are_checked(tiny_model):
     with pytest.raises(ValueError, match="unknown eplb_config key.*'window'"):
         EngineConfig(model=str(tiny_model), enable_expert_parallel=True, eplb_config={"window": 3})

@@ -89,7 +89,7 @@ def test_greedy_drafts_give_a_seeded_row_spec_offs_tokens(other_draft, always_dr
     """``draft_sampling: "greedy"``: argmax drafts under the deterministic rule, the plain sampler's noise."""
     llm = other_draft
     speculator = llm.engine.speculator
-    monkeypatch.setattr(speculator.proposer, "sampled", False)
+    monkeypatch.setattr(speculator.proposer, "sampling", "greedy")
     prompts = mixed_prompts(llm, repeats=(1, 3))
     params = [SamplingParams(max_tokens=6, temperature=0.7, seed=seed, ignore_eos=True) for seed in (3, 4)]
     off = run(llm, None, prompts, params)
@@ -103,6 +103,7 @@ def test_greedy_rows_beside_sampled_drafts_equal_spec_off(other_draft, always_dr
     and logprobs are spec off's."""
     llm = other_draft
     speculator = llm.engine.speculator
+    monkeypatch.setattr(speculator.proposer, "sampling", "probabilistic")
     prompts = mixed_prompts(llm, repeats=(1, 2, 1, 3))
     params = [GREEDY if i % 2 else SamplingParams(max_tokens=12, temperature=1.0, seed=i, ignore_eos=True)
               for i in range(len(prompts))]
@@ -127,7 +128,7 @@ def spy(fn, calls: list):
 def test_the_target_as_its_own_draft_accepts_its_drafts(tiny_model, always_draft):
     with draft_llm(tiny_model, tiny_model, draft_sampling="greedy") as llm:
         speculator = llm.engine.speculator
-        assert not speculator.proposer.sampled
+        assert speculator.proposer.sampling == "greedy"
         prompts = mixed_prompts(llm, repeats=(1, 2))
         off = run(llm, None, prompts, GREEDY)
         on = run(llm, speculator, prompts, GREEDY)
@@ -173,7 +174,7 @@ def test_a_job_spec_names_its_draft_model(tmp_path, tiny_model, always_draft):
     ({"method": "draft_model", "model": "m", "draft_tensor_parallel_size": 2}, "unknown speculative_config key"),
     ({"method": "draft_model", "model": "m", "prompt_lookup_max": 3}, "keys of method 'ngram'"),
     ({"method": "draft_model", "model": "m", "draft_sampling": "typical"},
-     "'draft_sampling' must be one of 'probabilistic', 'greedy', got 'typical'"),
+     "'draft_sampling' must be one of 'coupled', 'probabilistic', 'greedy', got 'typical'"),
 ])
 def test_bad_draft_model_settings_are_refused(config, message):
     with pytest.raises(ValueError, match=message):
@@ -242,6 +243,24 @@ def test_probes_bring_drafting_back_after_one_slow_verification(tiny_model, monk
     assert figures["decode_seqs_drafting"] > figures["probe_steps"] and figures["accepted_tokens"] >= 24
 
 
+def test_drafts_past_a_stop_count_neither_as_accepted_nor_as_generated(tiny_model, always_draft):
+    """A row that a stop token ends inside its accepted drafts: the tokens after it are dropped, and the figures
+    count only the tokens kept."""
+    spec = {"method": "draft_model", "model": str(tiny_model), "num_speculative_tokens": 8, "draft_sampling": "greedy"}
+    with LLM(str(tiny_model), dtype="float32", device="cpu", kv_cache_memory=16 << 20, speculative_config=spec) as llm:
+        prompt = llm.tokenizer.encode("0: " + TEXT)
+        free = llm.generate([prompt], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))[0].token_ids
+        stop = free[2]
+        llm.engine.reset_metrics()
+        out = llm.generate([prompt], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True,
+                                                    stop_token_ids=[stop]))[0]
+        figures = llm.metrics()
+    assert out.token_ids == free[:free.index(stop) + 1]
+    assert figures["tokens_generated"] == len(out.token_ids)
+    spec = figures["speculative"]["draft_model"]
+    assert spec["accepted_tokens"] == spec["steps_saved"] <= len(out.token_ids) - 1
+
+
 @pytest.mark.parametrize("delay, drafts_later", [(0.0, True), (0.05, False)])
 def test_the_speculator_charges_the_proposers_time(tiny_model, monkeypatch, delay, drafts_later):
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
@@ -271,7 +290,8 @@ SAMPLES = 200
 def wide_draft(tmp_path_factory, tiny_model):
     """Hundreds of requests at once, drafted by a noisy copy of the target (the sampling distributions)."""
     draft = noisy_copy(tiny_model, tmp_path_factory.mktemp("wide") / "noisy")
-    llm = draft_llm(tiny_model, draft, max_num_batched_tokens=2048, max_num_seqs=512, kv_cache_memory=64 << 20)
+    llm = draft_llm(tiny_model, draft, draft_sampling="probabilistic", max_num_batched_tokens=2048, max_num_seqs=512,
+                    kv_cache_memory=64 << 20)
     yield llm
     llm.close()
 
@@ -297,7 +317,7 @@ def test_sampled_drafts_keep_the_targets_distribution_and_accept_more(wide_draft
     a seed gives the same tokens on a rerun, logprobs are the target's, and more drafts are kept than with argmax
     drafts (accepted with p(argmax) only)."""
     llm, speculator = wide_draft, wide_draft.engine.speculator
-    assert speculator.proposer.sampled  # "probabilistic", the default
+    assert speculator.proposer.sampling == "probabilistic"
     prompt = llm.tokenizer.encode("3: " + TEXT)
     on, sampled_rate = sampled_tokens(llm, speculator, prompt, seeded(SAMPLES, first_seed=10_000))
     stat, df = chi_square(spec_off_samples, on)
@@ -309,9 +329,32 @@ def test_sampled_drafts_keep_the_targets_distribution_and_accept_more(wide_draft
     for out in again:
         want = hf_logprobs(str(tiny_model), prompt, out.token_ids)
         assert max(abs(u - v) for u, v in zip(out.logprobs, want, strict=True)) < 1e-4
-    monkeypatch.setattr(speculator.proposer, "sampled", False)
+    monkeypatch.setattr(speculator.proposer, "sampling", "greedy")
     _, greedy_rate = sampled_tokens(llm, speculator, prompt, seeded(SAMPLES, first_seed=10_000))
     assert sampled_rate > greedy_rate + 0.1, (sampled_rate, greedy_rate)
+
+
+def test_coupled_drafts_give_spec_offs_tokens_whatever_drafts_a_step_makes(wide_draft, spec_off_samples,
+                                                                            monkeypatch):
+    """``draft_sampling: coupled`` (the default): drafts sampled with the target's own noise at each position, kept
+    while they equal the target's token. A seed's tokens are spec off's, whichever windows the cost model picks,
+    and the shared noise keeps more drafts than argmax drafts do."""
+    from batchgen.engine.speculative.config import DRAFT_SAMPLING
+
+    llm, speculator = wide_draft, wide_draft.engine.speculator
+    assert DRAFT_SAMPLING[0] == "coupled"
+    monkeypatch.setattr(speculator.proposer, "sampling", "coupled")
+    prompt = llm.tokenizer.encode("3: " + TEXT)
+    rates = []
+    for most in (3, 1):  # every draft a step may make, then one at a time: other windows, the same tokens
+        monkeypatch.setattr(speculator_module, "choose_draft_lengths",
+                            lambda rates, caps, *costs, most=most: [min(c, most) for c in caps])
+        on, rate = sampled_tokens(llm, speculator, prompt, seeded(SAMPLES))
+        assert on == spec_off_samples
+        rates.append(rate)
+    monkeypatch.setattr(speculator.proposer, "sampling", "greedy")
+    _, greedy_rate = sampled_tokens(llm, speculator, prompt, seeded(SAMPLES))
+    assert rates[0] > greedy_rate + 0.05, (rates, greedy_rate)
 
 
 def test_a_broken_rejection_rule_fails_end_to_end(wide_draft, spec_off_samples, always_draft, monkeypatch):

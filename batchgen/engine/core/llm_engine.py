@@ -120,10 +120,11 @@ class LLMEngine:
         return list(ids) + list(getattr(self.tokenizer, "eos_token_ids", None) or [])
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
-                    keep_probs: bool = False) -> Sequence | RequestOutput:
+                    keep_probs: bool = False, noise_offset: int = 0) -> Sequence | RequestOutput:
         """Queues a request; a prompt the engine cannot take comes back at once as an error output.
         ``keep_probs`` (engine-internal: a draft model's sampled drafts) keeps each token's sampling distribution
-        on the device, in ``RequestOutput.probs``."""
+        on the device, in ``RequestOutput.probs``; ``noise_offset`` (its coupled drafts) shifts the output index
+        its seeded noise is drawn for."""
         seq_id = next(self._ids)
         error = None
         if not prompt_token_ids:
@@ -138,7 +139,8 @@ class LLMEngine:
         if error:
             return RequestOutput(seq_id, list(prompt_token_ids), finish_reason="error", error=error)
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(62)
-        seq = Sequence(seq_id, list(prompt_token_ids), params, seed=seed, probs=[] if keep_probs else None)
+        seq = Sequence(seq_id, list(prompt_token_ids), params, seed=seed, probs=[] if keep_probs else None,
+                       noise_offset=noise_offset)
         key = grammar_key(params)
         if key is not None:
             seq.grammar = GrammarState(self._grammar_compiler().submit(key))
@@ -287,13 +289,13 @@ class LLMEngine:
             if seq.is_finished:  # it ended a step late (or was aborted): this token is one too many
                 continue
             tokens = out.tokens[row]
-            if s.drafts:
-                self.speculator.verified(seq.seq_id, len(s.drafts), len(tokens) - 1)
             seq.token_ids.pop()  # the placeholder
             if seq.probs is not None:  # a request that keeps them samples one token a step (it never drafts)
                 seq.probs.append(out.probs[row])
+            kept = 0
             for i, token in enumerate(tokens):
                 seq.token_ids.append(token)
+                kept += 1
                 if seq.grammar is not None:
                     seq.grammar.advance(seq.token_ids, seq.num_prompt_tokens)
                 if seq.params.logprobs:
@@ -301,6 +303,8 @@ class LLMEngine:
                 seq.finish_reason = finish_reason(seq, self.eos_ids, self.max_model_len, self.tokenizer)
                 if seq.finish_reason:
                     break
+            if s.drafts:  # accepted: the decode steps the kept tokens saved (a stop may end the row among them)
+                self.speculator.verified(seq.seq_id, len(s.drafts), kept - 1)
             if seq.finish_reason:
                 replica.finish(seq)
                 if self.speculator is not None:

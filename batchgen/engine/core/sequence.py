@@ -58,6 +58,9 @@ class Sequence:
     # An engine-internal request option (a draft model's sampled drafts): the distribution each completion
     # token was sampled from, (vocab,) float32 rows on the device; None when the request does not keep them.
     probs: list[torch.Tensor] | None = None
+    # Engine-internal too (a draft model's coupled drafts): the output index its sampling noise starts from, so
+    # that completion token j draws the noise of index noise_offset + j (the target's at that position).
+    noise_offset: int = 0
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)

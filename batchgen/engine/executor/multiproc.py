@@ -29,6 +29,7 @@ from batchgen.engine.executor.step import FinishedStep, StepInput, StepOutput
 from batchgen.engine.executor.worker import WorkerSpec, receive, worker_main
 from batchgen.engine.kv_store.block_io import join_shards, rank_shard
 from batchgen.engine.models.registry import build_model
+from batchgen.engine.parallel.balancer import with_load_balancing
 from batchgen.engine.parallel.context import ParallelContext
 from batchgen.engine.parallel.distributed import free_port
 from batchgen.engine.parallel.group import CommGroup
@@ -75,8 +76,9 @@ class MultiprocExecutor:
                                         config.fp8_weights)
         whole = build_model(model_cfg, kernels, max_model_len, config.torch_dtype, "meta", methods=methods)
         self.profile, self.kv_layout = whole.profile(), whole.kv_layout()
-        shape_only = ParallelContext(tp=CommGroup(0, self.tp), dp=CommGroup(0, self.dp),
-                                     expert_parallel=config.expert_parallel(model_cfg))
+        shape_only = with_load_balancing(  # the workers' context, redundant expert slots included
+            ParallelContext(tp=CommGroup(0, self.tp), dp=CommGroup(0, self.dp),
+                            expert_parallel=config.expert_parallel(model_cfg)), config.enable_eplb, config.eplb_config)
         rank0 = build_model(model_cfg, kernels, max_model_len, config.torch_dtype, "meta", shape_only, methods)
         self.rank_kv_layout = rank0.kv_layout()  # every rank's cache holds this shape
         # Shards of a block's KV in the prefix tiers: one per rank, unless every rank holds the whole cache

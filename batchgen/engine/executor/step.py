@@ -171,8 +171,8 @@ def build_step_input(scheduled: Sequence["ScheduledSeq"], bitmask: TokenBitmask 
         if s.sample:
             p = seq.params
             step.sample_seqs.append(i)
-            sampling.append(p.temperature, p.top_k, p.top_p, seq.seed, seq.num_completion_tokens, p.logprobs,
-                            seq.probs is not None)
+            sampling.append(p.temperature, p.top_k, p.top_p, seq.seed, seq.num_completion_tokens + seq.noise_offset,
+                            p.logprobs, seq.probs is not None)
             step.drafts.append(list(s.drafts))
             q = draft_probs.get(seq.seq_id) if s.drafts else None
             step.draft_probs.append(q[:len(s.drafts)] if q is not None else None)

@@ -9,7 +9,7 @@ from batchgen.engine.speculative.suffix import SuffixOptions
 BUILT_METHODS = ("ngram", "suffix", "draft_model", "mtp")
 NGRAM_KEYS = ("prompt_lookup_min", "prompt_lookup_max")
 DRAFT_MODEL_KEYS = ("model", "draft_sampling")  # the draft: a folder, GGUF file or built-in name; how it drafts
-DRAFT_SAMPLING = ("probabilistic", "greedy")  # draft_model's "draft_sampling", the default first
+DRAFT_SAMPLING = ("coupled", "probabilistic", "greedy")  # draft_model's "draft_sampling", the default first
 PLANNED_METHODS = ("eagle", "eagle3", "medusa")
 OWN_KEYS = {"ngram": "num_speculative_tokens, prompt_lookup_min, prompt_lookup_max",
             "mtp": "num_speculative_tokens"}  # methods that take no options: all their keys

@@ -1,14 +1,20 @@
 """Draft-model speculation (``"draft_model"``): a small model with the target's tokenizer, run by batchgen's own
 engine, drafts each sequence's next tokens.
 
-With ``draft_sampling: "probabilistic"`` (the default) a row with temperature > 0 (and no grammar) samples its
-drafts from the draft's own distribution q at the request's temperature, top-k and top-p, with noise from the
-request's seed and the first draft's output index (salted: not the target's noise), and hands q back with them
-(the draft engine's ``keep_probs`` requests); the target verifies them with Leviathan et al.'s rejection sampling,
-which keeps the target's distribution and accepts min(p, q) summed over the vocabulary per draft. Greedy rows, rows
-with a grammar, and every row under ``"greedy"`` draft the argmax continuation, a deterministic function of the
-context: the target's rule for deterministic drafts (d kept with probability p(d), on rejection p with d removed)
-is exactly lossless for them, and a seeded row gives spec off's very tokens (acceptance p(argmax), though).
+How a row with temperature > 0 (and no grammar) drafts is ``draft_sampling``'s:
+- ``"coupled"`` (the default): the draft samples at the request's temperature, top-k and top-p with the noise
+  the target's own sampler draws at each position (the request's seed and that output index: exponential race),
+  and the target keeps a draft while it equals the token it samples there. The tokens are spec off's, whatever
+  drafts a step makes, so a seeded row gets its tokens again in any batch and any run; a draft is kept where the
+  two races pick the same token, which the shared noise makes likely wherever q is close to p.
+- ``"probabilistic"``: the draft samples from its own distribution q with noise of its own (the request's seed and
+  the first draft's output index, salted) and hands q back with the drafts (the draft engine's ``keep_probs``
+  requests); the target verifies them by Leviathan et al.'s rejection sampling, which keeps the target's
+  distribution and accepts min(p, q) summed over the vocabulary per draft. Its tokens depend on where each step's
+  drafts start, which the cost model picks from measured step times: a seed does not give them again.
+- ``"greedy"``: the argmax continuation, as greedy rows and rows with a grammar draft under every setting: a
+  deterministic function of the context, for which the target's rule (d kept with probability p(d), on rejection
+  p with d removed) is exactly lossless, and a seeded row gives spec off's very tokens (acceptance p(argmax)).
 
 The draft runs as its own engine on the target's device and dtype, with a modest KV cache and prefix caching: each
 call queues one request of ``k`` tokens per drafting sequence (its whole context) and steps them together,
@@ -43,13 +49,14 @@ def draft_seed(seed: int, output_index: int) -> int:
     return int.from_bytes(digest, "little") >> 2  # 62 bits, as the engine's own seeds
 
 
-def draft_params(k: int, sampling: DraftSampling | None) -> SamplingParams:
-    """The draft request's settings: ``k`` tokens, greedy or sampled as the request samples."""
+def draft_params(k: int, sampling: DraftSampling | None, coupled: bool = False) -> SamplingParams:
+    """The draft request's settings: ``k`` tokens, greedy or sampled as the request samples (``coupled``: with the
+    request's own seed, its noise then shifted to the first draft's output index by the engine request)."""
     if sampling is None:
         return SamplingParams(max_tokens=k, temperature=0, ignore_eos=True)
+    seed = sampling.seed if coupled else draft_seed(sampling.seed, sampling.output_index)
     return SamplingParams(max_tokens=k, temperature=sampling.temperature, top_k=sampling.top_k,
-                          top_p=sampling.top_p, seed=draft_seed(sampling.seed, sampling.output_index),
-                          ignore_eos=True)
+                          top_p=sampling.top_p, seed=seed, ignore_eos=True)
 
 
 def draft_engine_config(target: EngineConfig, draft_model: str) -> EngineConfig:
@@ -90,11 +97,13 @@ class Vocabulary:
 
 
 class DraftModelProposer:
-    """Drafts from a small model's engine (an LLMEngine: ``add_request``, ``step``, ``has_unfinished``), greedy or,
-    with ``sampled``, sampled as each request samples (see the module's docstring)."""
+    """Drafts from a small model's engine (an LLMEngine: ``add_request``, ``step``, ``has_unfinished``) as
+    ``sampling`` (one of ``DRAFT_SAMPLING``) says: see the module's docstring."""
 
-    def __init__(self, engine: Any, num_speculative_tokens: int, sampled: bool = True):
-        self.engine, self.num_speculative_tokens, self.sampled = engine, num_speculative_tokens, sampled
+    def __init__(self, engine: Any, num_speculative_tokens: int, sampling: str = DRAFT_SAMPLING[0]):
+        if sampling not in DRAFT_SAMPLING:
+            raise ValueError(f"draft_sampling must be one of {DRAFT_SAMPLING}, got {sampling!r}")
+        self.engine, self.num_speculative_tokens, self.sampling = engine, num_speculative_tokens, sampling
         self.steady_seconds: float | None = None  # the latest call's time, its prompt catch-up left out
         self.draft_probs: dict[int, torch.Tensor] = {}  # the latest call's sampled drafts' distributions, by seq_id
 
@@ -114,8 +123,13 @@ class DraftModelProposer:
             k = min(k, self.num_speculative_tokens)
             if k <= 0 or len(tokens) + k > self.engine.max_model_len:
                 continue
-            sampling = sampling if self.sampled else None
-            queued = self.engine.add_request(list(tokens), draft_params(k, sampling), keep_probs=sampling is not None)
+            sampling = None if self.sampling == "greedy" else sampling
+            if sampling is not None and self.sampling == "coupled":
+                queued = self.engine.add_request(list(tokens), draft_params(k, sampling, coupled=True),
+                                                 noise_offset=sampling.output_index)
+            else:
+                queued = self.engine.add_request(list(tokens), draft_params(k, sampling),
+                                                 keep_probs=sampling is not None)
             if not isinstance(queued, RequestOutput):  # an error output: no draft for that one
                 rows[queued.seq_id] = row
         start, first_s, steps = time.perf_counter(), 0.0, 0
@@ -153,4 +167,4 @@ def build_draft_proposer(spec: SpeculativeConfig, target: Any,
         raise ValueError(f"speculative_config draft model {name!r} cannot draft for {target.config.model!r}: {why}; "
                          f"'draft_model' needs a model with the same tokenizer")
     return DraftModelProposer(engine, spec.num_speculative_tokens,
-                              sampled=spec.options.get("draft_sampling", DRAFT_SAMPLING[0]) == "probabilistic")
+                              sampling=spec.options.get("draft_sampling", DRAFT_SAMPLING[0]))
