@@ -89,6 +89,21 @@ def test_a_bad_knob_value_is_a_spec_error_naming_its_key():
     assert errs == ["engine: max_num_batched_tokens must be at least block_size"]
 
 
+def test_the_python_api_checks_each_knobs_type_and_bounds():
+    """LLM(...) takes the knobs as keywords: a wrong type is refused by name, never read as something else."""
+    for knob, value, message in [("max_num_seqs", 2.5, "max_num_seqs must be an integer, got 2.5"),
+                                 ("kv_cache_memory", 16e6, "kv_cache_memory must be an integer, got 16000000.0"),
+                                 ("max_num_batched_tokens", "8192", "must be an integer, got '8192'"),
+                                 ("block_size", True, "block_size must be an integer, got True"),
+                                 ("enable_prefix_caching", "false", "must be true or false, got 'false'"),
+                                 ("gpu_memory_utilization", float("nan"), "must be a finite number, got nan"),
+                                 ("distributed_timeout_s", float("inf"), "must be a finite number, got inf"),
+                                 ("distributed_timeout_s", 1e15, "distributed_timeout_s must be <= 86400")]:
+        with pytest.raises(ValueError, match=message):
+            EngineConfig(model="m", **{knob: value})
+    assert EngineConfig(model="m", gpu_memory_utilization=1, max_num_seqs=8).gpu_memory_utilization == 1
+
+
 class Built(Exception):
     pass
 

@@ -97,6 +97,34 @@ def test_sharded_index_with_missing_shard(tiny_model, tmp_path):
         load_model_source(str(folder))
 
 
+def test_a_tensor_in_two_files_and_a_truncated_file_are_named(tiny_model, tmp_path):
+    folder = tmp_path / "stray"
+    shutil.copytree(tiny_model, folder)
+    shutil.copy(folder / "model.safetensors", folder / "model-copy.safetensors")
+    with pytest.raises(ValueError, match=r"tensor '.*' is in both model-copy.safetensors and model.safetensors"):
+        list(load_model_source(str(folder)).weights())
+    (folder / "model-copy.safetensors").unlink()
+    data = (folder / "model.safetensors").read_bytes()
+    (folder / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match=r"cannot read .*model.safetensors: "):
+        list(load_model_source(str(folder)).weights())
+
+
+def test_integer_weights_without_their_quantization_are_refused(tiny_model, tmp_path):
+    from safetensors.torch import save_file
+
+    from batchgen.engine import LLM
+
+    folder = tmp_path / "int8"
+    shutil.copytree(tiny_model, folder)
+    weights = load_file(str(folder / "model.safetensors"))
+    name = next(n for n in weights if n.endswith("q_proj.weight"))
+    weights[name] = weights[name].mul(100).round().clamp(-127, 127).to(torch.int8)
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=rf"weight '{name}': the checkpoint stores it as torch.int8"):
+        LLM(str(folder), dtype="float32", device="cpu", kv_cache_memory=16 << 20)
+
+
 def test_pickle_checkpoints_are_refused_without_unpickling(tiny_model, tmp_path, monkeypatch):
     folder = tmp_path / "bin"
     folder.mkdir()

@@ -1,6 +1,7 @@
 """Model and engine configuration, as plain data (``models.registry.model_config`` parses a config.json)."""
 from __future__ import annotations
 
+import math
 from dataclasses import MISSING, Field, dataclass, field, fields
 from typing import Any
 
@@ -147,6 +148,24 @@ def knob(default: Any, help: str, choices: tuple | None = None, **limits: float)
 _CHECKS = {"ge": (lambda v, b: v >= b, ">="), "gt": (lambda v, b: v > b, ">"), "le": (lambda v, b: v <= b, "<=")}
 
 
+def _type_problem(annotation: str, value: Any) -> str | None:
+    """What ``value`` is instead of the knob's type (bool is no number here, and an int is a float), or None."""
+    kind = annotation.removesuffix(" | None")
+    if kind == "bool":
+        ok = isinstance(value, bool)
+    elif kind == "int":
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif kind == "float":
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    elif kind in ("str", "dict"):
+        ok = isinstance(value, {"str": str, "dict": dict}[kind])
+    else:
+        return None
+    names = {"bool": "true or false", "int": "an integer", "float": "a finite number", "str": "a string",
+             "dict": "a mapping"}
+    return None if ok else f"must be {names[kind]}, got {value!r}"
+
+
 @dataclass
 class EngineConfig:
     """Engine knobs, the one declaration of each (name, type, default, help, choices, bounds): the job spec's
@@ -187,7 +206,7 @@ class EngineConfig:
     data_parallel_size: int = knob(1, "engine replicas, each with its own scheduler and KV cache", ge=1)
     enable_expert_parallel: bool = knob(False, "split a mixture of experts' experts over all the devices")
     distributed_timeout_s: float = knob(600.0, "longest wait for a worker's step (and a collective's peers)",
-                                        gt=0)
+                                        gt=0, le=86400)
     expert_capacity_factor: float | None = knob(None, "data + expert parallel at TP 1: a padded all-to-all with "
                                                       "no host waits, sending this times a replica's most tokens "
                                                       "(1.0 exact; below, overflow is dropped)", gt=0, le=1)
@@ -208,6 +227,9 @@ class EngineConfig:
             value, meta = getattr(self, f.name), f.metadata
             if value is None or not meta:
                 continue
+            problem = _type_problem(str(f.type), value)
+            if problem:
+                raise ValueError(f"{f.name} {problem}")
             if meta["choices"] and value not in meta["choices"]:
                 raise ValueError(f"{f.name} must be one of {', '.join(meta['choices'])}, got {value!r}")
             for kind, bound in meta["limits"].items():

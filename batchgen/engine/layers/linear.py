@@ -34,11 +34,15 @@ def check_shape(loaded: Weight, expected: Sequence[int]) -> None:
 
 
 def copy_weight(target: torch.Tensor, loaded: Weight) -> None:
-    """Copies ``loaded`` into ``target``; shapes must agree, and FP8 values never lose their scale."""
+    """Copies ``loaded`` into ``target``; shapes must agree, FP8 values never lose their scale, and integer
+    values (a quantized export's) never pass for floats."""
     check_shape(loaded, target.shape)
     if loaded.dtype in FP8_DTYPES and target.dtype not in FP8_DTYPES:
         raise ValueError(f"the checkpoint stores it in {loaded.dtype} but has no scale tensor for it "
                          "(or no quantization_config)")
+    if target.dtype.is_floating_point and not (loaded.dtype.is_floating_point or loaded.dtype.is_complex):
+        raise ValueError(f"the checkpoint stores it as {loaded.dtype}: integers are a quantized weight's, and "
+                         "batchgen reads no integer quantization (is the checkpoint's quantization_config missing?)")
     target.copy_(as_tensor(loaded))
 
 

@@ -34,12 +34,22 @@ def safetensors_files(folder: Path) -> list[Path]:
 
 
 def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, LazyTensor]]:
-    """Yields ``(name, lazy tensor)``; nothing is read until a tensor is loaded (in the stored dtype)."""
+    """Yields ``(name, lazy tensor)``; nothing is read until a tensor is loaded (in the stored dtype). A name in
+    two files (a stray copy of a shard beside the others) is refused: which one loads would be a guess."""
     from safetensors import safe_open
 
+    seen: dict[str, Path] = {}
     for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as f:
+        try:
+            handle = safe_open(str(file), framework="pt", device="cpu")
+        except Exception as e:  # noqa: BLE001 - safetensors' own errors do not name the file
+            raise ValueError(f"cannot read {file}: {e}") from None
+        with handle as f:
             for name in f.keys():
+                if name in seen:
+                    raise ValueError(f"tensor {name!r} is in both {seen[name].name} and {file.name} in "
+                                     f"{file.parent}: remove the stray file")
+                seen[name] = file
                 yield name, LazyTensor(f.get_slice(name))
 
 
