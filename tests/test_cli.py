@@ -69,6 +69,11 @@ def test_validate_resolves_the_model_and_finds_the_input(tmp_path, tiny_model, m
     assert f"error: input path matches no files: {tmp_path / 'missing.jsonl'}" in res.stderr
     res = invoke("validate", str(job), "--set", f"model.path={tmp_path / 'nope'}")
     assert res.exit_code == 1 and "does not exist" in res.stderr
+    draft = f"engine.speculative_config={{method: draft_model, model: {tmp_path / 'no-draft'}}}"
+    res = invoke("validate", str(job), "--set", draft)
+    assert res.exit_code == 1 and f"error: engine.speculative_config.model {tmp_path / 'no-draft'}: " in res.stderr
+    res = invoke("validate", str(job), "--set", draft.replace(str(tmp_path / "no-draft"), str(tiny_model)))
+    assert res.exit_code == 0 and f"ok: draft model: model folder {tiny_model}" in res.stderr.splitlines()
     (tmp_path / "in.jsonl").write_bytes(bytes(range(256)))
     res = invoke("validate", str(job))
     assert res.exit_code == 1 and "error: not JSON Lines: " in res.stderr

@@ -77,6 +77,8 @@ def test_eplb_settings_are_checked(tiny_model):
         EngineConfig(model=str(tiny_model), enable_expert_parallel=True, eplb_config={"window": 3})
     with pytest.raises(ValueError, match="'step_interval' must be int"):
         EngineConfig(model=str(tiny_model), eplb_config={"step_interval": "10"})
+    with pytest.raises(ValueError, match="'window_size' must be at most 4096 steps, got 100000"):
+        EngineConfig(model=str(tiny_model), enable_expert_parallel=True, eplb_config={"window_size": 100000})
     with pytest.raises(ValueError, match="enable_eplb needs enable_expert_parallel"):
         EngineConfig(model=str(tiny_model), enable_eplb=True)
 

@@ -145,6 +145,11 @@ def test_a_draft_with_another_vocabulary_is_refused(tmp_path, tiny_model):
     assert "500 token ids" in str(refused.value)
 
 
+def test_a_draft_that_cannot_load_is_named_as_the_draft(tmp_path, tiny_model):
+    with pytest.raises(FileNotFoundError, match=rf"speculative_config draft model '{tmp_path / 'nope'}': "):
+        draft_llm(tiny_model, tmp_path / "nope")
+
+
 def test_a_draft_whose_tokenizer_numbers_tokens_otherwise_is_refused(tmp_path, tiny_model):
     other = Path(shutil.copytree(tiny_model, tmp_path / "swapped"))
     spec = json.loads((other / "tokenizer.json").read_text())

@@ -176,6 +176,12 @@ def check_job(spec: JobSpec) -> tuple[list[str], list[str]]:
         found.append(f"model: {describe_model(spec.model.path, spec.storage_options)}")
     except Exception as e:  # noqa: BLE001 - a missing path, an unreachable or refused URL alike
         problems.append(redact(f"model {spec.resolved()['model']['path']}: {' '.join(str(e).split())}"))
+    draft = spec.engine.speculative_config.get("model")
+    if isinstance(draft, str):  # draft_model's draft: checked as the model is
+        try:
+            found.append(f"draft model: {describe_model(draft, spec.storage_options)}")
+        except Exception as e:  # noqa: BLE001
+            problems.append(redact(f"engine.speculative_config.model {draft}: {' '.join(str(e).split())}"))
     try:
         files = check_inputs(spec)
         found.append(f"input: {len(files)} file(s): {_files_list(files)}")

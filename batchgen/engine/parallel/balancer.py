@@ -26,6 +26,10 @@ log = logging.getLogger(__name__)
 ASSUMED_BYTES_PER_S = 1e9  # weight-move bandwidth before the first move is measured
 
 
+# The most steps of loads a rank keeps: DeepSeek-V3's 58 MoE layers x 256 experts take 60 KB a step, 0.25 GB here.
+MAX_WINDOW_STEPS = 4096
+
+
 @dataclass(frozen=True)
 class EplbConfig:
     """``eplb_config``: vLLM's keys, and two of batchgen's: ``calibrate_once`` rebalances once, after the first
@@ -55,6 +59,10 @@ class EplbConfig:
         config = cls(**options)
         if config.num_redundant_experts < 0 or config.window_size < 1 or config.step_interval < 1:
             raise ValueError("eplb_config needs num_redundant_experts >= 0, window_size >= 1, step_interval >= 1")
+        if config.window_size > MAX_WINDOW_STEPS:
+            raise ValueError(f"eplb_config 'window_size' must be at most {MAX_WINDOW_STEPS} steps, got "
+                             f"{config.window_size}: every rank keeps that many steps' loads of every MoE layer's "
+                             f"experts in device memory")
         return config
 
 

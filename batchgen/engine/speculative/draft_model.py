@@ -159,7 +159,15 @@ def build_draft_proposer(spec: SpeculativeConfig, target: Any,
     """The draft's engine, built by ``engine_factory`` (LLMEngine) beside the ``target`` engine, and refused
     with a clear error unless it shares the target's vocabulary."""
     name = spec.options["model"]
-    engine = engine_factory(draft_engine_config(target.config, name))
+    try:
+        engine = engine_factory(draft_engine_config(target.config, name))
+    except Exception as e:  # the target's own load errors name the target: say this one is the draft's
+        message = f"speculative_config draft model {name!r}: {e}"
+        try:
+            error = type(e)(message)
+        except Exception:  # noqa: BLE001 - an error type that takes other arguments
+            error = RuntimeError(message)
+        raise error from None
     why = Vocabulary(target.model_config.vocab_size, target.tokenizer).mismatch(
         Vocabulary(engine.model_config.vocab_size, engine.tokenizer))
     if why is not None:
