@@ -61,6 +61,16 @@ def test_bench_shared_prefix_is_computed_once(tiny_model, tmp_path):
     assert cached["decode_tokens_per_s"] is not None
 
 
+def test_bad_workload_options_are_usage_errors(tiny_model):
+    base = ["bench", "--model", str(tiny_model), "--device", "cpu", "--dtype", "float32",
+            "--kv-cache-memory", str(16 << 20), "--num-prompts", "2", "--input-len", "8"]
+    for extra, names in [(["--num-prompts", "0"], "'--num-prompts'"), (["--input-len", "abc"], "'--input-len'"),
+                         (["--input-len", "9:3"], "'--input-len'"), (["--output-len", "0"], "'--output-len'"),
+                         (["--prefix-len", "-1"], "'--prefix-len'"), (["--input-len", "100000"], "'--input-len'")]:
+        result = CliRunner().invoke(main, base + extra)
+        assert result.exit_code == 2 and f"Invalid value for {names}" in result.output, (extra, result.output)
+
+
 def test_workloads():
     assert parse_length("7") == (7, 7) and parse_length("3:9") == (3, 9)
     w = synthetic(5, "3:9", 1000, prefix_len=4)

@@ -104,6 +104,14 @@ def test_the_python_api_checks_each_knobs_type_and_bounds():
     assert EngineConfig(model="m", gpu_memory_utilization=1, max_num_seqs=8).gpu_memory_utilization == 1
 
 
+def test_triton_off_a_gpu_is_refused_outside_its_interpreter(tiny_model, monkeypatch):
+    from batchgen.engine import LLM
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="attention_backend 'triton' runs on CUDA GPUs, not on cpu"):
+        LLM(str(tiny_model), device="cpu", attention_backend="triton", kv_cache_memory=16 << 20)
+
+
 class Built(Exception):
     pass
 

@@ -9,7 +9,7 @@ import click
 
 from batchgen.bench.options import engine_config, engine_options
 from batchgen.bench.runner import DEFAULT_MODEL, BenchConfig, make_llm, run_bench
-from batchgen.bench.workload import from_documents, synthetic
+from batchgen.bench.workload import from_documents, parse_length, synthetic
 
 
 def _read_texts(path: str, column: str) -> list[str]:
@@ -24,14 +24,14 @@ def _read_texts(path: str, column: str) -> list[str]:
 @click.command("bench")
 @click.option("--model", default=DEFAULT_MODEL, show_default=True,
               help="Built-in name, model folder, or GGUF file.")
-@click.option("--num-prompts", default=32, show_default=True)
-@click.option("--input-len", default="1024", show_default=True,
+@click.option("--num-prompts", default=32, show_default=True, type=click.IntRange(min=1))
+@click.option("--input-len", default="1024", show_default=True, callback=lambda ctx, param, value: _length(value),
               help="Prompt length: N, or LOW:HIGH (uniform for synthetic, log-uniform for --dataset).")
 @click.option("--dataset", default=None, help="JSONL/Parquet file of documents to cut prompts from.")
 @click.option("--column", default="text", show_default=True, help="Text column of --dataset.")
 @click.option("--whole-documents", is_flag=True, help="With --dataset: one whole document per prompt.")
-@click.option("--prefix-len", default=0, show_default=True, help="Tokens of a prefix shared by all prompts.")
-@click.option("--output-len", default=1, show_default=True, help="Generated tokens (1 = prefill only).")
+@click.option("--prefix-len", default=0, show_default=True, type=click.IntRange(min=0), help="Tokens of a prefix shared by all prompts.")
+@click.option("--output-len", default=1, show_default=True, type=click.IntRange(min=1), help="Generated tokens (1 = prefill only).")
 @click.option("--json-schema", "json_schema_file", default=None, type=click.Path(dir_okay=False, exists=True),
               help="Also run the workload with every output constrained to this JSON Schema, and compare.")
 @click.option("--seed", default=0, show_default=True)
@@ -43,6 +43,11 @@ def bench(model, num_prompts, input_len, dataset, column, whole_documents, prefi
     logging.basicConfig(level=logging.WARNING)
     cfg = BenchConfig(engine=engine_config(model, engine), output_len=output_len)
     with make_llm(cfg) as llm:
+        longest = prefix_len + parse_length(input_len)[1] + output_len
+        if not dataset and longest > llm.engine.max_model_len:
+            raise click.BadParameter(f"prompts of up to {longest - output_len} tokens and {output_len} generated do "
+                                     f"not fit the engine's context of {llm.engine.max_model_len}",
+                                     param_hint="'--input-len' / '--prefix-len' / '--output-len'")
         result = _bench(llm, cfg, dataset, column, whole_documents, num_prompts, input_len, prefix_len, seed,
                         json_schema_file)
     text = json.dumps(result, indent=2)
@@ -50,6 +55,14 @@ def bench(model, num_prompts, input_len, dataset, column, whole_documents, prefi
     if output_json:
         with open(output_json, "w") as f:
             f.write(text + "\n")
+
+
+def _length(value: str) -> str:
+    try:
+        parse_length(value)
+    except ValueError:
+        raise click.BadParameter(f"{value!r}: expected N or LOW:HIGH with 1 <= LOW <= HIGH") from None
+    return value
 
 
 def _bench(llm, cfg: BenchConfig, dataset, column, whole_documents, num_prompts, input_len, prefix_len, seed,

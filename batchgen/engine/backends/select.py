@@ -1,6 +1,7 @@
 """Which kernel set a model runs with: the backend for a device, and the set a backend name builds."""
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 
 import torch
@@ -22,6 +23,16 @@ def make_kernel_set(backend: str) -> KernelSet:
         from batchgen.engine.backends.triton.backend import triton_kernels
         return replace(torch_kernels(), **triton_kernels())
     raise ValueError(f"unknown attention_backend {backend!r}; expected 'torch', 'cpu' or 'triton'")
+
+
+def backend_for(requested: str | None, device: torch.device) -> str:
+    """The attention backend an engine on ``device`` runs: ``requested`` (attention_backend), else the default.
+    Triton's kernels need a CUDA device, or its interpreter (TRITON_INTERPRET=1, for tests)."""
+    backend = requested or default_backend(device)
+    if backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"attention_backend 'triton' runs on CUDA GPUs, not on {device.type} (elsewhere only in "
+                         "Triton's interpreter, TRITON_INTERPRET=1, for tests): leave it unset or use 'cpu'")
+    return backend
 
 
 def default_backend(device: torch.device) -> str:

@@ -12,7 +12,7 @@ import torch
 
 from batchgen.engine.backends.cpu.memory import keep_freed_memory, weights_on_huge_pages
 from batchgen.engine.backends.interface import AttentionMetadata
-from batchgen.engine.backends.select import default_backend, make_kernel_set
+from batchgen.engine.backends.select import backend_for, make_kernel_set
 from batchgen.engine.backends.torch.ops import fused_moe
 from batchgen.engine.config import EngineConfig, ModelConfig
 from batchgen.engine.core.kv_cache import kv_budget_bytes
@@ -54,7 +54,7 @@ class ModelRunner:
         self.block_size, self.max_model_len = engine.block_size, max_model_len
         if self.device.type == "cpu":
             keep_freed_memory()
-        self.backend = engine.attention_backend or default_backend(self.device)
+        self.backend = backend_for(engine.attention_backend, self.device)
         self.kernels = make_kernel_set(self.backend)
         spec = SpeculativeConfig.from_dict(engine.speculative_config)
         self.model = build_model(model_cfg, self.kernels, max_model_len, self.dtype, self.device, parallel,

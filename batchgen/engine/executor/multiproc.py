@@ -23,7 +23,7 @@ from typing import Sequence
 
 import torch
 
-from batchgen.engine.backends.select import default_backend, make_kernel_set
+from batchgen.engine.backends.select import backend_for, make_kernel_set
 from batchgen.engine.config import EngineConfig, ModelConfig
 from batchgen.engine.executor.step import FinishedStep, StepInput, StepOutput
 from batchgen.engine.executor.worker import WorkerSpec, receive, worker_main
@@ -70,7 +70,7 @@ class MultiprocExecutor:
         # the first rank's share, so that a model that cannot be split fails here, before any process starts.
         # (torch's ops stand in for the CPU kernels, which need not be built here; FP8 checkpoints: the
         # workers' choice between FP8 and dequantized weights.)
-        backend = config.attention_backend or default_backend(device)
+        backend = backend_for(config.attention_backend, device)
         kernels = make_kernel_set("torch" if backend == "cpu" else backend)
         methods = choose_weight_methods(model_cfg.quantization, kernels, device, config.torch_dtype,
                                         config.fp8_weights)
