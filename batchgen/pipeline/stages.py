@@ -141,7 +141,9 @@ class Preparer:
                 except RenderError as e:
                     message = e.message
                     if e.code == "prompt_too_long" and self.model_len is not None:
-                        message += f" (the model's context is {self.model_len} tokens, one kept for output)"
+                        message += (f" (the engine takes {self.model_len} tokens a sequence, one kept for output: "
+                                    f"the least of the model's context, engine.max_model_len and what "
+                                    f"engine.kv_cache_memory holds)")
                     yield error_row(row_id, carried, e.code, message, row.source)
                     continue
                 yield Request(row_id, carried, ids, params, row.source)

@@ -75,7 +75,8 @@ class LLMEngine:
         self.executor = make_executor(config, self.model_config, source, built_len)
         capacity = self.executor.num_blocks * config.block_size
         if capacity < self.max_model_len:
-            log.warning("KV cache holds %d tokens; max_model_len lowered from %d", capacity, self.max_model_len)
+            log.warning("KV cache holds %d tokens (raise kv_cache_memory for more); max_model_len lowered from %d",
+                        capacity, self.max_model_len)
             self.max_model_len = capacity
         window = self.executor.kv_layout.window  # every layer slides: blocks out of it are freed while running
         # Host and store tiers below the device prefix cache, shared by the replicas.

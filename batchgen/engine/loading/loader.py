@@ -17,14 +17,20 @@ class UnsupportedWeightsError(ValueError):
 
 
 def _read_json(path: Path) -> dict:
-    return json.loads(path.read_text(encoding="utf-8"))
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
 
 
 def safetensors_files(folder: Path) -> list[Path]:
     """The folder's safetensors shards, in index order when there is an index."""
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        names = dict.fromkeys(_read_json(index)["weight_map"].values())
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index} has no weight_map (tensor name -> shard file)")
+        names = dict.fromkeys(weight_map.values())
         files = [folder / n for n in names]
         missing = [str(f) for f in files if not f.is_file()]
         if missing:

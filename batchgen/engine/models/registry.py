@@ -105,11 +105,33 @@ def _rope(cfg: dict[str, Any]) -> tuple[float, dict | None]:
     return theta, scaling
 
 
+# What every architecture reads from config.json: positive integers.
+_REQUIRED_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+
+
 def model_config(cfg: dict[str, Any]) -> ModelConfig:
-    """The ModelConfig of a config.json dict, normalised by its architecture's model class (``hf_config``)."""
+    """The ModelConfig of a config.json dict, normalised by its architecture's model class (``hf_config``); a
+    missing or mistyped field is named (ValueError), never a bare KeyError."""
+    if not isinstance(cfg, dict):
+        raise ValueError(f"the model's config (config.json) must be a JSON object, got {type(cfg).__name__}")
+    try:
+        return _model_config(cfg)
+    except KeyError as e:
+        raise ValueError(f"the model's config has no {e.args[0]!r}, which this model needs") from None
+    except (TypeError, AttributeError) as e:
+        raise ValueError(f"the model's config holds a value of the wrong type: {e}") from None
+
+
+def _model_config(cfg: dict[str, Any]) -> ModelConfig:
     arch = architecture_of(cfg)
     model_class = arch.model_class()
     cfg = model_class.hf_config(cfg)
+    for key in _REQUIRED_SIZES:
+        value = cfg.get(key)
+        if value is None:
+            raise ValueError(f"the model's config has no {key!r}, which this model needs")
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"the model's config: {key} must be a positive integer, got {value!r}")
     activation = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
     if activation not in model_class.activations:
         raise UnsupportedModelError(f"unsupported hidden activation {activation!r} for {arch.name}; "

@@ -5,9 +5,10 @@ with the highest load per replica; then pack the physical experts (each carrying
 split evenly over its replicas) onto ranks, heaviest first into the least loaded rank that has room,
 every rank getting the same number of slots. Where expert groups divide the nodes, groups are packed
 onto nodes first and experts replicated and packed within their node (traffic stays in the node);
-otherwise over all ranks. Two things of our own: a layer keeps its current placement unless the new one
-lowers its busiest rank's load, and a new placement is matched to the current ranks and slots so that
-as few experts as possible change place.
+otherwise over all ranks. Three things of our own: the global policy's result loses to no balancing on some
+loads, so each rank keeping its contiguous run of experts (its spare slots replicating its own busiest) is
+a candidate too; a layer keeps its current placement unless the new one lowers its busiest rank's load; and
+a new placement is matched to the current ranks and slots so that as few experts as possible change place.
 
 Slot s of ``P`` lives on rank ``s // (P // N)``. Everything here is plain torch on the CPU (whatever the
 default device: models are built under a device context).
@@ -118,10 +119,31 @@ def rebalance(loads: torch.Tensor, num_slots: int, num_ranks: int, num_groups: i
             ranks = _pack_into_ranks(load, list(range(experts)), num_slots, num_ranks,
                                      _by_rank(old, num_ranks) if old else None)
         row = _order_slots(ranks, _by_rank(old, num_ranks) if old else None)
+        if not hierarchical and experts % num_ranks == 0:
+            # The greedy packing can lose to no balancing at all: then each rank keeps its contiguous run of
+            # experts and spends its spare slots on replicas of its own busiest ones (never worse than contiguous).
+            plain = _order_slots(_contiguous_with_replicas(load, num_slots, num_ranks),
+                                 _by_rank(old, num_ranks) if old else None)
+            if _max_rank_load(plain, load, num_ranks) < _max_rank_load(row, load, num_ranks):
+                row = plain
         if old is not None and _max_rank_load(old, load, num_ranks) <= _max_rank_load(row, load, num_ranks):
             row = old
         rows.append(row)
     return Placement(torch.tensor(rows, dtype=torch.long, device=CPU), experts, num_ranks)
+
+
+def _contiguous_with_replicas(load: list[float], slots: int, ranks: int) -> list[list[int]]:
+    """Rank r's experts r*E/N ... (r+1)*E/N - 1, its spare slots given one at a time to the expert of its own with
+    the most load per replica."""
+    per, spare = len(load) // ranks, slots // ranks - len(load) // ranks
+    placed = []
+    for r in range(ranks):
+        own = list(range(r * per, (r + 1) * per))
+        copies = Counter(own)
+        for _ in range(spare):
+            copies[max(own, key=lambda e: load[e] / copies[e])] += 1
+        placed.append(sorted(copies.elements()))
+    return placed
 
 
 def _check_shape(experts: int, slots: int, ranks: int, groups: int, nodes: int) -> None:

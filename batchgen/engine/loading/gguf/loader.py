@@ -231,7 +231,14 @@ def load_gguf(path: str) -> ModelSource:
 
     if not Path(path).is_file():
         raise FileNotFoundError(f"GGUF file {path!r} does not exist")
-    reader = gguf.GGUFReader(path)
+    split = re.search(r"-(\d{5})-of-(\d{5})\.gguf$", path)
+    if split and split.group(2) != "00001":
+        raise ValueError(f"{path} is one of {int(split.group(2))} parts of a split GGUF, which batchgen does not "
+                         f"read: merge them into one file (llama-gguf-split --merge)")
+    try:
+        reader = gguf.GGUFReader(path)
+    except Exception as e:  # noqa: BLE001 - numpy and gguf errors alike, none naming the file
+        raise ValueError(f"cannot read GGUF file {path}: truncated or corrupt ({type(e).__name__}: {e})") from None
     fields = gguf_fields(reader)
     config = gguf_config(fields, {t.name: t for t in reader.tensors})
     layout = gguf_arch(field_value(fields, "general.architecture"))
