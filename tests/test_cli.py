@@ -69,6 +69,14 @@ def test_validate_resolves_the_model_and_finds_the_input(tmp_path, tiny_model, m
     assert f"error: input path matches no files: {tmp_path / 'missing.jsonl'}" in res.stderr
     res = invoke("validate", str(job), "--set", f"model.path={tmp_path / 'nope'}")
     assert res.exit_code == 1 and "does not exist" in res.stderr
+    res = invoke("validate", str(job), "--set", "engine.max_model_len=100000")
+    assert res.exit_code == 1 and "max_model_len 100000 exceeds the model's limit" in res.stderr  # its config read
+    if gguf:
+        folder = tmp_path / "one-gguf"
+        folder.mkdir()
+        (folder / gguf.name).write_bytes(gguf.read_bytes())
+        res = invoke("validate", str(job), "--set", f"model.path={folder}")
+        assert res.exit_code == 0 and f"ok: model: GGUF file {folder / gguf.name}" in res.stderr, res.output
     draft = f"engine.speculative_config={{method: draft_model, model: {tmp_path / 'no-draft'}}}"
     res = invoke("validate", str(job), "--set", draft)
     assert res.exit_code == 1 and f"error: engine.speculative_config.model {tmp_path / 'no-draft'}: " in res.stderr

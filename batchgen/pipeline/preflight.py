@@ -169,11 +169,15 @@ def model_failure(spec: JobSpec, what: str, e: Exception) -> JobError:
 def check_job(spec: JobSpec) -> tuple[list[str], list[str]]:
     """What ``batchgen validate`` checks beyond the spec, without loading weights: (what was found, the
     problems): the model resolves and the input files exist and hold the columns the job needs."""
-    from batchgen.engine.loading.hub import describe_model
+    from batchgen.engine.loading.hub import describe_model, is_local_model
 
     found, problems = [], []
     try:
         found.append(f"model: {describe_model(spec.model.path, spec.storage_options)}")
+        if is_local_model(spec.model.path):  # its config too: architecture, quantization, context (no weights)
+            load_tokenizer(spec)
+    except JobError as e:
+        problems.append(redact(str(e)))
     except Exception as e:  # noqa: BLE001 - a missing path, an unreachable or refused URL alike
         problems.append(redact(f"model {spec.resolved()['model']['path']}: {' '.join(str(e).split())}"))
     draft = spec.engine.speculative_config.get("model")

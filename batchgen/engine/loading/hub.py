@@ -76,6 +76,14 @@ def resolve_builtin(name: str) -> str:
     return str(target)
 
 
+def is_local_model(path_or_name: str) -> bool:
+    """Whether the model is on this machine already: a local path, or a built-in name in the cache."""
+    path_or_name = str(path_or_name)
+    if path_or_name in BUILTIN_MODELS:
+        return (cache_dir() / "builtin" / path_or_name / BUILTIN_MODELS[path_or_name].filename).is_file()
+    return not _is_remote(path_or_name)
+
+
 def _is_remote(path: str) -> bool:
     protocol = path.split("://", 1)[0] if "://" in path else ""
     return bool(protocol) and protocol not in ("file", "local")
@@ -135,6 +143,9 @@ def describe_model(path_or_name: str, storage_options: dict | None = None) -> st
     if local.is_dir() and (local / "config.json").is_file():
         return f"model folder {local}"
     if local.is_dir():
+        ggufs = sorted(local.glob("*.gguf"))
+        if len(ggufs) == 1:  # a folder holding one GGUF file loads as that file
+            return f"GGUF file {ggufs[0]}"
         raise FileNotFoundError(f"model folder {path_or_name!r} has no config.json")
     return resolve_model_path(path_or_name)  # raises the error that names every accepted form
 
