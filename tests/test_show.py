@@ -72,6 +72,16 @@ def test_show_refuses_unknown_columns_and_empty_folders(tmp_path, tiny_model, ti
     assert json.loads((out / "stats.json").read_text())["rows"] == 6  # show changed nothing
 
 
+@pytest.mark.parametrize("fmt", ["jsonl", "openai"])
+def test_a_part_changed_after_its_commit_is_named_not_shown(tmp_path, tiny_model, tiny_llm, fmt):  # noqa: F811
+    out = job_output(tmp_path, tiny_model, tiny_llm, fmt)
+    assert invoke("show", str(out)).exit_code == 0 and invoke("report", str(out)).exit_code == 0
+    (out / "part-00000.jsonl").write_text("")
+    for command in ("show", "report"):
+        res = invoke(command, str(out))
+        assert res.exit_code == 1 and "part-00000.jsonl holds" in res.stderr and "changed after" in res.stderr
+
+
 def test_show_prints_a_finished_job_of_no_rows(tmp_path, tiny_model, tiny_llm):  # noqa: F811
     (tmp_path / "in.jsonl").write_text("")
     run_job(make_spec(tiny_model, tmp_path / "in.jsonl", tmp_path / "out"), llm=tiny_llm, quiet=True)

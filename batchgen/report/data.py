@@ -134,6 +134,15 @@ def _openai_rows(folder: OutputFolder, entry: ManifestEntry, id_column: str) -> 
 _PART_READERS = {"jsonl": _native_rows, "parquet": _native_rows, "openai": _openai_rows}
 
 
+def check_part_rows(path: str, entry: ManifestEntry, read: int) -> None:
+    """Raises ReportError when a part's files hold another number of rows than its manifest entry records: they
+    were changed after the part was committed, and what they show is not what the job wrote."""
+    if read != len(entry.row_ids):
+        raise ReportError(redact(f"{path}/{entry.part} holds {read} rows, but the manifest records "
+                                 f"{len(entry.row_ids)} committed in it: the part was changed after it was "
+                                 f"committed"))
+
+
 def _empty_rows() -> pl.DataFrame:
     return pl.DataFrame(schema={"id": pl.String, "prompt_tokens": pl.Int64, "completion_tokens": pl.Int64,
                                 "finish_reason": pl.String, "error_code": pl.String,
@@ -156,6 +165,8 @@ def load_report_data(path: str, storage_options: dict[str, Any] | None = None) -
             raise ReportError(redact(f"{path} holds no job output (no committed parts and no {STATS})"))
         id_column = ((stats or {}).get("spec") or {}).get("input", {}).get("id_column") or "id"
         frames = [_PART_READERS[e.format](folder, e, id_column) for e in entries]
+        for entry, frame in zip(entries, frames, strict=True):
+            check_part_rows(path, entry, frame.height)
     except OutputError as e:
         raise ReportError(str(e)) from None
     except (pl.exceptions.PolarsError, OSError) as e:

@@ -11,7 +11,7 @@ from batchgen.io import OutputError, OutputFolder, redact
 from batchgen.io.manifest import SUCCESS
 from batchgen.io.parts import deserialize_rows
 from batchgen.io.retry import retry
-from batchgen.report.data import ReportError
+from batchgen.report.data import ReportError, check_part_rows
 
 MAX_CELL_CHARS = 60
 RESULT_FIELDS = ("output", "prompt_tokens", "completion_tokens", "finish_reason", "error", "id", "custom_id")
@@ -62,12 +62,14 @@ def iter_rows(path: str, storage_options: dict[str, Any] | None = None) -> Itera
     if not entries and not finished:  # a finished job of no rows has none to show
         raise ReportError(redact(f"{path} holds no committed rows"))
     for entry in entries:
+        records = []
         for name in entry.files:
             try:
-                records = deserialize_rows(folder.read_part(entry, name), name.rsplit(".", 1)[-1])
+                records += deserialize_rows(folder.read_part(entry, name), name.rsplit(".", 1)[-1])
             except Exception as e:  # noqa: BLE001 - one line for any unreadable part
                 raise ReportError(redact(f"cannot read {path}/{name}: {type(e).__name__}: {e}")) from None
-            yield from (flat_row(r) for r in records)
+        check_part_rows(path, entry, len(records))
+        yield from (flat_row(r) for r in records)
 
 
 def _cell(value: Any, max_chars: int) -> Any:
