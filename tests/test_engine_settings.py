@@ -87,6 +87,12 @@ def test_a_bad_knob_value_is_a_spec_error_naming_its_key():
     assert sorted(e.split(":")[0] for e in errs) == ["engine.cuda_graphs", "engine.gpu_memory_utilization"]
     errs = pytest.raises(SpecError, spec_from_dict, BASE, ["engine.max_num_batched_tokens=8"], env={}).value.errors
     assert errs == ["engine: max_num_batched_tokens must be at least block_size"]
+    # YAML's booleans: never a number, and a choice knob names the word typed
+    errs = pytest.raises(SpecError, spec_from_dict, BASE, ["engine.max_num_seqs=true", "engine.cuda_graphs=on",
+                                                          "engine.gpu_memory_utilization=yes"], env={}).value.errors
+    assert sorted(errs) == ["engine.cuda_graphs: Input should be 'auto', 'off' or 'emulate' (got 'on')",
+                            "engine.gpu_memory_utilization: expected a number, got true",
+                            "engine.max_num_seqs: expected a number, got true"]
 
 
 def test_the_python_api_checks_each_knobs_type_and_bounds():

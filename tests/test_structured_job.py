@@ -143,6 +143,28 @@ def test_a_stop_string_that_cuts_a_choice_or_a_regex_match_is_an_error(tmp_path,
     assert all(r["error"] is None and r["output"] in ("yes", "no") for r in rows)
 
 
+def test_a_schema_with_its_properties_reordered_is_another_job(tmp_path, tiny_model, tiny_llm):
+    """Fields are generated in the schema's order, so the reordered schema's outputs differ: no resume mixes them.
+    An output that recorded its schema as a mapping (key order lost) resumes."""
+    from batchgen.pipeline.errors import JobError
+
+    inp = write_jsonl(tmp_path / "in.jsonl", records(4))
+    ab = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}
+    ba = {**ab, "properties": dict(reversed(ab["properties"].items()))}
+    out = tmp_path / "out"
+    run_job(make_spec(tiny_model, inp, out, sampling={"json_schema": ab}), llm=tiny_llm, quiet=True, limit=2)
+    with pytest.raises(JobError, match=r'sampling.json_schema: .*"properties":\{"a".* -> .*"properties":\{"b"'):
+        run_job(make_spec(tiny_model, inp, out, sampling={"json_schema": ba}), llm=tiny_llm, quiet=True)
+    job = json.loads((out / "_job.json").read_text())
+    job["values"]["sampling.json_schema"] = ab  # as outputs before this recorded it
+    (out / "_job.json").write_text(json.dumps(job))
+    assert run_job(make_spec(tiny_model, inp, out, sampling={"json_schema": ab}), llm=tiny_llm, quiet=True,
+                   limit=3)["rows"] == 3
+    assert isinstance(json.loads((out / "_job.json").read_text())["values"]["sampling.json_schema"], str)
+    assert run_job(make_spec(tiny_model, inp, out, sampling={"json_schema": ab}), llm=tiny_llm,
+                   quiet=True)["rows"] == 4
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_extract_job_on_smollm2_gives_schema_valid_json(tmp_path, smollm2_gguf, monkeypatch):

@@ -29,16 +29,24 @@ def field_type(f: dataclasses.Field) -> Any:
     hint = get_type_hints(EngineConfig)[f.name]
     choices = f.metadata["choices"]
     if not choices:
-        return hint
+        number = {int, float} & set(getattr(hint, "__args__", (hint,)))
+        return Annotated[hint, BeforeValidator(_not_a_bool)] if number else hint
     literal = Literal[tuple(choices)]  # type: ignore[valid-type]
     choice = Annotated[literal, BeforeValidator(lambda v: _yaml_word(v, choices))]
     return choice | None if type(None) in getattr(hint, "__args__", ()) else choice
 
 
 def _yaml_word(value: Any, choices: tuple) -> Any:
-    """YAML reads a bare on/off as a boolean: the choice it spells, where the knob has it."""
-    word = {True: "on", False: "off"}.get(value) if isinstance(value, bool) else None
-    return word if word in choices else value
+    """YAML reads a bare on/off (yes/no, true/false) as a boolean: the word it spells, so that a knob of choices
+    takes it, or names it among the choices it is not."""
+    return {True: "on", False: "off"}[value] if isinstance(value, bool) else value
+
+
+def _not_a_bool(value: Any) -> Any:
+    """A number knob refuses YAML's booleans (pydantic would take true as 1)."""
+    if isinstance(value, bool):
+        raise ValueError(f"expected a number, got {str(value).lower()}")
+    return value
 
 
 def _fields() -> dict[str, Any]:

@@ -32,6 +32,8 @@ OUTPUT_KEYS: tuple[str, ...] = (
 # Keys renamed in the spec since an output recorded them: {old: new}, so that outputs written before a rename
 # resume (add an entry when renaming a key of OUTPUT_KEYS).
 RENAMED_KEYS: dict[str, str] = {}
+# A JSON Schema's key order is the order its outputs' fields are generated in: it is recorded as JSON text.
+SCHEMA_KEY = "sampling.json_schema"
 WEIGHTS_KEY = "model.weights"  # not a spec key: the digest of the model's files (see io.fingerprint.tree_digest)
 # How that digest is taken, its prefix; outputs that recorded an older kind ("sha256": large files sampled) are
 # taken as made by the weights they find, and record the new kind.
@@ -54,6 +56,8 @@ def spec_values(spec: JobSpec, keys: tuple[str, ...] = OUTPUT_KEYS) -> dict[str,
             out.update({f"{key}.{k}": v for k, v in sorted(node.items())})
         else:
             out[key] = node
+    if isinstance(out.get(SCHEMA_KEY), dict):  # as text: metadata files sort their keys, a schema's order counts
+        out[SCHEMA_KEY] = json.dumps(out[SCHEMA_KEY], ensure_ascii=False, separators=(",", ":"))
     return out
 
 
@@ -72,11 +76,22 @@ class Change:
     now: Any
 
     def describe(self) -> str:
-        return f"{self.key}: {_show(self.recorded)} -> {_show(self.now)}"
+        return f"{self.key}: {_show(self.recorded, self.key)} -> {_show(self.now, self.key)}"
 
 
-def _show(value: Any) -> str:
-    text = json.dumps(value, ensure_ascii=False, sort_keys=True, default=str)
+def _same(key: str, recorded: Any, now: Any) -> bool:
+    """Whether a recorded value is the current one; a schema that an older output recorded as a mapping (its key
+    order lost) is taken as the same when its keys and values are."""
+    if key == SCHEMA_KEY and isinstance(recorded, dict) and isinstance(now, str):
+        return recorded == json.loads(now)
+    return recorded == now
+
+
+def _show(value: Any, key: str = "") -> str:
+    if key == SCHEMA_KEY and isinstance(value, str):  # JSON text already
+        text = value
+    else:
+        text = json.dumps(value, ensure_ascii=False, sort_keys=True, default=str)
     return text if len(text) <= 120 else text[:117] + "..."
 
 
@@ -108,7 +123,7 @@ class JobIdentity:
                         "weights found now", old)
             keys.remove(WEIGHTS_KEY)
         return [Change(k, recorded.values.get(k), self.values.get(k)) for k in keys
-                if recorded.values.get(k) != self.values.get(k)]
+                if not _same(k, recorded.values.get(k), self.values.get(k))]
 
 
 def job_identity(spec: JobSpec, model_path: str | None = None) -> JobIdentity:
