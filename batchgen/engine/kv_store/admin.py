@@ -1,7 +1,6 @@
 """Looking after a prefix store: what it holds per namespace, and pruning it by age and by size."""
 from __future__ import annotations
 
-import posixpath
 import re
 import time
 from dataclasses import dataclass
