@@ -54,6 +54,16 @@ def _check_json(out, schema) -> None:
     jsonschema.validate(json.loads(out.text), schema)
 
 
+def test_json_constraints_leave_out_tokens_that_would_not_decode_as_one_character():
+    """Control bytes (no compact JSON holds one raw) and UTF-8-encoded surrogates (xgrammar counts one character,
+    Python decodes three U+FFFD) are masked; a valid code point next to the surrogates is not."""
+    from batchgen.engine.sampling.structured import _tokens_without_control_bytes
+
+    vocab = [b"ab", b"\xed\xae\xa1", b"\xed\x9f\xbf", b"x\x01", b"", "\u4e2d".encode()]
+    words = _tokens_without_control_bytes(vocab, len(vocab), keep=[4])
+    assert [(int(words[0]) >> i) & 1 for i in range(len(vocab))] == [1, 0, 1, 0, 1, 1]
+
+
 def test_mixed_schemas_parse_and_validate(llm):
     prompts = mixed_prompts(llm, repeats=(1, 3, 2, 1)) * 3
     schemas = [SCHEMAS[i % len(SCHEMAS)] for i in range(len(prompts))]

@@ -155,13 +155,19 @@ class GrammarError(ValueError):
     """A constraint that cannot be compiled (an unsupported schema, a bad regex)."""
 
 
+# A surrogate code point in UTF-8 (ED A0..BF ..): xgrammar takes it as one character, Python decodes it as three
+# U+FFFD, and a maxLength the grammar kept then fails.
+_SURROGATE_UTF8 = re.compile(rb"\xed[\xa0-\xbf]")
+
+
 def _tokens_without_control_bytes(decoded_vocab: Sequence[bytes], vocab_size: int,
                                   keep: Sequence[int]) -> torch.Tensor:
-    """Bitmask words allowing every token whose bytes hold no control character (0x00-0x1f), and ``keep``."""
+    """Bitmask words allowing every token whose bytes hold no control character (0x00-0x1f) and no encoded
+    surrogate, and ``keep``."""
     allowed = torch.zeros((vocab_size + 31) // 32 * 32, dtype=torch.bool)
     control = bytes(range(32))
     for token, raw in enumerate(decoded_vocab[:vocab_size]):
-        allowed[token] = bool(raw) and not any(b in control for b in raw)
+        allowed[token] = bool(raw) and not any(b in control for b in raw) and not _SURROGATE_UTF8.search(raw)
     allowed[list(keep)] = True
     weights = torch.tensor([1 << j for j in range(32)], dtype=torch.int64)
     words = (allowed.view(-1, 32).long() * weights).sum(1)
