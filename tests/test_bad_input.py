@@ -165,6 +165,16 @@ def test_an_output_folder_inside_an_input_folder_or_glob_is_refused_before_any_r
             assert run_job(spec, llm=tiny_llm, quiet=True)["rows"] == 2, (inp, out)
 
 
+def test_a_kv_cache_too_small_for_the_rows_the_job_allows_is_refused(tmp_path, tiny_model):
+    """Every row would be an error row that a rerun with a larger cache keeps: refused before any row runs."""
+    inp = write_jsonl(tmp_path / "in.jsonl", records(2))
+    engine = {"device": "cpu", "dtype": "float32", "kv_cache_memory": 1}
+    with pytest.raises(JobError, match=r"KV cache holds 16 tokens, fewer than the 2048 a row may take .* raise "
+                                       r"engine.kv_cache_memory"):
+        run_job(make_spec(tiny_model, inp, tmp_path / "out", engine=engine), quiet=True)
+    assert not list((tmp_path / "out").glob("part-*"))
+
+
 def test_an_empty_jsonl_file_among_the_inputs_adds_no_rows(tmp_path, tiny_model, tiny_llm):
     write_jsonl(tmp_path / "in" / "a.jsonl", records(3))
     (tmp_path / "in" / "b.jsonl").write_text("")

@@ -205,7 +205,17 @@ def load_tokenizer(spec: JobSpec) -> tuple[Any, int]:
 
 
 def load_model(spec: JobSpec) -> LLM:
+    """The job's engine; refused when its KV cache is what keeps rows the job allows from running (they would all
+    be committed as error rows, and a rerun with a larger cache keeps them)."""
     try:
-        return LLM.from_config(spec.engine_config())
+        llm = LLM.from_config(spec.engine_config())
     except Exception as e:  # noqa: BLE001 - bad paths, unsupported architectures, bad weights alike
         raise model_failure(spec, "model ", e) from None
+    needed = min(spec.batching.max_prompt_tokens + 1, llm.engine.model_config.context_len(spec.engine.max_model_len))
+    if llm.max_model_len < needed:
+        llm.close()
+        raise JobError(f"the engine's KV cache holds {llm.max_model_len} tokens, fewer than the {needed} a row may "
+                       f"take (a prompt of up to batching.max_prompt_tokens and one token out, within the model's "
+                       f"context): raise engine.kv_cache_memory, or lower batching.max_prompt_tokens or "
+                       f"engine.max_model_len")
+    return llm
