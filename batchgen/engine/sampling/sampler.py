@@ -20,6 +20,9 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return (x >> 16) ^ x
 
 
+UNIFORM_MAX = 1.0 - 2.0 ** -24  # the largest float32 below 1
+
+
 def seeded_uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Uniform (0, 1) noise of shape (rows, vocab) that depends only on (seed, step, token id).
 
@@ -30,7 +33,9 @@ def seeded_uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) ->
     row = _mix32(row ^ (steps & _MASK32))
     cols = _mix32(torch.arange(vocab_size, device=seeds.device, dtype=torch.int64) * 2654435761 & _MASK32)
     bits = _mix32(row[:, None] ^ cols[None, :])
-    return (bits.to(torch.float64) + 0.5).div_(2.0 ** 32).to(torch.float32)
+    # The top 128 values round to 1.0 in float32, whose log is -0.0: a race's p / -0.0 would be NaN for every
+    # token filtered out (p = 0), and argmax takes a NaN. They become the largest float32 below 1.
+    return (bits.to(torch.float64) + 0.5).div_(2.0 ** 32).to(torch.float32).clamp_(max=UNIFORM_MAX)
 
 
 @dataclass

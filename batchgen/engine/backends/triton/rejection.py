@@ -57,7 +57,7 @@ def _reject_kernel(Sampled, Probs, DraftProbs, QStarts, Uniforms, ResidualSeeds,
             r = tl.maximum(p - q, 0.0)
             total += tl.sum(r, axis=0)
             bits = _mix32(h ^ _mix32(v.to(tl.int64) * 2654435761 & 0xFFFFFFFF))
-            e = -tl.log(((bits.to(tl.float64) + 0.5) / 4294967296.0).to(tl.float32))
+            e = -tl.log(tl.minimum(((bits.to(tl.float64) + 0.5) / 4294967296.0).to(tl.float32), 0.99999994))
             score_r, score_p = tl.where(m, r / e, -1.0), tl.where(m, p / e, -1.0)
             top_r, top_p = tl.max(score_r, axis=0), tl.max(score_p, axis=0)
             token_r = tl.where(top_r > best_r, v0 + tl.argmax(score_r, axis=0), token_r)
