@@ -138,6 +138,16 @@ def test_bad_sampling_params_raise():
         SamplingParams(max_tokens=0)
     with pytest.raises(ValueError):
         SamplingParams(top_p=0)
+    for bad in ({"temperature": "0.5"}, {"top_k": 2.5}, {"top_p": True}, {"stop": [1]}, {"stop_token_ids": ["2"]},
+                {"stop_token_ids": 2}, {"logprobs": 3}, {"logprobs": "yes"}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            SamplingParams(**bad)
+
+
+def test_vllm_spellings_of_off_are_taken():
+    params = SamplingParams(top_k=-1, stop=None, stop_token_ids=None, logprobs=None)
+    assert (params.top_k, params.stop, params.stop_token_ids, params.logprobs) == (0, [], [], False)
+    assert SamplingParams(logprobs=0).logprobs is True  # the sampled token's, no alternatives
 
 
 # chi-square critical values at p = 0.001 by degrees of freedom (scipy.stats.chi2.ppf(0.999, df))
@@ -207,3 +217,22 @@ def test_out_of_range_seeds_and_max_tokens_raise(fields):
     with pytest.raises(ValueError, match=next(iter(fields))):
         SamplingParams(**fields)
     assert SamplingParams(seed=2**63 - 1).seed == 2**63 - 1 and SamplingParams(seed=-(2**63)).seed == -(2**63)
+
+
+def test_noise_at_the_top_of_its_range_never_picks_a_filtered_token():
+    """Noise values that float32 rounds up to 1.0 (about 1 a step in 20 over a 49K vocabulary) once made a
+    token outside top-k, top-p or a grammar score NaN, which argmax took."""
+    vocab, steps = 49152, torch.arange(3000, dtype=torch.int64)
+    noise = seeded_uniform(torch.zeros(len(steps), dtype=torch.int64), steps, vocab)
+    assert float(noise.min()) > 0 and float(noise.max()) < 1
+    rows, cols = (noise >= 1 - 2.0 ** -24).nonzero(as_tuple=True)
+    assert len(rows) >= 3  # the scan reaches the top of the range
+    logits = torch.zeros(len(rows), vocab)
+    top = (cols + 1) % vocab  # the only token top-k 1 keeps; every hit column is filtered out
+    logits[torch.arange(len(rows)), top] = 5.0
+    for top_k, top_p in ((1, 1.0), (0, 1e-6)):
+        batch = SamplingBatch(temperatures=torch.ones(len(rows)), top_ks=torch.full((len(rows),), top_k),
+                              top_ps=torch.full((len(rows),), top_p), seeds=torch.zeros(len(rows), dtype=torch.int64),
+                              steps=steps[rows], want_logprobs=False, all_greedy=False, any_top_k_or_p=True)
+        tokens, _ = sample(logits, batch)
+        assert tokens.tolist() == top.tolist()

@@ -21,6 +21,9 @@ CONSTRAINTS = ("json_schema", "regex", "choice")
 class SamplingParams:
     """How to sample one request. ``temperature=0`` is greedy; ``top_k=0`` and ``top_p=1`` disable those filters.
 
+    vLLM's spellings of "off" are taken too: ``top_k=-1``, ``stop=None``, ``stop_token_ids=None``,
+    ``logprobs=None`` (and ``logprobs=0``, the sampled token's alone).
+
     ``seed`` makes sampling reproducible per request: the same seed gives the same tokens whether the
     request runs alone or in any batch. ``logprobs=True`` reports the raw log-probability (temperature 1,
     before top-k/top-p and any grammar) of each generated token.
@@ -45,10 +48,30 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+        self.stop = [] if self.stop is None else self.stop
+        self.stop_token_ids = [] if self.stop_token_ids is None else self.stop_token_ids
+        if self.top_k == -1:  # vLLM's "off"
+            self.top_k = 0
+        for name in ("max_tokens", "top_k"):
+            if not _is_int(getattr(self, name)):
+                raise ValueError(f"{name} must be an integer, got {getattr(self, name)!r}")
+        if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        for name in ("temperature", "top_p"):
+            if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), (int, float)):
+                raise ValueError(f"{name} must be a number, got {getattr(self, name)!r}")
+        if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) for s in self.stop):
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
+        if not isinstance(self.stop_token_ids, (list, tuple, set, frozenset)) or not all(
+                _is_int(t) for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
+        if self.logprobs is None:  # vLLM's default
+            self.logprobs = False
+        elif _is_int(self.logprobs) and self.logprobs == 0:  # vLLM's 0: the sampled token's alone
+            self.logprobs = True
+        if not isinstance(self.logprobs, bool):
+            raise ValueError(f"logprobs must be True or False (the sampled token's log-probability; top-N "
+                             f"alternatives are not offered), got {self.logprobs!r}")
         for name, limits in PARAM_LIMITS.items():
             value = getattr(self, name)
             for kind, bound in limits.items():
@@ -66,3 +89,7 @@ class SamplingParams:
     @property
     def constrained(self) -> bool:
         return any(getattr(self, name) is not None for name in CONSTRAINTS)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
