@@ -4,6 +4,7 @@ from __future__ import annotations
 from batchgen.engine.core.sequence import Sequence
 
 STOP_TAIL_TOKENS = 8  # extra tokens decoded around a stop string, for tokens that span it
+CONTEXT_TOKENS = 4  # tokens decoded before a completion's text and then cut off it (see decode_after)
 
 
 def finish_reason(seq: Sequence, eos_ids: frozenset[int], max_model_len: int, tokenizer) -> str | None:
@@ -22,18 +23,31 @@ def finish_reason(seq: Sequence, eos_ids: frozenset[int], max_model_len: int, to
     return None
 
 
+def decode_after(tokenizer, ids: list[int], start: int) -> str:
+    """The text of ``ids[start:]`` as it reads after ``ids[:start]``, as vLLM's incremental detokenizer gives it:
+    decoded behind a few of the tokens before it, whose own text is then cut off. Decoded alone, a SentencePiece
+    tokenizer would strip its leading space as the start of a text."""
+    context = ids[max(0, start - CONTEXT_TOKENS):start]
+    if context:
+        before, text = tokenizer.decode(context), tokenizer.decode(context + ids[start:])
+        if text.startswith(before):  # else the context ends inside a character
+            return text[len(before):]
+    return tokenizer.decode(ids[start:])
+
+
 def _stop_string_end(seq: Sequence, tokenizer) -> int | None:
-    """Position in the decoded tail where a stop string starts, if one has appeared."""
-    longest = max(len(s) for s in seq.params.stop)
-    tail = seq.completion_token_ids[-(longest + STOP_TAIL_TOKENS):]
-    text = tokenizer.decode(tail)
+    """Position in the decoded tail where a stop string starts, if one has appeared. Every token holds at least
+    one of the text's UTF-8 bytes, so a window of the longest stop string's bytes (and a margin) holds it."""
+    longest = max(len(s.encode()) for s in seq.params.stop)
+    start = max(seq.num_prompt_tokens, len(seq.token_ids) - (longest + STOP_TAIL_TOKENS))
+    text = decode_after(tokenizer, seq.token_ids, start)
     hits = [i for i in (text.find(s) for s in seq.params.stop) if i >= 0]
     return min(hits) if hits else None
 
 
 def output_text(seq: Sequence, tokenizer) -> tuple[str, bool]:
     """The decoded completion cut before the first stop string, and whether a stop string cut it."""
-    text = tokenizer.decode(seq.completion_token_ids)
+    text = decode_after(tokenizer, seq.token_ids, seq.num_prompt_tokens)
     if seq.params.stop:
         hits = [i for i in (text.find(s) for s in seq.params.stop) if i >= 0]
         if hits:
