@@ -199,6 +199,17 @@ def test_a_renamed_identity_key_keeps_old_outputs_resumable(tmp_path, tiny_model
     assert now.changes(identity.JobIdentity.from_dict(old)) == []
 
 
+def test_an_output_recorded_before_a_sampling_field_existed_resumes_while_it_keeps_its_neutral_value(tmp_path,
+                                                                                                       tiny_model):
+    now = identity.JobIdentity(identity.spec_values(make_spec(tiny_model, tmp_path / "in.jsonl", tmp_path / "o")))
+    assert set(identity.ADDED_KEYS) <= set(now.values)  # every added key names a spec field
+    old = identity.JobIdentity({k: v for k, v in now.values.items() if k not in identity.ADDED_KEYS})
+    assert now.changes(old) == []
+    penalized = identity.JobIdentity(identity.spec_values(make_spec(
+        tiny_model, tmp_path / "in.jsonl", tmp_path / "o", sampling={"repetition_penalty": 1.2})))
+    assert [(c.key, c.recorded, c.now) for c in penalized.changes(old)] == [("sampling.repetition_penalty", 1.0, 1.2)]
+
+
 @pytest.mark.timeout(300)
 def test_ctrl_c_aborts_after_the_grace_period_and_the_rerun_completes(tmp_path, tiny_model, tiny_llm):
     # Each pair of rows needs 1,500 steps (about 0.6 s here; 300 took 0.12 s, near the grace period), far more

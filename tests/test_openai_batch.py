@@ -175,6 +175,7 @@ def test_openai_batch_command(tmp_path, tiny_model, shared_engine):
     (line("a", messages=[{"role": "tool", "content": "x"}]), "role 'tool' is not supported"),
     (line("a", messages=[{"role": "user", "content": [{"type": "image_url"}]}]), "only text parts"),
     (line("a", temperature=3), "body.temperature must be between 0 and 2"),
+    (line("a", presence_penalty=2.5), "body.presence_penalty must be between -2 and 2"),
     (line("a", max_tokens=0), "body.max_tokens must be between 1"),
     (line("a", logprobs=1), "body.logprobs must be true or false"),
     (line("a", COMPLETIONS, logprobs=2), "only 0"),
@@ -190,9 +191,11 @@ def test_unsupported_requests_are_named(request_line, message):
 
 def test_supported_requests_map_to_engine_settings():
     chat = parse_request(line("a", max_tokens=9, max_completion_tokens=7, temperature=0, seed=4, stop="END",
-                              response_format={"type": "json_object"}, user="u", top_logprobs=0))
+                              response_format={"type": "json_object"}, user="u", top_logprobs=0,
+                              frequency_penalty=0.5, presence_penalty=-1))
     assert chat.is_chat and chat.messages == [{"role": "user", "content": "Say something about a."}]
     assert chat.sampling == {"max_tokens": 7, "temperature": 0.0, "seed": 4, "stop": ["END"],
+                             "frequency_penalty": 0.5, "presence_penalty": -1.0,
                              "json_schema": {"type": "object"}, "regex": None, "choice": None}
     text = parse_request(line("b", COMPLETIONS, prompt=["one prompt"], logprobs=0,
                               response_format={"type": "text"}))

@@ -42,7 +42,7 @@ def test_spec_sampling_is_the_engine_sampling_with_job_defaults(tmp_path):
                                                     ignore_eos=True, choice=["a", "b"])
     assert spec.sampling.params(max_tokens=3, choice=None).max_tokens == 3
     base = spec_dict("m", tmp_path / "in.jsonl", tmp_path / "out")
-    for key, bad in (("max_tokens", 0), ("top_p", 0), ("top_p", 1.5), ("temperature", -1), ("top_k", -1)):
+    for key, bad in (("max_tokens", 0), ("top_p", 0), ("top_p", 1.5), ("temperature", -1), ("top_k", -2)):
         assert errors({**base, "sampling": {key: bad}})[0].startswith(f"sampling.{key}: ")
         with pytest.raises(ValueError, match=key):
             SamplingParams(**{key: bad})

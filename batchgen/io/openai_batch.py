@@ -18,10 +18,10 @@ URLS = (CHAT_URL, COMPLETIONS_URL)
 RESULTS_PREFIX, ERRORS_PREFIX = "part", "errors"
 
 # Body fields accepted only with these values (or null): batchgen always returns one plain completion.
-_NEUTRAL = {"n": 1, "stream": False, "top_logprobs": 0, "frequency_penalty": 0, "presence_penalty": 0,
-            "echo": False, "best_of": 1}
+_NEUTRAL = {"n": 1, "stream": False, "top_logprobs": 0, "echo": False, "best_of": 1}
 _IGNORED = ("model", "user")  # the job's model serves every line; ``user`` is only a label
-_COMMON = {"max_tokens", "temperature", "top_p", "seed", "stop", "logprobs", "response_format"} \
+_COMMON = {"max_tokens", "temperature", "top_p", "seed", "stop", "logprobs", "response_format", "frequency_penalty",
+           "presence_penalty"} \
     | set(_NEUTRAL) | set(_IGNORED)
 _BODY_FIELDS = {CHAT_URL: _COMMON | {"messages", "max_completion_tokens"}, COMPLETIONS_URL: _COMMON | {"prompt"}}
 _LINE_FIELDS = {"custom_id", "method", "url", "body"}
@@ -138,7 +138,8 @@ def _sampling(body: dict, chat: bool) -> dict[str, Any]:
         if body.get(name) is not None:
             out["max_tokens"] = _number(body, name, int, 1)
             break
-    for name, low, high in (("temperature", 0, 2), ("top_p", 0, 1)):
+    for name, low, high in (("temperature", 0, 2), ("top_p", 0, 1), ("frequency_penalty", -2, 2),
+                            ("presence_penalty", -2, 2)):
         value = _number(body, name, float, low, high)
         if value is not None:
             out[name] = float(value)

@@ -32,6 +32,11 @@ OUTPUT_KEYS: tuple[str, ...] = (
 # Keys renamed in the spec since an output recorded them: {old: new}, so that outputs written before a rename
 # resume (add an entry when renaming a key of OUTPUT_KEYS).
 RENAMED_KEYS: dict[str, str] = {}
+# Keys added to the spec since an output recorded its identity: {key: the value that acts as before it existed}.
+# An output without such a key resumes while the spec keeps that value (add an entry when adding a field under
+# OUTPUT_KEYS).
+ADDED_KEYS: dict[str, Any] = {"sampling.presence_penalty": 0.0, "sampling.frequency_penalty": 0.0,
+                              "sampling.repetition_penalty": 1.0, "sampling.min_tokens": 0}
 # A JSON Schema's key order is the order its outputs' fields are generated in: it is recorded as JSON text.
 SCHEMA_KEY = "sampling.json_schema"
 WEIGHTS_KEY = "model.weights"  # not a spec key: the digest of the model's files (see io.fingerprint.tree_digest)
@@ -115,15 +120,16 @@ class JobIdentity:
         return cls({RENAMED_KEYS.get(k, k): v for k, v in (data.get("values") or {}).items()})
 
     def changes(self, recorded: JobIdentity) -> list[Change]:
-        """Every key whose value differs from ``recorded`` (a key only one side has counts as changed)."""
+        """Every key whose value differs from ``recorded`` (a key only one side has counts as changed, unless
+        ADDED_KEYS gives its value from before it existed)."""
         keys = sorted(set(self.values) | set(recorded.values))
         old = str(recorded.values.get(WEIGHTS_KEY) or "").split(":", 1)[0]
         if old and old != WEIGHTS_DIGEST:
             log.warning("the output recorded its model's weights by an older digest (%s); they are taken as the "
                         "weights found now", old)
             keys.remove(WEIGHTS_KEY)
-        return [Change(k, recorded.values.get(k), self.values.get(k)) for k in keys
-                if not _same(k, recorded.values.get(k), self.values.get(k))]
+        was = {**ADDED_KEYS, **recorded.values}
+        return [Change(k, was.get(k), self.values.get(k)) for k in keys if not _same(k, was.get(k), self.values.get(k))]
 
 
 def job_identity(spec: JobSpec, model_path: str | None = None) -> JobIdentity:

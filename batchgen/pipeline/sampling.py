@@ -44,10 +44,9 @@ class _Fields(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     @model_validator(mode="after")
-    def _one_constraint(self) -> "_Fields":
-        given = [name for name in CONSTRAINTS if getattr(self, name) is not None]
-        if len(given) > 1:
-            raise ValueError(f"at most one of json_schema, regex, choice may be set, got {', '.join(given)}")
+    def _engine_checks(self) -> "_Fields":
+        """The checks across fields (one constraint at most, min_tokens within max_tokens), as the engine's."""
+        SamplingParams(**self.model_dump())
         return self
 
 

@@ -45,8 +45,9 @@ class InFlightStep:
     prefill_tokens: int
 
     @property
-    def has_grammar_rows(self) -> bool:
-        return any(i is not None and i.bitmask is not None for i in self.inputs)
+    def needs_tokens(self) -> bool:
+        """Whether the next step needs this one's tokens written down: a grammar's bitmask, a penalty's counts."""
+        return any(i is not None and (i.bitmask is not None or i.sampling.penalties) for i in self.inputs)
 
     @property
     def has_drafts(self) -> bool:
@@ -137,6 +138,8 @@ class LLMEngine:
             error = f"prompt has token ids outside the vocabulary (0..{self.model_config.vocab_size - 1})"
         elif params.constrained and not structured_available():
             error = EXTRA_HINT
+        elif self.speculator is not None and (params.penalized or params.min_tokens):
+            error = "penalties and min_tokens are not taken with speculative decoding"
         if error:
             return RequestOutput(seq_id, list(prompt_token_ids), finish_reason="error", error=error)
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(62)
@@ -182,9 +185,9 @@ class LLMEngine:
             finished += [self._grammar_failed(seq) for seq in replica.promote_compiled()]
         previous, self._in_flight = self._in_flight, None
         drafting = self.speculator is not None and self.speculator.plan(self._running())
-        if previous is not None and (previous.has_grammar_rows or drafting):
-            # A grammar's next bitmask needs the token sampled under it, a proposal the tokens before it:
-            # no overlap for this step.
+        if previous is not None and (previous.needs_tokens or drafting):
+            # A grammar's next bitmask or a penalty needs the token sampled before, a proposal the tokens before
+            # it: no overlap for this step.
             finished += self._complete(previous)
             previous = None
         drafts = self.speculator.propose(self._running()) if drafting else None
@@ -268,7 +271,7 @@ class LLMEngine:
         """Each replica's step as the executor takes it; None for an idle replica, unless the replicas
         run in lockstep: then it runs an empty step, and every step carries all replicas' token counts."""
         probs = self.speculator.draft_probs if self.speculator is not None else None
-        inputs = [build_step_input(step.seqs, mask, probs) if step.seqs else None
+        inputs = [build_step_input(step.seqs, mask, probs, self.eos_ids) if step.seqs else None
                   for step, mask in zip(steps, bitmasks)]
         if not self.lockstep:
             return inputs

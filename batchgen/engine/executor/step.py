@@ -12,12 +12,14 @@ from typing import TYPE_CHECKING, Mapping, Sequence
 
 import torch
 
+from batchgen.engine.sampling.penalties import BannedTokens, RowPenalties
 from batchgen.engine.sampling.sampler import SamplingBatch, TokenBitmask
 from batchgen.engine.core.sequence import placeholder_row
 from batchgen.engine.transfer import to_device
 
 if TYPE_CHECKING:
     from batchgen.engine.core.scheduler import ScheduledSeq
+    from batchgen.engine.core.sequence import Sequence as SeqState
 
 
 @dataclass
@@ -31,6 +33,8 @@ class SamplingRows:
     steps: list[int] = field(default_factory=list)  # index of the token each row generates
     logprobs: list[bool] = field(default_factory=list)
     keep_probs: list[bool] = field(default_factory=list)  # rows whose sampling distribution comes back
+    penalties: list[RowPenalties] = field(default_factory=list)  # the rows that have any
+    banned: list[BannedTokens] = field(default_factory=list)  # rows short of their min_tokens
 
     def __len__(self) -> int:
         return len(self.seeds)
@@ -56,6 +60,8 @@ class SamplingRows:
             all_greedy=all(t == 0 for t in self.temperatures),
             any_top_k_or_p=any(k > 0 or p < 1 for k, p in zip(self.top_ks, self.top_ps)),
             bitmask=bitmask,
+            penalties=self.penalties,
+            banned=self.banned,
         )
 
 
@@ -148,9 +154,11 @@ class FinishedStep:
 
 
 def build_step_input(scheduled: Sequence["ScheduledSeq"], bitmask: TokenBitmask | None = None,
-                     draft_probs: Mapping[int, torch.Tensor] | None = None) -> StepInput:
+                     draft_probs: Mapping[int, torch.Tensor] | None = None,
+                     eos_ids: frozenset[int] = frozenset()) -> StepInput:
     """Writes down a scheduled step; reads the sequences, never changes them. ``draft_probs`` (by seq_id):
-    the distributions sampled drafts came from (the first ``len(drafts)`` rows of each are verified)."""
+    the distributions sampled drafts came from (the first ``len(drafts)`` rows of each are verified); ``eos_ids``
+    are not sampled by a row short of its ``min_tokens``."""
     draft_probs = draft_probs or {}
     step = StepInput(bitmask=bitmask)
     ids, sampling = step.input_ids, step.sampling
@@ -173,7 +181,20 @@ def build_step_input(scheduled: Sequence["ScheduledSeq"], bitmask: TokenBitmask 
             step.sample_seqs.append(i)
             sampling.append(p.temperature, p.top_k, p.top_p, seq.seed, seq.num_completion_tokens + seq.noise_offset,
                             p.logprobs, seq.probs is not None)
+            _add_token_rules(sampling, seq, eos_ids)
             step.drafts.append(list(s.drafts))
             q = draft_probs.get(seq.seq_id) if s.drafts else None
             step.draft_probs.append(q[:len(s.drafts)] if q is not None else None)
     return step
+
+
+def _add_token_rules(sampling: SamplingRows, seq: "SeqState", eos_ids: frozenset[int]) -> None:
+    """The last sampling row's penalties and, short of its min_tokens, the tokens that would end it."""
+    p, row = seq.params, len(sampling) - 1
+    if p.penalized:  # the engine does not overlap such a row's steps: its tokens are all known here
+        prompt = seq.token_ids[:seq.num_prompt_tokens] if p.repetition_penalty != 1 else []
+        sampling.penalties.append(RowPenalties(row, p.presence_penalty, p.frequency_penalty, p.repetition_penalty,
+                                               seq.completion_token_ids, prompt))
+    if seq.num_completion_tokens < p.min_tokens:
+        ends = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_ids))
+        sampling.banned.append(BannedTokens(row, sorted(ends)))

@@ -12,6 +12,10 @@ PARAM_LIMITS: dict[str, dict[str, float]] = {
     "top_p": {"gt": 0, "le": 1},
     "top_k": {"ge": 0},
     "seed": {"ge": -(2**63), "le": 2**63 - 1},  # an int64 on the device
+    "presence_penalty": {"ge": -2, "le": 2},  # OpenAI's and vLLM's range
+    "frequency_penalty": {"ge": -2, "le": 2},
+    "repetition_penalty": {"gt": 0},
+    "min_tokens": {"ge": 0},
 }
 _COMPARE = {"ge": (operator.ge, ">="), "gt": (operator.gt, ">"), "le": (operator.le, "<=")}
 CONSTRAINTS = ("json_schema", "regex", "choice")
@@ -27,6 +31,12 @@ class SamplingParams:
     ``seed`` makes sampling reproducible per request: the same seed gives the same tokens whether the
     request runs alone or in any batch. ``logprobs=True`` reports the raw log-probability (temperature 1,
     before top-k/top-p and any grammar) of each generated token.
+
+    Penalties, as vLLM applies them to the logits before temperature: ``presence_penalty`` is taken off every
+    token the completion already holds, ``frequency_penalty`` times each one's count; ``repetition_penalty``
+    divides the positive logits (multiplies the negative ones) of every token in the prompt or the completion.
+    ``min_tokens``: the end-of-sequence token, ``stop_token_ids`` and ``stop`` strings cannot end a completion
+    before it holds that many tokens (the first two are not sampled meanwhile).
 
     At most one of ``json_schema`` (a JSON Schema as a mapping or JSON text), ``regex`` and ``choice`` (a
     list of allowed strings) constrains the output; the request then stops when the grammar is complete.
@@ -44,6 +54,10 @@ class SamplingParams:
     json_schema: dict[str, Any] | str | None = None
     regex: str | None = None
     choice: list[str] | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -52,12 +66,12 @@ class SamplingParams:
         self.stop_token_ids = [] if self.stop_token_ids is None else self.stop_token_ids
         if self.top_k == -1:  # vLLM's "off"
             self.top_k = 0
-        for name in ("max_tokens", "top_k"):
+        for name in ("max_tokens", "top_k", "min_tokens"):
             if not _is_int(getattr(self, name)):
                 raise ValueError(f"{name} must be an integer, got {getattr(self, name)!r}")
         if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
-        for name in ("temperature", "top_p"):
+        for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
             if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), (int, float)):
                 raise ValueError(f"{name} must be a number, got {getattr(self, name)!r}")
         if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) for s in self.stop):
@@ -85,6 +99,15 @@ class SamplingParams:
             raise ValueError(f"at most one of json_schema, regex, choice may be set, got {', '.join(given)}")
         if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
             raise ValueError("choice must be a non-empty list of non-empty strings")
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        if self.min_tokens and given:
+            raise ValueError(f"min_tokens does not combine with {given[0]}: the grammar decides where the output ends")
+
+    @property
+    def penalized(self) -> bool:
+        """Whether a penalty changes the logits: they then depend on the tokens so far."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
     @property
     def constrained(self) -> bool:

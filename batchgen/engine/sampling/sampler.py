@@ -1,12 +1,13 @@
-"""Batched sampling: greedy, temperature, top-k, top-p, grammar bitmasks, with per-request seeds that do not
-depend on the batch."""
+"""Batched sampling: greedy, temperature, top-k, top-p, penalties, grammar bitmasks, with per-request seeds that
+do not depend on the batch."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
+from batchgen.engine.sampling.penalties import BannedTokens, RowPenalties, apply_penalties, ban_tokens
 from batchgen.engine.transfer import to_device
 
 _MASK32 = 0xFFFFFFFF
@@ -70,6 +71,8 @@ class SamplingBatch:
     all_greedy: bool
     any_top_k_or_p: bool
     bitmask: TokenBitmask | None = None
+    penalties: Sequence[RowPenalties] = ()  # the rows that have any, written down on the host
+    banned: Sequence[BannedTokens] = ()
 
 
 @dataclass
@@ -99,11 +102,15 @@ def sample_rows(logits: torch.Tensor, batch: SamplingBatch,
     """Samples every row (see :func:`sample`) and keeps the distributions it sampled from; ``argmax`` (the
     kernel set's ``row_argmax``; :func:`row_argmax` by default) finds each row's first largest value."""
     argmax = argmax or row_argmax
-    if batch.all_greedy and batch.bitmask is None and not batch.want_logprobs:
+    processed = batch.bitmask is not None or bool(batch.penalties) or bool(batch.banned)
+    if batch.all_greedy and not processed and not batch.want_logprobs:
         # Nothing here needs fp32 logits: the argmax of the raw ones (a 64 x 49K fp32 copy cost more than it).
         return SampledRows(argmax(logits), None, None, logits, None)
     logits = logits.float()
     raw_logsumexp = logits.logsumexp(dim=-1) if batch.want_logprobs else None
+    raw = logits.clone() if batch.want_logprobs and (batch.penalties or batch.banned) else logits
+    apply_penalties(logits, batch.penalties)
+    ban_tokens(logits, batch.banned)
     if batch.bitmask is not None:
         apply_token_bitmask(logits, batch.bitmask)
     greedy_tokens = argmax(logits)
@@ -118,8 +125,8 @@ def sample_rows(logits: torch.Tensor, batch: SamplingBatch,
         tokens = torch.where(batch.temperatures == 0, greedy_tokens, sampled)
     logprobs = None
     if raw_logsumexp is not None:
-        # A sampled token is never masked, so its logit is still the raw one.
-        logprobs = logits.gather(1, tokens[:, None]).squeeze(1) - raw_logsumexp
+        # A sampled token is never masked, so its logit is still the raw one (unless a penalty changed it).
+        logprobs = raw.gather(1, tokens[:, None]).squeeze(1) - raw_logsumexp
     return SampledRows(tokens, logprobs, probs, logits, raw_logsumexp)
 
 

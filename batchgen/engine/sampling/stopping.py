@@ -16,7 +16,7 @@ def finish_reason(seq: Sequence, eos_ids: frozenset[int], max_model_len: int, to
         return "stop"
     if token in params.stop_token_ids:
         return "stop"
-    if params.stop and _stop_string_end(seq, tokenizer) is not None:
+    if params.stop and seq.num_completion_tokens >= params.min_tokens and _stop_string_end(seq, tokenizer) is not None:
         return "stop"
     if seq.reached_length(max_model_len):
         return "length"
@@ -35,21 +35,32 @@ def decode_after(tokenizer, ids: list[int], start: int) -> str:
     return tokenizer.decode(ids[start:])
 
 
+def _first_stop(text: str, stops: list[str], floor: int) -> int | None:
+    """Where the first stop string in ``text`` that ends past ``floor`` starts, if any."""
+    hits = [i for i in (text.find(s, max(0, floor - len(s) + 1)) for s in stops) if i >= 0]
+    return min(hits) if hits else None
+
+
+def _floor(seq: Sequence, tokenizer, start: int) -> int:
+    """Length of the text, from token ``start`` on, of the tokens before ``min_tokens``: no stop string that ends
+    within it counts."""
+    end = seq.num_prompt_tokens + seq.params.min_tokens
+    return len(decode_after(tokenizer, seq.token_ids[:end], start)) if start < end else 0
+
+
 def _stop_string_end(seq: Sequence, tokenizer) -> int | None:
     """Position in the decoded tail where a stop string starts, if one has appeared. Every token holds at least
     one of the text's UTF-8 bytes, so a window of the longest stop string's bytes (and a margin) holds it."""
     longest = max(len(s.encode()) for s in seq.params.stop)
     start = max(seq.num_prompt_tokens, len(seq.token_ids) - (longest + STOP_TAIL_TOKENS))
-    text = decode_after(tokenizer, seq.token_ids, start)
-    hits = [i for i in (text.find(s) for s in seq.params.stop) if i >= 0]
-    return min(hits) if hits else None
+    return _first_stop(decode_after(tokenizer, seq.token_ids, start), seq.params.stop, _floor(seq, tokenizer, start))
 
 
 def output_text(seq: Sequence, tokenizer) -> tuple[str, bool]:
     """The decoded completion cut before the first stop string, and whether a stop string cut it."""
     text = decode_after(tokenizer, seq.token_ids, seq.num_prompt_tokens)
     if seq.params.stop:
-        hits = [i for i in (text.find(s) for s in seq.params.stop) if i >= 0]
-        if hits:
-            return text[:min(hits)], True
+        at = _first_stop(text, seq.params.stop, _floor(seq, tokenizer, seq.num_prompt_tokens))
+        if at is not None:
+            return text[:at], True
     return text, False
