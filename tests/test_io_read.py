@@ -305,3 +305,24 @@ def test_a_finished_output_folder_reads_as_its_parts(tmp_path):
     for name in ("stats.json", "telemetry.json"):
         (out / name).write_text("{}")
     assert expand_inputs(str(out)) == [str(out / "part-00000.parquet")]
+
+
+def test_a_lone_surrogate_is_that_lines_error(tmp_path):
+    """JSON may escape half a UTF-16 pair, which no UTF-8 writer can store: that line's error, not the job's."""
+    path = write_jsonl(tmp_path / "s.jsonl", [b'{"id": "a", "text": "ok \\ud83d\\ude00"}',
+                                              b'{"id": "b\\ud800", "text": "x"}', b'{"id": "c", "note": ["\\uDC00"]}',
+                                              b'{"id": "d", "text": "\\\\ud800 is text"}'])
+    rows = list(read_rows([path], id_column="id"))
+    assert [r.error is None for r in rows] == [True, False, False, True]
+    assert rows[0].values["text"] == "ok \U0001F600" and rows[3].values["text"] == "\\ud800 is text"
+    assert "lone UTF-16 surrogate" in rows[1].error and "line 3" in rows[2].error
+
+
+def test_a_value_python_cannot_hold_is_that_rows_error(tmp_path):
+    """A timestamp past year 9999 fails its row (named by its id and column), not the file."""
+    far = pa.array([0, 253402300800 * 1000, 5], type=pa.timestamp("ms"))
+    path = str(tmp_path / "t.parquet")
+    pq.write_table(pa.table({"id": ["a", "far", "c"], "text": ["x", "y", "z"], "ts": far}), path)
+    rows = list(read_rows([path], id_column="id"))
+    assert [r.row_id for r in rows] == ["a", "far", "c"] and [r.error is None for r in rows] == [True, False, True]
+    assert "row 1: column 'ts' cannot be read" in rows[1].error and rows[1].values == {"id": "far", "text": "y"}

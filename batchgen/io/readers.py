@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import posixpath
+import re
 import threading
 from contextlib import closing
 from dataclasses import dataclass
@@ -83,6 +84,30 @@ class Oversized:
 
     size: int
     limit: int
+
+
+@dataclass
+class Unconvertible:
+    """A Parquet row with a value Python cannot hold (a timestamp past year 9999, ...): an error row, not the job's."""
+
+    column: str
+    reason: str
+    values: dict[str, Any]  # the row's other columns
+
+
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # a JSON escape that can decode to half a UTF-16 pair
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _holds_surrogate(value: Any) -> bool:
+    """Whether a decoded JSON value holds a lone surrogate anywhere (keys included), which UTF-8 cannot write."""
+    if isinstance(value, str):
+        return _LONE_SURROGATE.search(value) is not None
+    if isinstance(value, dict):
+        return any(_holds_surrogate(k) or _holds_surrogate(v) for k, v in value.items())
+    if isinstance(value, list):
+        return any(_holds_surrogate(v) for v in value)
+    return False
 
 
 def _open(url: str, storage_options: dict | None, compression: str | None = None, **kwargs: Any):
@@ -198,6 +223,8 @@ def _parse_line(raw: bytes | Oversized, url: str, lineno: int) -> tuple[dict | N
         return None, f"{where}: JSON nested too deeply to read"
     if not isinstance(obj, dict):
         return None, f"{where}: expected a JSON object, got {type(obj).__name__}"
+    if _SURROGATE_ESCAPE.search(text) and _holds_surrogate(obj):
+        return None, f"{where}: holds a lone UTF-16 surrogate (a \\ud800-\\udfff escape outside a pair), not text"
     return obj, None
 
 
@@ -223,14 +250,37 @@ def _row_sizes(batch: pa.RecordBatch) -> list[int]:
     return sizes
 
 
-def _batch_rows(batch: pa.RecordBatch, max_bytes: int) -> Iterator[dict | Oversized]:
+def _to_pylist(batch: pa.RecordBatch) -> list[dict | Unconvertible]:
+    """The batch's rows as dicts; a row with a value Python cannot hold as Unconvertible (its first such column)."""
+    try:
+        return batch.to_pylist()
+    except (OverflowError, ValueError, pa.ArrowException):
+        return [_row_or_unconvertible(batch.slice(i, 1)) for i in range(batch.num_rows)]
+
+
+def _row_or_unconvertible(row: pa.RecordBatch) -> dict | Unconvertible:
+    try:
+        return row.to_pylist()[0]
+    except (OverflowError, ValueError, pa.ArrowException):
+        values, failed = {}, None
+        for name, column in zip(row.schema.names, row.columns):
+            try:
+                values[name] = column.to_pylist()[0]
+            except (OverflowError, ValueError, pa.ArrowException) as exc:
+                failed = failed or (name, f"{type(exc).__name__}: {exc}")
+        if failed is None:
+            raise
+        return Unconvertible(*failed, values)
+
+
+def _batch_rows(batch: pa.RecordBatch, max_bytes: int) -> Iterator[dict | Oversized | Unconvertible]:
     """The rows of a record batch as dicts; those over max_bytes as Oversized, never converted."""
     if batch.nbytes <= max_bytes:
-        yield from batch.to_pylist()
+        yield from _to_pylist(batch)
         return
     sizes = _row_sizes(batch)
     keep = [size <= max_bytes for size in sizes]
-    small = iter(batch.filter(pa.array(keep)).to_pylist())
+    small = iter(_to_pylist(batch.filter(pa.array(keep))))
     for size, ok in zip(sizes, keep):
         yield next(small) if ok else Oversized(size, max_bytes)
 
@@ -276,6 +326,9 @@ def _parquet_records(url: str, storage_options: dict | None, batch_rows: int, ma
     for index, values in enumerate(_resumable(url, produce, "Parquet file")):
         if isinstance(values, Oversized):
             yield index, {}, f"{redact(url)} row {index}: {_too_long('the row', values)}"
+        elif isinstance(values, Unconvertible):
+            yield index, values.values, f"{redact(url)} row {index}: column {values.column!r} cannot be read: " \
+                                        f"{values.reason}"
         else:
             yield index, values, None
 
@@ -315,7 +368,7 @@ def read_rows(
         for index, values, error in records:
             crash_point("read_row")
             row_id = f"{names[url]}:{index}"
-            if error is None and id_column is not None:
+            if id_column is not None and (error is None or values.get(id_column) is not None):
                 value = values.get(id_column)
                 if value is None:
                     where = f"line {index + 1}" if kind == "jsonl" else f"row {index}"
