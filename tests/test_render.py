@@ -1,6 +1,8 @@
 """Prompt rendering with a word-level fake tokenizer."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from batchgen.pipeline.render import PromptRenderer, RenderError, check_template, required_columns, truncate
@@ -46,6 +48,13 @@ def test_plain_render_encodes_rendered_text():
     r = renderer()
     ids = r.render({"text": "hello world", "extra": 1})
     assert r.tokenizer.decode(ids) == "Summarize: hello world"
+
+
+def test_tojson_writes_plain_json():
+    """Jinja's own tojson would write HTML escapes and \\uXXXX for every non-ASCII character into the prompt."""
+    record = {"name": "Café Müller", "rule": "a < b && c > d", "q": "it's 😀"}
+    r = PromptRenderer("{{ record | tojson }}", None, False, WordTokenizer())
+    assert r.render_text({"record": record}) == json.dumps(record, ensure_ascii=False)
 
 
 def test_chat_render_with_and_without_system():

@@ -167,6 +167,9 @@ def test_overrides(tmp_path):
         "engine.max_model_len=2048",
         "prompt.template={{ body }}",
     ], env={})
+    commented = load_spec(write(tmp_path, MINIMAL), overrides=[  # a '#' YAML would read as a comment: kept
+        "prompt.template=Item #{{ id }}: {{ text }}", "prompt.system=# role: reviewer"], env={})
+    assert (commented.prompt.template, commented.prompt.system) == ("Item #{{ id }}: {{ text }}", "# role: reviewer")
     assert spec.sampling.max_tokens == 8
     assert spec.output.carry_columns == ["title", "author"]
     assert spec.batching.sort is False
@@ -180,13 +183,15 @@ def test_overrides(tmp_path):
 def test_override_errors(tmp_path):
     path = write(tmp_path, MINIMAL)
     errs = errors_of(load_spec, path, overrides=[
-        "batching.sort_windw=5", "sampling.max_tokens.deep=1", "nokey", "=3", "sampling.max_tokens=lots"], env={})
+        "batching.sort_windw=5", "sampling.max_tokens.deep=1", "nokey", "=3", "sampling.max_tokens=lots",
+        "sampling.top_k=5 # five"], env={})
     assert errs == [
         "--set batching.sort_windw: unknown key; did you mean `sort_window`?",
         "--set sampling.max_tokens.deep: unknown key",
         "--set nokey: expected KEY.PATH=VALUE",
         "--set =3: expected KEY.PATH=VALUE",
         "sampling.max_tokens: Input should be a valid integer, unable to parse string as an integer (got 'lots')",
+        "sampling.top_k: Input should be a valid integer, unable to parse string as an integer (got '5 # five')",
     ]
 
 

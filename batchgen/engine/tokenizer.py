@@ -24,9 +24,10 @@ def _raise_exception(message: str) -> None:
     raise TemplateError(message)
 
 
-def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
-    # Jinja's own tojson escapes HTML characters, which chat templates must not do.
+def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
+           separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    """JSON text as json.dumps writes it: Jinja's own tojson escapes HTML characters (and every non-ASCII one), which
+    prompts and chat templates must not do."""
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
@@ -40,7 +41,7 @@ def _compile_template(source: str):
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
-    env.filters["tojson"] = _tojson
+    env.filters["tojson"] = tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     return env.from_string(source)

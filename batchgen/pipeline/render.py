@@ -7,9 +7,12 @@ from typing import Any, Literal, Mapping, Protocol, Sequence
 from jinja2 import StrictUndefined, TemplateAssertionError, TemplateSyntaxError, UndefinedError, meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from batchgen.engine.tokenizer import tojson
+
 TruncateMode = Literal["error", "left", "right"]
 
 _ENV = ImmutableSandboxedEnvironment(undefined=StrictUndefined, autoescape=False)
+_ENV.filters["tojson"] = tojson
 
 
 class PromptTokenizer(Protocol):

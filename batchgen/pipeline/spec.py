@@ -232,10 +232,14 @@ def _unknown_key(keys: Sequence[str | int]) -> str:
 
 
 def _parse_value(text: str) -> Any:
-    """A YAML scalar or flow collection; anything else (``Be brief: one line``, bad YAML) stays a string."""
+    """A YAML scalar or flow collection; anything else (``Be brief: one line``, bad YAML, a ``#`` that YAML would
+    read as the start of a comment: ``Item #{{ id }}``) stays a string."""
     try:
         value = yaml.safe_load(text)
+        tokens = [t for t in yaml.scan(text) if not isinstance(t, yaml.StreamEndToken)]
     except yaml.YAMLError:
+        return text
+    if text[max((t.end_mark.index for t in tokens), default=0):].strip():  # a comment, which YAML drops
         return text
     if isinstance(value, (dict, list)) and not text.lstrip().startswith(("{", "[")):
         return text
