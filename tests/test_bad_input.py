@@ -210,3 +210,17 @@ def test_positional_ids_refuse_a_changed_input_on_resume(tmp_path, tiny_model, t
         run_job(spec, llm=tiny_llm, quiet=True)
     stats = run_job(spec, llm=tiny_llm, quiet=True, overwrite=True)
     assert stats["rows"] == 5
+
+
+def test_positional_ids_refuse_a_file_whose_label_changed(tmp_path, tiny_model, tiny_llm):
+    """A file of the same name joining the inputs turns label x.jsonl into a/x.jsonl: committed rows would run again."""
+    recs = [{k: v for k, v in r.items() if k != "id"} for r in records(3)]
+    write_jsonl(tmp_path / "a" / "x.jsonl", recs)
+    glob = str(tmp_path / "*" / "x.jsonl")
+    spec = make_spec(tiny_model, glob, tmp_path / "out", input={"path": glob, "id_column": None})
+    run_job(spec, llm=tiny_llm, quiet=True, limit=1)
+    write_jsonl(tmp_path / "b" / "x.jsonl", recs[:1])
+    with pytest.raises(JobError, match="labelled 'a/x.jsonl' in default row ids now, 'x.jsonl' when"):
+        run_job(spec, llm=tiny_llm, quiet=True)
+    (tmp_path / "b" / "x.jsonl").unlink()
+    assert run_job(spec, llm=tiny_llm, quiet=True)["rows"] == 3

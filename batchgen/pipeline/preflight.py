@@ -11,7 +11,8 @@ from jinja2 import Environment, nodes
 from batchgen.engine import LLM
 from batchgen.engine.loading.loader import load_model_source
 from batchgen.engine.models.registry import model_config
-from batchgen.io import InputError, OutputError, OutputWriter, count_rows, expand_inputs, read_columns, redact
+from batchgen.io import (InputError, OutputError, OutputWriter, count_rows, expand_inputs, read_columns, redact,
+                         row_labels)
 from batchgen.io.fingerprint import difference, fingerprints
 from batchgen.io.lease import LeaseSettings
 from batchgen.io.manifest import PartId, part_name
@@ -136,8 +137,15 @@ def check_inputs_unchanged(writer: OutputWriter, files: list[str], storage_optio
     (no id column: a row is known by its file and line) a file whose size or etag changed is refused: its
     committed rows could stand for other lines now."""
     current, recorded = fingerprints(files, storage_options), _recorded_inputs(writer)
+    for url, label in row_labels(files).items():  # recorded with the fingerprint: the label default ids start with
+        current[url]["label"] = label
     for url, now in current.items():
         before = recorded.get(redact(url))
+        if positional_ids and before and before.get("label") not in (None, now["label"]):
+            raise JobError(redact(
+                f"input file {url} is labelled {now['label']!r} in default row ids now, {before['label']!r} when its "
+                f"rows were committed (the inputs' files with the same name changed): its committed rows would run "
+                f"again under new ids. Restore the inputs, set input.id_column, or rerun with --overwrite"))
         change = difference(before, now) if before else None
         if change and positional_ids and any(before.get(k) not in (None, now.get(k)) for k in ("size", "etag")):
             raise JobError(redact(f"input file {url} changed since its rows were first committed ({change}); "
