@@ -295,3 +295,19 @@ def test_unknown_filters_binary_specs_and_out_of_range_seeds_are_spec_errors(tmp
     binary = tmp_path / "spec.yaml"
     binary.write_bytes(b"\xff\xfe model: m")
     assert errors_of(load_spec, str(binary)) == [f"{binary}: not a YAML text file: invalid UTF-8 at byte 0"]
+
+
+def test_numbers_refuse_yaml_booleans_and_values_past_their_range(tmp_path):
+    """YAML reads yes/on/true as booleans, which pydantic would take as 1; a huge value failed only mid-run."""
+    path = write(tmp_path, MINIMAL)
+    errs = errors_of(load_spec, path, overrides=[
+        "sampling.max_tokens=yes", "sampling.temperature=on", "batching.sort_window=true", "output.rows_per_part=on",
+        "input.max_row_bytes=true", "executor.num_cpus=yes"], env={})
+    assert sorted(errs) == sorted(f"{key}: expected a number, got true" for key in (
+        "sampling.max_tokens", "sampling.temperature", "batching.sort_window", "output.rows_per_part",
+        "input.max_row_bytes", "executor.num_cpus"))
+    errs = errors_of(load_spec, path, overrides=[
+        "batching.sort_window=99999999999999999999", "sampling.top_k=99999999999999999999",
+        "output.lease_timeout_s=1e30"], env={})
+    assert [e.split(":")[0] for e in errs] == ["sampling.top_k", "batching.sort_window", "output.lease_timeout_s"]
+    assert all("less than or equal to" in e for e in errs)

@@ -8,6 +8,7 @@ from typing import Annotated, Any, Literal, get_type_hints
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, create_model, model_validator
 
 from batchgen.engine.config import EngineConfig, engine_knobs, knob_default
+from batchgen.pipeline.spec_types import number_type
 
 log = logging.getLogger(__name__)
 
@@ -29,8 +30,7 @@ def field_type(f: dataclasses.Field) -> Any:
     hint = get_type_hints(EngineConfig)[f.name]
     choices = f.metadata["choices"]
     if not choices:
-        number = {int, float} & set(getattr(hint, "__args__", (hint,)))
-        return Annotated[hint, BeforeValidator(_not_a_bool)] if number else hint
+        return number_type(hint)
     literal = Literal[tuple(choices)]  # type: ignore[valid-type]
     choice = Annotated[literal, BeforeValidator(lambda v: _yaml_word(v, choices))]
     return choice | None if type(None) in getattr(hint, "__args__", ()) else choice
@@ -40,13 +40,6 @@ def _yaml_word(value: Any, choices: tuple) -> Any:
     """YAML reads a bare on/off (yes/no, true/false) as a boolean: the word it spells, so that a knob of choices
     takes it, or names it among the choices it is not."""
     return {True: "on", False: "off"}[value] if isinstance(value, bool) else value
-
-
-def _not_a_bool(value: Any) -> Any:
-    """A number knob refuses YAML's booleans (pydantic would take true as 1)."""
-    if isinstance(value, bool):
-        raise ValueError(f"expected a number, got {str(value).lower()}")
-    return value
 
 
 def _fields() -> dict[str, Any]:

@@ -13,6 +13,7 @@ from batchgen.engine.sampling.params import CONSTRAINTS, PARAM_LIMITS, SamplingP
 from batchgen.engine.sampling.structured import (EXTRA_HINT, json_schema_problem, regex_problem,
                                                  structured_available)
 from batchgen.io import InputError, read_bytes, redact
+from batchgen.pipeline.spec_types import number_type
 
 # Where a job differs from the engine: deterministic, longer outputs by default.
 JOB_DEFAULTS: dict[str, Any] = {"max_tokens": 128, "temperature": 0.0, "seed": 0}
@@ -36,7 +37,8 @@ def _fields() -> dict[str, Any]:
             continue
         engine_default = f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
         default = JOB_DEFAULTS.get(f.name, engine_default)
-        out[f.name] = (SPEC_TYPES.get(f.name, hints[f.name]), Field(default=default, **PARAM_LIMITS.get(f.name, {})))
+        out[f.name] = (SPEC_TYPES.get(f.name, number_type(hints[f.name])),
+                       Field(default=default, **PARAM_LIMITS.get(f.name, {})))
     return out
 
 

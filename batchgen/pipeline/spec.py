@@ -19,8 +19,10 @@ from batchgen.pipeline.engine_spec import EngineSpec, move_legacy_keys, renamed_
 from batchgen.pipeline.executors.ray_extra import RAY_EXTRA_HINT, ray_available
 from batchgen.pipeline.render import check_template
 from batchgen.pipeline.sampling import OneOrMany, SamplingSpec, check_constraints
+from batchgen.pipeline.spec_types import Number
 
 KeyPath = tuple[str | int, ...]
+WEEK_S = 7 * 86400
 
 
 class SpecError(Exception):
@@ -62,7 +64,7 @@ class InputSpec(_Section):
     path: Annotated[OneOrMany, AfterValidator(lambda paths: [_location(p) for p in paths])] = Field(min_length=1)
     format: Literal["auto", "parquet", "jsonl", "openai"] = "auto"
     id_column: str | None = None
-    max_row_bytes: int = Field(default=32 << 20, ge=1)  # a longer JSONL line or Parquet row is an error row
+    max_row_bytes: Number[int] = Field(default=32 << 20, ge=1, le=1 << 40)  # a longer JSONL line or Parquet row is an error row
 
     @model_validator(mode="after")
     def _openai_ids(self) -> "InputSpec":
@@ -91,13 +93,13 @@ class BatchingSpec(_Section):
     """Prompt limits; ``sort_window`` rows are read ahead and sorted by prompt length unless ``sort`` is false.
     The engine's step budgets are the ``engine`` section's (max_num_batched_tokens, max_num_seqs)."""
 
-    sort_window: int = Field(default=4096, ge=1)
-    max_prompt_tokens: int = Field(default=4096, ge=1)
+    sort_window: Number[int] = Field(default=4096, ge=1, le=10**7)
+    max_prompt_tokens: Number[int] = Field(default=4096, ge=1, le=2**31 - 1)
     truncate: Literal["error", "left", "right"] = "error"
     sort: bool = True
     # rendered prompts longer than this are cut (truncate left/right) or error rows before tokenizing;
     # None: 32 characters per token of max_prompt_tokens
-    max_prompt_chars: int | None = Field(default=None, ge=1)
+    max_prompt_chars: Number[int | None] = Field(default=None, ge=1, le=1 << 40)
 
     def prompt_chars(self) -> int:
         return self.max_prompt_chars or 32 * self.max_prompt_tokens
@@ -112,9 +114,9 @@ class OutputSpec(_Section):
     path: Location
     format: Literal["parquet", "jsonl", "openai"] = "parquet"
     carry_columns: OneOrMany = []
-    rows_per_part: int = Field(default=512, ge=1)  # finished rows per part file, the unit of resume
-    max_part_age_s: float = Field(default=180.0, gt=0)  # ...or fewer, once the oldest has waited this long
-    lease_timeout_s: float = Field(default=120.0, ge=1)  # a run silent this long no longer owns the folder
+    rows_per_part: Number[int] = Field(default=512, ge=1, le=10**7)  # finished rows per part file, the unit of resume
+    max_part_age_s: Number[float] = Field(default=180.0, gt=0, le=WEEK_S)  # ...or fewer, once the oldest has waited this long
+    lease_timeout_s: Number[float] = Field(default=120.0, ge=1, le=WEEK_S)  # a run silent this long no longer owns the folder
 
     @model_validator(mode="after")
     def _openai_columns(self) -> "OutputSpec":
@@ -131,9 +133,9 @@ class ExecutorSpec(_Section):
 
     kind: Literal["local", "ray"] = "local"
     address: str | None = None
-    num_replicas: int | None = Field(default=None, ge=1)
-    num_cpus: float = Field(default=1.0, ge=0)
-    num_gpus: float | None = Field(default=None, ge=0)
+    num_replicas: Number[int | None] = Field(default=None, ge=1, le=10**4)
+    num_cpus: Number[float] = Field(default=1.0, ge=0, le=10**4)
+    num_gpus: Number[float | None] = Field(default=None, ge=0, le=10**4)
 
     @model_validator(mode="after")
     def _ray_only(self) -> "ExecutorSpec":
@@ -155,7 +157,7 @@ class JobSpec(_Section):
     batching: BatchingSpec = Field(default_factory=BatchingSpec)
     output: OutputSpec
     storage_options: dict[str, Any] = {}
-    max_error_rate: float = Field(default=1.0, ge=0.0, le=1.0)  # above this fraction of error rows, exit 1
+    max_error_rate: Number[float] = Field(default=1.0, ge=0.0, le=1.0)  # above this fraction of error rows, exit 1
     executor: ExecutorSpec = Field(default_factory=ExecutorSpec)
 
     def engine_config(self) -> EngineConfig:

@@ -10,7 +10,7 @@ PARAM_LIMITS: dict[str, dict[str, float]] = {
     "max_tokens": {"ge": 1},
     "temperature": {"ge": 0},
     "top_p": {"gt": 0, "le": 1},
-    "top_k": {"ge": 0},
+    "top_k": {"ge": 0, "le": 2**31 - 1},
     "seed": {"ge": -(2**63), "le": 2**63 - 1},  # an int64 on the device
     "presence_penalty": {"ge": -2, "le": 2},  # OpenAI's and vLLM's range
     "frequency_penalty": {"ge": -2, "le": 2},
