@@ -311,3 +311,12 @@ def test_numbers_refuse_yaml_booleans_and_values_past_their_range(tmp_path):
         "output.lease_timeout_s=1e30"], env={})
     assert [e.split(":")[0] for e in errs] == ["sampling.top_k", "batching.sort_window", "output.lease_timeout_s"]
     assert all("less than or equal to" in e for e in errs)
+
+
+def test_a_key_given_twice_and_an_alias_that_holds_itself_are_spec_errors(tmp_path):
+    twice = MINIMAL + "sampling: {max_tokens: 4}\nsampling: {temperature: 0.5}\n"
+    assert errors_of(load_spec, write(tmp_path, twice), env={}) == [
+        f"{tmp_path / 'job.yaml'}:{twice.count(chr(10))}:1: invalid YAML: key 'sampling' is given twice"]
+    loop = MINIMAL + "storage_options: &a {self: *a}\n"
+    assert errors_of(load_spec, write(tmp_path, loop), env={}) == [
+        "<spec>: a YAML alias refers to a mapping or list that holds it (a value that contains itself)"]

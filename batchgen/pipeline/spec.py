@@ -332,7 +332,11 @@ def spec_from_dict(data: Any, overrides: Sequence[str] = (), env: Mapping[str, s
         data = {}
     if not isinstance(data, dict):
         raise SpecError([f"<spec>: expected a mapping at the top level, got {type(data).__name__}"])
-    data = json.loads(json.dumps(data, default=str))  # a private, plain copy (YAML dates become strings)
+    try:
+        data = json.loads(json.dumps(data, default=str))  # a private, plain copy (YAML dates become strings)
+    except ValueError:  # json's "Circular reference detected"
+        raise SpecError(["<spec>: a YAML alias refers to a mapping or list that holds it (a value that contains "
+                         "itself)"]) from None
     errors: list[str] = []
     apply_overrides(data, overrides, errors)
     move_legacy_keys(data, errors)
@@ -359,8 +363,22 @@ def spec_from_dict(data: Any, overrides: Sequence[str] = (), env: Mapping[str, s
     return spec
 
 
+class _SpecLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses a key given twice in one mapping (plain YAML keeps the last one silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if isinstance(key, str) and key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"key {key!r} is given twice",
+                                                        key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
 def load_spec(path: str, overrides: Sequence[str] = (), env: Mapping[str, str] | None = None) -> JobSpec:
-    """Reads a YAML job spec (``yaml.safe_load``); ``name`` defaults to the file's stem.
+    """Reads a YAML job spec (a safe loader, refusing repeated keys); ``name`` defaults to the file's stem.
 
     Raises :class:`SpecError` listing every problem, one per line with its key path.
     """
@@ -371,7 +389,7 @@ def load_spec(path: str, overrides: Sequence[str] = (), env: Mapping[str, str] |
     except UnicodeDecodeError as e:
         raise SpecError([f"{path}: not a YAML text file: invalid UTF-8 at byte {e.start}"]) from None
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_SpecLoader)  # noqa: S506 - a SafeLoader
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else path
