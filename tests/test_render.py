@@ -50,6 +50,26 @@ def test_plain_render_encodes_rendered_text():
     assert r.tokenizer.decode(ids) == "Summarize: hello world"
 
 
+def test_a_template_may_test_a_null_column_and_printing_one_is_the_rows_error():
+    for template in ("T{% if note is not none %} {{ note }}{% endif %}", "T {{ note | default('', true) }}",
+                     "T {{ note or '' }}", "T{% if note %} {{ note }}{% endif %}"):
+        for null in (None, float("nan")):
+            assert renderer(template).render_text({"note": null}).strip() == "T", template
+        assert renderer(template).render_text({"note": "n"}) == "T n", template
+    with pytest.raises(RenderError, match="null_value: column 'note' is null"):
+        renderer("T {{ note | upper }}").render_text({"note": None})
+
+
+def test_columns_named_like_jinja_globals_are_columns_where_not_called():
+    assert required_columns("{{ range }} {{ dict(a=1) }}") == {"range"}
+    assert required_columns("{% for i in range(2) %}{{ dict(a=i) }}{% endfor %}") == set()
+    r = renderer("Distance: {{ range }}")
+    assert r.render_text({"range": "1-5 km"}) == "Distance: 1-5 km"
+    for row, code in (({}, "missing_column"), ({"range": None}, "null_value")):
+        with pytest.raises(RenderError, match=code):
+            r.render_text(row)
+
+
 def test_tojson_writes_plain_json():
     """Jinja's own tojson would write HTML escapes and \\uXXXX for every non-ASCII character into the prompt."""
     record = {"name": "Café Müller", "rule": "a < b && c > d", "q": "it's 😀"}

@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 from typing import Any, Literal, Mapping, Protocol, Sequence
 
-from jinja2 import StrictUndefined, TemplateAssertionError, TemplateSyntaxError, UndefinedError, meta
+from jinja2 import StrictUndefined, TemplateAssertionError, TemplateSyntaxError, UndefinedError, meta, nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from batchgen.engine.tokenizer import tojson
@@ -46,9 +46,27 @@ def check_template(template: str) -> None:
 
 
 def required_columns(template: str) -> set[str]:
-    """Input columns the template reads (variables it uses but does not define itself)."""
-    names = meta.find_undeclared_variables(_ENV.parse(template))
-    return {n for n in names if n not in _ENV.globals}
+    """Input columns the template reads (variables it uses but does not define itself); a name of Jinja's globals
+    (``range``, ``dict``, ...) is a column where it is not only called."""
+    ast = _ENV.parse(template)
+    called = {c.node.name for c in ast.find_all(nodes.Call) if isinstance(c.node, nodes.Name)}
+    names = list(ast.find_all(nodes.Name))
+    stored = {n.name for n in names if n.ctx != "load"}
+    plain_globals = {n.name for n in names if n.ctx == "load" and n.name in _ENV.globals} - called - stored
+    return meta.find_undeclared_variables(ast) | plain_globals
+
+
+class _Null(StrictUndefined):
+    """A null column's value: false, not defined, and ``none`` to the template's tests (so that it can test for it);
+    an error wherever it is printed or used."""
+
+    __slots__ = ()
+
+    def __bool__(self) -> bool:
+        return False
+
+
+_ENV.tests["none"] = lambda value: value is None or isinstance(value, _Null)
 
 
 def _is_null(value: Any) -> bool:
@@ -68,13 +86,21 @@ class PromptRenderer:
         self.tokenizer = tokenizer
 
     def render_text(self, row: Mapping[str, Any]) -> str:
-        """The rendered user prompt, before any chat template."""
-        for col in sorted(self.columns):
-            if col in row and _is_null(row[col]):
-                raise RenderError("null_value", f"column '{col}' is null")
+        """The rendered user prompt, before any chat template. A null (or NaN) column the template prints or uses
+        is a ``null_value`` error; one it only tests (``is none``, ``default(..., true)``, ``or``) is not."""
+        shadowed = sorted(c for c in self.columns if c in _ENV.globals and c not in row)  # else Jinja's own
+        if shadowed:
+            raise RenderError("missing_column", f"column '{shadowed[0]}' is missing")
+        values = dict(row)
+        nulls = {f"column '{c}' is null" for c in self.columns if c in row and _is_null(row[c])}
+        for hint in nulls:
+            name = hint.split("'")[1]
+            values[name] = _Null(hint=hint, name=name)
         try:
-            text = self.template.render(dict(row))
+            text = self.template.render(values)
         except UndefinedError as e:
+            if e.message in nulls:
+                raise RenderError("null_value", e.message) from None
             # Absent columns are left to Jinja so that `is defined` and `| default(...)` keep working.
             missing = sorted(c for c in self.columns if c not in row)
             if missing:
