@@ -117,6 +117,15 @@ def test_spec_digest_ignores_credentials_only(family, tmp_path):
         digest(opts, input={"path": "https://u:another-password@h/in.jsonl"})
 
 
+def test_a_mistyped_set_shows_no_value(tmp_path):
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(spec_dict("m", tmp_path / "in.jsonl", tmp_path / "out")))
+    res = invoke("validate", str(job), "--set", "storage_options.secret:SuperSecretValue987",
+                 "--set", "storage_options.key SuperSecretValue987")
+    assert res.exit_code == 2 and "SuperSecretValue987" not in res.output
+    assert "--set storage_options.secret:...: expected KEY.PATH=VALUE" in res.output
+
+
 def test_text_forms_are_masked():
     cases = {
         f"s3://AKIAIOSFODNN7EXAMPLE:{URL_PASSWORD}@bucket/x": "s3://***:***@bucket/x",
@@ -127,7 +136,11 @@ def test_text_forms_are_masked():
         "AWS_SESSION_TOKEN=env-session-7731 next": "AWS_SESSION_TOKEN=*** next",
         '{"client_secret": "cs-7731", "name": "job"}': '{"client_secret": "***", "name": "job"}',
         "--set storage_options.account_key=key-7731": "--set storage_options.account_key=***",
-        f"pem: {PEM}": "pem: ***",
+        f"pem: {PEM.strip()}": "pem: ***",  # (stripped: alone or after a test that remembered PEM, the same)
+        # a pasted secret key holding "/" and "@" unescaped; a port is no password
+        "s3://AKIDSECRETKEYID12345:wJalrXUtn/K7MDENG/bPx+EXAMPLE@bkt/o/": "s3://***:***@bkt/o/",
+        "s3://u:Sup3r@Secret/987@bkt/x, then x@y": "s3://***:***@bkt/x, then x@y",
+        "http://host:8080/a@b": "http://host:8080/a@b",
     }
     for text, expected in cases.items():
         assert redact(text) == expected

@@ -49,9 +49,11 @@ _NAME = r"[A-Za-z_][\w\-]*"
 _QUOTED = re.compile(r"(?P<head>(?P<q>['\"]?)(?P<name>" + _NAME + r")(?P=q)\s*[:=]\s*)"
                      r"(?P<v>['\"])(?P<val>(?:(?!(?P=v)).)*)(?P=v)")
 _BARE = re.compile(r"(?P<head>(?<![\w\-])(?P<name>" + _NAME + r")=)(?P<val>[^\s'\",&;]+)")
+# scheme://user:password@host, the password up to the token's last "@": a pasted secret key may hold "/", "+" and
+# "@" unescaped (a port, host:8080/, is not a password).
+_URL_USERINFO = r"(?P<scheme>\b[a-zA-Z][a-zA-Z0-9+.\-]*://)(?P<user>[^/\s:@]+):(?P<password>(?!\d{1,5}(?:/|\s|$))\S+)@"
 _FIXED = [
-    # scheme://user:password@host
-    (re.compile(r"(\b[a-zA-Z][a-zA-Z0-9+.\-]*://)[^/\s:@]+:[^/\s@]+@"), r"\1" + MASK + ":" + MASK + "@"),
+    (re.compile(_URL_USERINFO), r"\g<scheme>" + MASK + ":" + MASK + "@"),
     (re.compile(r"\b(Bearer|Basic)\s+[A-Za-z0-9._~+/=\-]{8,}"), r"\1 " + MASK),
     (re.compile(r"-----BEGIN [A-Z ]*PRIVATE KEY-----.*?(?:-----END [A-Z ]*PRIVATE KEY-----|$)", re.DOTALL),
      MASK),
@@ -69,7 +71,7 @@ def remember_secret(value: Any) -> None:
             _known.add(value)
 
 
-_USERINFO = re.compile(r"\b[a-zA-Z][a-zA-Z0-9+.\-]*://(?P<user>[^/\s:@]+):(?P<password>[^/\s@]+)@")
+_USERINFO = re.compile(_URL_USERINFO)
 _KEY_ID_MIN_CHARS = 16  # a URL's user part this long is an access key id (s3://KEY:SECRET@bucket), not a name
 
 
@@ -78,6 +80,9 @@ def remember_url_credentials(url: str) -> None:
     key id), so that a library quoting the URL without its scheme (botocore's bucket-name errors) is masked."""
     for m in _USERINFO.finditer(url):
         remember_secret(m.group("password"))
+        for piece in re.split(r"[/@]", m.group("password")):  # a parser that stops at "/" or "@" quotes a piece
+            if len(piece) >= 8:
+                remember_secret(piece)
         if len(m.group("user")) >= _KEY_ID_MIN_CHARS:
             remember_secret(m.group("user"))
 

@@ -254,7 +254,9 @@ def apply_overrides(data: dict, overrides: Sequence[str], errors: list[str]) -> 
         dotted, sep, raw = item.partition("=")
         keys = renamed_path(dotted.strip().split("."))
         if not sep or not all(keys):
-            errors.append(f"--set {item}: expected KEY.PATH=VALUE")
+            key = re.split(r"[:\s]", item, maxsplit=1)[0]  # a mistyped '=' may have put a credential after it
+            shown = item if key == item else f"{key}{item[len(key)]}..."
+            errors.append(f"--set {shown}: expected KEY.PATH=VALUE")
             continue
         if not _known_path(keys):
             errors.append(f"--set {dotted}: {_unknown_key(keys)}")
