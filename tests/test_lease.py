@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import os
 import socket
 import subprocess
@@ -98,10 +99,9 @@ def test_stale_and_forced_leases(tmp_path, caplog):
     assert "from a run that is gone: host other-host pid 4242" in caplog.text
     assert lease_files(url) == ["lease-00000008.json"]
 
-    # --force-unlock takes a live lease; the old holder notices at its next renewal and stops writing
+    # --force-unlock takes a live lease; the old holder notices at its next write (no renewal needed) and stops
     thief = lease_for(url, force=True)
     thief.acquire()
-    lease.renew()
     with pytest.raises(LeaseLost, match=f"taken by host {socket.gethostname()} pid {os.getpid()}"):
         lease.ensure_held()
     lease.release()
@@ -140,6 +140,18 @@ def test_heartbeat_renews_and_a_silent_holder_fences_itself(tmp_path, monkeypatc
     with pytest.raises(OutputError, match="lost the lease .*could not renew it for"):
         w.write_part([{"row_id": "b", "output": "y"}])
     assert w.committed_row_ids() == {"a"} and not (tmp_path / "out" / "part-00001.parquet").exists()
+    w.close()
+
+
+def test_a_writer_whose_folder_was_deleted_stops_at_its_next_write(tmp_path):
+    """The folder deleted mid-run (its lease file with it): no part, manifest entry or _SUCCESS is written after."""
+    url = str(tmp_path / "out")
+    w = OutputWriter(url, lease=LeaseSettings(timeout_s=3600))  # no heartbeat would notice for 10 minutes
+    w.write_part(ROWS)
+    shutil.rmtree(tmp_path / "out")
+    with pytest.raises(OutputError, match="lost the lease .*its lease file was deleted"):
+        w.write_part([{"row_id": "b", "output": "y"}])
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").rglob("part-*"))
     w.close()
 
 

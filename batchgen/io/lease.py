@@ -237,15 +237,21 @@ class Lease:
         if silent > _SELF_FENCE * self.settings.timeout_s:
             self._lost = f"could not renew it for {silent:.0f} s"
             return
-        generations = self._generations()
-        top = generations.get(max(generations, default=-1))
-        holder = self._holder(top) if top else None
-        if top != self.name or holder is None or holder.owner != self.me.owner:
-            self._lost = f"taken by {holder.describe()}" if holder else "its lease file was deleted"
+        self._lost = self._taken()
+        if self._lost is not None:
             return
         self.me.heartbeat = time.time()
         self.store.put(self.name, self.me.to_bytes())
         self._renewed = time.monotonic()
+
+    def _taken(self) -> str | None:
+        """Why the newest lease file does not name this run (None while it does)."""
+        generations = self._generations()
+        top = generations.get(max(generations, default=-1))
+        holder = self._holder(top) if top else None
+        if top != self.name or holder is None or holder.owner != self.me.owner:
+            return f"taken by {holder.describe()}" if holder else "its lease file was deleted"
+        return None
 
     def _beat(self) -> None:
         while not self._stop.wait(self.interval_s) and self._lost is None:
@@ -255,10 +261,13 @@ class Lease:
                 log.warning("could not renew the lease of %s: %s", self.display, redact(str(exc)))
 
     def ensure_held(self) -> None:
-        """Raise LeaseLost unless this run still owns the folder (checked before every commit)."""
+        """Raise LeaseLost unless this run still owns the folder: checked before every write, by reading the newest
+        lease file (a run that --force-unlock took it from, or a deleted folder, stops at its next write)."""
         silent = time.monotonic() - self._renewed
         if self._lost is None and silent > _SELF_FENCE * self.settings.timeout_s:
             self._lost = f"could not renew it for {silent:.0f} s"
+        if self._lost is None and self.name is not None:
+            self._lost = self._taken()
         if self._lost is not None:
             raise LeaseLost(redact(f"this run lost the lease of {self.display} ({self._lost}); it stopped "
                                    f"writing, and a rerun resumes from what was committed"))
