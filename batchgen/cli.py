@@ -90,8 +90,9 @@ def _job_failures(spec: JobSpec, verbose: bool) -> Iterator[None]:
         _fail(f"{spec.name}: {e}; rerun the same command to resume", e.exit_code)
     except JobError as e:
         _fail(f"{spec.name}: {e}", EXIT_FAILED)
-    except KeyboardInterrupt:  # before the job's own handlers were installed, e.g. while the model loads
-        _fail(f"{spec.name}: interrupted before any work was done", 128 + signal.SIGINT)
+    except KeyboardInterrupt as e:  # before the job's own handlers were installed, e.g. while the model loads
+        signum = getattr(e, "signum", signal.SIGINT)  # Terminated: SIGTERM
+        _fail(f"{spec.name}: interrupted by {signal.Signals(signum).name} before any work was done", 128 + signum)
     except Exception as e:  # noqa: BLE001 - one line unless -v
         if verbose:
             click.echo(redact(traceback.format_exc()), err=True, nl=False)

@@ -244,3 +244,27 @@ def test_ctrl_c_aborts_after_the_grace_period_and_the_rerun_completes(tmp_path, 
     check_output(out, stats, [f"r{i}" for i in range(n)])  # every id exactly once
     assert sorted(manifest_ids(out)) == sorted(f"r{i}" for i in range(n))
     assert all(r["completion_tokens"] == tokens for r in read_output(str(out)))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_while_the_model_loads_releases_the_lease(tmp_path, tiny_model, sig):
+    """SIGTERM's default action would kill the run with its lease held: a rerun from another host waits it out."""
+    inp, out = write_jsonl(tmp_path / "in.jsonl", records(2)), tmp_path / "out"
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(spec_dict(tiny_model, inp, out)))
+    slow_load = ("import sys, time; from batchgen.pipeline import preflight; "
+                 "preflight.load_model = lambda spec: time.sleep(120); from batchgen.cli import main; "
+                 f"sys.argv = ['batchgen', 'run', {str(job)!r}]; main()")
+    proc = subprocess.Popen([sys.executable, "-c", slow_load], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    deadline = time.monotonic() + 120
+    while not list((out / "_lease").glob("*.json")):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.05)
+    time.sleep(0.5)
+    proc.send_signal(sig)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + sig, stderr
+    assert f"interrupted by {signal.Signals(sig).name} before any work was done" in stderr
+    assert not list((out / "_lease").glob("*.json"))

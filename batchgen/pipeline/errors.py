@@ -18,3 +18,10 @@ class JobInterrupted(Exception):
     @property
     def exit_code(self) -> int:
         return 128 + self.signum
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM before the job's own handlers run (while the model loads): as SIGINT's KeyboardInterrupt, a
+    BaseException, so that no ``except Exception`` on the way out takes it for a failure of what it stopped."""
+
+    signum = signal.SIGTERM

@@ -8,6 +8,8 @@ import threading
 from contextlib import contextmanager
 from typing import Any, Iterator
 
+from batchgen.pipeline.errors import Terminated
+
 log = logging.getLogger(__name__)
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -78,3 +80,21 @@ def stop_on_signals(stop: StopRequest) -> Iterator[StopRequest]:
         stop.cancel_timer()
         for s, h in previous.items():
             signal.signal(s, h)
+
+
+@contextmanager
+def sigterm_raises() -> Iterator[None]:
+    """SIGTERM raises Terminated at once, as SIGINT raises KeyboardInterrupt, until stop_on_signals takes over: a
+    run stopped while it loads its model still releases its output folder's lease on the way out."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handle(_signum: int, _frame: Any) -> None:
+        raise Terminated
+
+    previous = signal.signal(signal.SIGTERM, handle)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
