@@ -181,6 +181,20 @@ def test_report_of_a_crashed_job_and_of_no_job(tmp_path, tiny_model, tiny_llm):
     assert res.exit_code == 1 and "holds no job output" in res.stderr
 
 
+def test_report_totals_are_the_committed_parts_when_stats_json_is_behind_them(tmp_path, tiny_model, tiny_llm):
+    """A --limit trial writes stats.json; a run killed (SIGKILL) after committing more parts leaves it behind."""
+    inp, out = write_jsonl(tmp_path / "in.jsonl", records(10)), tmp_path / "out"
+    spec = make_spec(tiny_model, inp, out, output={"rows_per_part": 3})
+    run_job(spec, llm=tiny_llm, quiet=True, limit=3)
+    trial = (out / "stats.json").read_bytes()
+    full = run_job(spec, llm=tiny_llm, quiet=True)
+    (out / "stats.json").write_bytes(trial)  # as the killed run left it
+    (out / "_SUCCESS").unlink()
+    page = parse(build_report(str(out)))
+    for key in ("rows", "ok_rows", "error_rows", "prompt_tokens", "completion_tokens"):
+        assert page.values[key] == str(full[key]), key
+
+
 def test_report_shows_sample_rows_with_their_input_and_output(tmp_path, tiny_model, tiny_llm):
     import html
 

@@ -152,8 +152,8 @@ def _empty_rows() -> pl.DataFrame:
 def load_report_data(path: str, storage_options: dict[str, Any] | None = None) -> ReportData:
     """Reads the folder (local or any fsspec URL); raises ReportError when it holds no job output.
 
-    stats.json may be missing (a job still running, or one that crashed before writing it): the totals
-    then come from the committed parts' manifest entries.
+    Row and token totals come from the committed parts' manifest entries; stats.json (which may be missing, or
+    behind them: a job still running, or one killed) gives the rest.
     """
     try:
         folder = OutputFolder(path, storage_options)
@@ -173,8 +173,9 @@ def load_report_data(path: str, storage_options: dict[str, Any] | None = None) -
         raise ReportError(redact(f"cannot read the parts of {path}: {type(e).__name__}: {e}")) from None
     rows = pl.concat(frames) if frames else _empty_rows()
     stats_found = stats is not None
-    if stats is None:
-        stats = {**Counts.total(e.stats for e in entries).to_dict(), "job": redact(path)}
+    # The totals are the committed parts', whatever stats.json says: a run killed after committing more parts
+    # (SIGKILL) left it behind them.
+    stats = {**(stats or {"job": redact(path)}), **Counts.total(e.stats for e in entries).to_dict()}
     return ReportData(path=redact(path), stats=stats, stats_found=stats_found, complete=complete,
                       telemetry=telemetry, rows=rows, parts=len(entries), eplb=expert_loads(stats.get("engine")),
                       run_eplb=[expert_loads(run.get("engine")) for run in stats.get("runs") or []])
