@@ -326,3 +326,11 @@ def test_a_value_python_cannot_hold_is_that_rows_error(tmp_path):
     rows = list(read_rows([path], id_column="id"))
     assert [r.row_id for r in rows] == ["a", "far", "c"] and [r.error is None for r in rows] == [True, False, True]
     assert "row 1: column 'ts' cannot be read" in rows[1].error and rows[1].values == {"id": "far", "text": "y"}
+
+
+def test_columns_of_jsonl_read_on_for_a_wanted_key_the_first_objects_lack(tmp_path):
+    lines = [json.dumps({"id": i}).encode() for i in range(150)] + [json.dumps({"id": 150, "text": "x"}).encode()]
+    path = write_jsonl(tmp_path / "late.jsonl", lines)
+    assert read_columns([path]) == {"id"}  # the first objects only
+    assert read_columns([path], wanted=frozenset({"text", "nowhere"})) == {"id", "text"}
+    assert read_columns([write_jsonl(tmp_path / "empty.jsonl", [])], wanted=frozenset({"text"})) == set()

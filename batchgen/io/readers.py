@@ -378,22 +378,25 @@ def read_rows(
             yield InputRow(row_id=row_id, values=values, source=url, index=index, error=error)
 
 
-def read_columns(files: list[str], fmt: str = "auto", storage_options: dict | None = None) -> set[str]:
-    """Column names available across files: Parquet schemas, keys of the first JSONL objects."""
+def read_columns(files: list[str], fmt: str = "auto", storage_options: dict | None = None,
+                 wanted: frozenset[str] = frozenset()) -> set[str]:
+    """Column names available across files: Parquet schemas, keys of the first JSONL objects (and of later ones
+    that hold a ``wanted`` key the first ones lack)."""
     columns: set[str] = set()
     for url in files:
         if detect_format(url, fmt) == "parquet":
             columns.update(_parquet_footer(url, storage_options).schema.to_arrow_schema().names)
             continue
-        columns.update(_jsonl_columns(url, storage_options))
+        columns.update(_jsonl_columns(url, storage_options, wanted))
     return columns
 
 
-def _jsonl_columns(url: str, storage_options: dict | None) -> set[str]:
-    """The keys of a JSONL file's first objects; raises InputError when none of its first lines is a JSON
+def _jsonl_columns(url: str, storage_options: dict | None, wanted: frozenset[str] = frozenset()) -> set[str]:
+    """The keys of a JSONL file's first objects; where they lack a ``wanted`` key, the file is read on until a line
+    holds it (only lines whose bytes name it are parsed). Raises InputError when none of its first lines is a JSON
     object (a file that is not JSON Lines at all, not one with a few bad lines)."""
     columns: set[str] = set()
-    seen, first_error = 0, None
+    seen, first_error, lineno = 0, None, -1
     with closing(_jsonl_lines(url, storage_options, DEFAULT_MAX_ROW_BYTES)) as lines:
         for lineno, raw in enumerate(lines):
             obj, error = _parse_line(raw, url, lineno)
@@ -403,6 +406,15 @@ def _jsonl_columns(url: str, storage_options: dict | None) -> set[str]:
             first_error = first_error or error
             if seen >= _COLUMN_SAMPLE_OBJECTS or lineno + 1 >= _COLUMN_SAMPLE_LINES:
                 break
+        if seen or not first_error:
+            keys = {k: json.dumps(k).encode() for k in wanted - columns}
+            for lineno, raw in enumerate(lines, lineno + 1):
+                if not keys:
+                    break
+                if isinstance(raw, bytes) and any(key in raw for key in keys.values()):
+                    obj, _ = _parse_line(raw, url, lineno)
+                    columns.update(obj or ())
+                    keys = {k: v for k, v in keys.items() if k not in columns}
     if not seen and first_error:
         raise InputError(f"not JSON Lines: {first_error}")
     return columns

@@ -76,7 +76,7 @@ def check_inputs(spec: JobSpec) -> list[str]:
             return files
         lacking: dict[str, list[str]] = {}
         for f in files:
-            columns = read_columns([f], spec.input.format, opts)
+            columns = read_columns([f], spec.input.format, opts, wanted=frozenset(needed))
             if not columns and count_rows([f], spec.input.format, opts) == 0:
                 continue  # a file with no rows lacks nothing: it adds none
             for col in sorted(needed - columns):
