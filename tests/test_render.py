@@ -70,6 +70,19 @@ def test_columns_named_like_jinja_globals_are_columns_where_not_called():
             r.render_text(row)
 
 
+def test_a_runaway_template_stops_rendering_past_the_character_limit():
+    """Nested loops would render 10^10 characters: memory and time stay bounded by max_chars."""
+    r = renderer("{% for i in range(100000) %}{% for j in range(100000) %}{{ text }}{% endfor %}{% endfor %}")
+    assert r.render_text({"text": "ab"}, 1000, "right") == "ab" * 500
+    for mode in ("error", "left"):
+        with pytest.raises(RenderError, match="prompt_too_long: prompt has more than .* max 1000 .*rendering stopped"):
+            r.render_text({"text": "ab"}, 1000, mode)
+    tail = renderer("{% for i in range(3000) %}{{ i }},{% endfor %}").render_text({}, 100, "left")
+    assert tail == "".join(f"{i}," for i in range(3000))[-100:]
+    with pytest.raises(RenderError, match="prompt has 13890 characters > max 100"):
+        renderer("{% for i in range(3000) %}{{ i }},{% endfor %}").render_text({}, 100, "error")
+
+
 def test_tojson_writes_plain_json():
     """Jinja's own tojson would write HTML escapes and \\uXXXX for every non-ASCII character into the prompt."""
     record = {"name": "Café Müller", "rule": "a < b && c > d", "q": "it's 😀"}

@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Literal, Mapping, Protocol, Sequence
+from collections import deque
+from typing import Any, Iterator, Literal, Mapping, Protocol, Sequence
 
 from jinja2 import StrictUndefined, TemplateAssertionError, TemplateSyntaxError, UndefinedError, meta, nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -85,9 +86,11 @@ class PromptRenderer:
         self.chat = chat
         self.tokenizer = tokenizer
 
-    def render_text(self, row: Mapping[str, Any]) -> str:
-        """The rendered user prompt, before any chat template. A null (or NaN) column the template prints or uses
-        is a ``null_value`` error; one it only tests (``is none``, ``default(..., true)``, ``or``) is not."""
+    def render_text(self, row: Mapping[str, Any], max_chars: int | None = None, mode: TruncateMode = "error") -> str:
+        """The rendered user prompt, before any chat template, fit to ``max_chars`` as :func:`fit_chars` says while
+        it is rendered (a template's output past it is never held whole). A null (or NaN) column the template
+        prints or uses is a ``null_value`` error; one it only tests (``is none``, ``default(..., true)``, ``or``)
+        is not."""
         shadowed = sorted(c for c in self.columns if c in _ENV.globals and c not in row)  # else Jinja's own
         if shadowed:
             raise RenderError("missing_column", f"column '{shadowed[0]}' is missing")
@@ -97,7 +100,9 @@ class PromptRenderer:
             name = hint.split("'")[1]
             values[name] = _Null(hint=hint, name=name)
         try:
-            text = self.template.render(values)
+            text = _bounded(self.template.generate(values), max_chars, mode)
+        except RenderError:
+            raise
         except UndefinedError as e:
             if e.message in nulls:
                 raise RenderError("null_value", e.message) from None
@@ -132,6 +137,36 @@ class PromptRenderer:
         except Exception as e:  # noqa: BLE001 - e.g. a character the tokenizer cannot handle
             raise RenderError("tokenizer_error", f"{type(e).__name__}: {e}") from None
         return list(ids)
+
+
+_RENDER_STOP = 256  # rendering stops this many times max_chars on (a runaway loop): the row is prompt_too_long
+
+
+def _bounded(chunks: Iterator[str], max_chars: int | None, mode: TruncateMode) -> str:
+    """A template's output chunks joined and fit to ``max_chars`` (see fit_chars), holding about that many
+    characters at most: "right" stops rendering once it has them, "left" keeps the last ones, "error" counts; past
+    _RENDER_STOP times max_chars, any of them stops with prompt_too_long."""
+    if max_chars is None:
+        return "".join(chunks)
+    parts: deque[str] = deque()
+    held = total = 0
+    for chunk in chunks:
+        total += len(chunk)
+        if total > _RENDER_STOP * max_chars:
+            raise RenderError("prompt_too_long", f"prompt has more than {total} characters > max {max_chars} "
+                                                 f"(batching.max_prompt_chars); rendering stopped")
+        if mode == "right" and held >= max_chars:
+            break
+        if mode != "error" or held <= max_chars:
+            parts.append(chunk)
+            held += len(chunk)
+        while mode == "left" and held - len(parts[0]) >= max_chars:
+            held -= len(parts.popleft())
+    text = "".join(parts)
+    if mode == "error" and total > max_chars:
+        raise RenderError("prompt_too_long", f"prompt has {total} characters > max {max_chars} "
+                                             f"(batching.max_prompt_chars)")
+    return fit_chars(text, max_chars, mode)
 
 
 def fit_chars(text: str, max_chars: int, mode: TruncateMode) -> str:

@@ -12,7 +12,7 @@ from batchgen.io import InputRow, read_rows, redact
 from batchgen.pipeline.batching import prompt_sort_key, sort_window
 from batchgen.pipeline.errors import JobError
 from batchgen.pipeline.openai_requests import OpenAIPrompts
-from batchgen.pipeline.render import PromptRenderer, PromptTokenizer, RenderError, TruncateMode, fit_chars, truncate
+from batchgen.pipeline.render import PromptRenderer, PromptTokenizer, RenderError, TruncateMode, truncate
 from batchgen.pipeline.rows import Request, ResultRow, carried_values, error_row
 from batchgen.pipeline.sampling import row_seed
 from batchgen.pipeline.spec import JobSpec
@@ -76,7 +76,7 @@ class PromptSource(Protocol):
 @dataclass
 class TemplatePrompts:
     """The spec's prompt template, with the spec's sampling for every row; a rendered prompt over
-    ``max_chars`` is cut (or refused, see render.fit_chars) before it is tokenized."""
+    ``max_chars`` is cut (or refused, see render.fit_chars) as it is rendered, before it is tokenized."""
 
     renderer: PromptRenderer
     params: SamplingParams
@@ -84,7 +84,7 @@ class TemplatePrompts:
     truncate_mode: TruncateMode
 
     def build(self, values: Mapping[str, Any], row_id: str) -> tuple[list[int], SamplingParams]:
-        text = fit_chars(self.renderer.render_text(values), self.max_chars, self.truncate_mode)
+        text = self.renderer.render_text(values, self.max_chars, self.truncate_mode)
         params = self.params
         if params.seed is not None:
             params = copy.copy(params)  # the spec's checked fields, with the row's own seed
