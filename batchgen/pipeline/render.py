@@ -139,20 +139,23 @@ class PromptRenderer:
         return list(ids)
 
 
-_RENDER_STOP = 256  # rendering stops this many times max_chars on (a runaway loop): the row is prompt_too_long
+# Rendering stops past this many times max_chars, and past _RENDER_FLOOR characters (more than a row may hold):
+# a runaway loop, whose row is prompt_too_long.
+_RENDER_STOP, _RENDER_FLOOR = 256, 1 << 26
 
 
 def _bounded(chunks: Iterator[str], max_chars: int | None, mode: TruncateMode) -> str:
     """A template's output chunks joined and fit to ``max_chars`` (see fit_chars), holding about that many
-    characters at most: "right" stops rendering once it has them, "left" keeps the last ones, "error" counts; past
-    _RENDER_STOP times max_chars, any of them stops with prompt_too_long."""
+    characters at most: "right" stops rendering once it has them, "left" keeps the last ones, "error" counts; a
+    runaway template (see _RENDER_STOP) stops with prompt_too_long."""
     if max_chars is None:
         return "".join(chunks)
     parts: deque[str] = deque()
     held = total = 0
+    stop = max(_RENDER_STOP * max_chars, _RENDER_FLOOR)
     for chunk in chunks:
         total += len(chunk)
-        if total > _RENDER_STOP * max_chars:
+        if total > stop:
             raise RenderError("prompt_too_long", f"prompt has more than {total} characters > max {max_chars} "
                                                  f"(batching.max_prompt_chars); rendering stopped")
         if mode == "right" and held >= max_chars:
