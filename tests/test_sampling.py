@@ -236,3 +236,17 @@ def test_noise_at_the_top_of_its_range_never_picks_a_filtered_token():
                               steps=steps[rows], want_logprobs=False, all_greedy=False, any_top_k_or_p=True)
         tokens, _ = sample(logits, batch)
         assert tokens.tolist() == top.tolist()
+
+
+def test_chat_and_array_prompts_as_vllm_takes_them(llm):
+    import numpy as np
+
+    params = SamplingParams(max_tokens=3, temperature=0)
+    chat = [{"role": "user", "content": TEXT}]
+    ids = llm.tokenizer.apply_chat_template(chat, add_generation_prompt=True)
+    [one] = llm.chat(chat, params)
+    two = llm.chat([chat, chat], params)
+    [plain] = llm.generate([ids], params)
+    assert len(two) == 2 and one.token_ids == plain.token_ids == two[0].token_ids == two[1].token_ids
+    [array] = llm.generate(np.array(ids), params)
+    assert array.token_ids == plain.token_ids

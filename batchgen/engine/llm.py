@@ -78,6 +78,8 @@ class LLM:
                  use_tqdm: bool = False) -> list[RequestOutput]:
         """Generates for every prompt; outputs come back in the prompts' order. A single prompt (a string, or
         one list of token ids) is a batch of one."""
+        if hasattr(prompts, "tolist"):  # a NumPy or torch array of token ids (one prompt, or a row per prompt)
+            prompts = prompts.tolist()
         if isinstance(prompts, str) or (len(prompts) > 0 and all(isinstance(t, int) for t in prompts)):
             prompts = [prompts]  # type: ignore[list-item]
         params = params or SamplingParams()
@@ -92,6 +94,15 @@ class LLM:
             bar.update(1)
         bar.close()
         return outputs  # type: ignore[return-value]
+
+    def chat(self, messages: Seq[dict] | Seq[Seq[dict]], params: SamplingParams | Seq[SamplingParams] | None = None,
+             use_tqdm: bool = False, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Generates a reply to a conversation (a list of ``{"role", "content"}`` messages) or to each of several,
+        through the model's chat template, as vLLM's ``LLM.chat``."""
+        chats = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [self.tokenizer.apply_chat_template(list(chat), add_generation_prompt=add_generation_prompt)
+                   for chat in chats]
+        return self.generate(prompts, params, use_tqdm)
 
     def generate_stream(self, requests: Iterable[tuple[Any, Prompt, SamplingParams]],
                         max_pending: int | None = None, cancel: threading.Event | None = None
