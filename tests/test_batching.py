@@ -73,3 +73,16 @@ def test_prompt_sort_key_groups_shared_prefixes():
     prefixes = [tuple(p[:4]) for p in out]
     assert prefixes == sorted(prefixes, reverse=True)  # all in one bucket: each prefix group is contiguous
     assert length_bucket(200) > length_bucket(100) > length_bucket(1) == 0 == length_bucket(0)
+
+
+def test_windows_hold_at_most_a_window_of_error_rows_and_keep_every_row():
+    from batchgen.engine import SamplingParams
+    from batchgen.pipeline.rows import Request, error_row
+    from batchgen.pipeline.stages import windows
+
+    items = [error_row(f"e{i}", {}, "invalid_input", "bad") for i in range(10)]
+    items += [Request("a", {}, [1, 2], SamplingParams()), error_row("e10", {}, "invalid_input", "bad")]
+    got = list(windows(items, 4, sort=True))
+    assert all(len(w.errors) <= 4 and len(w.requests) <= 4 for w in got)
+    assert sorted(r.row_id for w in got for r in w.errors) == sorted(f"e{i}" for i in range(11))
+    assert [r.row_id for w in got for r in w.requests] == ["a"]

@@ -189,12 +189,16 @@ class Window:
 
 
 def windows(items: Iterable[Request | ResultRow], size: int, sort: bool) -> Iterator[Window]:
-    """Prepared rows cut into windows of ``size`` requests, each sorted as ``sorted_requests`` sorts them."""
+    """Prepared rows cut into windows of ``size`` requests, each sorted as ``sorted_requests`` sorts them; a window
+    also ends at ``size`` error rows, so that a run of them is held in bounded memory too."""
     requests: list[Request] = []
     errors: list[ResultRow] = []
     for item in items:
         if isinstance(item, ResultRow):
             errors.append(item)
+            if len(errors) == size:
+                yield Window(list(sorted_requests(requests, size, sort)), errors)
+                requests, errors = [], []
             continue
         requests.append(item)
         if len(requests) == size:
