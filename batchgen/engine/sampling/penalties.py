@@ -42,24 +42,30 @@ def _rows_and_ids(lists: Sequence[list[int]], device: torch.device) -> tuple[tor
 def apply_penalties(logits: torch.Tensor, penalties: Sequence[RowPenalties]) -> None:
     """Penalizes ``logits`` (fp32 (R, V)) in place, in the rows that have penalties, as vLLM does: the repetition
     penalty divides a seen token's positive logit and multiplies a negative one; then the frequency penalty times
-    the token's count in the completion and the presence penalty (once it appears) are taken off."""
+    the token's count in the completion and the presence penalty (once it appears) are taken off. Only the
+    (row, token) pairs seen are touched: no (rows, vocab) temporaries."""
     if not penalties:
         return
-    device, vocab = logits.device, logits.shape[1]
-    rows = to_device([p.row for p in penalties], device, torch.int64)
-    at, ids = _rows_and_ids([p.completion_ids for p in penalties], device)
-    counts = torch.zeros(len(penalties), vocab, device=device)
-    counts.index_put_((at, ids), torch.ones(len(ids), device=device), accumulate=True)
-    x = logits[rows]
-    repetition = to_device([p.repetition for p in penalties], device, torch.float32)[:, None]
-    if bool((repetition != 1).any()):
-        seen = counts > 0
-        at, ids = _rows_and_ids([p.prompt_ids for p in penalties], device)
-        seen[at, ids] = True
-        x = torch.where(seen, torch.where(x > 0, x / repetition, x * repetition), x)
-    frequency = to_device([p.frequency for p in penalties], device, torch.float32)[:, None]
-    presence = to_device([p.presence for p in penalties], device, torch.float32)[:, None]
-    logits[rows] = x - frequency * counts - presence * (counts > 0)
+    device, (num_rows, vocab) = logits.device, logits.shape
+
+    def per_row(values: list[float], default: float) -> torch.Tensor:
+        out = torch.full((num_rows,), default, device=device)
+        out[to_device([p.row for p in penalties], device, torch.int64)] = to_device(values, device, torch.float32)
+        return out
+
+    def keys(lists: list[list[int]]) -> torch.Tensor:  # row * vocab + token of every token listed
+        at, ids = _rows_and_ids(lists, device)
+        return to_device([p.row * vocab for p in penalties], device, torch.int64)[at] + ids
+
+    output, counts = torch.unique(keys([p.completion_ids for p in penalties]), return_counts=True)
+    if any(p.repetition != 1 for p in penalties):
+        seen = torch.unique(torch.cat((output, keys([p.prompt_ids for p in penalties]))))
+        rows, ids = seen // vocab, seen % vocab
+        x, factor = logits[rows, ids], per_row([p.repetition for p in penalties], 1.0)[rows]
+        logits[rows, ids] = torch.where(x > 0, x / factor, x * factor)
+    rows, ids = output // vocab, output % vocab
+    logits[rows, ids] -= (per_row([p.frequency for p in penalties], 0.0)[rows] * counts
+                          + per_row([p.presence for p in penalties], 0.0)[rows])
 
 
 def ban_tokens(logits: torch.Tensor, banned: Sequence[BannedTokens]) -> None:
