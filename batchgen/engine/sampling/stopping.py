@@ -41,26 +41,33 @@ def _first_stop(text: str, stops: list[str], floor: int) -> int | None:
     return min(hits) if hits else None
 
 
-def _floor(seq: Sequence, tokenizer, start: int) -> int:
-    """Length of the text, from token ``start`` on, of the tokens before ``min_tokens``: no stop string that ends
-    within it counts."""
-    end = seq.num_prompt_tokens + seq.params.min_tokens
-    return len(decode_after(tokenizer, seq.token_ids[:end], start)) if start < end else 0
-
-
 def _stop_string_end(seq: Sequence, tokenizer) -> int | None:
     """Position in the decoded tail where a stop string starts, if one has appeared. Every token holds at least
-    one of the text's UTF-8 bytes, so a window of the longest stop string's bytes (and a margin) holds it."""
+    one of the text's UTF-8 bytes, so a window of the longest stop string's bytes (and a margin) holds it; no stop
+    string that ends within the first ``min_tokens`` tokens' text counts."""
     longest = max(len(s.encode()) for s in seq.params.stop)
     start = max(seq.num_prompt_tokens, len(seq.token_ids) - (longest + STOP_TAIL_TOKENS))
-    return _first_stop(decode_after(tokenizer, seq.token_ids, start), seq.params.stop, _floor(seq, tokenizer, start))
+
+    def text_to(end: int) -> str:  # the window's text up to token ``end``
+        # Past the completion's start a window is decoded alone: a stop string that ends at its newest token
+        # starts STOP_TAIL_TOKENS in, clear of the window's first token (whose leading space a decoder may strip).
+        if start == seq.num_prompt_tokens:
+            return decode_after(tokenizer, seq.token_ids[:end], start)
+        return tokenizer.decode(seq.token_ids[start:end])
+
+    floor_end = seq.num_prompt_tokens + seq.params.min_tokens
+    floor = len(text_to(floor_end)) if start < floor_end else 0
+    return _first_stop(text_to(len(seq.token_ids)), seq.params.stop, floor)
 
 
 def output_text(seq: Sequence, tokenizer) -> tuple[str, bool]:
-    """The decoded completion cut before the first stop string, and whether a stop string cut it."""
+    """The decoded completion cut before the first stop string (one that ends past the first ``min_tokens``
+    tokens' text), and whether a stop string cut it."""
     text = decode_after(tokenizer, seq.token_ids, seq.num_prompt_tokens)
     if seq.params.stop:
-        at = _first_stop(text, seq.params.stop, _floor(seq, tokenizer, seq.num_prompt_tokens))
+        floor_ids = seq.token_ids[:seq.num_prompt_tokens + seq.params.min_tokens]
+        floor = len(decode_after(tokenizer, floor_ids, seq.num_prompt_tokens)) if seq.params.min_tokens else 0
+        at = _first_stop(text, seq.params.stop, floor)
         if at is not None:
             return text[:at], True
     return text, False
