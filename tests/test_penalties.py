@@ -105,3 +105,9 @@ def test_penalties_are_refused_with_speculative_decoding(tiny_model):
     for params in (SamplingParams(max_tokens=4, repetition_penalty=1.2), SamplingParams(max_tokens=4, min_tokens=2)):
         [out] = llm.generate([[1, 2, 3]], params)
         assert out.finish_reason == "error" and "speculative" in out.error
+
+
+def test_min_tokens_passes_over_stop_ids_outside_the_vocabulary(llms, prompts, tiny_model):
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, min_tokens=2, stop_token_ids=[10**6, -1])
+    [out] = llms["off"].generate([prompts[0]], params)
+    assert out.finish_reason == "length" and out.token_ids == reference(tiny_model, prompts[0])[:4]

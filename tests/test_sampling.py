@@ -148,6 +148,10 @@ def test_vllm_spellings_of_off_are_taken():
     params = SamplingParams(top_k=-1, stop=None, stop_token_ids=None, logprobs=None)
     assert (params.top_k, params.stop, params.stop_token_ids, params.logprobs) == (0, [], [], False)
     assert SamplingParams(logprobs=0).logprobs is True  # the sampled token's, no alternatives
+    import numpy as np
+
+    params = SamplingParams(temperature=np.float32(0.5), top_k=np.int64(3), seed=np.int64(7))
+    assert (params.temperature, params.top_k, params.seed) == (0.5, 3, 7) and type(params.top_k) is int
 
 
 # chi-square critical values at p = 0.001 by degrees of freedom (scipy.stats.chi2.ppf(0.999, df))

@@ -22,8 +22,10 @@ NonEmpty = Annotated[str, Field(min_length=1)]
 # A list of non-empty strings; a lone string is taken as a list of one.
 OneOrMany = Annotated[list[NonEmpty], BeforeValidator(lambda v: [v] if isinstance(v, str) else v)]
 # Spec types that accept more than the engine's: one stop string for a list, a schema file's path or URL.
+_NONE_IS_EMPTY = BeforeValidator(lambda v: [] if v is None else v)  # null: none, as the engine takes it
 SPEC_TYPES: dict[str, Any] = {
-    "stop": OneOrMany,
+    "stop": Annotated[OneOrMany, _NONE_IS_EMPTY],
+    "stop_token_ids": Annotated[list[int], _NONE_IS_EMPTY],
     "json_schema": dict[str, Any] | str | None,
     "choice": Annotated[list[NonEmpty], Field(min_length=1)] | None,
 }

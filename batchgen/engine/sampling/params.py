@@ -1,6 +1,7 @@
 """Per-request sampling parameters: the one declaration of every sampling field, its default and its limits."""
 from __future__ import annotations
 
+import numbers
 import operator
 from dataclasses import dataclass, field
 from typing import Any
@@ -10,7 +11,7 @@ PARAM_LIMITS: dict[str, dict[str, float]] = {
     "max_tokens": {"ge": 1},
     "temperature": {"ge": 0},
     "top_p": {"gt": 0, "le": 1},
-    "top_k": {"ge": 0, "le": 2**31 - 1},
+    "top_k": {"ge": -1, "le": 2**31 - 1},  # -1 (vLLM's off) is taken as 0
     "seed": {"ge": -(2**63), "le": 2**63 - 1},  # an int64 on the device
     "presence_penalty": {"ge": -2, "le": 2},  # OpenAI's and vLLM's range
     "frequency_penalty": {"ge": -2, "le": 2},
@@ -66,14 +67,15 @@ class SamplingParams:
         self.stop_token_ids = [] if self.stop_token_ids is None else self.stop_token_ids
         if self.top_k == -1:  # vLLM's "off"
             self.top_k = 0
-        for name in ("max_tokens", "top_k", "min_tokens"):
+        for name in ("max_tokens", "top_k", "min_tokens") + (("seed",) if self.seed is not None else ()):
             if not _is_int(getattr(self, name)):
-                raise ValueError(f"{name} must be an integer, got {getattr(self, name)!r}")
-        if self.seed is not None and not _is_int(self.seed):
-            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+                raise ValueError(f"{name} must be an integer{' or None' if name == 'seed' else ''}, "
+                                 f"got {getattr(self, name)!r}")
+            setattr(self, name, int(getattr(self, name)))  # NumPy's integers too
         for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
-            if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), (int, float)):
+            if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), numbers.Real):
                 raise ValueError(f"{name} must be a number, got {getattr(self, name)!r}")
+            setattr(self, name, float(getattr(self, name)))
         if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) for s in self.stop):
             raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
         if not isinstance(self.stop_token_ids, (list, tuple, set, frozenset)) or not all(
@@ -115,4 +117,4 @@ class SamplingParams:
 
 
 def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)

@@ -69,7 +69,10 @@ def apply_penalties(logits: torch.Tensor, penalties: Sequence[RowPenalties]) -> 
 
 
 def ban_tokens(logits: torch.Tensor, banned: Sequence[BannedTokens]) -> None:
-    """Sets the banned tokens' logits to -inf, in place."""
+    """Sets the banned tokens' logits to -inf, in place (ids outside the vocabulary, which no row can sample, are
+    passed over)."""
+    vocab = logits.shape[1]
+    banned = [BannedTokens(b.row, [t for t in b.token_ids if 0 <= t < vocab]) for b in banned]
     if banned:
         rows, ids = _rows_and_ids([b.token_ids for b in banned], logits.device)
         logits[to_device([b.row for b in banned], logits.device, torch.int64)[rows], ids] = float("-inf")
