@@ -236,3 +236,10 @@ def test_s3_env_credentials_and_session_token(s3, tmp_path, tiny_model, shared_e
     for obj in client.list_objects_v2(Bucket=BUCKET).get("Contents", []):
         body = client.get_object(Bucket=BUCKET, Key=obj["Key"])["Body"].read().decode("latin-1")
         assert_hidden(obj["Key"], body, secrets)
+
+
+@pytest.mark.timeout(60)
+def test_redaction_is_linear_on_long_tokens():
+    """A 200k-character token (an echoed bad value) took minutes when patterns backtracked from every position."""
+    for text in ("a" * 200_000, "s3://x:" + "y" * 200_000, "s3://a:b" * 25_000, "x" * 200_000 + "://"):
+        assert redact(text).endswith(text[-5:]) or MASK in redact(text)

@@ -46,12 +46,13 @@ def is_secret_key(name: Any) -> bool:
 
 
 _NAME = r"[A-Za-z_][\w\-]*"
-_QUOTED = re.compile(r"(?P<head>(?P<q>['\"]?)(?P<name>" + _NAME + r")(?P=q)\s*[:=]\s*)"
+_QUOTED = re.compile(r"(?P<head>(?P<q>['\"]?)(?<![\w\-])(?P<name>" + _NAME + r")(?P=q)\s*[:=]\s*)"  # word starts only
                      r"(?P<v>['\"])(?P<val>(?:(?!(?P=v)).)*)(?P=v)")
 _BARE = re.compile(r"(?P<head>(?<![\w\-])(?P<name>" + _NAME + r")=)(?P<val>[^\s'\",&;]+)")
 # scheme://user:password@host, the password up to the token's last "@": a pasted secret key may hold "/", "+" and
 # "@" unescaped (a port, host:8080/, is not a password).
-_URL_USERINFO = r"(?P<scheme>\b[a-zA-Z][a-zA-Z0-9+.\-]*://)(?P<user>[^/\s:@]+):(?P<password>(?!\d{1,5}(?:/|\s|$))\S+)@"
+_URL_USERINFO = (r"(?P<scheme>\b[a-zA-Z][a-zA-Z0-9+.\-]*://)(?P<user>[^/\s:@]{1,256}):"
+                 r"(?P<password>(?!\d{1,5}(?:[/?#]|\s|$))\S{1,256})@")  # bounded: no quadratic backtracking
 _FIXED = [
     (re.compile(_URL_USERINFO), r"\g<scheme>" + MASK + ":" + MASK + "@"),
     (re.compile(r"\b(Bearer|Basic)\s+[A-Za-z0-9._~+/=\-]{8,}"), r"\1 " + MASK),
