@@ -334,3 +334,5 @@ def test_columns_of_jsonl_read_on_for_a_wanted_key_the_first_objects_lack(tmp_pa
     assert read_columns([path]) == {"id"}  # the first objects only
     assert read_columns([path], wanted=frozenset({"text", "nowhere"})) == {"id", "text"}
     assert read_columns([write_jsonl(tmp_path / "empty.jsonl", [])], wanted=frozenset({"text"})) == set()
+    lines[-1] = json.dumps({"id": 150, "titel_ü": "x"}, ensure_ascii=False).encode()  # written unescaped
+    assert read_columns([write_jsonl(tmp_path / "u.jsonl", lines)], wanted=frozenset({"titel_ü"})) == {"id", "titel_ü"}

@@ -320,3 +320,19 @@ def test_a_key_given_twice_and_an_alias_that_holds_itself_are_spec_errors(tmp_pa
     loop = MINIMAL + "storage_options: &a {self: *a}\n"
     assert errors_of(load_spec, write(tmp_path, loop), env={}) == [
         "<spec>: a YAML alias refers to a mapping or list that holds it (a value that contains itself)"]
+
+
+def test_penalties_with_speculative_decoding_are_a_spec_error(tmp_path):
+    path = write(tmp_path, MINIMAL)
+    for sampling in ("sampling.repetition_penalty=1.2", "sampling.min_tokens=2"):
+        assert errors_of(load_spec, path, overrides=[sampling, "engine.speculative_config={method: ngram}"],
+                         env={}) == ["sampling: penalties and min_tokens are not taken with speculative decoding "
+                                     "(engine.speculative_config)"]
+    assert load_spec(path, overrides=["sampling.repetition_penalty=1.2"], env={}).sampling.repetition_penalty == 1.2
+
+
+def test_the_spec_takes_vllms_spellings_of_off_as_the_engine_does(tmp_path):
+    spec = load_spec(write(tmp_path, MINIMAL), overrides=[
+        "sampling.top_k=-1", "sampling.stop=null", "sampling.stop_token_ids=null"], env={})
+    params = spec.sampling.params()
+    assert (params.top_k, params.stop, params.stop_token_ids) == (0, [], [])

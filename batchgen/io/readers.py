@@ -28,6 +28,7 @@ _FORMAT_ALIASES = {"parquet": "parquet", "pq": "parquet",
                    "jsonl": "jsonl", "json": "jsonl", "ndjson": "jsonl", "openai": "jsonl"}
 _COLUMN_SAMPLE_OBJECTS = 100
 _COLUMN_SAMPLE_LINES = 1000
+_COLUMN_SEARCH_LINES = 100_000  # lines searched for a wanted column the sample lacks (a typo reads no further)
 DEFAULT_MAX_ROW_BYTES = 32 << 20
 _READ_CHUNK = 1 << 20  # JSONL read size
 # Parquet row groups up to this many compressed bytes are read whole (few requests); larger ones are
@@ -393,7 +394,7 @@ def read_columns(files: list[str], fmt: str = "auto", storage_options: dict | No
 
 def _jsonl_columns(url: str, storage_options: dict | None, wanted: frozenset[str] = frozenset()) -> set[str]:
     """The keys of a JSONL file's first objects; where they lack a ``wanted`` key, the file is read on until a line
-    holds it (only lines whose bytes name it are parsed). Raises InputError when none of its first lines is a JSON
+    holds it (only lines whose bytes name it are parsed), up to _COLUMN_SEARCH_LINES lines. Raises InputError when none of its first lines is a JSON
     object (a file that is not JSON Lines at all, not one with a few bad lines)."""
     columns: set[str] = set()
     seen, first_error, lineno = 0, None, -1
@@ -407,11 +408,12 @@ def _jsonl_columns(url: str, storage_options: dict | None, wanted: frozenset[str
             if seen >= _COLUMN_SAMPLE_OBJECTS or lineno + 1 >= _COLUMN_SAMPLE_LINES:
                 break
         if seen or not first_error:
-            keys = {k: json.dumps(k).encode() for k in wanted - columns}
+            # a key as JSON writes it, escaped or not: "titel_\u00fc" or "titel_ü"
+            keys = {k: {json.dumps(k).encode(), json.dumps(k, ensure_ascii=False).encode()} for k in wanted - columns}
             for lineno, raw in enumerate(lines, lineno + 1):
-                if not keys:
+                if not keys or lineno >= _COLUMN_SEARCH_LINES:
                     break
-                if isinstance(raw, bytes) and any(key in raw for key in keys.values()):
+                if isinstance(raw, bytes) and any(form in raw for forms in keys.values() for form in forms):
                     obj, _ = _parse_line(raw, url, lineno)
                     columns.update(obj or ())
                     keys = {k: v for k, v in keys.items() if k not in columns}

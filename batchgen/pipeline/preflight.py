@@ -138,7 +138,8 @@ def check_inputs_unchanged(writer: OutputWriter, files: list[str], storage_optio
     committed rows could stand for other lines now."""
     current, recorded = fingerprints(files, storage_options), _recorded_inputs(writer)
     for url, label in row_labels(files).items():  # recorded with the fingerprint: the label default ids start with
-        current[url]["label"] = label
+        if url in current:  # (a file that could not be listed has none)
+            current[url]["label"] = label
     for url, now in current.items():
         before = recorded.get(redact(url))
         if positional_ids and before and before.get("label") not in (None, now["label"]):

@@ -358,6 +358,9 @@ def spec_from_dict(data: Any, overrides: Sequence[str] = (), env: Mapping[str, s
         if spec.prompt is None and spec.input.format != "openai":
             errors.append("prompt: required key is missing (only OpenAI Batch input brings its own prompts)")
         errors += check_constraints(spec.sampling, spec.storage_options)
+        if spec.engine.speculative_config and (spec.sampling.params().penalized or spec.sampling.min_tokens):
+            errors.append("sampling: penalties and min_tokens are not taken with speculative decoding "
+                          "(engine.speculative_config)")
         if spec.executor.kind == "ray" and not ray_available():
             errors.append(f"executor.kind: {RAY_EXTRA_HINT}")
     if errors or spec is None:
@@ -371,6 +374,8 @@ class _SpecLoader(yaml.SafeLoader):
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
         seen: set[Any] = set()
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor`: its keys may be overridden here
+                continue
             key = self.construct_object(key_node, deep=True)
             if isinstance(key, str) and key in seen:
                 raise yaml.constructor.ConstructorError(None, None, f"key {key!r} is given twice",
