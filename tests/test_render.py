@@ -90,6 +90,10 @@ def test_tojson_writes_plain_json():
     record = {"name": "Café Müller", "rule": "a < b && c > d", "q": "it's 😀"}
     r = PromptRenderer("{{ record | tojson }}", None, False, WordTokenizer())
     assert r.render_text({"record": record}) == json.dumps(record, ensure_ascii=False)
+    indented = PromptRenderer("{{ record | tojson(2) }}", None, False, WordTokenizer())  # Jinja's indent argument
+    assert indented.render_text({"record": record}) == json.dumps(record, ensure_ascii=False, indent=2)
+    with pytest.raises(RenderError, match="null_value: column 'record' is null"):
+        r.render_text({"record": None})
 
 
 def test_chat_render_with_and_without_system():

@@ -13,7 +13,6 @@ from batchgen.engine.tokenizer import tojson
 TruncateMode = Literal["error", "left", "right"]
 
 _ENV = ImmutableSandboxedEnvironment(undefined=StrictUndefined, autoescape=False)
-_ENV.filters["tojson"] = tojson
 
 
 class PromptTokenizer(Protocol):
@@ -68,6 +67,17 @@ class _Null(StrictUndefined):
 
 
 _ENV.tests["none"] = lambda value: value is None or isinstance(value, _Null)
+
+
+def _tojson(value: Any, indent: int | None = None) -> str:
+    """Jinja's ``tojson(indent)`` writing plain JSON (Jinja's own escapes HTML characters and all non-ASCII ones);
+    a null column is this row's null_value, as wherever it is used."""
+    if isinstance(value, _Null):
+        value._fail_with_undefined_error()
+    return tojson(value, indent=indent)
+
+
+_ENV.filters["tojson"] = _tojson
 
 
 def _is_null(value: Any) -> bool:
