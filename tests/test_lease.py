@@ -178,3 +178,21 @@ def test_lease_left_by_an_earlier_run_of_this_process_is_free_at_once(tmp_path):
         w.write_part(ROWS)
         with pytest.raises(LeaseHeld, match=f"pid {os.getpid()}"):
             OutputWriter(url, lease=LeaseSettings(timeout_s=3600))
+
+
+def test_an_interrupt_right_after_the_lease_file_is_created_leaves_no_lease(tmp_path, monkeypatch):
+    url = str(tmp_path / "out")
+    create = Store.create
+
+    def create_then_interrupt(self, name, data):
+        create(self, name, data)
+        raise KeyboardInterrupt  # a signal before create returns
+
+    monkeypatch.setattr(Store, "create", create_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        lease_for(url).acquire()
+    monkeypatch.undo()
+    assert lease_files(url) == []
+    lease = lease_for(url)
+    lease.acquire()  # free for the next run at once
+    lease.release()

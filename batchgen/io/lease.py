@@ -185,7 +185,19 @@ class Lease:
             self._acquire()
         except BaseException:
             _HELD_HERE.discard(self.me.owner)
+            self._stop.set()
+            self._delete_own()  # a signal between creating the file and returning (SIGTERM's Terminated)
             raise
+
+    def _delete_own(self) -> None:
+        """Deletes every lease file that names this run."""
+        try:
+            mine = [n for n in self._generations().values()
+                    if (holder := self._holder(n)) is not None and holder.owner == self.me.owner]
+            if mine:
+                self.store.delete(mine)
+        except Exception as exc:  # noqa: BLE001 - a stale lease file only delays the next run's start
+            log.warning("could not delete the lease of %s: %s", self.display, redact(str(exc)))
 
     def _acquire(self) -> None:
         for _ in range(_CREATE_ATTEMPTS):

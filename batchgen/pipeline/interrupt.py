@@ -83,18 +83,20 @@ def stop_on_signals(stop: StopRequest) -> Iterator[StopRequest]:
 
 
 @contextmanager
-def sigterm_raises() -> Iterator[None]:
-    """SIGTERM raises Terminated at once, as SIGINT raises KeyboardInterrupt, until stop_on_signals takes over: a
-    run stopped while it loads its model still releases its output folder's lease on the way out."""
+def signals_raise() -> Iterator[None]:
+    """Until stop_on_signals takes over, SIGINT raises KeyboardInterrupt and SIGTERM Terminated at once (even where
+    the process was started with SIGINT ignored, as a background job is): a run stopped while it loads its model
+    still releases its output folder's lease on the way out."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
-    def handle(_signum: int, _frame: Any) -> None:
-        raise Terminated
+    def handle(signum: int, _frame: Any) -> None:
+        raise Terminated if signum == signal.SIGTERM else KeyboardInterrupt
 
-    previous = signal.signal(signal.SIGTERM, handle)
+    previous = {s: signal.signal(s, handle) for s in SIGNALS}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for s, h in previous.items():
+            signal.signal(s, h)

@@ -13,7 +13,7 @@ from batchgen.io import InputError, OutputError, OutputWriter
 from batchgen.pipeline import identity, preflight
 from batchgen.pipeline.errors import JobError, JobInterrupted
 from batchgen.pipeline.executors import executor_for
-from batchgen.pipeline.interrupt import DEFAULT_GRACE_S, StopRequest, sigterm_raises, stop_on_signals
+from batchgen.pipeline.interrupt import DEFAULT_GRACE_S, StopRequest, signals_raise, stop_on_signals
 from batchgen.pipeline.job import Executor, Execution, RunPlan, plan_run
 from batchgen.pipeline.spec import JobSpec
 from batchgen.pipeline.stats import Counts, job_stats, run_entry, utc_now
@@ -43,7 +43,7 @@ def run_job(spec: JobSpec, *, limit: int | None = None, overwrite: bool = False,
     if not overwrite:
         identity.check_recorded(spec, job)
     executor = executor_for(spec, llm)
-    with sigterm_raises(), preflight.open_output(spec, overwrite, force_unlock) as writer:
+    with signals_raise(), preflight.open_output(spec, overwrite, force_unlock) as writer:
         try:
             identity.record(spec, writer, job)
         except OutputError as e:
