@@ -224,3 +224,13 @@ def test_positional_ids_refuse_a_file_whose_label_changed(tmp_path, tiny_model, 
         run_job(spec, llm=tiny_llm, quiet=True)
     (tmp_path / "b" / "x.jsonl").unlink()
     assert run_job(spec, llm=tiny_llm, quiet=True)["rows"] == 3
+
+
+def test_inputs_that_cannot_be_fingerprinted_are_left_out_of_the_checks(tmp_path, monkeypatch):
+    from batchgen.io import OutputWriter
+    from batchgen.pipeline import preflight
+
+    inp = write_jsonl(tmp_path / "in.jsonl", records(2))
+    monkeypatch.setattr(preflight, "fingerprints", lambda files, options: {})  # listing failed: advisory only
+    with OutputWriter(str(tmp_path / "out")) as writer:
+        assert preflight.check_inputs_unchanged(writer, [str(inp)], {}, positional_ids=True) == ({}, set())

@@ -336,3 +336,9 @@ def test_the_spec_takes_vllms_spellings_of_off_as_the_engine_does(tmp_path):
         "sampling.top_k=-1", "sampling.stop=null", "sampling.stop_token_ids=null"], env={})
     params = spec.sampling.params()
     assert (params.top_k, params.stop, params.stop_token_ids) == (0, [], [])
+
+
+def test_yaml_merge_keys_still_load(tmp_path):
+    text = MINIMAL + "sampling:\n  <<: {max_tokens: 4, temperature: 0.5}\n  max_tokens: 9\n"
+    spec = load_spec(write(tmp_path, text), env={})
+    assert (spec.sampling.max_tokens, spec.sampling.temperature) == (9, 0.5)
