@@ -136,6 +136,10 @@ def test_carry_column_clash_is_a_spec_error(tmp_path, tiny_model):
     with pytest.raises(SpecError, match=r"output.carry_columns: 'output' clashes"):
         run_job(make_spec(tiny_model, inp, tmp_path / "out", output={"carry_columns": ["output"]}),
                 quiet=True)
+    # without an id column the output's ids are "<file>:<row>": the input's own id values would be dropped
+    with pytest.raises(SpecError, match=r"'id' is the output's column of row ids"):
+        run_job(make_spec(tiny_model, inp, tmp_path / "out", input={"path": str(inp), "id_column": None},
+                          output={"carry_columns": ["id"]}), quiet=True)
 
 
 def test_an_input_in_the_output_folder_is_refused_and_kept(tmp_path, tiny_model, tiny_llm):

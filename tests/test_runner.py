@@ -101,6 +101,10 @@ def test_max_error_rate(tmp_path, tiny_model, tiny_llm):
     stats = json.loads((out / "stats.json").read_text())
     check_output(out, stats, [r["id"] for r in recs])
     assert stats["error_rows"] == 2 and not (out / "_SUCCESS").exists()
+    before = {name: (out / name).read_bytes() for name in ("stats.json", "telemetry.json")}
+    with pytest.raises(JobError, match="more than max_error_rate"):  # a rerun that does nothing changes nothing
+        run_job(make_spec(tiny_model, inp, out, max_error_rate=0.25), llm=tiny_llm, quiet=True)
+    assert {name: (out / name).read_bytes() for name in before} == before
     assert run_job(make_spec(tiny_model, inp, tmp_path / "ok", max_error_rate=0.5), llm=tiny_llm,
                    quiet=True)["error_rows"] == 2
 

@@ -49,10 +49,13 @@ def carry_columns(spec: JobSpec) -> list[str]:
     if spec.output.format == "openai":
         return list(OPENAI_CARRY) if spec.input.format == "openai" else []
     id_column = spec.input.id_column or "id"
-    clash = [c for c in spec.output.carry_columns if c in RESULT_COLUMNS]
+    clash = [f"output.carry_columns: {c!r} clashes with an output column of the same name"
+             for c in spec.output.carry_columns if c in RESULT_COLUMNS]
+    if spec.input.id_column is None and "id" in spec.output.carry_columns:  # its values would be lost silently
+        clash.append("output.carry_columns: 'id' is the output's column of row ids ('<file>:<row>' without "
+                     "input.id_column); set input.id_column: id to keep the input's ids as the row ids")
     if clash:
-        raise SpecError([f"output.carry_columns: {c!r} clashes with an output column of the same name"
-                         for c in clash])
+        raise SpecError(clash)
     return list(dict.fromkeys(c for c in spec.output.carry_columns if c != id_column))
 
 
@@ -200,6 +203,10 @@ def check_job(spec: JobSpec) -> tuple[list[str], list[str]]:
         found.append(f"input: {len(files)} file(s): {_files_list(files)}")
     except JobError as e:
         problems.append(redact(str(e)))
+    try:
+        carry_columns(spec)
+    except SpecError as e:
+        problems += e.errors
     return found, problems
 
 

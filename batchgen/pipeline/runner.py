@@ -74,9 +74,11 @@ def _execute(plan: RunPlan, executor: Executor, writer: OutputWriter, stop: Stop
             execution = executor.execute(plan, writer, stop)
             totals = Counts.total(writer.committed_stats())
             complete = not stop.is_set() and plan.limit is None
+            too_many_errors = bool(totals.rows) and totals.error_rows / totals.rows > spec.max_error_rate
             stats = _stats(plan, execution, totals, complete, stop.is_set())
             crash_point("stats.before")
-            if execution.run.rows or not plan.runs or complete:  # a run that did nothing changes nothing
+            # a run that did nothing changes nothing (unless it completes the job)
+            if execution.run.rows or not plan.runs or (complete and not too_many_errors):
                 writer.write_stats(stats)
                 writer.write_telemetry(execution.telemetry)
             crash_point("stats.after")
@@ -85,7 +87,7 @@ def _execute(plan: RunPlan, executor: Executor, writer: OutputWriter, stop: Stop
                 log.warning("%s: stopped by %s with %d rows committed; rerun the same command to resume",
                             spec.name, signal.Signals(stop.signum).name, totals.rows)
                 raise JobInterrupted(stop.signum)
-            if totals.rows and totals.error_rows / totals.rows > spec.max_error_rate:
+            if too_many_errors:
                 raise JobError(f"{totals.error_rows} of {totals.rows} rows failed, more than max_error_rate "
                                f"{spec.max_error_rate:g}; see the error column in "
                                f"{spec.resolved()['output']['path']}")
