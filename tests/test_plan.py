@@ -175,3 +175,16 @@ def test_plan_command(tmp_path, tiny_model, tiny_llm):
     bad.write_text(yaml.safe_dump(spec_dict(tmp_path / "no-model", inp, tmp_path / "out")))
     res = CliRunner().invoke(main, ["plan", str(bad)])
     assert res.exit_code == 1 and "cannot load the tokenizer" in res.stderr
+
+
+def test_plan_counts_character_cuts_apart_and_steps_with_each_rows_own_token_cap(tmp_path, tiny_model):
+    """Rows refused by max_prompt_chars are not 'over max_prompt_tokens'; a row generates at most what its own
+    max_tokens (an OpenAI Batch line's) or the context leaves it."""
+    from batchgen.pipeline.steps import estimate_steps
+
+    chars = plan_job(make_spec(tiny_model, messy_input(tmp_path), tmp_path / "out",
+                               batching={"max_prompt_chars": 200}))
+    assert chars["error_rows"]["prompt_too_long"] > 0 and chars["over_max_prompt_tokens"] == 0
+    est = estimate_steps([(10, 3), (10, 5)], 128, 1000, 8)  # both prefill in one step, then 4 decode steps
+    assert (est.steps, est.decode_steps, est.decode_step_tokens) == (5, 4, (3 - 1) + (5 - 1))
+    assert estimate_steps([(10, 7), (12, 7)], 128, 16, 8).to_dict() == estimate_steps([10, 12], 7, 16, 8).to_dict()

@@ -94,25 +94,32 @@ def plan_job(spec: JobSpec, limit: int | None = None, rates: Rates | None = None
     identity.check_recorded(spec, identity.job_identity(spec))  # what run would refuse, plan refuses too
     preparer = job_preparer(spec, tokenizer, model_len, preflight.carry_columns(spec), committed)
     errors: Counter[str] = Counter()
+    over_tokens = 0  # prompt_too_long rows refused for their tokens (not for max_prompt_chars)
 
     def requests() -> Iterator[Request]:
+        nonlocal over_tokens
         for item in preparer.prepare(input_rows(spec, files, limit)):
             if isinstance(item, ResultRow):
                 errors[item.error["code"] if item.error else "unknown"] += 1
+                over_tokens += bool(item.error) and item.error["code"] == "prompt_too_long" \
+                    and "max_prompt_chars" not in item.error["message"]
             else:
                 yield item
 
     lengths = array("q")
     sample = PromptSample() if spec.engine.prefix_cache_store else None
 
-    def prompt_lengths() -> Iterator[int]:
+    per_row = completion_tokens or round(rates.completion_tokens_per_row or 0) or spec.sampling.max_tokens
+
+    def prompt_lengths() -> Iterator[tuple[int, int]]:
+        """Each request's prompt length and the tokens it generates: ``per_row``, or fewer where its own max_tokens
+        (an OpenAI Batch line's) or the context allows fewer."""
         for req in sorted_requests(requests(), spec.batching.sort_window, spec.batching.sort):
             lengths.append(len(req.prompt_ids))
             if sample is not None:
                 sample.add(req.prompt_ids)
-            yield lengths[-1]
+            yield lengths[-1], max(1, min(per_row, req.params.max_tokens, model_len - lengths[-1]))
 
-    per_row = completion_tokens or round(rates.completion_tokens_per_row or 0) or spec.sampling.max_tokens
     b, engine = spec.batching, spec.engine
     # One engine step runs a step of each data-parallel replica: budgets as the job's stats count them.
     steps = estimate_steps(prompt_lengths(), per_row, engine.token_budget,
@@ -124,7 +131,7 @@ def plan_job(spec: JobSpec, limit: int | None = None, rates: Rates | None = None
         "rows": len(lengths) + sum(errors.values()), "requests": len(lengths),
         "error_rows": dict(sorted(errors.items())), "prompt_tokens": prompt_tokens,
         "max_prompt_tokens": preparer.max_prompt_tokens,
-        "over_max_prompt_tokens": preparer.truncated + errors.get("prompt_too_long", 0),
+        "over_max_prompt_tokens": preparer.truncated + over_tokens,
         "truncate": b.truncate, "prompt_length": _length_stats(lengths),
         "completion_tokens_per_row": per_row, "token_budget": engine.token_budget,
         "max_num_batched_tokens": engine.max_num_batched_tokens, "max_num_seqs": engine.max_num_seqs,

@@ -20,9 +20,10 @@ class StepEstimate:
         return asdict(self)
 
 
-def estimate_steps(prompt_lens: Iterable[int], completion_tokens: int, token_budget: int,
+def estimate_steps(prompt_lens: Iterable[int | tuple[int, int]], completion_tokens: int, token_budget: int,
                    max_seqs: int) -> StepEstimate:
-    """Replays ``Scheduler.schedule`` on token counts, prompts taken in order.
+    """Replays ``Scheduler.schedule`` on token counts, prompts taken in order (each a length, or a pair of its
+    length and the tokens it generates, where rows differ from ``completion_tokens``).
 
     Each step, running sequences decode one token each, the one prompt left unfinished by the last step
     continues, then new prompts are admitted while the budget and ``max_seqs`` allow, the last one
@@ -33,14 +34,15 @@ def estimate_steps(prompt_lens: Iterable[int], completion_tokens: int, token_bud
     est = StepEstimate()
     max_seqs = max(1, min(max_seqs, token_budget))
     decoding: list[int] = []  # heap: the step at whose start each decoding sequence has finished
-    pending = iter(prompt_lens)
-    upcoming = next(pending, None)
+    pending = (item if isinstance(item, tuple) else (item, completion_tokens) for item in prompt_lens)
+    upcoming, generates = next(pending, (None, 0))
     partial = 0  # prompt tokens still to compute of the one prompt being chunked (0: none)
+    partial_generates = 0
     step = 0
 
-    def prompt_done(at: int) -> None:
-        if completion_tokens > 1:  # the first token is sampled by the prompt's last chunk
-            heapq.heappush(decoding, at + completion_tokens)
+    def prompt_done(at: int, tokens: int) -> None:
+        if tokens > 1:  # the first token is sampled by the prompt's last chunk
+            heapq.heappush(decoding, at + tokens)
 
     while True:
         while decoding and decoding[0] <= step:
@@ -60,14 +62,14 @@ def estimate_steps(prompt_lens: Iterable[int], completion_tokens: int, token_bud
             partial, budget, prefill = partial - chunk, budget - chunk, chunk
             running += 1
             if not partial:
-                prompt_done(step)
+                prompt_done(step, partial_generates)
         while not partial and upcoming is not None and budget > 0 and running < max_seqs:
             chunk = min(upcoming, budget)
             budget, prefill, running = budget - chunk, prefill + chunk, running + 1
-            partial = upcoming - chunk
+            partial, partial_generates = upcoming - chunk, generates
             if not partial:
-                prompt_done(step)
-            upcoming = next(pending, None)
+                prompt_done(step, generates)
+            upcoming, generates = next(pending, (None, 0))
         est.steps += 1  # it computes prompt tokens: budget > 0 and a free slot, or a prompt left to chunk
         est.prefill_steps += 1
         est.prompt_tokens += prefill
