@@ -238,3 +238,10 @@ def test_inputs_that_cannot_be_fingerprinted_are_left_out_of_the_checks(tmp_path
     monkeypatch.setattr(preflight, "fingerprints", lambda files, options: {})  # listing failed: advisory only
     with OutputWriter(str(tmp_path / "out")) as writer:
         assert preflight.check_inputs_unchanged(writer, [str(inp)], {}, positional_ids=True) == ({}, set())
+
+
+def test_an_empty_folder_as_the_model_is_named_as_such(tmp_path):
+    inp = write_jsonl(tmp_path / "in.jsonl", records(2))
+    (tmp_path / "model").mkdir()
+    with pytest.raises(JobError, match="model folder .* has no config.json"):
+        run_job(make_spec(str(tmp_path / "model"), inp, tmp_path / "out"), quiet=True)

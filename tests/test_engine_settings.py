@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+from pathlib import Path
 from dataclasses import Field, fields
 
 import pytest
@@ -204,3 +205,8 @@ def test_an_old_bench_option_still_works_and_warns_with_its_new_name(old, monkey
     both, output = bench_config(monkeypatch, [old] + ([] if flag_value is not None else [str(value)])
                                 + bench_args({knob: PROBES[knob]}))
     assert both is None and old in output and new in output
+
+
+def test_the_settings_page_lists_every_engine_knob():
+    page = (Path(__file__).resolve().parents[1] / "docs" / "settings.md").read_text()
+    assert [f.name for f in engine_knobs() if f"| `engine.{f.name}` |" not in page] == []

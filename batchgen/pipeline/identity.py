@@ -8,7 +8,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from batchgen.engine.loading.hub import resolve_model_path
+from batchgen.engine.loading.hub import describe_model, resolve_model_path
 from batchgen.io import OutputError, OutputFolder, OutputWriter, redact
 from batchgen.io.fingerprint import tree_digest
 from batchgen.io.manifest import JOB
@@ -70,6 +70,8 @@ def weights_digest(model_path: str, storage_options: dict[str, Any]) -> str:
     """The digest of a model's files: a built-in name's cached file, a local file or folder, or a remote URL's
     listing (sizes and etags, nothing downloaded)."""
     remote = "://" in model_path and not model_path.startswith("file://")
+    if not remote:
+        describe_model(model_path)  # names what a path that is no model lacks (a folder without config.json, ...)
     path = model_path if remote else resolve_model_path(model_path, storage_options)  # checks it, names built-ins
     return f"{WEIGHTS_DIGEST}:" + tree_digest(path, storage_options)
 
