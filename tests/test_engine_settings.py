@@ -196,7 +196,7 @@ def test_set_with_an_old_name_overrides_the_new_key_of_the_file(warnings_afresh)
 def test_an_old_bench_option_still_works_and_warns_with_its_new_name(old, monkeypatch, caplog):
     knob, flag_value = bench_options.LEGACY_OPTIONS[old]
     value = PROBES[knob] if flag_value is None else flag_value
-    new = "--" + knob.replace("_", "-")
+    new = ("--no-" if flag_value is False else "--") + knob.replace("_", "-")  # the spelling that does the same
     with caplog.at_level(logging.WARNING, logger="batchgen.bench.options"):
         config, output = bench_config(monkeypatch, [old] + ([] if flag_value is not None else [str(value)]))
     assert config is not None, output

@@ -94,11 +94,13 @@ def engine_config(model: str, options: dict[str, Any]) -> EngineConfig:
     """The EngineConfig that ``options`` (the command's keyword arguments, consumed) ask for; an old option name
     warns, naming its new one, and is an error beside it."""
     ctx = click.get_current_context()
-    for old, (knob, _) in LEGACY_OPTIONS.items():
+    for old, (knob, flag_value) in LEGACY_OPTIONS.items():
         value = options.pop("legacy_" + old.strip("-").replace("-", "_"))
         if value is None:
             continue
         new = option_name(next(f for f in engine_knobs() if f.name == knob))
+        if flag_value is False:  # a flag that turns its knob off: its new spelling is the --no- one
+            new = "--no-" + new.removeprefix("--")
         if ctx.get_parameter_source(knob) is not ParameterSource.DEFAULT:
             raise click.UsageError(f"{old} is the deprecated name of {new}: give only {new}")
         log.warning("bench option %s is deprecated and will be removed in the next release: use %s", old, new)
