@@ -98,9 +98,9 @@ def _execute(plan: RunPlan, executor: Executor, writer: OutputWriter, stop: Stop
                          "--limit adds the rest", spec.name, plan.limit, totals.rows)
     except (InputError, OutputError) as e:
         raise JobError(str(e)) from None
-    log.info("%s: %d rows (%d ok, %d errors), %d prompt + %d generated tokens in %.1f s",
+    log.info("%s: %d rows (%d ok, %d errors), %d prompt + %d generated tokens%s; this run %.1f s",
              spec.name, totals.rows, totals.ok_rows, totals.error_rows, totals.prompt_tokens,
-             totals.completion_tokens, time.perf_counter() - plan.wall_start)
+             totals.completion_tokens, " over all runs" if plan.runs else "", time.perf_counter() - plan.wall_start)
     return stats
 
 
