@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import json
 import posixpath
-import re
 import threading
 from contextlib import closing
 from dataclasses import dataclass
 from typing import Any, Callable, Generator, Iterator
 
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from fsspec.utils import infer_compression
 
@@ -19,6 +17,7 @@ from batchgen.crashpoints import crash_point
 from batchgen.io.errors import InputError
 from batchgen.io.paths import filesystem, redact
 from batchgen.io.retry import is_transient, retry, will_retry
+from batchgen.io.row_values import SURROGATE_ESCAPE, Unconvertible, holds_surrogate, row_sizes, to_pylist
 
 __all__ = ["InputRow", "read_rows", "read_columns", "count_rows", "detect_format", "row_labels"]
 
@@ -85,30 +84,6 @@ class Oversized:
 
     size: int
     limit: int
-
-
-@dataclass
-class Unconvertible:
-    """A Parquet row with a value Python cannot hold (a timestamp past year 9999, ...): an error row, not the job's."""
-
-    column: str
-    reason: str
-    values: dict[str, Any]  # the row's other columns
-
-
-_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # a JSON escape that can decode to half a UTF-16 pair
-_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-def _holds_surrogate(value: Any) -> bool:
-    """Whether a decoded JSON value holds a lone surrogate anywhere (keys included), which UTF-8 cannot write."""
-    if isinstance(value, str):
-        return _LONE_SURROGATE.search(value) is not None
-    if isinstance(value, dict):
-        return any(_holds_surrogate(k) or _holds_surrogate(v) for k, v in value.items())
-    if isinstance(value, list):
-        return any(_holds_surrogate(v) for v in value)
-    return False
 
 
 def _open(url: str, storage_options: dict | None, compression: str | None = None, **kwargs: Any):
@@ -224,7 +199,7 @@ def _parse_line(raw: bytes | Oversized, url: str, lineno: int) -> tuple[dict | N
         return None, f"{where}: JSON nested too deeply to read"
     if not isinstance(obj, dict):
         return None, f"{where}: expected a JSON object, got {type(obj).__name__}"
-    if _SURROGATE_ESCAPE.search(text) and _holds_surrogate(obj):
+    if SURROGATE_ESCAPE.search(text) and holds_surrogate(obj):
         return None, f"{where}: holds a lone UTF-16 surrogate (a \\ud800-\\udfff escape outside a pair), not text"
     return obj, None
 
@@ -237,51 +212,14 @@ def _jsonl_records(url: str, storage_options: dict | None, max_bytes: int
             yield lineno, obj or {}, error
 
 
-def _row_sizes(batch: pa.RecordBatch) -> list[int]:
-    """Approximate bytes per row: exact for string/binary columns, the column average for the others."""
-    sizes = [0] * batch.num_rows
-    for column in batch.columns:
-        t = column.type
-        if pa.types.is_string(t) or pa.types.is_binary(t) or pa.types.is_large_string(t) \
-                or pa.types.is_large_binary(t):
-            lengths = pc.binary_length(column).fill_null(0).to_pylist()
-        else:
-            lengths = [column.nbytes // max(1, batch.num_rows)] * batch.num_rows
-        sizes = [a + b for a, b in zip(sizes, lengths)]
-    return sizes
-
-
-def _to_pylist(batch: pa.RecordBatch) -> list[dict | Unconvertible]:
-    """The batch's rows as dicts; a row with a value Python cannot hold as Unconvertible (its first such column)."""
-    try:
-        return batch.to_pylist()
-    except (OverflowError, ValueError, pa.ArrowException):
-        return [_row_or_unconvertible(batch.slice(i, 1)) for i in range(batch.num_rows)]
-
-
-def _row_or_unconvertible(row: pa.RecordBatch) -> dict | Unconvertible:
-    try:
-        return row.to_pylist()[0]
-    except (OverflowError, ValueError, pa.ArrowException):
-        values, failed = {}, None
-        for name, column in zip(row.schema.names, row.columns):
-            try:
-                values[name] = column.to_pylist()[0]
-            except (OverflowError, ValueError, pa.ArrowException) as exc:
-                failed = failed or (name, f"{type(exc).__name__}: {exc}")
-        if failed is None:
-            raise
-        return Unconvertible(*failed, values)
-
-
 def _batch_rows(batch: pa.RecordBatch, max_bytes: int) -> Iterator[dict | Oversized | Unconvertible]:
     """The rows of a record batch as dicts; those over max_bytes as Oversized, never converted."""
     if batch.nbytes <= max_bytes:
-        yield from _to_pylist(batch)
+        yield from to_pylist(batch)
         return
-    sizes = _row_sizes(batch)
+    sizes = row_sizes(batch)
     keep = [size <= max_bytes for size in sizes]
-    small = iter(_to_pylist(batch.filter(pa.array(keep))))
+    small = iter(to_pylist(batch.filter(pa.array(keep))))
     for size, ok in zip(sizes, keep):
         yield next(small) if ok else Oversized(size, max_bytes)
 
