@@ -14,6 +14,7 @@ from batchgen.io.fingerprint import tree_digest
 from batchgen.io.manifest import JOB
 from batchgen.pipeline.errors import JobError
 from batchgen.pipeline.preflight import model_failure
+from batchgen.pipeline.sampling import SamplingSpec
 from batchgen.pipeline.spec import JobSpec
 
 log = logging.getLogger(__name__)
@@ -35,8 +36,8 @@ RENAMED_KEYS: dict[str, str] = {}
 # Keys added to the spec since an output recorded its identity: {key: the value that acts as before it existed}.
 # An output without such a key resumes while the spec keeps that value (add an entry when adding a field under
 # OUTPUT_KEYS).
-ADDED_KEYS: dict[str, Any] = {"sampling.presence_penalty": 0.0, "sampling.frequency_penalty": 0.0,
-                              "sampling.repetition_penalty": 1.0, "sampling.min_tokens": 0}
+ADDED_KEYS: dict[str, Any] = {f"sampling.{name}": SamplingSpec.model_fields[name].default  # their neutral defaults
+                              for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens")}
 # A JSON Schema's key order is the order its outputs' fields are generated in: it is recorded as JSON text.
 SCHEMA_KEY = "sampling.json_schema"
 WEIGHTS_KEY = "model.weights"  # not a spec key: the digest of the model's files (see io.fingerprint.tree_digest)
